@@ -1,0 +1,265 @@
+// Tiled forward attention, FlashAttention-2 partitioning, mma.sync tensor cores (sm_80+).
+//
+// One block per (query tile, head, batch). Each warp owns kRowsPerWarp query rows of the tile, so
+// softmax statistics never cross warps. K/V tiles stream through a kStages-deep cp.async ring in
+// shared memory; S = Q K^T and O += P V run on m16n8k16 tensor cores with float32 accumulation;
+// the softmax is online, in base 2, and O is normalized once at the end. Nothing N x N is written:
+// the only outputs are O and the float32 log-sum-exp (natural log) per query row.
+#include "common.cuh"
+#include "softmax.cuh"
+
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
+struct FwdTraits {
+    static constexpr int kHeadDim = HEAD_DIM;  // padded head dim held on chip (multiple of 32/64)
+    static constexpr int kBlockM = BLOCK_M;    // query rows per block
+    static constexpr int kBlockN = BLOCK_N;    // keys per K/V tile
+    static constexpr int kWarps = WARPS;
+    static constexpr int kThreads = WARPS * 32;
+    static constexpr int kStages = STAGES;     // K/V tiles in flight
+    static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+    static constexpr int kMmaM = kRowsPerWarp / 16;  // 16-row accumulator tiles per warp
+    static constexpr int kNTilesS = BLOCK_N / 8;     // 8-column tiles of S per row tile
+    static constexpr int kNTilesO = HEAD_DIM / 8;    // 8-column tiles of O per row tile
+    static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks per row
+    static constexpr int kTileQ = BLOCK_M * HEAD_DIM;
+    static constexpr int kTileKV = BLOCK_N * HEAD_DIM;
+    static constexpr int kSmemBytes = (kTileQ + 2 * kStages * kTileKV) * 2;
+    using Swz = Swizzle<HEAD_DIM>;
+    static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole 16-row mma tiles");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "mma k-steps are 16 wide");
+    static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0,
+                  "tile loads split evenly over the threads");
+    static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
+};
+
+// Copy a ROWS x kHeadDim tile (row stride `ld` elements) into swizzled shared memory.
+// Rows >= rows_valid and columns >= d are zero-filled: zero K rows get masked to -inf later,
+// zero V rows meet p = 0, and zero columns add nothing to the dot products.
+template <typename Tr, int ROWS, bool VEC>
+__device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d) {
+    constexpr int kIters = ROWS * Tr::kChunks / Tr::kThreads;
+    constexpr bool kFixedCol = Tr::kThreads % Tr::kChunks == 0;  // each thread keeps one column
+    constexpr int kRowStep = Tr::kThreads / Tr::kChunks;         // rows advanced per iteration
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        int row, col;
+        if constexpr (kFixedCol) {
+            row = threadIdx.x / Tr::kChunks + it * kRowStep;
+            col = (threadIdx.x % Tr::kChunks) * 8;
+        } else {
+            const int i = it * Tr::kThreads + threadIdx.x;
+            row = i / Tr::kChunks;
+            col = (i % Tr::kChunks) * 8;
+        }
+        u16* dst = smem + Tr::Swz::offset(row, col);
+        if constexpr (VEC) {  // d % 8 == 0, 16-byte aligned rows
+            const bool ok = row < rows_valid && col < d;
+            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
+        } else {  // any d, any alignment: element loads, synchronous
+            u32 w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c0 = col + 2 * e;
+                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
+                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
+                w[e] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+         u16* __restrict__ o, float* __restrict__ lse,
+         i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+         i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+         int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    using Tr = FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES>;
+    constexpr int kMmaM = Tr::kMmaM, kNS = Tr::kNTilesS, kNO = Tr::kNTilesO;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sK = sQ + Tr::kTileQ;
+    u16* sV = sK + STAGES * Tr::kTileKV;
+
+    // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = m_block * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, nq - m0);
+
+    const u16* gQ = q + b * q_sb + h * q_sh + m0 * q_sn;
+    const u16* gK = k + b * k_sb + hk * k_sh;
+    const u16* gV = v + b * v_sb + hk * v_sh;
+
+    // Keys this tile can see: all of them, or up to the last valid row's causal limit.
+    int n_end = nk;
+    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
+    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    // Prologue: Q and the first STAGES-1 K/V tiles in flight (one commit group per tile).
+    load_tile<Tr, BLOCK_M, VEC>(sQ, gQ, q_sn, rows_valid, d);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_tiles) {
+            const int n0 = s * BLOCK_N;
+            load_tile<Tr, BLOCK_N, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d);
+            load_tile<Tr, BLOCK_N, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d);
+        }
+        cp_async_commit();
+    }
+
+    float acc_o[kMmaM][kNO][4];
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNO; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mi][ni][e] = 0.f;
+    OnlineSoftmax<2 * kMmaM> softmax;
+
+    const int warp_row0 = warp * Tr::kRowsPerWarp;  // first row of this warp within the tile
+    // ldmatrix lanes: A (Q) rows lane&15, chunk lane>>4; K rows (lane>>4)*8 + lane&7, chunk
+    // (lane>>3)&1; V (transposed) rows ((lane>>3)&1)*8 + lane&7, chunk lane>>4.
+    const LaneAddr<HEAD_DIM> aQ(sQ, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> aK(sK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> aV(sV, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+    for (int j = 0; j < n_tiles; ++j) {
+        // Tile j has landed for every thread, and every warp is done with tile j-1's slot.
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int jn = j + STAGES - 1;
+            if (jn < n_tiles) {
+                const int slot = jn % STAGES, n0 = jn * BLOCK_N;
+                load_tile<Tr, BLOCK_N, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d);
+                load_tile<Tr, BLOCK_N, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d);
+            }
+            cp_async_commit();
+        }
+        const u32 slot_bytes = (j % STAGES) * Tr::kTileKV * 2;
+
+        // S = Q K^T for this warp's rows.
+        float acc_s[kMmaM][kNS][4];
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 a[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi)
+                ldmatrix_x4(a[mi], aQ.at(mi * 16, kk * 2));
+#pragma unroll
+            for (int ni = 0; ni < kNS; ni += 2) {
+                u32 bk[4];
+                ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + slot_bytes);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
+                    mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
+                }
+            }
+        }
+
+        // Mask keys past the end and, under causality, keys after each row's diagonal. Only the
+        // tiles that straddle a boundary pay for it.
+        const int n0 = j * BLOCK_N;
+        const bool need_mask = (n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + causal_off);
+        if (need_mask) {
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
+                    const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+#pragma unroll
+                    for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
+                            if (col >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
+                        }
+                }
+        }
+
+        // Online softmax: S becomes unnormalized P (in place); O is rescaled if a row max moved.
+        softmax.template update<kMmaM, kNS, kNO>(acc_s, acc_o, scale_log2);
+
+        // O += P V, with P taken straight from the S accumulators (C layout == A layout).
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 a[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                a[mi][0] = pack2<T>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
+                a[mi][1] = pack2<T>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
+                a[mi][2] = pack2<T>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
+                a[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int di = 0; di < kNO; di += 2) {
+                u32 bv[4];
+                ldmatrix_x4_trans(bv, aV.at(kk * 16, di) + slot_bytes);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(acc_o[mi][di], a[mi], bv[0], bv[1]);
+                    mma_16816<T>(acc_o[mi][di + 1], a[mi], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Normalize once; rows that saw no key give O = 0 and lse = -inf.
+    float row_lse[2 * kMmaM];
+    softmax.template finalize<kMmaM, kNO>(acc_o, scale_log2, row_lse);
+
+    // Stage O through this warp's own rows of sQ (only this warp read them), then store 16 bytes
+    // per lane, coalesced along rows.
+    __syncwarp();
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
+#pragma unroll
+            for (int di = 0; di < kNO; ++di) {
+                u16* dst = sQ + Tr::Swz::offset(row, di * 8) + 2 * (lane & 3);
+                *reinterpret_cast<u32*>(dst) = pack2<T>(acc_o[mi][di][2 * hf], acc_o[mi][di][2 * hf + 1]);
+            }
+        }
+    __syncwarp();
+    u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
+    constexpr int kStoreIters = Tr::kRowsPerWarp * Tr::kChunks / 32;
+#pragma unroll
+    for (int it = 0; it < kStoreIters; ++it) {
+        const int i = it * 32 + lane;
+        const int row = warp_row0 + i / Tr::kChunks;
+        const int col = (i % Tr::kChunks) * 8;
+        if (row < rows_valid && col < d) {
+            const uint4 val = *reinterpret_cast<const uint4*>(sQ + Tr::Swz::offset(row, col));
+            if constexpr (VEC) {
+                *reinterpret_cast<uint4*>(gO + row * o_sn + col) = val;
+            } else {
+                const u32 w[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (col + e < d) gO[row * o_sn + col + e] = (u16)(w[e / 2] >> (16 * (e % 2)));
+            }
+        }
+    }
+    if ((lane & 3) == 0) {
+        float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
+#pragma unroll
+        for (int r = 0; r < 2 * kMmaM; ++r) {
+            const int row = warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+            if (row < rows_valid) gL[row] = row_lse[r];
+        }
+    }
+}

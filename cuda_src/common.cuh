@@ -1,0 +1,154 @@
+// cuflash device library: element types, conversions, and the PTX wrappers every kernel uses.
+// Self-contained on purpose (no cuda_fp16.h / cuda_bf16.h): NVRTC then needs no include path,
+// so the CPU compile check and the GPU run compile byte-identical sources.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// Element type tags: 16-bit storage, the tensor-core instruction's type name picked at compile time.
+struct Fp16 { static constexpr bool is_bf16 = false; };
+struct Bf16 { static constexpr bool is_bf16 = true; };
+
+// Two floats -> packed 16-bit pair (lo in the low half), round to nearest even.
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if constexpr (T::is_bf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(u16 x) {
+    if constexpr (T::is_bf16) {
+        return __uint_as_float(((u32)x) << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ u16 from_float(float f) {
+    u16 r;
+    if constexpr (T::is_bf16) {
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    } else {
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    }
+    return r;
+}
+
+// 2^x on the special-function unit; the softmax works in base 2 with log2(e) folded into the scale.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// ---- asynchronous global -> shared copies (cp.async, sm_80+) ----
+// 16 bytes; when `valid` is false the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- ldmatrix: four 8x8 16-bit matrices, one row address per lane ----
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// ---- tensor-core product: D(16x8, f32) += A(16x16, row) * B(16x8, col) ----
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (T::is_bf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// ---- quad reductions: the four lanes that hold one accumulator row (lane = 4*row + t) ----
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---- swizzled shared-memory tiles ----
+// A tile of ROWS x COLS 16-bit elements, rows contiguous, stored in 16-byte chunks whose index is
+// XOR-ed with the row so that the 8 row addresses of one ldmatrix hit 8 different bank groups.
+// COLS must be a multiple of 64 (8 chunks), or exactly 32 (4 chunks, two rows per 128 bytes).
+// The XOR key depends only on row % 8, so a lane whose rows differ by multiples of 8 keeps one
+// key, and every address it needs is its base plus compile-time offsets (few live registers).
+template <int COLS>
+struct Swizzle {
+    static_assert(COLS % 64 == 0 || COLS == 32, "tile width must be 32 or a multiple of 64");
+    static constexpr int kChunks = COLS / 8;
+    static __device__ __forceinline__ int row_key(int row) {
+        if constexpr (COLS == 32) return (row >> 1) & 3;
+        else return row & 7;
+    }
+    // Physical chunk of logical chunk c in a row with key `key`.
+    static __device__ __forceinline__ int phys(int c, int key) {
+        if constexpr (COLS == 32) return c ^ key;
+        else return (c & ~7) | ((c ^ key) & 7);
+    }
+    // Element offset of (row, col), col a multiple of 8.
+    static __device__ __forceinline__ int offset(int row, int col) {
+        return row * COLS + phys(col >> 3, row_key(row)) * 8;
+    }
+};
+
+// Per-lane ldmatrix address generator over a swizzled tile. The lane's own row and chunk
+// (row_lane, chunk_lane) are fixed; a fragment adds row_c (multiple of 8) and chunk_c whose
+// bits are disjoint from chunk_lane's (even when chunk_lane is 0 or 1).
+template <int COLS>
+struct LaneAddr {
+    using Swz = Swizzle<COLS>;
+    u32 base;  // shared byte address of the lane's row, chunk 0
+    int key;   // chunk_lane ^ row key: XOR distributes over the disjoint bits of chunk_c
+    __device__ __forceinline__ LaneAddr(const u16* tile, int row_lane, int chunk_lane) {
+        base = smem_addr(tile + row_lane * COLS);
+        key = chunk_lane ^ Swz::row_key(row_lane);
+    }
+    __device__ __forceinline__ u32 at(int row_c, int chunk_c) const {
+        return base + (row_c * COLS + Swz::phys(chunk_c, key)) * 2;
+    }
+};

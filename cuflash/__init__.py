@@ -1,0 +1,6 @@
+"""cuflash: exact, dense, tiled attention for CuPy (CUDA kernels via NVRTC) and NumPy."""
+
+from .api import attention, attention_backward, attention_vjp
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_backward", "attention_vjp", "__version__"]

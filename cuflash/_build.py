@@ -1,0 +1,161 @@
+"""Kernel sources -> compiled modules.
+
+Run time: ``cupy.RawModule`` (NVRTC) compiles one template instantiation per module, named through
+``name_expressions``, cached per device. Headers are inlined into the source text here, so the text
+CuPy hashes for its disk cache contains every header: editing a ``.cuh`` can never serve a stale
+kernel.
+
+No GPU: :func:`compile_offline` runs NVRTC through ``cuda.bindings`` for an explicit architecture
+with the very same text, options and name expression, and parses ptxas's resource report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+BASE_OPTIONS = ("-std=c++17",)
+
+
+def source_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError("cuflash: kernel sources (cuda_src/) not found next to the package")
+
+
+@lru_cache(maxsize=None)
+def load_source(name: str) -> str:
+    """The kernel file's text with its local headers inlined once each (like #pragma once)."""
+    root = source_dir()
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = (root / fname).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: f"// ---- {m.group(1)} ----\n" + expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def source_hash(name: str) -> str:
+    return hashlib.sha256(load_source(name).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One launchable instantiation: a source file and the template name expression."""
+
+    source: str
+    expression: str
+    threads: int
+    smem_bytes: int
+
+    @property
+    def short_name(self) -> str:
+        return self.expression.replace(" ", "")
+
+
+def arch_options(cc: int) -> tuple[str, ...]:
+    # sm_90a unlocks wgmma/setmaxnreg on Hopper; plain sm_XX elsewhere.
+    arch = "sm_90a" if cc == 90 else f"sm_{cc}"
+    return BASE_OPTIONS + (f"-arch={arch}",)
+
+
+_modules: dict = {}
+_lock = threading.Lock()
+
+
+def get_function(spec: KernelSpec):
+    """The compiled cupy RawKernel for spec on the current device (compiled once per device)."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    key = (dev.id, spec.source, source_hash(spec.source), spec.expression)
+    fn = _modules.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _modules.get(key)
+        if fn is None:
+            cc = int(dev.compute_capability)
+            mod = cupy.RawModule(
+                code=load_source(spec.source),
+                options=arch_options(cc),
+                name_expressions=(spec.expression,),
+            )
+            fn = mod.get_function(spec.expression)
+            if spec.smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+            _modules[key] = fn
+    return fn
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    spec: KernelSpec
+    arch: str
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    log: str
+
+    @property
+    def clean(self) -> bool:
+        return self.stack_bytes == 0 and self.spill_stores == 0 and self.spill_loads == 0
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def compile_offline(spec: KernelSpec, arch: str = "sm_90a") -> CompileReport:
+    """Compile spec for `arch` with NVRTC (no GPU needed) and read ptxas's resource report."""
+    from cuda.bindings import nvrtc
+
+    def check(res, what):
+        err = res[0] if isinstance(res, tuple) else res
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"{what} failed: {err}")
+        return res
+
+    src = load_source(spec.source).encode()
+    _, prog = check(nvrtc.nvrtcCreateProgram(src, spec.source.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        check(nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode()), "nvrtcAddNameExpression")
+        opts = [o.encode() for o in BASE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"{spec.short_name}: NVRTC failed:\n{log}")
+        _, lowered = check(nvrtc.nvrtcGetLoweredName(prog, spec.expression.encode()), "nvrtcGetLoweredName")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return parse_ptxas_log(spec, arch, log, lowered.decode())
+
+
+def parse_ptxas_log(spec, arch, log, mangled) -> CompileReport:
+    """Pick the resource lines of one entry function out of a ptxas -v log."""
+    lines = log.splitlines()
+    start = next((i for i, ln in enumerate(lines) if f"Function properties for {mangled}" in ln), None)
+    if start is None:
+        raise CompileError(f"{spec.short_name}: no ptxas report for {mangled} in log:\n{log}")
+    block = "\n".join(lines[start : start + 4])
+    stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block)
+    regs = re.search(r"Used (\d+) registers", block)
+    if not (stack and regs):
+        raise CompileError(f"{spec.short_name}: unreadable ptxas report:\n{block}")
+    return CompileReport(spec, arch, int(regs.group(1)), int(stack.group(1)), int(stack.group(2)), int(stack.group(3)), log)

@@ -1,0 +1,43 @@
+"""Logical layout <-> the canonical 4-D (B, H, N, d) view every backend computes on."""
+
+from __future__ import annotations
+
+
+def to_bhsd(a, p, heads: int, n: int):
+    """A (B, H, N, d) view of one input or output of problem p.
+
+    Leading batch axes merge into B; NumPy/CuPy reshape returns a view when the strides allow it
+    and a copy otherwise (callers that write into the result check with :func:`is_view_of`).
+    """
+    if p.single_head:
+        return a[None, None]
+    b = p.batch
+    if p.layout == "bhsd":
+        return a.reshape((b, heads, n, p.d))
+    return a.reshape((b, n, heads, p.d)).transpose(0, 2, 1, 3)
+
+
+def from_bhsd(a4, p, heads: int, n: int):
+    """Inverse of to_bhsd for arrays this package allocates in canonical (B, H, N, d) order."""
+    if p.single_head:
+        return a4[0, 0]
+    if p.layout == "bhsd":
+        return a4.reshape(p.batch_shape + (heads, n, p.d))
+    return a4.transpose(0, 2, 1, 3).reshape(p.batch_shape + (n, heads, p.d))
+
+
+def lse_from_bh(l3, p):
+    """(B, Hq, Nq) float32 -> the public lse shape."""
+    return l3.reshape(p.lse_shape())
+
+
+def is_view_of(view, base) -> bool:
+    """True when `view` aliases `base`'s memory (so writes through it land in base)."""
+    if view.size == 0:
+        return True
+    xp_mod = type(base).__module__.split(".")[0]
+    if xp_mod == "numpy":
+        import numpy as np
+
+        return bool(np.shares_memory(view, base))
+    return view.data.ptr >= base.data.ptr and view.data.mem is base.data.mem

@@ -1,0 +1,196 @@
+"""Argument validation: turn the public arguments into one checked description of the problem.
+
+Every backend (NumPy, CUDA, reference) starts from :class:`Problem`, so the rules for shapes,
+dtypes, layouts, masks and ``out=`` live in one place and every error names its argument.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import masks
+from ._arrays import SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention problem. Shapes are logical: batch, heads, sequence, head dim."""
+
+    xp: object  # numpy or cupy
+    layout: str
+    batch_shape: tuple
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    dtype: np.dtype
+    causal: str | None  # None, "bottom_right" or "top_left"
+    scale: float
+    single_head: bool = False  # inputs were 2-D (N, d): outputs are too, and lse is (N,)
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.batch_shape)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head (1 = MHA, Hq = MQA)."""
+        return self.hq // self.hkv
+
+    @property
+    def causal_offset(self):
+        return masks.causal_offset(self.causal, self.nq, self.nk)
+
+    def q_shape(self):
+        return self._shape(self.hq, self.nq)
+
+    def kv_shape(self):
+        return self._shape(self.hkv, self.nk)
+
+    def lse_shape(self):
+        if self.single_head:
+            return (self.nq,)
+        return self.batch_shape + (self.hq, self.nq)
+
+    def _shape(self, h, n):
+        if self.single_head:
+            return (n, self.d)
+        tail = (h, n, self.d) if self.layout == "bhsd" else (n, h, self.d)
+        return self.batch_shape + tail
+
+
+def _split(name, a, layout):
+    """(batch_shape, heads, seq, d) of one input, accepting 2-D (N, d) as one head."""
+    if a.ndim < 2:
+        raise ValueError(f"{name}: expected at least 2 dimensions (N, d) or (..., H, N, d), got shape {a.shape}")
+    if a.ndim == 2:
+        return (), 1, a.shape[0], a.shape[1]
+    if layout == "bhsd":
+        return tuple(a.shape[:-3]), a.shape[-3], a.shape[-2], a.shape[-1]
+    return tuple(a.shape[:-3]), a.shape[-2], a.shape[-3], a.shape[-1]
+
+
+def check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+def check_scale(scale, d):
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if not is_real_number(scale):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    return float(scale)
+
+
+def same_library(named):
+    """The shared array namespace of the named arrays, or a TypeError naming the odd one out."""
+    xp = None
+    first = None
+    for name, a in named:
+        ns = array_namespace(a)
+        if ns is None:
+            raise TypeError(
+                f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__module__}.{type(a).__name__}"
+            )
+        if xp is None:
+            xp, first = ns, name
+        elif ns is not xp:
+            raise TypeError(
+                f"{name}: is a {ns.__name__} array but {first} is a {xp.__name__} array; "
+                "do not mix NumPy and CuPy inputs"
+            )
+    if xp is not np:
+        devices = {(name, a.device.id) for name, a in named}
+        if len({dev for _, dev in devices}) > 1:
+            raise ValueError(f"inputs are on different devices: {sorted(devices)}")
+    return xp
+
+
+def check_dtype(named):
+    dtype = None
+    for name, a in named:
+        if a.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}: dtype {dtype_name(a.dtype)} is not supported; expected float16, bfloat16 or float32"
+            )
+        if dtype is None:
+            dtype, first = a.dtype, name
+        elif a.dtype != dtype:
+            raise TypeError(
+                f"{name}: dtype {dtype_name(a.dtype)} differs from {first}'s {dtype_name(dtype)}; "
+                "all inputs must share one dtype"
+            )
+    return np.dtype(dtype)
+
+
+def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd") -> Problem:
+    """Check q, k, v and the options; return the Problem or raise ValueError/TypeError."""
+    check_layout(layout)
+    named = (("q", q), ("k", k), ("v", v))
+    xp = same_library(named)
+    dtype = check_dtype(named)
+    causal = masks.normalize_causal(causal)
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"k, v: expected the same number of dimensions as q ({q.ndim}), got k {k.ndim}, v {v.ndim}"
+        )
+    qb, hq, nq, d = _split("q", q, layout)
+    kb, hkv, nk, dk = _split("k", k, layout)
+    vb, hv, nv, dv = _split("v", v, layout)
+    axes = "(..., H, N, d)" if layout == "bhsd" else "(..., N, H, d)"
+    if kb != qb or vb != qb:
+        raise ValueError(f"k, v: batch dimensions {kb}, {vb} must equal q's {qb} (layout {layout} {axes})")
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
+    if dv != d:
+        raise ValueError(f"v: head dim {dv} must equal q's head dim {d} (equal widths only)")
+    if (hv, nv) != (hkv, nk):
+        raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
+    if d == 0:
+        raise ValueError("q: head dim d must be at least 1")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
+    scale = check_scale(scale, d)
+    return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2)
+
+
+def check_out(name, out, shape, dtype, xp, inputs):
+    """Validate an ``out=`` style argument: right library, shape, dtype, writable, no aliasing."""
+    if out is None:
+        return
+    if array_namespace(out) is not xp:
+        raise TypeError(f"{name}: expected a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype_name(dtype)}, got {dtype_name(out.dtype)}")
+    if xp is np and not out.flags.writeable:
+        raise ValueError(f"{name}: array is read-only")
+    for in_name, a in inputs:
+        if may_share_memory(out, a):
+            raise ValueError(f"{name}: must not overlap input {in_name}")
+
+
+def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd") -> Problem:
+    """Check the backward's arguments; the forward's rules plus do/o/lse consistency."""
+    p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    same_library((("q", q), ("do", do), ("o", o), ("lse", lse)))
+    for name, a in (("do", do), ("o", o)):
+        if tuple(a.shape) != tuple(q.shape):
+            raise ValueError(f"{name}: expected q's shape {tuple(q.shape)}, got {tuple(a.shape)}")
+        if a.dtype != p.dtype:
+            raise TypeError(f"{name}: expected dtype {dtype_name(p.dtype)} like q, got {dtype_name(a.dtype)}")
+    if tuple(lse.shape) != p.lse_shape():
+        raise ValueError(f"lse: expected shape {p.lse_shape()} (..., Hq, Nq), got {tuple(lse.shape)}")
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse: expected dtype float32, got {dtype_name(lse.dtype)}")
+    return p

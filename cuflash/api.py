@@ -1,0 +1,90 @@
+"""The public functions: validate, pick the backend from the array library, run."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _problem
+from ._layout import from_bhsd, is_view_of, to_bhsd
+
+
+def _backend(p):
+    if p.xp is np:
+        from . import cpu
+
+        return cpu
+    from . import gpu
+
+    return gpu
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):
+    """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
+
+    Parameters
+    ----------
+    q : array (..., Hq, Nq, d) for ``layout="bhsd"`` or (..., Nq, Hq, d) for ``"bshd"``; a 2-D
+        (Nq, d) array is a single head. NumPy arrays run the NumPy tiled backend, CuPy arrays the
+        CUDA kernels.
+    k, v : arrays (..., Hkv, Nk, d) (or (..., Nk, Hkv, d)); Hq must be a multiple of Hkv (GQA/MQA).
+    causal : False, True / "bottom_right" (query i sees keys j <= i + Nk - Nq, FlashAttention's
+        convention) or "top_left" (j <= i, torch SDPA's). Rows that see no key give o = 0 and
+        lse = -inf.
+    scale : multiplier of the scores, default 1/sqrt(d).
+    layout : "bhsd" or "bshd".
+    return_lse : also return the float32 natural-log log-sum-exp, shape (..., Hq, Nq).
+    out : optional array of q's shape and dtype to write o into (must not overlap an input).
+
+    Returns
+    -------
+    o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
+    """
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
+    xp = p.xp
+    o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
+    o4 = to_bhsd(o, p, p.hq, p.nq)
+    direct = is_view_of(o4, o)
+    if not direct:  # out's strides don't merge into one batch axis: compute, then copy in
+        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
+    lse3 = xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    _backend(p).forward(p, q4, k4, v4, o4, lse3)
+    if not direct:
+        o[...] = from_bhsd(o4, p, p.hq, p.nq)
+    if return_lse:
+        return o, lse3.reshape(p.lse_shape())
+    return o
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False):
+    """Gradients (dq, dk, dv) of ``attention`` for upstream gradient ``do``.
+
+    ``o`` and ``lse`` are the forward's outputs (``return_lse=True``); P is recomputed tile by
+    tile from q, k and lse, and D = rowsum(do * o). dk and dv are summed over the query heads
+    that share a K/V head. ``deterministic=True`` asks for bitwise-reproducible dq.
+    """
+    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    xp = p.xp
+    dq = xp.empty(p.q_shape(), dtype=p.dtype)
+    dk = xp.empty(p.kv_shape(), dtype=p.dtype)
+    dv = xp.empty(p.kv_shape(), dtype=p.dtype)
+    views = [to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o)] + [to_bhsd(a, p, p.hkv, p.nk) for a in (k, v)]
+    do4, q4, o4, k4, v4 = views
+    lse3 = lse.reshape((p.batch, p.hq, p.nq))
+    grads = (to_bhsd(dq, p, p.hq, p.nq), to_bhsd(dk, p, p.hkv, p.nk), to_bhsd(dv, p, p.hkv, p.nk))
+    _backend(p).backward(p, do4, q4, k4, v4, o4, lse3, *grads, deterministic=bool(deterministic))
+    return dq, dk, dv
+
+
+def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+    """Forward once and return ``(o, vjp)``; ``vjp(do)`` gives (dq, dk, dv) from the saved o, lse."""
+    o, lse = attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
+
+    def vjp(do, *, deterministic=False):
+        return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
+                                  deterministic=deterministic)
+
+    return o, vjp

@@ -1,0 +1,60 @@
+"""Tile schedules: the one table of tile configurations, and which one a problem gets.
+
+The same description drives the CUDA kernels (as template arguments) and the NumPy backend
+(as its block sizes), so CPU tests exercise the tiling the GPU runs: ragged last tiles, skipped
+fully-masked tiles, diagonal tiles that need the mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Head dims are padded on chip to the next of these; the swizzled shared-memory layout needs a
+# row of 32 elements or a multiple of 64 (8 chunks of 16 bytes), and loads zero-fill the padding.
+HEAD_DIM_BUCKETS = (32, 64, 128, 192, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per thread block
+    block_n: int  # keys per K/V tile
+    warps: int  # warps per block; each owns block_m / warps query rows
+    stages: int  # K/V tiles in flight in the cp.async ring
+    reason: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of the forward kernel: the Q tile plus `stages` K and V tiles."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize
+
+
+# Forward, 16-bit inputs, mma.sync m16n8k16. Keyed by the padded head dim.
+FORWARD_TILES: dict[int, TileConfig] = {
+    32: TileConfig(128, 128, 4, 2, "small rows: wide K/V tiles amortize the per-tile softmax; 32 rows/warp halve B-fragment reloads"),
+    64: TileConfig(128, 128, 4, 2, "FA2's choice for d=64: 32 rows per warp reuse each K/V fragment twice; S (128 regs) and O (64) still fit"),
+    128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs"),
+    192: TileConfig(128, 64, 8, 2, "16 rows per warp: O alone is 96 regs; 8 warps keep the 128-row Q tile for K/V reuse"),
+    256: TileConfig(128, 64, 8, 2, "16 rows per warp (O = 128 regs); 192 KiB shared memory, one block per SM"),
+}
+
+
+def head_dim_bucket(d: int) -> int:
+    for hd in HEAD_DIM_BUCKETS:
+        if d <= hd:
+            return hd
+    raise ValueError(f"q: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
+
+
+def forward_tile(d: int) -> tuple[int, TileConfig]:
+    hd = head_dim_bucket(d)
+    return hd, FORWARD_TILES[hd]
+
+
+def cpu_blocks(d: int) -> tuple[int, int]:
+    """(block_m, block_n) the NumPy backend uses: the forward kernel's tile for this head dim."""
+    _, cfg = forward_tile(min(max(d, 1), MAX_HEAD_DIM))
+    return cfg.block_m, cfg.block_n
