@@ -214,7 +214,10 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
             }
         }
     }
+    // Every thread's copies (Q's included, when no K/V tile was visible) have landed before any
+    // warp reuses its rows of sQ for the output.
     cp_async_wait<0>();
+    __syncthreads();
 
     // Normalize once; rows that saw no key give O = 0 and lse = -inf.
     float row_lse[2 * kMmaM];

@@ -40,7 +40,7 @@ def _vector_ok(arrays, d) -> bool:
 _TYPE_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 
 
-def forward_spec(dtype, d: int, causal: bool, vec: bool):
+def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None):
     """(KernelSpec, TileConfig) of the forward kernel for these runtime choices.
 
     The compile check instantiates exactly these, so what CI compiles is what runs."""
@@ -49,7 +49,8 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool):
         from .gpu_fp32 import forward_spec_fp32
 
         return forward_spec_fp32(d, causal, vec)
-    hd, t = schedule.forward_tile(d)
+    hd, t = schedule.forward_tile(d, vec)
+    t = tile or t
     expr = (
         f"attn_fwd<{_TYPE_TAG[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
         f"{'true' if causal else 'false'}, {'true' if vec else 'false'}>"
@@ -68,15 +69,17 @@ def all_forward_specs():
     return list(dict.fromkeys(specs))
 
 
-def forward(p, q4, k4, v4, o4, lse3):
-    """o4 (B, Hq, Nq, d) and lse3 (B, Hq, Nq) float32 receive the result."""
+def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+    """o4 (B, Hq, Nq, d) and lse3 (B, Hq, Nq) float32 receive the result.
+
+    `tile` overrides the table's TileConfig (schedule search and benchmarks)."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     q4, k4, v4 = _unit_d(q4), _unit_d(k4), _unit_d(v4)
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
-    spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, vec)
+    spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, vec, tile)
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     scale_log2 = np.float32(p.scale * _LOG2E)

@@ -34,11 +34,22 @@ class TileConfig:
 
 # Forward, 16-bit inputs, mma.sync m16n8k16. Keyed by the padded head dim.
 FORWARD_TILES: dict[int, TileConfig] = {
-    32: TileConfig(128, 128, 4, 2, "small rows: wide K/V tiles amortize the per-tile softmax; 32 rows/warp halve B-fragment reloads"),
-    64: TileConfig(128, 128, 4, 2, "FA2's choice for d=64: 32 rows per warp reuse each K/V fragment twice; S (128 regs) and O (64) still fit"),
+    32: TileConfig(128, 64, 4, 2, "32 rows/warp halve K/V fragment reloads; 128-key tiles spill (S alone is 128 regs)"),
+    64: TileConfig(128, 64, 4, 2, "32 rows/warp halve K/V fragment reloads; 128-key tiles (FA2's choice) spill here"),
     128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs"),
     192: TileConfig(128, 64, 8, 2, "16 rows per warp: O alone is 96 regs; 8 warps keep the 128-row Q tile for K/V reuse"),
     256: TileConfig(128, 64, 8, 2, "16 rows per warp (O = 128 regs); 192 KiB shared memory, one block per SM"),
+}
+
+
+# Forward for inputs that cannot use 16-byte cp.async (d % 8 != 0, odd strides or misaligned
+# pointers): element loads need extra registers, so each warp owns 16 rows (one mma tile).
+FORWARD_TILES_SCALAR: dict[int, TileConfig] = {
+    32: TileConfig(128, 64, 8, 2, "scalar loads: 16 rows per warp leaves room for the element-load registers"),
+    64: TileConfig(128, 64, 8, 2, "scalar loads: 16 rows per warp leaves room for the element-load registers"),
+    128: TileConfig(128, 64, 8, 2, "scalar loads: 16 rows per warp leaves room for the element-load registers"),
+    192: TileConfig(128, 32, 8, 2, "scalar loads: 32-key tiles keep S small next to a 96-register O"),
+    256: TileConfig(128, 32, 8, 2, "scalar loads: 32-key tiles keep S small next to a 128-register O"),
 }
 
 
@@ -49,9 +60,9 @@ def head_dim_bucket(d: int) -> int:
     raise ValueError(f"q: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
 
 
-def forward_tile(d: int) -> tuple[int, TileConfig]:
+def forward_tile(d: int, vec: bool = True) -> tuple[int, TileConfig]:
     hd = head_dim_bucket(d)
-    return hd, FORWARD_TILES[hd]
+    return hd, (FORWARD_TILES if vec else FORWARD_TILES_SCALAR)[hd]
 
 
 def cpu_blocks(d: int) -> tuple[int, int]:
