@@ -66,9 +66,13 @@ class KernelSpec:
 
 
 def arch_options(cc: int) -> tuple[str, ...]:
-    # sm_90a unlocks wgmma/setmaxnreg on Hopper; plain sm_XX elsewhere.
+    # sm_90a unlocks wgmma/setmaxnreg on Hopper; plain sm_XX elsewhere. CUFLASH_NVRTC_OPTIONS
+    # (space separated, e.g. "-lineinfo") is a debugging aid for sanitizer/profiler runs.
+    import os
+
     arch = "sm_90a" if cc == 90 else f"sm_{cc}"
-    return BASE_OPTIONS + (f"-arch={arch}",)
+    extra = tuple(os.environ.get("CUFLASH_NVRTC_OPTIONS", "").split())
+    return BASE_OPTIONS + (f"-arch={arch}",) + extra
 
 
 _modules: dict = {}
