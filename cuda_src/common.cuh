@@ -149,6 +149,6 @@ struct LaneAddr {
         key = chunk_lane ^ Swz::row_key(row_lane);
     }
     __device__ __forceinline__ u32 at(int row_c, int chunk_c) const {
-        return base + (row_c * COLS + Swz::phys(chunk_c, key)) * 2;
+        return base + (row_c * COLS + Swz::phys(chunk_c, key) * 8) * 2;
     }
 };
