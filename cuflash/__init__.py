@@ -1,6 +1,7 @@
 """cuflash: exact, dense, tiled attention for CuPy (CUDA kernels via NVRTC) and NumPy."""
 
 from .api import attention, attention_backward, attention_vjp
+from .accounting import flops, io_model, memory_report
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_vjp", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "flops", "memory_report", "io_model", "__version__"]

@@ -1,0 +1,868 @@
+"""Honest accounting: exact pair and FLOP counts, the device-memory boundary, and an HBM-traffic model.
+
+Three questions that are easy to conflate, answered separately:
+
+* :func:`flops` — how much arithmetic the dense operator does: the exact number of visible
+  (query, key) pairs under the mask, times the products' multiply-adds, next to the peers'
+  "dense-equivalent" convention, each result stating which convention it uses.
+* :func:`memory_report` — which device bytes exist while a pass runs, by class: inputs, outputs,
+  saved state, workspace, quadratic intermediates (reference only), and on-chip storage per block
+  (which is *not* device memory). Nothing is called "auxiliary" that is really an input or output.
+* :func:`io_model` — the logical HBM traffic of a tile schedule, counted tile by tile, next to the
+  FlashAttention paper's Theta(N^2 d^2 / M) and standard attention's Theta(N d + N^2). A model, not a
+  measurement: caches, transaction sizes and write-back timing change what a profiler sees.
+
+All counts are Python ints (exact, never overflow). Mask semantics follow :mod:`cuflash.masks`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import masks, schedule
+from ._arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+METHODS = ("tiled", "reference")
+LAYOUTS = ("bhsd", "bshd")
+
+# The H200's shared memory per SM (device attribute MaxSharedMemoryPerMultiprocessor, 233472 bytes
+# = 228 KiB): the "SRAM" of the FlashAttention paper's two-level model for this chip.
+H200_SMEM_PER_SM_BYTES = 228 * 1024
+
+LSE_ITEMSIZE = 4  # row statistics and accumulators are float32 whatever the input dtype
+ACC_ITEMSIZE = 4
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_int(name, x, minimum=0):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}")
+    x = int(x)
+    if x < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {x}")
+    return x
+
+
+def _check_shape(name, s):
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
+        raise TypeError(f"{name}: expected a shape (a tuple of integers), got {type(s).__name__}")
+    return tuple(_check_int(f"{name}[{i}]", x) for i, x in enumerate(s))
+
+
+def _check_choice(name, x, choices):
+    if x not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {x!r}")
+    return x
+
+
+def _check_dtype(name, dtype):
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        return BFLOAT16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: not a dtype: {dtype!r}") from e
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: dtype {dtype_name(dt)} is not supported; expected float16, bfloat16 or float32")
+    return dt
+
+
+def _int_list(name, x):
+    """A sequence of ints (list, tuple, NumPy or CuPy array) as a list of Python ints."""
+    if hasattr(x, "tolist") and not isinstance(x, (list, tuple)):
+        if getattr(x, "ndim", 1) != 1:
+            raise ValueError(f"{name}: expected a 1-D sequence of integers, got shape {x.shape}")
+        if not np.issubdtype(np.dtype(x.dtype), np.integer):
+            raise TypeError(f"{name}: expected integers, got dtype {x.dtype}")
+        x = x.tolist()
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of integers, got {type(x).__name__}")
+    return [_check_int(f"{name}[{i}]", v) for i, v in enumerate(x)]
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window: expected None or a pair (left, right), got {window!r}")
+    left, right = (_check_int(f"window[{i}]", w, minimum=-1) for i, w in enumerate(window))
+    return (left, right)
+
+
+def _split_heads(name, shape, layout):
+    """(batch, heads, seq, d) of one (..., H, N, d) / (..., N, H, d) / (N, d) shape."""
+    if len(shape) < 2:
+        raise ValueError(f"{name}: expected at least 2 dimensions (N, d) or (..., H, N, d), got {shape}")
+    if len(shape) == 2:
+        return (), 1, shape[0], shape[1]
+    if layout == "bhsd":
+        return shape[:-3], shape[-3], shape[-2], shape[-1]
+    return shape[:-3], shape[-2], shape[-3], shape[-1]
+
+
+def _check_heads(hq, hkv, name="k"):
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{name}: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
+
+
+# --------------------------------------------------------------------------- exact pair counts
+
+
+def _row_bounds(causal, window, nq, nk):
+    """(lo, hi): key j is visible to query i iff i + lo <= j <= i + hi (then clipped to [0, nk)).
+
+    None means unbounded on that side. The causal bound is j <= i + offset (cuflash.masks). A
+    window (left, right) is aligned like FlashAttention's: on the diagonal i + Nk - Nq (or i for
+    causal="top_left"), keys [diag - left, diag + right]; -1 leaves that side open."""
+    off = masks.causal_offset(causal, nq, nk)
+    diag = off if off is not None else nk - nq
+    lo, hi = None, off
+    if window is not None:
+        left, right = window
+        if right >= 0:
+            hi = diag + right if hi is None else min(hi, diag + right)
+        if left >= 0:
+            lo = diag - left
+    return lo, hi
+
+
+def _sum_positive_linear(i0, i1, slope, intercept):
+    """sum_{i0 <= i < i1} max(0, slope * i + intercept) for slope in {-1, 0, 1}, exactly."""
+    if i1 <= i0:
+        return 0
+    if slope == 0:
+        return max(0, intercept) * (i1 - i0)
+    if slope == 1:  # positive from i = 1 - intercept on
+        s = max(i0, 1 - intercept)
+        return 0 if s >= i1 else (i1 - s) * ((s + intercept) + (i1 - 1 + intercept)) // 2
+    e = min(i1, intercept)  # slope -1: positive while i <= intercept - 1
+    return 0 if e <= i0 else (e - i0) * ((intercept - i0) + (intercept - e + 1)) // 2
+
+
+def pairs_per_head(causal, nq, nk, window=None) -> int:
+    """Exact visible (query, key) pairs of one head: sum over rows of the visible key count.
+
+    Closed form (splitting the rows where the clip to [0, nk) switches on), so it is exact and O(1)
+    for any N. Without a window this is :func:`cuflash.masks.pair_count`."""
+    causal = masks.normalize_causal(causal)
+    window = _check_window(window)
+    if nq == 0 or nk == 0:
+        return 0
+    if window is None or window == (-1, -1):
+        return masks.pair_count(causal, nq, nk)
+    lo, hi = _row_bounds(causal, window, nq, nk)
+    last = nk - 1
+    cuts = {0, nq}
+    if hi is not None:
+        cuts.add(last - hi)  # from this row on, i + hi >= last: the right end is clipped to last
+    if lo is not None:
+        cuts.add(-lo)  # from this row on, i + lo >= 0: the left end is i + lo, not 0
+    points = sorted(c for c in cuts if 0 <= c <= nq)
+    total = 0
+    for i0, i1 in zip(points, points[1:]):
+        # On [i0, i1) the count min(i + hi, last) - max(i + lo, 0) + 1 is one linear function.
+        slope, intercept = 0, 1
+        if hi is None or i0 >= last - hi:
+            intercept += last
+        else:
+            slope, intercept = slope + 1, intercept + hi
+        if lo is not None and i0 >= -lo:
+            slope, intercept = slope - 1, intercept - lo
+        total += _sum_positive_linear(i0, i1, slope, intercept)
+    return total
+
+
+def _sequence_lengths(q_shape, k_shape, layout, kv_lens, cu_seqlens_q, cu_seqlens_k):
+    """(batch, hq, hkv, d, Counter of (nq_b, nk_b) per sequence) after checking every argument."""
+    q_shape = _check_shape("q_shape", q_shape)
+    k_shape = _check_shape("k_shape", k_shape)
+    _check_choice("layout", layout, LAYOUTS)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+            raise ValueError(f"{missing}: varlen needs both cu_seqlens_q and cu_seqlens_k")
+        for name, s in (("q_shape", q_shape), ("k_shape", k_shape)):
+            if len(s) != 3:
+                raise ValueError(f"{name}: with cu_seqlens expected packed (total, H, d), got {s}")
+        (tq, hq, d), (tk, hkv, dk) = q_shape, k_shape
+        cq, ck = _int_list("cu_seqlens_q", cu_seqlens_q), _int_list("cu_seqlens_k", cu_seqlens_k)
+        for name, c, total in (("cu_seqlens_q", cq, tq), ("cu_seqlens_k", ck, tk)):
+            if len(c) < 1 or c[0] != 0:
+                raise ValueError(f"{name}: expected cumulative offsets starting at 0, got {c[:4]}...")
+            if any(b < a for a, b in zip(c, c[1:])):
+                raise ValueError(f"{name}: offsets must be non-decreasing")
+            if c[-1] != total:
+                raise ValueError(f"{name}: last offset {c[-1]} must equal the packed length {total}")
+        if len(cq) != len(ck):
+            raise ValueError(f"cu_seqlens_k: {len(ck) - 1} sequences, cu_seqlens_q has {len(cq) - 1}")
+        batch = len(cq) - 1
+        nqs = [b - a for a, b in zip(cq, cq[1:])]
+        nks = [b - a for a, b in zip(ck, ck[1:])]
+    else:
+        qb, hq, nq, d = _split_heads("q_shape", q_shape, layout)
+        kb, hkv, nk, dk = _split_heads("k_shape", k_shape, layout)
+        if len(q_shape) != len(k_shape) or qb != kb:
+            raise ValueError(f"k_shape: batch dimensions {kb} must equal q_shape's {qb}")
+        batch = math.prod(qb)
+        nqs, nks = [nq] * batch, [nk] * batch
+    if dk != d:
+        raise ValueError(f"k_shape: head dim {dk} must equal q_shape's head dim {d}")
+    if d == 0:
+        raise ValueError("q_shape: head dim d must be at least 1")
+    _check_heads(hq, hkv, "k_shape")
+    if kv_lens is not None:
+        lens = _int_list("kv_lens", kv_lens)
+        if len(lens) != batch:
+            raise ValueError(f"kv_lens: expected one length per sequence ({batch}), got {len(lens)}")
+        for b, (n, cap) in enumerate(zip(lens, nks)):
+            if n > cap:
+                raise ValueError(f"kv_lens[{b}]: {n} is longer than the {cap} keys stored")
+        nks = lens
+    return batch, hq, hkv, d, Counter(zip(nqs, nks))
+
+
+# --------------------------------------------------------------------------- flops
+
+
+FWD_PRODUCTS = "S = Q K^T and O = P V"
+BWD_PRODUCTS = "S = Q K^T (recomputed), dP = dO V^T, dV += P^T dO, dQ += dS K, dK += dS^T Q"
+_EXACT_PER_PAIR = {"fwd": 4, "bwd": 10, "fwd+bwd": 14}  # 2 FLOPs per multiply-add per product
+_DENSE_FACTOR_X2 = {"fwd": 2, "bwd": 5, "fwd+bwd": 7}  # (4, 10, 14) * pairs / 2: bwd 2.5x, fwd+bwd 3.5x
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Exact arithmetic of one attention pass, next to the peers' dense-equivalent figure."""
+
+    pass_: str
+    pairs: int  # exact visible (query, key) pairs, summed over sequences and query heads
+    head_dim: int
+    flops: int  # exact: products' multiply-adds over the visible pairs, 2 FLOPs each
+    dense_equivalent: int  # peers' convention (see dense_convention)
+    convention: str
+    dense_convention: str
+
+    def tflops_per_s(self, seconds: float) -> float:
+        """Exact FLOPs per second in TFLOP/s (the figure to quote for this kernel)."""
+        return self.flops / float(seconds) / 1e12
+
+    def dense_tflops_per_s(self, seconds: float) -> float:
+        """Peers' dense-equivalent TFLOP/s, comparable with their published tables."""
+        return self.dense_equivalent / float(seconds) / 1e12
+
+    def __str__(self):
+        return (f"{self.pass_}: pairs={self.pairs:,} flops={self.flops:,} [{self.convention}]; "
+                f"dense-equivalent={self.dense_equivalent:,} [{self.dense_convention}]")
+
+
+def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqlens_q=None,
+          cu_seqlens_k=None, layout="bhsd", pass_="fwd") -> FlopCount:
+    """Exact pair and FLOP counts of attention over q of ``q_shape`` and k, v of ``k_shape``.
+
+    Shapes are (..., H, N, d) (``layout="bhsd"``), (..., N, H, d) (``"bshd"``) or (N, d); with
+    ``cu_seqlens_q``/``cu_seqlens_k`` (varlen, B + 1 cumulative offsets each) they are packed
+    (total, H, d). ``kv_lens`` gives each sequence's valid key count (a KV cache filled to that
+    length): its mask is that of a (Nq, kv_lens[b]) problem, bottom-right causal alignment
+    included. ``window=(left, right)``: FlashAttention's sliding window, -1 = unbounded.
+
+    Exact: forward 4 * pairs * d (S = QK^T and O = PV, 2 FLOPs per multiply-add), backward
+    10 * pairs * d (S recomputed, dP, dV, dQ, dK), "fwd+bwd" 14 * pairs * d. Softmax, scaling and
+    masking are not counted. dense_equivalent is the peers' 4 * B * H * Nq * Nk * d, halved when
+    causal, ignoring windows (backward 2.5x that): use it only to compare with their tables.
+    """
+    _check_choice("pass_", pass_, PASSES)
+    causal = masks.normalize_causal(causal)
+    window = _check_window(window)
+    batch, hq, _, d, lengths = _sequence_lengths(q_shape, k_shape, layout, kv_lens, cu_seqlens_q, cu_seqlens_k)
+    pairs = hq * sum(n * pairs_per_head(causal, nq, nk, window) for (nq, nk), n in lengths.items())
+    dense_pairs = hq * sum(n * nq * nk for (nq, nk), n in lengths.items())
+    # 4 * dense_pairs * d is even, so the causal halving and the 2.5x / 3.5x stay exact integers.
+    dense = _DENSE_FACTOR_X2[pass_] * dense_pairs * d * (1 if causal else 2)
+    products = {"fwd": FWD_PRODUCTS, "bwd": BWD_PRODUCTS, "fwd+bwd": f"{FWD_PRODUCTS}; {BWD_PRODUCTS}"}[pass_]
+    conv = (f"exact: {_EXACT_PER_PAIR[pass_]}*pairs*d = 2 FLOPs per multiply-add of {products}, over the "
+            "visible (query, key) pairs only; softmax, scaling and masking not counted")
+    dconv = ("peers' dense-equivalent: 4*H*d*sum_b(Nq_b*Nk_b)"
+             + (", halved for causal" if causal else "")
+             + {"fwd": "", "bwd": ", x2.5 for the backward", "fwd+bwd": ", x3.5 for fwd+bwd"}[pass_]
+             + ("; window ignored" if window not in (None, (-1, -1)) else "")
+             + ("; Nk_b = kv_lens[b]" if kv_lens is not None else ""))
+    return FlopCount(pass_, pairs, d, _EXACT_PER_PAIR[pass_] * pairs * d, dense, conv, dconv)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+INPUT, OUTPUT, SAVED, WORKSPACE, INTERMEDIATE, ON_CHIP = (
+    "input", "output", "saved state", "workspace", "intermediate", "on-chip (not device memory)")
+CATEGORIES = (INPUT, OUTPUT, SAVED, WORKSPACE, INTERMEDIATE, ON_CHIP)
+_TRANSIENT = (WORKSPACE, INTERMEDIATE)  # alive only during one phase of the pass
+
+
+@dataclass(frozen=True)
+class MemoryEntry:
+    name: str
+    category: str  # one of CATEGORIES
+    bytes: int
+    note: str = ""
+    phase: str = "all"  # "fwd" / "bwd": a transient that exists only during that phase
+    reuses: str | None = None  # an entry whose buffer this one may overwrite (in-place variant)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Device bytes of one pass, by category. Transients of different phases never coexist."""
+
+    method: str
+    pass_: str
+    dtype: str
+    shape: dict
+    entries: tuple
+    notes: tuple = ()
+
+    def total(self, category) -> int:
+        return sum(e.bytes for e in self.entries if e.category == category)
+
+    def _device_bytes(self, in_place):
+        persistent = sum(e.bytes for e in self.entries if e.category in (INPUT, OUTPUT, SAVED))
+        phases = {e.phase for e in self.entries if e.category in _TRANSIENT}
+        peak = max((sum(e.bytes for e in self.entries if e.category in _TRANSIENT and e.phase == ph
+                        and not (in_place and e.reuses)) for ph in phases), default=0)
+        return persistent + peak
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak device bytes: inputs + outputs + saved state + the largest phase's transients."""
+        return self._device_bytes(False)
+
+    @property
+    def device_bytes_in_place(self) -> int:
+        """The same when every intermediate that can overwrite another one does."""
+        return self._device_bytes(True)
+
+    @property
+    def beyond_inputs_outputs(self) -> int:
+        """What the method adds to the unavoidable inputs and outputs (saved state included)."""
+        return self.device_bytes - self.total(INPUT) - self.total(OUTPUT)
+
+    @property
+    def beyond_inputs_outputs_in_place(self) -> int:
+        return self.device_bytes_in_place - self.total(INPUT) - self.total(OUTPUT)
+
+    def table(self) -> str:
+        s = self.shape
+        head = (f"memory [{self.method}, {self.pass_}] B={s['batch']} Hq={s['hq']} Hkv={s['hkv']} "
+                f"Nq={s['nq']} Nk={s['nk']} d={s['d']} {self.dtype}")
+        show_phase = self.pass_ == "fwd+bwd"
+        rows = [(e.category, e.name + (f" ({e.phase} phase)" if show_phase and e.phase != "all" else ""),
+                 f"{e.bytes:,}", _mib(e.bytes), e.note) for e in self.entries]
+        rows.append(("total device", "peak, all phases", f"{self.device_bytes:,}", _mib(self.device_bytes), ""))
+        rows.append(("beyond in/out", "total - inputs - outputs", f"{self.beyond_inputs_outputs:,}",
+                     _mib(self.beyond_inputs_outputs), "saved state + workspace + intermediates"))
+        if any(e.reuses for e in self.entries):
+            rows.append(("total device", "in-place variant", f"{self.device_bytes_in_place:,}",
+                         _mib(self.device_bytes_in_place), "each reusable intermediate overwrites another"))
+            rows.append(("beyond in/out", "in-place variant", f"{self.beyond_inputs_outputs_in_place:,}",
+                         _mib(self.beyond_inputs_outputs_in_place), ""))
+        out = head + "\n" + format_table(("category", "name", "bytes", "MiB", "note"), rows)
+        return out + "".join(f"\nnote: {n}" for n in self.notes)
+
+    __str__ = table
+
+
+def _mib(n):
+    return f"{n / 2**20:,.2f}"
+
+
+def _as_shape_and_dtype(name, x):
+    """An array gives (shape, dtype); a shape gives (shape, None)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(int(s) for s in x.shape), np.dtype(x.dtype)
+    return _check_shape(name, x), None
+
+
+def _problem_dims(q, k, v, layout, dtype):
+    _check_choice("layout", layout, LAYOUTS)
+    named = [("q", q), ("k", k), ("v", k if v is None else v)]
+    shapes, dtypes = {}, {}
+    for name, x in named:
+        shapes[name], dt = _as_shape_and_dtype(name, x)
+        if dt is not None:
+            dtypes[name] = _check_dtype(name, dt)
+    if dtype is not None:
+        dt = _check_dtype("dtype", dtype)
+        for name, adt in dtypes.items():
+            if adt != dt:
+                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from dtype={dtype_name(dt)}")
+    elif dtypes:
+        dt = next(iter(dtypes.values()))
+        for name, adt in dtypes.items():
+            if adt != dt:
+                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from the other inputs' {dtype_name(dt)}")
+    else:
+        dt = BFLOAT16  # shapes only and no dtype: the common training dtype (stated in the report)
+    qb, hq, nq, d = _split_heads("q", shapes["q"], layout)
+    kb, hkv, nk, dk = _split_heads("k", shapes["k"], layout)
+    vb, hv, nv, dv = _split_heads("v", shapes["v"], layout)
+    if not (len(shapes["q"]) == len(shapes["k"]) == len(shapes["v"])) or kb != qb or vb != qb:
+        raise ValueError(f"k, v: batch dimensions {kb}, {vb} must equal q's {qb}")
+    if dk != d or dv != d:
+        raise ValueError(f"k, v: head dims {dk}, {dv} must equal q's head dim {d}")
+    if (hv, nv) != (hkv, nk):
+        raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
+    if d == 0:
+        raise ValueError("q: head dim d must be at least 1")
+    _check_heads(hq, hkv)
+    return SimpleNamespace(batch=math.prod(qb), hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dt)
+
+
+def _check_head_dim(d, shape_name):
+    if d > schedule.MAX_HEAD_DIM:
+        raise ValueError(f"{shape_name}: head dim {d} is larger than the tiled kernels' largest, {schedule.MAX_HEAD_DIM}")
+
+
+def _check_config(config, name="config"):
+    for attr in ("block_m", "block_n"):
+        if not isinstance(getattr(config, attr, None), int) or getattr(config, attr) < 1:
+            raise TypeError(f"{name}: expected a cuflash.schedule.TileConfig (positive block_m, block_n), got {config!r}")
+    return config
+
+
+# What cuflash's GPU modules fail with when a kernel family does not exist (yet) for a dtype.
+_NO_KERNEL = (ImportError, NotImplementedError, KeyError, AttributeError)
+
+
+def forward_launch(dtype, d, causal=False, config=None):
+    """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path).
+
+    Read from cuflash.gpu.forward_spec, the spec the launch and the compile check use, so the
+    numbers follow the kernels (the float32 kernel has its own tile table); a ``config`` replaces
+    the table's TileConfig (its smem_bytes is then trusted)."""
+    dtype = _check_dtype("dtype", dtype)
+    hd = schedule.head_dim_bucket(d)
+    if config is not None:
+        _check_config(config)
+        return SimpleNamespace(block_m=config.block_m, block_n=config.block_n, hd=hd, threads=config.threads,
+                               smem=config.smem_bytes(hd, dtype.itemsize), source="config")
+    try:
+        from .gpu import forward_spec
+
+        spec, t = forward_spec(dtype, d, masks.normalize_causal(causal) is not None, True)
+        return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
+                               smem=spec.smem_bytes, source=spec.short_name)
+    except _NO_KERNEL:
+        _, t = schedule.forward_tile(d)
+        return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=t.threads,
+                               smem=t.smem_bytes(hd, dtype.itemsize), source="schedule.FORWARD_TILES")
+
+
+def backward_launch(dtype, d, causal=False, deterministic=False):
+    """Tiles and shared memory of the backward kernels cuflash launches, or None where there is none.
+
+    From cuflash.gpu_backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
+    streaming block_m query rows) and, when deterministic, the separate dQ kernel."""
+    dtype = _check_dtype("dtype", dtype)
+    try:
+        from .gpu_backward import backward_specs
+
+        specs, hd, t = backward_specs(dtype, d, masks.normalize_causal(causal) is not None, True, bool(deterministic))
+    except _NO_KERNEL:
+        return None
+    dq = specs.get("dq")
+    return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=specs["kv"].threads,
+                           smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
+                           dq_block_m=t.dq_block_m if dq else None, dq_block_n=t.dq_block_n if dq else None,
+                           dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None)
+
+
+def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
+                  layout="bhsd", splits=None, registers=None, deterministic=False) -> MemoryReport:
+    """Every device buffer of one attention pass, exact bytes, by category.
+
+    q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
+    or ``dtype`` the dtype is bfloat16. ``method="tiled"`` is cuflash's kernels; ``"reference"``
+    materializes the float32 N x N scores S and probabilities P (and dP, dS in the backward), each
+    listed, plus the in-place variant where P overwrites S and dS overwrites dP.
+
+    Categories: inputs (Q, K, V; the backward also reads O and dO), outputs (O; dQ, dK, dV), saved
+    state (the float32 log-sum-exp, B*Hq*Nq*4 bytes), workspace (the backward's float32 dQ
+    accumulator, its rows padded to the head-dim bucket as allocated, and D = rowsum(dO * O);
+    split-KV partial results when ``splits`` > 1 or the config has ``splits``), intermediates
+    (reference only), and on-chip storage per thread block (shared memory of the launched kernels,
+    see :func:`forward_launch` / :func:`backward_launch`; registers of the forward when
+    ``registers`` per thread is given) which is not device memory and is never added to the
+    totals. ``causal`` and ``deterministic`` change no device buffer.
+    """
+    _check_choice("method", method, METHODS)
+    _check_choice("pass_", pass_, PASSES)
+    causal = masks.normalize_causal(causal)
+    p = _problem_dims(q, k, v, layout, dtype)
+    if method == "tiled":
+        _check_head_dim(p.d, "q")
+        if config is not None:
+            _check_config(config)
+    if splits is None:
+        splits = getattr(config, "splits", None) or getattr(config, "num_splits", None) or 1
+    splits = _check_int("splits", splits, minimum=1)
+    if registers is not None:
+        registers = _check_int("registers", registers, minimum=1)
+    s = p.dtype.itemsize
+    q_elems, kv_elems, rows = p.batch * p.hq * p.nq * p.d, p.batch * p.hkv * p.nk * p.d, p.batch * p.hq * p.nq
+    nn = p.batch * p.hq * p.nq * p.nk  # one float32 score-sized matrix per query head
+    fwd, bwd = pass_ in ("fwd", "fwd+bwd"), pass_ in ("bwd", "fwd+bwd")
+    E, notes = [], []
+    E += [MemoryEntry("Q", INPUT, q_elems * s, "B*Hq*Nq*d"),
+          MemoryEntry("K", INPUT, kv_elems * s, "B*Hkv*Nk*d"),
+          MemoryEntry("V", INPUT, kv_elems * s, "B*Hkv*Nk*d")]
+    if bwd:
+        if not fwd:
+            E.append(MemoryEntry("O", INPUT, q_elems * s, "the forward's output, read by the backward"))
+        E.append(MemoryEntry("dO", INPUT, q_elems * s, "upstream gradient, B*Hq*Nq*d"))
+    if fwd:
+        E.append(MemoryEntry("O", OUTPUT, q_elems * s, "B*Hq*Nq*d"))
+    if bwd:
+        E += [MemoryEntry("dQ", OUTPUT, q_elems * s, "B*Hq*Nq*d"),
+              MemoryEntry("dK", OUTPUT, kv_elems * s, "B*Hkv*Nk*d (summed over the group's query heads)"),
+              MemoryEntry("dV", OUTPUT, kv_elems * s, "B*Hkv*Nk*d (summed over the group's query heads)")]
+    E.append(MemoryEntry("LSE", SAVED, rows * LSE_ITEMSIZE,
+                         "float32 log-sum-exp, B*Hq*Nq*4: " + ("written by the forward" if fwd else "read by the backward")))
+    if method == "tiled":
+        if fwd and splits > 1:
+            E += [MemoryEntry("O partials", WORKSPACE, rows * splits * p.d * ACC_ITEMSIZE,
+                              f"split-KV: float32 B*Hq*Nq*splits*d, splits={splits}", phase="fwd"),
+                  MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
+                              f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
+        hd = schedule.head_dim_bucket(p.d)
+        if bwd:
+            E += [MemoryEntry("dQ accumulator", WORKSPACE, rows * hd * ACC_ITEMSIZE,
+                              f"float32 B*Hq*Nq*{hd} (rows padded to the head-dim bucket), summed over K/V tiles",
+                              phase="bwd"),
+                  MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
+        if fwd:
+            f = forward_launch(p.dtype, p.d, causal, config)
+            E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
+                                 f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
+            if registers is not None:
+                E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * f.threads,
+                                     f"{registers} registers/thread x {f.threads} threads x 4 B"))
+        if bwd:
+            b = backward_launch(p.dtype, p.d, causal, deterministic)
+            if b is None:
+                notes.append(f"no {dtype_name(p.dtype)} GPU backward kernel: its on-chip storage is not reported "
+                             "(device buffers as the 16-bit kernels allocate)")
+            else:
+                E.append(MemoryEntry("shared memory / block (bwd)", ON_CHIP, b.smem,
+                                     f"{b.block_n} keys per block, {b.block_m}-row query tiles; {b.source}"))
+                if b.dq_smem is not None:
+                    E.append(MemoryEntry("shared memory / block (bwd dQ)", ON_CHIP, b.dq_smem,
+                                         f"deterministic dQ kernel, {b.dq_block_m} rows x {b.dq_block_n}-key tiles"))
+    else:
+        if fwd:
+            E += [MemoryEntry("S", INTERMEDIATE, nn * 4, "float32 scores B*Hq*Nq*Nk (all pairs; masked after)", phase="fwd"),
+                  MemoryEntry("P", INTERMEDIATE, nn * 4, "float32 probabilities B*Hq*Nq*Nk", phase="fwd", reuses="S")]
+        if bwd:
+            E += [MemoryEntry("S (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd"),
+                  MemoryEntry("P (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd", reuses="S (recomputed)"),
+                  MemoryEntry("dP", INTERMEDIATE, nn * 4, "float32 dO V^T, B*Hq*Nq*Nk", phase="bwd"),
+                  MemoryEntry("dS", INTERMEDIATE, nn * 4, "float32 P*(dP - D), B*Hq*Nq*Nk", phase="bwd", reuses="dP"),
+                  MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
+        notes.append("reference: the quadratic intermediates dominate; on-chip storage is the matmul library's")
+    shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
+    if dtype is None and not any(hasattr(x, "dtype") for x in (q, k, v)):
+        notes.append("no arrays and no dtype given: bfloat16 assumed")
+    return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E), tuple(notes))
+
+
+# --------------------------------------------------------------------------- HBM traffic model
+
+
+@dataclass(frozen=True)
+class IOEntry:
+    name: str
+    reads: int  # elements read from HBM
+    writes: int  # elements written to HBM
+    itemsize: int
+    note: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return (self.reads + self.writes) * self.itemsize
+
+
+@dataclass(frozen=True)
+class IOModel:
+    """Logical HBM traffic of a tile schedule, next to the paper's and standard attention's counts."""
+
+    pass_: str
+    batch: int
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    dtype: str
+    causal: str | None
+    block_m: int  # forward tile: query rows
+    block_n: int  # forward tile: keys
+    bwd_block_m: int  # backward main kernel: query rows streamed per step (0 without a backward)
+    bwd_block_n: int  # backward main kernel: keys owned by one block
+    entries: tuple
+    sram_bytes: int
+    sram_elements: int  # M of the paper: on-chip capacity in elements of the input dtype
+    paper_elements: float  # Theta(Nq Nk d^2 / M) per head, unit constant, per pass
+    standard_elements: int  # Theta((Nq + Nk) d + Nq Nk) per head, unit constant, per pass
+    reference_elements: int  # the materializing reference, each N x N matrix written and read once
+    computed_pairs: int  # (query, key) pairs inside the visible tiles the forward computes
+    bwd_computed_pairs: int  # the same for the backward's main kernel (0 without a backward)
+    compulsory_bytes: int  # Q, K, V read once; O and LSE written once (the forward's minimum)
+    assumptions: tuple = field(default=())
+
+    @property
+    def read_elements(self) -> int:
+        return sum(e.reads for e in self.entries)
+
+    @property
+    def write_elements(self) -> int:
+        return sum(e.writes for e in self.entries)
+
+    @property
+    def elements(self) -> int:
+        return self.read_elements + self.write_elements
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(e.reads * e.itemsize for e in self.entries)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(e.writes * e.itemsize for e in self.entries)
+
+    @property
+    def bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+    def table(self) -> str:
+        head = (f"HBM traffic model [tiled, {self.pass_}] B={self.batch} Hq={self.hq} Hkv={self.hkv} "
+                f"Nq={self.nq} Nk={self.nk} d={self.d} {self.dtype} causal={self.causal} "
+                f"fwd tile {self.block_m}x{self.block_n}"
+                + (f", bwd tile {self.bwd_block_m}x{self.bwd_block_n}" if self.bwd_block_n else ""))
+        rows = [(e.name, f"{e.reads:,}", f"{e.writes:,}", str(e.itemsize), f"{e.bytes:,}", e.note) for e in self.entries]
+        rows.append(("total", f"{self.read_elements:,}", f"{self.write_elements:,}", "", f"{self.bytes:,}",
+                     f"{self.bytes / 1e9:.4g} GB"))
+        t = format_table(("tensor", "elements read", "elements written", "B/elem", "bytes", "note"), rows)
+        extra = [
+            f"compulsory (Q, K, V read once; O, LSE written once): {self.compulsory_bytes:,} bytes",
+            f"tile schedule total: {self.elements:,} elements",
+            f"FlashAttention paper Theta(Nq*Nk*d^2/M) x B*Hq, M = {self.sram_elements:,} elements "
+            f"({self.sram_bytes:,} B on chip): {self.paper_elements:,.4g} elements (unit constant)",
+            f"standard attention Theta((Nq+Nk)*d + Nq*Nk) x B*Hq: {self.standard_elements:,} elements (unit constant)",
+            f"materializing reference, each N x N matrix written once and read once per use: "
+            f"{self.reference_elements:,} elements",
+        ]
+        return "\n".join([head, t] + extra + [f"assumption: {a}" for a in self.assumptions])
+
+    __str__ = table
+
+
+def _bisect_first(lo, hi, pred):
+    """Smallest i in [lo, hi) with pred(i) true (pred monotone false -> true), or hi."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _visible_key_columns(causal, nq, nk, row0, row1, bn):
+    """Keys in the visible K/V tiles of query rows [row0, row1): tiles are a prefix of the row."""
+    n_tiles = -(-nk // bn)
+    # tile_is_visible is true for a prefix of the K/V tiles: find the first invisible one.
+    first_hidden = _bisect_first(0, n_tiles, lambda t: not masks.tile_is_visible(causal, nq, nk, row0, row1, t * bn))
+    return min(nk, first_hidden * bn)
+
+
+def _visible_query_rows(causal, nq, nk, col0, bm):
+    """Query rows in the query tiles that see K/V tile starting at col0: a suffix of the tiles."""
+    m_tiles = -(-nq // bm)
+    first = _bisect_first(0, m_tiles, lambda t: masks.tile_is_visible(causal, nq, nk, t * bm, min(nq, (t + 1) * bm), col0))
+    return nq - min(nq, first * bm)
+
+
+def _kv_tile_reads(causal, nq, nk, bm, bn):
+    """(keys loaded, pairs computed) summed over the query tiles of one head, tile by tile."""
+    keys = pairs = 0
+    for row0 in range(0, nq, bm):
+        row1 = min(nq, row0 + bm)
+        cols = _visible_key_columns(causal, nq, nk, row0, row1, bn)
+        keys += cols
+        pairs += (row1 - row0) * cols
+    return keys, pairs
+
+
+def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd", sram_bytes=None,
+             nk=None, hkv=None, deterministic=False) -> IOModel:
+    """Logical HBM traffic, in elements and bytes, of the tile schedule for ``shape = (B, H, N, d)``.
+
+    ``nk`` sets a different key length (decoding: N new queries over a cache of nk keys); ``hkv``
+    the K/V heads (GQA). Tiles are those cuflash launches (:func:`forward_launch`,
+    :func:`backward_launch`); ``config`` (a TileConfig) replaces them in both passes.
+
+    Forward: Q read once; each query tile (block_m rows) of each query head reads the K and V
+    tiles it sees (every tile, or with ``causal`` only those for which cuflash.masks.tile_is_visible
+    holds, counted tile by tile) — GQA heads each reread K/V; O and the float32 LSE written once.
+    Backward: a preprocessing pass reads O and dO and writes D; one program per K/V tile and K/V head
+    reads K and V once and, for each query head of its group, rereads Q, dO, LSE and D once per
+    visible query tile and reads and writes the float32 dQ accumulator there (atomics; zeroed
+    first, rows padded to the head-dim bucket); dK and dV written once; the accumulator is converted
+    to dQ at the end. ``deterministic=True``: the main program leaves dQ alone and a dQ kernel reads
+    Q, dO, LSE, D once and K, V once per query tile it sees, writing the accumulator once.
+
+    Next to it: the FlashAttention paper's Theta(N^2 d^2 / M) accesses, evaluated with unit
+    constant as Nq*Nk*d^2/M per head with M = ``sram_bytes`` / itemsize (default the H200's 228 KiB
+    of shared memory per SM), standard attention's Theta(N d + N^2) as (Nq+Nk)*d + Nq*Nk, and the
+    materializing reference's literal count (each N x N matrix written once and read once per use).
+    """
+    _check_choice("pass_", pass_, PASSES)
+    causal = masks.normalize_causal(causal)
+    shape = _check_shape("shape", shape)
+    if len(shape) != 4:
+        raise ValueError(f"shape: expected (B, H, N, d), got {shape}")
+    batch, hq, nq, d = shape
+    if d == 0:
+        raise ValueError("shape: head dim d must be at least 1")
+    _check_head_dim(d, "shape")
+    nk = nq if nk is None else _check_int("nk", nk)
+    hkv = hq if hkv is None else _check_int("hkv", hkv)
+    _check_heads(hq, hkv, "hkv")
+    dt = _check_dtype("dtype", dtype)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    s = dt.itemsize
+    fl = forward_launch(dt, d, causal, config)
+    bm, bn, hd = fl.block_m, fl.block_n, fl.hd
+    sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else _check_int("sram_bytes", sram_bytes, minimum=1)
+    M = max(1, sram // s)
+    bh, bhkv = batch * hq, batch * hkv
+    qe, kve, rows = bh * nq * d, bhkv * nk * d, bh * nq
+    assumptions = []
+    entries = []
+    fwd, bwd = pass_ in ("fwd", "fwd+bwd"), pass_ in ("bwd", "fwd+bwd")
+    prefix = (lambda ph: f"{ph}: ") if pass_ == "fwd+bwd" else (lambda ph: "")
+
+    kv_keys, computed = _kv_tile_reads(causal, nq, nk, bm, bn)
+    computed *= bh
+    if fwd:
+        p = prefix("fwd")
+        entries += [
+            IOEntry(p + "Q", qe, 0, s, "read once"),
+            IOEntry(p + "K", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
+            IOEntry(p + "V", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
+            IOEntry(p + "O", 0, qe, s, "written once"),
+            IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
+        ]
+        assumptions.append(f"forward tile {bm}x{bn} from {fl.source}; every query head rereads its K/V tiles "
+                           "(GQA heads share no loads)")
+        if causal is not None:
+            assumptions.append("causal: only K/V tiles with masks.tile_is_visible are loaded")
+    bbm = bbn = bwd_computed = 0
+    if bwd:
+        p = prefix("bwd")
+        bl = backward_launch(dt, d, causal, deterministic) if config is None else None
+        if config is not None:
+            bbm, bbn, src = config.block_m, config.block_n, "config"
+        elif bl is not None:
+            bbm, bbn, src = bl.block_m, bl.block_n, bl.source
+        else:
+            bbm, bbn, src = bm, bn, f"the forward's tile (no {dtype_name(dt)} GPU backward kernel)"
+        q_rows = bwd_computed = 0  # query rows revisited, summed over K/V tiles
+        for col0 in range(0, nk, bbn):
+            r = _visible_query_rows(causal, nq, nk, col0, bbm)
+            q_rows += r
+            bwd_computed += r * (min(nk, col0 + bbn) - col0)
+        bwd_computed *= bh
+        entries += [
+            IOEntry(p + "O (preprocess)", qe, 0, s, "read once to form D = rowsum(dO*O)"),
+            IOEntry(p + "dO (preprocess)", qe, 0, s, "read once to form D"),
+            IOEntry(p + "K", kve, 0, s, "read once per K/V tile"),
+            IOEntry(p + "V", kve, 0, s, "read once per K/V tile"),
+            IOEntry(p + "Q", bh * q_rows * d, 0, s, f"reread once per visible K/V tile ({bbn} keys)"),
+            IOEntry(p + "dO", bh * q_rows * d, 0, s, "reread once per visible K/V tile"),
+            IOEntry(p + "LSE", bh * q_rows, 0, LSE_ITEMSIZE, "float32, reread once per visible K/V tile"),
+            IOEntry(p + "D", bh * q_rows, rows, ACC_ITEMSIZE, "float32: written once, reread per visible K/V tile"),
+        ]
+        if not deterministic:
+            entries.append(IOEntry(p + "dQ accumulator", bh * q_rows * d + qe, rows * hd + bh * q_rows * d,
+                                   ACC_ITEMSIZE, f"float32: zeroed ({hd}-wide rows), read+written per visible "
+                                   "tile (atomics), read once to convert"))
+        else:
+            dbm = bl.dq_block_m if bl is not None and bl.dq_block_m else bm
+            dbn = bl.dq_block_n if bl is not None and bl.dq_block_n else bn
+            dq_keys, _ = _kv_tile_reads(causal, nq, nk, dbm, dbn)
+            entries += [
+                IOEntry(p + "Q (dQ kernel)", qe, 0, s, "read once"),
+                IOEntry(p + "dO (dQ kernel)", qe, 0, s, "read once"),
+                IOEntry(p + "LSE, D (dQ kernel)", 2 * rows, 0, LSE_ITEMSIZE, "float32, read once each"),
+                IOEntry(p + "K (dQ kernel)", bh * dq_keys * d, 0, s, f"once per query tile ({dbm} rows) per query head"),
+                IOEntry(p + "V (dQ kernel)", bh * dq_keys * d, 0, s, f"once per query tile ({dbm} rows) per query head"),
+                IOEntry(p + "dQ accumulator", qe, qe, ACC_ITEMSIZE, "float32: written once, read once to convert"),
+            ]
+        entries += [
+            IOEntry(p + "dQ", 0, qe, s, "written once"),
+            IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
+            IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
+        ]
+        assumptions.append(f"backward tile {bbm}x{bbn} from {src}: one program per K/V tile and K/V head loops "
+                           "over the group's query heads")
+        if causal is not None:
+            assumptions.append("causal backward: a K/V tile revisits only the query tiles that see it")
+    # The materializing reference per query head. Forward: S = QK^T (read Q, K; write S), softmax
+    # (read S; write P, LSE), O = PV (read P, V; write O). Backward: S recomputed and P formed (read
+    # Q, K, S, LSE; write S, P), dP = dO V^T, D = rowsum(dO*O), dS = P*(dP - D), dV = P^T dO,
+    # dQ = dS K, dK = dS^T Q: ten N x N accesses, 7 Nq*d, 5 Nk*d and 3 Nq (LSE, D write, D read).
+    reference = 0
+    if fwd:
+        reference += bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
+    if bwd:
+        reference += bh * (10 * nq * nk + 7 * nq * d + 5 * nk * d + 3 * nq)
+    n_passes = int(fwd) + int(bwd)
+    paper = n_passes * bh * nq * nk * d * d / M
+    standard = n_passes * bh * ((nq + nk) * d + nq * nk)
+    if paper < n_passes * bh * (nq + nk) * d:
+        assumptions.append("the paper's count leaves out reading the inputs once, Theta((Nq+Nk) d), "
+                           "which dominates at this shape (e.g. decoding)")
+    if M > nk * d:
+        assumptions.append(f"M = {M} > Nk*d = {nk * d}: the paper's bound assumes d <= M <= N d")
+    assumptions.append(f"M = {sram:,} bytes of on-chip storage / {s} B per element"
+                       + (" (H200 shared memory per SM, 228 KiB)" if sram_bytes is None else ""))
+    compulsory = (qe + 2 * kve) * s + qe * s + rows * LSE_ITEMSIZE
+    return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(dt), causal, bm, bn, bbm, bbn, tuple(entries),
+                   sram, M, paper, standard, reference, computed, bwd_computed, compulsory,
+                   tuple(assumptions))
+
+
+# --------------------------------------------------------------------------- text tables
+
+
+def format_table(header, rows) -> str:
+    """A plain-text table: left-aligned text, right-aligned numbers."""
+    rows = [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+
+    def numeric(c):
+        return c.replace(",", "").replace(".", "", 1).lstrip("-").isdigit()
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if numeric(c) else c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line([str(h) for h in header]), sep] + [line(r) for r in rows])
