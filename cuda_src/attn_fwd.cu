@@ -129,9 +129,10 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
     const int warp_row0 = warp * Tr::kRowsPerWarp;  // first row of this warp within the tile
     // ldmatrix lanes: A (Q) rows lane&15, chunk lane>>4; K rows (lane>>4)*8 + lane&7, chunk
     // (lane>>3)&1; V (transposed) rows ((lane>>3)&1)*8 + lane&7, chunk lane>>4.
-    const LaneAddr<HEAD_DIM> aQ(sQ, warp_row0 + (lane & 15), lane >> 4);
-    const LaneAddr<HEAD_DIM> aK(sK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-    const LaneAddr<HEAD_DIM> aV(sV, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+    const u32 sbase = smem_addr(smem);
+    const LaneAddr<HEAD_DIM> aQ(sbase, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> aK(sbase + Tr::kTileQ * 2, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> aV(sbase + (Tr::kTileQ + STAGES * Tr::kTileKV) * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
     for (int j = 0; j < n_tiles; ++j) {
         // Tile j has landed for every thread, and every warp is done with tile j-1's slot.
         cp_async_wait<STAGES - 2>();

@@ -144,8 +144,10 @@ struct LaneAddr {
     using Swz = Swizzle<COLS>;
     u32 base;  // shared byte address of the lane's row, chunk 0
     int key;   // chunk_lane ^ row key: XOR distributes over the disjoint bits of chunk_c
-    __device__ __forceinline__ LaneAddr(const u16* tile, int row_lane, int chunk_lane) {
-        base = smem_addr(tile + row_lane * COLS);
+    // tile: shared byte address of the tile. Pass one kernel-wide base plus a compile-time
+    // offset, so that lanes with the same (row_lane, chunk_lane) share registers across tiles.
+    __device__ __forceinline__ LaneAddr(u32 tile, int row_lane, int chunk_lane) {
+        base = tile + row_lane * COLS * 2;
         key = chunk_lane ^ Swz::row_key(row_lane);
     }
     __device__ __forceinline__ u32 at(int row_c, int chunk_c) const {

@@ -98,4 +98,6 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False):
-    raise NotImplementedError("cuflash: the GPU backward kernel is not implemented yet (NumPy inputs run on the CPU backend)")
+    from . import gpu_backward
+
+    gpu_backward.backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic)

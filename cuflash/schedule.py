@@ -69,3 +69,43 @@ def cpu_blocks(d: int) -> tuple[int, int]:
     """(block_m, block_n) the NumPy backend uses: the forward kernel's tile for this head dim."""
     _, cfg = forward_tile(min(max(d, 1), MAX_HEAD_DIM))
     return cfg.block_m, cfg.block_n
+
+
+@dataclass(frozen=True)
+class BackwardTile:
+    block_m: int  # queries per inner tile (streamed)
+    block_n: int  # keys owned by one block (dK, dV stay in registers)
+    warps: int
+    warps_d: int  # warps splitting the head dim of dK/dV (S and dP are recomputed per split)
+    dq_block_m: int  # deterministic dQ kernel: query rows per block
+    dq_block_n: int  # deterministic dQ kernel: keys per tile
+    dq_warps: int
+    dq_split: int  # deterministic dQ kernel: blocks splitting dQ's columns (each recomputes S, dP)
+    reason: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        tile_q, tile_kv = self.block_m * head_dim, self.block_n * head_dim
+        return (2 * tile_kv + 4 * tile_q + self.block_n * self.block_m) * 2 + 4 * self.block_m * 4
+
+    def dq_smem_bytes(self, head_dim: int) -> int:
+        return (2 * self.dq_block_m + 4 * self.dq_block_n) * head_dim * 2
+
+
+# Backward, 16-bit inputs. Keys are the mma M dimension: each warp owns block_n / (warps / warps_d)
+# key rows of dK and dV in registers (2 x rows x d/warps_d floats per warp).
+BACKWARD_TILES: dict[int, BackwardTile] = {
+    32: BackwardTile(64, 128, 8, 1, 64, 32, 4, 1, "dK+dV are 32 regs; 128 keys per block amortize the Q/dO stream"),
+    64: BackwardTile(64, 128, 8, 1, 64, 64, 4, 1, "dK+dV are 64 regs/thread at 16 key rows per warp"),
+    128: BackwardTile(32, 128, 8, 1, 64, 32, 4, 1, "dK+dV = 128 regs at 16 key rows per warp; 64-query tiles spill, so 32"),
+    192: BackwardTile(32, 64, 8, 2, 64, 16, 4, 2, "two warps split d (96 columns each) so dK+dV fit; S/dP computed twice"),
+    256: BackwardTile(32, 32, 8, 4, 64, 16, 4, 2, "four warps split d (64 columns each); S/dP computed 4x: correct, slow (no spill-free 2-way split found)"),
+}
+
+
+def backward_tile(d: int) -> tuple[int, BackwardTile]:
+    hd = head_dim_bucket(d)
+    return hd, BACKWARD_TILES[hd]

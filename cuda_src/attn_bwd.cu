@@ -1,0 +1,554 @@
+// Tiled backward attention on mma.sync tensor cores (FlashAttention-2's algorithm).
+//
+//   attn_bwd_prep : D = rowsum(dO * O) in float32 (and zero the dQ accumulator).
+//   attn_bwd_kv   : one block per (K/V tile, K/V head, batch); loops over the query heads of the
+//                   GQA group and the query tiles that can see its keys. Recomputes P from the
+//                   saved log-sum-exp, accumulates dV = P^T dO and dK = dS^T Q in registers, and
+//                   (unless deterministic) adds dQ += dS K into a float32 accumulator with vector
+//                   atomics. Keys are the mma M dimension, so dK/dV never leave registers.
+//   attn_bwd_dq   : deterministic dQ: one block per query tile, a fixed-order loop over key tiles
+//                   (the forward's shape), no atomics. Costs S and dP a second time.
+//   attn_bwd_dq_convert : dQ = scale * accumulator, rounded to the input dtype.
+// Nothing N x N touches device memory: dS lives in one shared-memory tile per block.
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void attn_bwd_prep(const u16* __restrict__ o, const u16* __restrict__ dout, float* __restrict__ dsum,
+                              i64 o_sb, i64 o_sh, i64 o_sn, i64 do_sb, i64 do_sh, i64 do_sn,
+                              int hq, int nq, int d) {
+    // One warp per query row; rows of all (batch, head) pairs in blockIdx.x-major order.
+    const i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    const int b = blockIdx.y;
+    if (row >= (i64)hq * nq) return;
+    const int h = (int)(row / nq), i = (int)(row % nq);
+    const u16* po = o + b * o_sb + h * o_sh + i * o_sn;
+    const u16* pd = dout + b * do_sb + h * do_sh + i * do_sn;
+    float acc = 0.f;
+    for (int c = lane; c < d; c += 32) acc += to_float<T>(po[c]) * to_float<T>(pd[c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) dsum[((i64)b * hq + h) * nq + i] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D>
+struct BwdTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
+    static constexpr int kBlockM = BLOCK_M;  // queries per inner tile
+    static constexpr int kBlockN = BLOCK_N;  // keys owned by the block
+    static constexpr int kThreads = WARPS * 32;
+    static constexpr int kChunks = HEAD_DIM / 8;
+    static constexpr int kWarpsN = WARPS / WARPS_D;          // warps along keys
+    static constexpr int kRowsPerWarp = BLOCK_N / kWarpsN;   // key rows per warp
+    static constexpr int kMmaM = kRowsPerWarp / 16;
+    static constexpr int kDSlice = HEAD_DIM / WARPS_D;       // dK/dV columns per warp
+    static constexpr int kNTilesQ = BLOCK_M / 8;             // S^T columns (queries) in n8 tiles
+    static constexpr int kNTilesD = kDSlice / 8;
+    // dQ = dS K partition: (BLOCK_M / 16) query row tiles x kDqSlices column slices = WARPS.
+    static constexpr int kDqRowTiles = BLOCK_M / 16;
+    static constexpr int kDqSlices = WARPS / kDqRowTiles;
+    static constexpr int kDqCols = HEAD_DIM / kDqSlices;
+    static constexpr int kTileQ = BLOCK_M * HEAD_DIM;
+    static constexpr int kTileKV = BLOCK_N * HEAD_DIM;
+    static constexpr int kSmemBytes =
+        (2 * kTileKV + 4 * kTileQ + BLOCK_N * BLOCK_M) * 2 + 4 * BLOCK_M * 4;
+    using Swz = Swizzle<HEAD_DIM>;
+    using SwzS = Swizzle<BLOCK_M>;
+    static_assert(kRowsPerWarp % 16 == 0 && kDSlice % 16 == 0 && kDqCols % 16 == 0, "whole mma tiles");
+    static_assert(kDqRowTiles * kDqSlices == WARPS, "dQ tiles cover the warps exactly");
+    static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
+};
+
+// ROWS x HEAD_DIM tile -> swizzled shared memory (same contract as the forward's load_tile).
+template <int HEAD_DIM, int THREADS, int ROWS, bool VEC>
+__device__ __forceinline__ void load_rows(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d) {
+    using Swz = Swizzle<HEAD_DIM>;
+    constexpr int kChunks = HEAD_DIM / 8;
+    constexpr int kIters = ROWS * kChunks / THREADS;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int i = it * THREADS + threadIdx.x;
+        const int row = i / kChunks, col = (i % kChunks) * 8;
+        u16* dst = smem + Swz::offset(row, col);
+        if constexpr (VEC) {
+            const bool ok = row < rows_valid && col < d;
+            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
+        } else {
+            u32 w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c0 = col + 2 * e;
+                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
+                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
+                w[e] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+            float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+            i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+            int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D>;
+    constexpr int kMmaM = Tr::kMmaM, kNQ = Tr::kNTilesQ, kND = Tr::kNTilesD;
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sK = smem;
+    u16* sV = sK + Tr::kTileKV;
+    u16* sQ = sV + Tr::kTileKV;          // 2 buffers
+    u16* sdO = sQ + 2 * Tr::kTileQ;      // 2 buffers
+    u16* sdS = sdO + 2 * Tr::kTileQ;     // BLOCK_N x BLOCK_M, dS^T
+    float* sL = reinterpret_cast<float*>(sdS + BLOCK_N * BLOCK_M);  // 2 x BLOCK_M: lse * log2(e)
+    float* sD = sL + 2 * BLOCK_M;                                     // 2 x BLOCK_M: D
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = n_block * BLOCK_N;
+    const int keys_valid = min(BLOCK_N, nk - n0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wn = warp % Tr::kWarpsN, wd = warp / Tr::kWarpsN;
+    const int key_row0 = wn * Tr::kRowsPerWarp;  // warp's first key row within the block
+    const int col0 = wd * Tr::kDSlice;           // warp's first dK/dV column
+
+    // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + off.
+    const int m_tiles = (nq + BLOCK_M - 1) / BLOCK_M;
+    int m_begin = 0;
+    if constexpr (CAUSAL) m_begin = max(0, n0 - causal_off) / BLOCK_M;
+    const int per_head = max(0, m_tiles - m_begin);
+    const int n_steps = per_head * group;  // (head, query tile) pairs, head-major
+
+    const u16* gK = k + b * k_sb + hk * k_sh + n0 * k_sn;
+    const u16* gV = v + b * v_sb + hk * v_sh + n0 * v_sn;
+    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK, gK, k_sn, keys_valid, d);
+    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV, gV, v_sn, keys_valid, d);
+
+    auto load_step = [&](int step, int buf) {
+        const int h = hk * group + step / per_head;
+        const int m0 = (m_begin + step % per_head) * BLOCK_M;
+        const int rows = min(BLOCK_M, nq - m0);
+        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d);
+        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d);
+        const i64 stat = ((i64)b * hq + h) * nq + m0;
+        for (int i = threadIdx.x; i < BLOCK_M; i += Tr::kThreads) {
+            // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
+            const float l = i < rows ? lse[stat + i] : -INFINITY;
+            sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+            sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
+        }
+    };
+    if (n_steps > 0) load_step(0, 0);
+    cp_async_commit();
+
+    float acc_dk[kMmaM][kND][4], acc_dv[kMmaM][kND][4];
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kND; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[mi][ni][e] = acc_dv[mi][ni][e] = 0.f;
+
+    // Lane address generators (see common.cuh): A operands from K/V rows (non-transposed),
+    // B operands from Q/dO rows (non-transposed for S^T and dP^T, transposed for dV and dK).
+    // All tiles sit at compile-time offsets from one shared base (see LaneAddr).
+    const u32 sbase = smem_addr(smem);
+    constexpr u32 oV = Tr::kTileKV * 2, oQ = 2 * Tr::kTileKV * 2, odO = oQ + 2 * Tr::kTileQ * 2;
+    constexpr u32 odS = odO + 2 * Tr::kTileQ * 2;
+    const LaneAddr<HEAD_DIM> aK(sbase, key_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> aV(sbase + oV, key_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> bQ(sbase + oQ, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bQt(sbase + oQ, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+    const LaneAddr<HEAD_DIM> bdO(sbase + odO, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bdOt(sbase + odO, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+    // dQ = dS K: A = dS from the dS^T tile (transposed ldmatrix), B = K (transposed ldmatrix).
+    const int dq_rt = warp % Tr::kDqRowTiles, dq_cs = warp / Tr::kDqRowTiles;
+    const LaneAddr<BLOCK_M> aS(sbase + odS, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bKt(sbase, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+
+    for (int step = 0; step < n_steps; ++step) {
+        const int buf = step & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // tile `step` landed everywhere; everyone is done with the other buffer and sdS
+        if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
+        cp_async_commit();
+        const u32 qoff = buf * Tr::kTileQ * 2;
+        const int h = hk * group + step / per_head;
+        const int m0 = (m_begin + step % per_head) * BLOCK_M;
+        const float* tL = sL + buf * BLOCK_M;
+        const float* tD = sD + buf * BLOCK_M;
+
+        // S^T = K Q^T and dP^T = V dO^T for this warp's key rows.
+        float s[kMmaM][kNQ][4], dp[kMmaM][kNQ][4];
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 ak[kMmaM][4], av[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                ldmatrix_x4(ak[mi], aK.at(mi * 16, kk * 2));
+                ldmatrix_x4(av[mi], aV.at(mi * 16, kk * 2));
+            }
+#pragma unroll
+            for (int ni = 0; ni < kNQ; ni += 2) {
+                u32 bq[4], bo[4];
+                ldmatrix_x4(bq, bQ.at(ni * 8, kk * 2) + qoff);
+                ldmatrix_x4(bo, bdO.at(ni * 8, kk * 2) + qoff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(s[mi][ni], ak[mi], bq[0], bq[1]);
+                    mma_16816<T>(s[mi][ni + 1], ak[mi], bq[2], bq[3]);
+                    mma_16816<T>(dp[mi][ni], av[mi], bo[0], bo[1]);
+                    mma_16816<T>(dp[mi][ni + 1], av[mi], bo[2], bo[3]);
+                }
+            }
+        }
+
+        // P^T = exp2(S^T * scale * log2e - lse * log2e) with invisible pairs forced to 0;
+        // dS^T = P^T * (dP^T - D).
+        const bool need_mask = (n0 + BLOCK_N > nk) || (m0 + BLOCK_M > nq) ||
+                               (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_off);
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+#pragma unroll
+                for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int qc = ni * 8 + 2 * (lane & 3) + e;  // query column within the tile
+                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -tL[qc]));
+                        if (need_mask) {
+                            const int qi = m0 + qc;
+                            const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
+                            p = vis ? p : 0.f;
+                        }
+                        s[mi][ni][2 * hf + e] = p;
+                        dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - tD[qc]);
+                    }
+            }
+
+        // dV += P^T dO and dK += dS^T Q over this warp's column slice.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            u32 ap[kMmaM][4], as[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                ap[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                ap[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                ap[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                ap[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+                as[mi][0] = pack2<T>(dp[mi][2 * kk][0], dp[mi][2 * kk][1]);
+                as[mi][1] = pack2<T>(dp[mi][2 * kk][2], dp[mi][2 * kk][3]);
+                as[mi][2] = pack2<T>(dp[mi][2 * kk + 1][0], dp[mi][2 * kk + 1][1]);
+                as[mi][3] = pack2<T>(dp[mi][2 * kk + 1][2], dp[mi][2 * kk + 1][3]);
+            }
+            if (ATOMIC_DQ && wd == 0) {  // one copy of dS^T for the dQ product
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+                            const int col = kk * 16 + half * 8;
+                            u16* dst = sdS + Tr::SwzS::offset(row, col) + 2 * (lane & 3);
+                            *reinterpret_cast<u32*>(dst) = as[mi][2 * half + hf];
+                        }
+            }
+#pragma unroll
+            for (int di = 0; di < kND; di += 2) {
+                u32 bo[4], bq[4];
+                ldmatrix_x4_trans(bo, bdOt.at(kk * 16, col0 / 8 + di) + qoff);
+                ldmatrix_x4_trans(bq, bQt.at(kk * 16, col0 / 8 + di) + qoff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(acc_dv[mi][di], ap[mi], bo[0], bo[1]);
+                    mma_16816<T>(acc_dv[mi][di + 1], ap[mi], bo[2], bo[3]);
+                    mma_16816<T>(acc_dk[mi][di], as[mi], bq[0], bq[1]);
+                    mma_16816<T>(acc_dk[mi][di + 1], as[mi], bq[2], bq[3]);
+                }
+            }
+        }
+
+        if constexpr (ATOMIC_DQ) {
+            __syncthreads();  // the whole dS^T tile is in shared memory
+            // dQ(tile) += dS K for this warp's 16 query rows x kDqCols columns.
+            constexpr int kNC = Tr::kDqCols / 8;
+            float acc_q[kNC][4];
+#pragma unroll
+            for (int ni = 0; ni < kNC; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_q[ni][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, aS.at(kk * 16, dq_rt * 2));
+#pragma unroll
+                for (int ni = 0; ni < kNC; ni += 2) {
+                    u32 bk[4];
+                    ldmatrix_x4_trans(bk, bKt.at(kk * 16, dq_cs * kNC + ni));
+                    mma_16816<T>(acc_q[ni], a, bk[0], bk[1]);
+                    mma_16816<T>(acc_q[ni + 1], a, bk[2], bk[3]);
+                }
+            }
+            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = dq_rt * 16 + (lane >> 2) + 8 * hf;
+                if (m0 + row < nq) {
+#pragma unroll
+                    for (int ni = 0; ni < kNC; ++ni) {
+                        const int col = dq_cs * Tr::kDqCols + ni * 8 + 2 * (lane & 3);
+                        red_add_v2(gq + (i64)row * HEAD_DIM + col, acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // dK carries the softmax scale (S = scale * Q K^T); store both, masked to valid keys and d.
+    const float scale = scale_log2 / kLog2e;
+    u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
+    u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+            if (row >= keys_valid) continue;
+#pragma unroll
+            for (int ni = 0; ni < kND; ++ni) {
+                const int col = col0 + ni * 8 + 2 * (lane & 3);
+                const float k0 = acc_dk[mi][ni][2 * hf] * scale, k1 = acc_dk[mi][ni][2 * hf + 1] * scale;
+                const float v0 = acc_dv[mi][ni][2 * hf], v1 = acc_dv[mi][ni][2 * hf + 1];
+                if (VEC) {
+                    if (col < d) {
+                        *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(k0, k1);
+                        *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(v0, v1);
+                    }
+                } else {
+                    if (col < d) {
+                        gdk[row * dk_sn + col] = from_float<T>(k0);
+                        gdv[row * dv_sn + col] = from_float<T>(v0);
+                    }
+                    if (col + 1 < d) {
+                        gdk[row * dk_sn + col + 1] = from_float<T>(k1);
+                        gdv[row * dv_sn + col + 1] = from_float<T>(v1);
+                    }
+                }
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic dQ: the forward's shape (warps own query rows), fixed-order loop over key tiles.
+// Large head dims split dQ's columns over DQ_SPLIT blocks (each recomputes S and dP) so that the
+// accumulator fits in registers.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct DqTraits {
+    static constexpr int kThreads = WARPS * 32;
+    static constexpr int kChunks = HEAD_DIM / 8;
+    static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+    static constexpr int kMmaM = kRowsPerWarp / 16;
+    static constexpr int kTileQ = BLOCK_M * HEAD_DIM;
+    static constexpr int kTileKV = BLOCK_N * HEAD_DIM;
+    static constexpr int kSmemBytes = (2 * kTileQ + 4 * kTileKV) * 2;  // Q, dO, 2 x (K, V)
+    static_assert(kRowsPerWarp % 16 == 0, "whole mma tiles");
+    static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+            float* __restrict__ dq_acc,
+            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+            i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    using Tr = DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+    constexpr int kMmaM = Tr::kMmaM, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8 / DQ_SPLIT;
+    static_assert(kNO % 2 == 0, "dQ column slices are pairs of 8-column tiles");
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sdO = sQ + Tr::kTileQ;
+    u16* sK = sdO + Tr::kTileQ;  // 2 buffers
+    u16* sV = sK + 2 * Tr::kTileKV;  // 2 buffers
+
+    const int split = blockIdx.x % DQ_SPLIT;  // which slice of dQ's columns
+    const int m_block = gridDim.x / DQ_SPLIT - 1 - blockIdx.x / DQ_SPLIT;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group, hq = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = m_block * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, nq - m0);
+    int n_end = nk;
+    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
+    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    const u16* gK = k + b * k_sb + hk * k_sh;
+    const u16* gV = v + b * v_sb + hk * v_sh;
+    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, d);
+    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows_valid, d);
+    if (n_tiles > 0) {
+        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK, gK, k_sn, nk, d);
+        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV, gV, v_sn, nk, d);
+    }
+    cp_async_commit();
+
+    const int warp_row0 = warp * Tr::kRowsPerWarp;
+    // Per-row statistics of this thread's rows (g and g+8 of each mma tile).
+    float lse2[2 * kMmaM], dsv[2 * kMmaM];
+    const i64 stat = ((i64)b * hq + h) * nq;
+#pragma unroll
+    for (int r = 0; r < 2 * kMmaM; ++r) {
+        const int row = m0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+        const float l = row < nq ? lse[stat + row] : -INFINITY;
+        lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+        dsv[r] = row < nq ? dsum[stat + row] : 0.f;
+    }
+    float acc[kMmaM][kNO][4];
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNO; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+
+    const u32 sbase = smem_addr(smem);
+    constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
+    const LaneAddr<HEAD_DIM> aQ(sbase, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> adO(sbase + odO, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> bK(sbase + oK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bV(sbase + oV, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bKt(sbase + oK, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int buf = j & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_tiles) {
+            const int nn = (j + 1) * BLOCK_N;
+            load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK + (buf ^ 1) * Tr::kTileKV, gK + nn * k_sn, k_sn, nk - nn, d);
+            load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV + (buf ^ 1) * Tr::kTileKV, gV + nn * v_sn, v_sn, nk - nn, d);
+        }
+        cp_async_commit();
+        const u32 koff = buf * Tr::kTileKV * 2;
+
+        float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 aq[kMmaM][4], ao[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                ldmatrix_x4(aq[mi], aQ.at(mi * 16, kk * 2));
+                ldmatrix_x4(ao[mi], adO.at(mi * 16, kk * 2));
+            }
+#pragma unroll
+            for (int ni = 0; ni < kNS; ni += 2) {
+                u32 bk[4], bv[4];
+                ldmatrix_x4(bk, bK.at(ni * 8, kk * 2) + koff);
+                ldmatrix_x4(bv, bV.at(ni * 8, kk * 2) + koff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(s[mi][ni], aq[mi], bk[0], bk[1]);
+                    mma_16816<T>(s[mi][ni + 1], aq[mi], bk[2], bk[3]);
+                    mma_16816<T>(dp[mi][ni], ao[mi], bv[0], bv[1]);
+                    mma_16816<T>(dp[mi][ni + 1], ao[mi], bv[2], bv[3]);
+                }
+            }
+        }
+        const int n0 = j * BLOCK_N;
+        const bool need_mask = (n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + causal_off);
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = 2 * mi + hf;
+                const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+                const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+#pragma unroll
+                for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -lse2[r]));
+                        if (need_mask && n0 + ni * 8 + 2 * (lane & 3) + e >= limit) p = 0.f;
+                        dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - dsv[r]);
+                    }
+            }
+        // dQ += dS K.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 a[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                a[mi][0] = pack2<T>(dp[mi][2 * kk][0], dp[mi][2 * kk][1]);
+                a[mi][1] = pack2<T>(dp[mi][2 * kk][2], dp[mi][2 * kk][3]);
+                a[mi][2] = pack2<T>(dp[mi][2 * kk + 1][0], dp[mi][2 * kk + 1][1]);
+                a[mi][3] = pack2<T>(dp[mi][2 * kk + 1][2], dp[mi][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int di = 0; di < kNO; di += 2) {
+                u32 bk[4];
+                ldmatrix_x4_trans(bk, bKt.at(kk * 16, split * kNO + di) + koff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(acc[mi][di], a[mi], bk[0], bk[1]);
+                    mma_16816<T>(acc[mi][di + 1], a[mi], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    float* gq = dq_acc + (stat + m0) * HEAD_DIM;
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+            if (row < rows_valid) {
+#pragma unroll
+                for (int ni = 0; ni < kNO; ++ni) {
+                    const int col = (split * kNO + ni) * 8 + 2 * (lane & 3);
+                    *reinterpret_cast<float2*>(gq + (i64)row * HEAD_DIM + col) = make_float2(acc[mi][ni][2 * hf], acc[mi][ni][2 * hf + 1]);
+                }
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HEAD_DIM>
+__global__ void attn_bwd_dq_convert(const float* __restrict__ dq_acc, u16* __restrict__ dq,
+                                    i64 sb, i64 sh, i64 sn, int hq, int nq, int d, float scale) {
+    // blockIdx.y = batch; x covers (head, row, col) of this batch.
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 per_batch = (i64)hq * nq * d;
+    if (idx >= per_batch) return;
+    const int b = blockIdx.y;
+    const int c = (int)(idx % d);
+    const i64 r = idx / d;  // head * nq + row
+    const int i = (int)(r % nq), h = (int)(r / nq);
+    const float val = dq_acc[(((i64)b * hq + h) * nq + i) * HEAD_DIM + c] * scale;
+    dq[b * sb + h * sh + i * sn + c] = from_float<T>(val);
+}

@@ -1,0 +1,119 @@
+"""CUDA backward: D = rowsum(dO*O), the K/V-parallel main kernel, dQ (atomic or deterministic)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import schedule
+from ._arrays import BFLOAT16, FLOAT16, FLOAT32
+from ._build import KernelSpec, get_function
+
+_LOG2E = 1.4426950408889634
+_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
+_PREP_WARPS = 8
+_CONVERT_THREADS = 256
+_MAX_GRID_YZ = 65535
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool):
+    """{role: KernelSpec} of every kernel one backward launches (what CI compiles)."""
+    dtype = np.dtype(dtype)
+    if dtype == FLOAT32:
+        raise NotImplementedError("cuflash: the float32 GPU backward is not implemented yet (use float16/bfloat16, or NumPy inputs)")
+    tag = _TAG[dtype]
+    hd, t = schedule.backward_tile(d)
+    specs = {
+        "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}>", 32 * _PREP_WARPS, 0),
+        "kv": KernelSpec(
+            "attn_bwd.cu",
+            f"attn_bwd_kv<{tag}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.warps_d}, {_b(causal)}, {_b(vec)}, {_b(not deterministic)}>",
+            t.threads,
+            t.smem_bytes(hd),
+        ),
+        "convert": KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{tag}, {hd}>", _CONVERT_THREADS, 0),
+    }
+    if deterministic:
+        specs["dq"] = KernelSpec(
+            "attn_bwd.cu",
+            f"attn_bwd_dq<{tag}, {hd}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, {t.dq_split}, {_b(causal)}, {_b(vec)}>",
+            32 * t.dq_warps,
+            t.dq_smem_bytes(hd),
+        )
+    return specs, hd, t
+
+
+def all_backward_specs():
+    specs = []
+    for dtype in (FLOAT16, BFLOAT16):
+        for hd in schedule.HEAD_DIM_BUCKETS:
+            for causal in (False, True):
+                for vec in (False, True):
+                    for det in (False, True):
+                        specs.extend(backward_specs(dtype, hd, causal, vec, det)[0].values())
+    return list(dict.fromkeys(specs))
+
+
+def _strides3(a4):
+    return [np.int64(s // a4.itemsize) for s in a4.strides[:3]]
+
+
+def workspace_bytes(p) -> int:
+    """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
+    padded to the head-dim bucket) and D."""
+    hd = schedule.head_dim_bucket(p.d)
+    return p.batch * p.hq * p.nq * (hd + 1) * 4
+
+
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False):
+    import cupy
+
+    from .gpu import _unit_d, _vector_ok
+
+    if p.batch == 0 or p.hq == 0:
+        return
+    do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
+    vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
+    specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic)
+    off = np.int32(p.causal_offset if p.causal is not None else 0)
+    scale_log2 = np.float32(p.scale * _LOG2E)
+    lse3 = cupy.ascontiguousarray(lse3)
+
+    dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float32)
+    dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, hd), dtype=np.float32)
+    for b0 in range(0, p.batch, _MAX_GRID_YZ):
+        b1 = min(p.batch, b0 + _MAX_GRID_YZ)
+        nb = b1 - b0
+        sl = slice(b0, b1)
+        if p.nq > 0:
+            rows = p.hq * p.nq
+            get_function(specs["prep"])(
+                (-(-rows // _PREP_WARPS), nb), (32 * _PREP_WARPS,),
+                (o4[sl], do4[sl], dsum[sl], *_strides3(o4), *_strides3(do4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d)),
+            )
+        common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
+        n_blocks = -(-p.nk // t.block_n)
+        if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
+            get_function(specs["kv"])(
+                (n_blocks, p.hkv, nb), (t.threads,),
+                (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
+                 *common, *_strides3(dk4), *_strides3(dv4),
+                 np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2),
+                shared_mem=specs["kv"].smem_bytes,
+            )
+        if deterministic and p.nq > 0:
+            get_function(specs["dq"])(
+                (-(-p.nq // t.dq_block_m) * t.dq_split, p.hq, nb), (32 * t.dq_warps,),
+                (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], *common,
+                 np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2),
+                shared_mem=specs["dq"].smem_bytes,
+            )
+        per_batch = p.hq * p.nq * p.d
+        if per_batch > 0:
+            get_function(specs["convert"])(
+                (-(-per_batch // _CONVERT_THREADS), nb), (_CONVERT_THREADS,),
+                (dq_acc[sl], dq4[sl], *_strides3(dq4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d), np.float32(p.scale)),
+            )
