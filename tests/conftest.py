@@ -1,0 +1,60 @@
+"""Shared test machinery: the ``gpu`` marker's skip rule and a freshly seeded ``rng`` per test."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+_SEED_ENV = "CUFLASH_SEED"  # set to replay a failing test with the seed it printed
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy imports and sees at least one device, else why the GPU tests skip."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install raising on import
+        return f"cupy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver / no device raises CUDARuntimeError
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return "no CUDA device (getDeviceCount() == 0)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator with a fresh seed for every test; the seed is reported on failure."""
+    env = os.environ.get(_SEED_ENV)
+    seed = int(env) if env else int(np.random.SeedSequence().entropy % 2**63)
+    request.node._cuflash_seed = seed
+    request.node.user_properties.append(("rng_seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "_cuflash_seed", None)
+    if seed is not None and report.failed:
+        report.sections.append(
+            ("rng seed", f"rng seed {seed}: replay with {_SEED_ENV}={seed} python -m pytest '{item.nodeid}'")
+        )

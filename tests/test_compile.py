@@ -1,0 +1,124 @@
+"""Compile every kernel instantiation the package can launch for sm_90a with NVRTC (no GPU needed).
+
+Each instantiation must compile, and must not spill: spills and a stack frame turn register
+traffic into local-memory traffic in the inner loop. The specs come from cuflash.gpu's
+``all_*_specs`` functions, so a new kernel family is checked as soon as it is listed there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from cuflash import _build, gpu
+
+ARCH = "sm_90a"
+SPEC_LISTS = ("all_forward_specs", "all_backward_specs", "all_decode_specs")
+
+
+def _spec_params():
+    """One pytest.param per instantiation; a list that fails to build becomes a failing test."""
+    params, seen = [], set()
+    for list_name in SPEC_LISTS:
+        make = getattr(gpu, list_name, None)
+        if make is None:
+            continue
+        try:
+            specs = list(make())
+        except Exception as exc:  # noqa: BLE001 - reported by the test below, not hidden
+            params.append(pytest.param(None, exc, id=f"{list_name}-failed"))
+            continue
+        if not specs:
+            params.append(pytest.param(None, ValueError(f"{list_name}() returned no specs"), id=f"{list_name}-empty"))
+        for spec in specs:
+            if spec.short_name in seen:
+                continue
+            seen.add(spec.short_name)
+            params.append(pytest.param(spec, None, id=spec.short_name))
+    return params
+
+
+def _nvrtc_or_skip():
+    """Skip when cuda.bindings' NVRTC is missing, unless CI said it must be there."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"nvrtcVersion: {err}")
+    except Exception as exc:  # ImportError, or libnvrtc not found at first call
+        if os.environ.get("CUFLASH_REQUIRE_NVRTC") == "1":
+            pytest.fail(f"NVRTC is required (CUFLASH_REQUIRE_NVRTC=1) but unusable: {exc!r}")
+        pytest.skip(f"cuda.bindings NVRTC not usable: {exc!r} (pip install -e '.[test]')")
+
+
+@pytest.mark.parametrize(("spec", "enumeration_error"), _spec_params())
+def test_instantiation_compiles_without_spills(spec, enumeration_error):
+    if enumeration_error is not None:
+        raise enumeration_error
+    _nvrtc_or_skip()
+    report = _build.compile_offline(spec, ARCH)  # CompileError carries NVRTC's log
+    assert report.registers > 0, f"{spec.short_name}: ptxas reported no registers:\n{report.log}"
+    assert (report.stack_bytes, report.spill_stores, report.spill_loads) == (0, 0, 0), (
+        f"{spec.short_name} on {ARCH}: {report.registers} registers, {report.stack_bytes} bytes stack frame, "
+        f"{report.spill_stores} bytes spill stores, {report.spill_loads} bytes spill loads"
+    )
+
+
+# ---- header inlining: the text CuPy hashes for its cache must change with every header ----
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _kernel_files():
+    return sorted(p.name for p in _build.source_dir().glob("*.cu"))
+
+
+def _headers_reached(root, name, seen=None):
+    seen = set() if seen is None else seen
+    for inc in _LOCAL_INCLUDE.findall((root / name).read_text()):
+        if inc not in seen:
+            seen.add(inc)
+            _headers_reached(root, inc, seen)
+    return seen
+
+
+@pytest.fixture
+def source_copy(tmp_path, monkeypatch):
+    """A private copy of cuda_src that _build reads instead of the real one."""
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_build.source_dir(), copy)
+    _build.load_source.cache_clear()
+    monkeypatch.setattr(_build, "source_dir", lambda: copy)
+    yield copy
+    _build.load_source.cache_clear()  # the next test must read the real sources again
+
+
+def _header_cases():
+    root = _build.source_dir()
+    return [(kernel, header) for kernel in _kernel_files() for header in sorted(_headers_reached(root, kernel))]
+
+
+@pytest.mark.parametrize(("kernel", "header"), _header_cases())
+def test_editing_a_header_changes_the_source_hash(source_copy, kernel, header):
+    before = _build.source_hash(kernel)
+    inlined = _build.load_source(kernel)
+    assert not _LOCAL_INCLUDE.search(inlined), f"{kernel}: a local #include survived inlining"
+
+    marker = f"__cuflash_test_marker_{header.replace('.', '_')}"
+    with open(source_copy / header, "a") as f:
+        f.write(f"\n#define {marker} 1\n")
+    _build.load_source.cache_clear()
+
+    after_text = _build.load_source(kernel)
+    assert marker in after_text, f"{kernel}: the edit of {header} is not in the inlined source"
+    assert after_text.count(marker) == 1, f"{kernel}: {header} was inlined more than once"
+    assert _build.source_hash(kernel) != before, f"{kernel}: editing {header} left the source hash unchanged"
+
+
+def test_header_cases_exist():
+    # Guards the parametrization above: an empty list would silently test nothing.
+    assert _header_cases(), "no kernel includes a local header: the inlining test checks nothing"
