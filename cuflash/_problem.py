@@ -139,6 +139,9 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd") -> Pro
     xp = same_library(named)
     dtype = check_dtype(named)
     causal = masks.normalize_causal(causal)
+    for name, a in named:  # blame a 0-D/1-D input itself, not the others for differing from it
+        if a.ndim < 2:
+            raise ValueError(f"{name}: expected at least 2 dimensions (N, d) or (..., H, N, d), got shape {a.shape}")
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(
             f"k, v: expected the same number of dimensions as q ({q.ndim}), got k {k.ndim}, v {v.ndim}"

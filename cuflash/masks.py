@@ -73,6 +73,8 @@ def mask_matrix(xp, causal, nq: int, nk: int):
 
 def tile_is_visible(causal, nq, nk, row0, row1, col0) -> bool:
     """Does any query in rows [row0, row1) see any key at or after col0? (skip fully masked tiles)"""
+    if col0 >= nk or row1 <= row0:
+        return False
     off = causal_offset(causal, nq, nk)
     return off is None or col0 <= row1 - 1 + off
 

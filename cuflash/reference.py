@@ -1,0 +1,172 @@
+"""The materializing reference: attention written as the textbook formula.
+
+S = scale * Q K^T and P = softmax(S) are built as explicit (..., Hq, Nq, Nk) arrays in the inputs'
+own library (NumPy or CuPy), so this is the O(N^2)-memory baseline the benchmarks compare
+against and the float64 oracle the tests compare with. Validation and semantics are those of
+:func:`cuflash.attention` (GQA by index h // group, both causal alignments, rows that see no key
+give o = 0 and lse = -inf, Nk = 0 gives zeros and -inf, 2-D input is one head).
+
+``precision`` picks the arithmetic: "float32" (default) casts the inputs to float32 and returns o
+in the input dtype and lse in float32, like cuflash.attention; "float64" computes in float64 and
+returns float64 arrays (o, lse and gradients), for use as an oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _problem, masks
+from ._arrays import BFLOAT16
+from ._layout import from_bhsd, to_bhsd
+
+_PRECISIONS = {"float32": np.float32, "float64": np.float64}
+_NEG_INF = float("-inf")
+
+
+def _compute_dtype(precision):
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision: expected 'float32' or 'float64', got {precision!r}")
+    return np.dtype(_PRECISIONS[precision])
+
+
+def bfloat16_to_float32(xp, a):
+    """Exact bfloat16 -> float32 through the bits (a bfloat16 is the top half of a float32).
+
+    CuPy holds bfloat16 as storage only, so its arrays cannot rely on astype."""
+    return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+
+
+def float32_to_bfloat16(xp, a):
+    """float32 -> bfloat16 rounded to nearest, ties to even, through the bits; NaN stays NaN."""
+    bits = a.view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+    rounded = xp.where(xp.isnan(a), xp.uint32(0x7FC0), rounded)
+    return rounded.astype(xp.uint16).view(BFLOAT16)
+
+
+def _native_bfloat16(xp):
+    """NumPy computes with ml_dtypes' bfloat16; CuPy only stores it."""
+    return xp is np
+
+
+def _widen(xp, a, cdt):
+    """An input-dtype array in the compute dtype."""
+    if a.dtype == BFLOAT16 and not _native_bfloat16(xp):
+        return bfloat16_to_float32(xp, a).astype(cdt)
+    return a.astype(cdt)
+
+
+def _narrow(xp, a, dtype):
+    """A compute-dtype array rounded to the output dtype."""
+    if dtype == BFLOAT16 and not _native_bfloat16(xp):
+        return float32_to_bfloat16(xp, xp.ascontiguousarray(a.astype(xp.float32)))
+    return a.astype(dtype)
+
+
+def _heads_as_query_heads(a4, p):
+    """(B, Hkv, N, d) -> (B, Hq, N, d): query head h reads K/V head h // group."""
+    if p.group == 1:
+        return a4
+    return a4[:, p.xp.arange(p.hq) // p.group]
+
+
+def _probabilities(p, q4, k4, cdt):
+    """Materialized P (B, Hq, Nq, Nk), the masked row max m and the row sum l (keepdims).
+
+    Rows that see no key have P = 0, l = 0 and m = -inf."""
+    xp = p.xp
+    kq = _heads_as_query_heads(k4, p)
+    s = xp.matmul(q4, kq.swapaxes(-1, -2)) * cdt.type(p.scale)
+    if p.causal is not None:
+        s = xp.where(masks.mask_matrix(xp, p.causal, p.nq, p.nk), s, cdt.type(_NEG_INF))
+    m = s.max(axis=-1, keepdims=True)
+    # Subtract 0 instead of -inf in rows that see nothing, so exp gives 0 there and never NaN.
+    shift = xp.where(m == _NEG_INF, cdt.type(0), m)
+    e = xp.exp(s - shift)
+    l = e.sum(axis=-1, keepdims=True)
+    seen = l > 0
+    probs = e / xp.where(seen, l, cdt.type(1))
+    return probs, m, l
+
+
+def forward_bhsd(p, q4, k4, v4):
+    """(o4, lse3) for canonical (B, H, N, d) arrays already in the compute dtype; no validation.
+
+    The arithmetic is that of the arrays' dtype, so float64 arrays give a float64 function
+    (tests take finite differences of it)."""
+    xp = p.xp
+    cdt = q4.dtype
+    if p.nk == 0:  # no keys: every row sees nothing (a max over an empty axis is undefined)
+        return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
+                xp.full((p.batch, p.hq, p.nq), _NEG_INF, dtype=cdt))
+    probs, m, l = _probabilities(p, q4, k4, cdt)
+    o4 = xp.matmul(probs, _heads_as_query_heads(v4, p))
+    seen = l > 0
+    shift = xp.where(seen, m, cdt.type(0))
+    lse3 = xp.where(seen, shift + xp.log(xp.where(seen, l, cdt.type(1))), cdt.type(_NEG_INF))
+    return o4, lse3[..., 0]
+
+
+def backward_bhsd(p, do4, q4, k4, v4):
+    """(dq4, dk4, dv4) for canonical arrays already in the compute dtype; no validation."""
+    xp = p.xp
+    cdt = q4.dtype
+    if p.nk == 0:
+        return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
+                xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt),
+                xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt))
+    probs, _, _ = _probabilities(p, q4, k4, cdt)
+    kq, vq = _heads_as_query_heads(k4, p), _heads_as_query_heads(v4, p)
+    dv_per_qhead = xp.matmul(probs.swapaxes(-1, -2), do4)  # (B, Hq, Nk, d)
+    dprobs = xp.matmul(do4, vq.swapaxes(-1, -2))  # (B, Hq, Nq, Nk)
+    row_dot = (probs * dprobs).sum(axis=-1, keepdims=True)
+    ds = probs * (dprobs - row_dot)
+    sc = cdt.type(p.scale)
+    dq4 = xp.matmul(ds, kq) * sc
+    dk_per_qhead = xp.matmul(ds.swapaxes(-1, -2), q4) * sc
+    # Query heads g*group .. (g+1)*group-1 read K/V head g: sum their contributions.
+    grouped = (p.batch, p.hkv, p.group, p.nk, p.d)
+    return dq4, dk_per_qhead.reshape(grouped).sum(axis=2), dv_per_qhead.reshape(grouped).sum(axis=2)
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, precision="float32"):
+    """o = softmax(scale * q k^T [masked]) v with S and P materialized.
+
+    Same arguments and results as :func:`cuflash.attention` (no ``out=``), plus ``precision``
+    ("float32" or "float64", see the module docstring). lse is the natural-log log-sum-exp of the
+    scaled, masked scores, -inf for rows that see no key.
+    """
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    cdt = _compute_dtype(precision)
+    xp = p.xp
+    q4, k4, v4 = (_widen(xp, to_bhsd(a, p, h, n), cdt) for a, h, n in
+                  ((q, p.hq, p.nq), (k, p.hkv, p.nk), (v, p.hkv, p.nk)))
+    o4, lse3 = forward_bhsd(p, q4, k4, v4)
+    out_dtype = p.dtype if cdt == np.float32 else cdt
+    o = from_bhsd(_narrow(xp, o4, out_dtype), p, p.hq, p.nq)
+    if return_lse:
+        return o, lse3.reshape(p.lse_shape())
+    return o
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", precision="float32"):
+    """(dq, dk, dv) of :func:`attention` for the upstream gradient ``do``, by the explicit formula.
+
+    ``o`` and ``lse`` are validated exactly as :func:`cuflash.attention_backward` validates them,
+    but their values are not used: P is rebuilt from q and k, and D_i = sum_j P_ij dP_ij
+    (= rowsum(do * o) in exact arithmetic), so the reference does not inherit the rounding of a
+    forward pass. dk and dv are summed over the query heads that share a K/V head. Gradients
+    have the input dtype for precision "float32" and are float64 for "float64".
+    """
+    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+    cdt = _compute_dtype(precision)
+    xp = p.xp
+    do4, q4 = (_widen(xp, to_bhsd(a, p, p.hq, p.nq), cdt) for a in (do, q))
+    k4, v4 = (_widen(xp, to_bhsd(a, p, p.hkv, p.nk), cdt) for a in (k, v))
+    dq4, dk4, dv4 = backward_bhsd(p, do4, q4, k4, v4)
+    out_dtype = p.dtype if cdt == np.float32 else cdt
+    return (
+        from_bhsd(_narrow(xp, dq4, out_dtype), p, p.hq, p.nq),
+        from_bhsd(_narrow(xp, dk4, out_dtype), p, p.hkv, p.nk),
+        from_bhsd(_narrow(xp, dv4, out_dtype), p, p.hkv, p.nk),
+    )
