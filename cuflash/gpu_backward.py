@@ -19,13 +19,16 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool):
-    """{role: KernelSpec} of every kernel one backward launches (what CI compiles)."""
+def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None):
+    """({role: KernelSpec}, head-dim bucket, BackwardTile) of every kernel one backward launches.
+
+    CI compiles exactly these; `tile` overrides the table (schedule search)."""
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
         raise NotImplementedError("cuflash: the float32 GPU backward is not implemented yet (use float16/bfloat16, or NumPy inputs)")
     tag = _TAG[dtype]
     hd, t = schedule.backward_tile(d)
+    t = tile or t
     specs = {
         "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}>", 32 * _PREP_WARPS, 0),
         "kv": KernelSpec(
@@ -68,7 +71,7 @@ def workspace_bytes(p) -> int:
     return p.batch * p.hq * p.nq * (hd + 1) * 4
 
 
-def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False):
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None):
     import cupy
 
     from .gpu import _unit_d, _vector_ok
@@ -77,7 +80,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
-    specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic)
+    specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile)
     off = np.int32(p.causal_offset if p.causal is not None else 0)
     scale_log2 = np.float32(p.scale * _LOG2E)
     lse3 = cupy.ascontiguousarray(lse3)
