@@ -1,30 +1,55 @@
 """Compile every kernel instantiation the package can launch for sm_90a with NVRTC (no GPU needed).
 
 Each instantiation must compile, and must not spill: spills and a stack frame turn register
-traffic into local-memory traffic in the inner loop. The specs come from cuflash.gpu's
-``all_*_specs`` functions, so a new kernel family is checked as soon as it is listed there.
+traffic into local-memory traffic in the inner loop. The specs come from every ``all_*_specs``
+function of cuflash.gpu and its sibling modules cuflash.gpu_* (forward, backward, decode, ...), so
+a new kernel family is checked as soon as such a function lists it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import re
 import shutil
 
 import pytest
 
-from cuflash import _build, gpu
+import cuflash
+from cuflash import _build
 
 ARCH = "sm_90a"
-SPEC_LISTS = ("all_forward_specs", "all_backward_specs", "all_decode_specs")
+_SPEC_LIST = re.compile(r"all_\w+_specs(_\w+)?")
+
+
+def _spec_lists():
+    """(name, function or the exception that stopped its module's import) for each all_*_specs."""
+    found = []
+    names = sorted(m.name for m in pkgutil.iter_modules(cuflash.__path__) if m.name == "gpu" or m.name.startswith("gpu_"))
+    for name in names:
+        try:
+            module = importlib.import_module(f"cuflash.{name}")
+        except Exception as exc:  # noqa: BLE001 - becomes a failing test, not a collection crash
+            found.append((f"{name}-import", exc))
+            continue
+        for attr in sorted(dir(module)):
+            fn = getattr(module, attr)
+            # Only functions defined here: a re-export would be listed twice.
+            if _SPEC_LIST.fullmatch(attr) and callable(fn) and fn.__module__ == module.__name__:
+                found.append((f"{name}.{attr}", fn))
+    return found
 
 
 def _spec_params():
     """One pytest.param per instantiation; a list that fails to build becomes a failing test."""
     params, seen = [], set()
-    for list_name in SPEC_LISTS:
-        make = getattr(gpu, list_name, None)
-        if make is None:
+    lists = _spec_lists()
+    if not any(name == "gpu.all_forward_specs" for name, _ in lists):  # else this file checks nothing
+        params.append(pytest.param(None, LookupError("no cuflash.gpu.all_forward_specs()"), id="all_forward_specs-missing"))
+    for list_name, make in lists:
+        if isinstance(make, Exception):
+            params.append(pytest.param(None, make, id=list_name))
             continue
         try:
             specs = list(make())
