@@ -35,7 +35,7 @@ class TileConfig:
 # Forward, 16-bit inputs, mma.sync m16n8k16. Keyed by the padded head dim.
 FORWARD_TILES: dict[int, TileConfig] = {
     32: TileConfig(128, 64, 4, 2, "32 rows/warp halve K/V fragment reloads; 128-key tiles spill (S alone is 128 regs)"),
-    64: TileConfig(128, 64, 4, 3, "32 rows/warp, Q kept in registers; 3 stages measured +1.5% over 2 (sweep a); 128-key tiles (FA2's choice) spill here"),
+    64: TileConfig(128, 64, 4, 2, "32 rows/warp, Q kept in registers (+5% over re-reading it, sweep b); 3-4 stages no better; 128-key tiles (FA2's choice) spill here"),
     128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs"),
     192: TileConfig(128, 64, 8, 2, "16 rows per warp: O alone is 96 regs; 8 warps keep the 128-row Q tile for K/V reuse"),
     256: TileConfig(128, 64, 8, 2, "16 rows per warp (O = 128 regs); 192 KiB shared memory, one block per SM"),
