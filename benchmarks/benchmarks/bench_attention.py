@@ -1,0 +1,213 @@
+"""asv suites: cuflash against the materializing reference, on the same inputs, over time.
+
+Each suite builds its inputs from a fixed seed (so the cuflash and reference suites read the same
+values), compiles and warms up in ``setup``, and synchronizes the device inside the timed
+function. What is recorded per commit:
+
+* ``time_*``: asv's wall-clock time of one call including the synchronize;
+* ``track_gpu_ms``: median CUDA-event time of the call alone, L2 flushed between repeats;
+* ``track_peak_bytes``: bytes CuPy's memory pool grew by during one call, started from an empty
+  pool (the inputs are held outside it; the output is counted).
+
+All are "larger is worse", which is how asv and tools/asv_regressions.py read them; rates
+(TFLOP/s) are left to benchmarks/peers.py. ``setup`` raises NotImplementedError, which asv
+records as a skip, when there is no GPU, when cuflash lacks the operation, or when the
+reference's S and P would not fit.
+"""
+
+import zlib
+
+import numpy as np
+
+TOKENS = 16384  # B * N, as in peers-h200.md
+MODEL_WIDTH = 2048  # H * d
+REFERENCE_BYTES_PER_PAIR = 16  # S and P in float32 plus temporaries (peers note: ~4 such matrices)
+REFERENCE_MAX_BYTES = 40e9
+L2_FLUSH_BYTES = 256 << 20
+EVENT_REPEATS = 20
+
+
+def stable_seed(*params):
+    """The same seed in every process (str hashes are salted per process; asv uses several)."""
+    return zlib.crc32(repr(params).encode())
+
+
+def _cupy():
+    """CuPy with a usable GPU, or NotImplementedError (asv's skip)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise NotImplementedError("no CUDA device")
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # ImportError, CUDARuntimeError without a driver, ...
+        raise NotImplementedError(f"no usable CUDA GPU: {type(exc).__name__}: {exc}") from None
+    return cupy
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}[name]
+
+
+def random_normal(cp, shape, dtype_name, seed):
+    """Fresh standard-normal values in the given 16-bit dtype, generated on the device."""
+    x = cp.random.default_rng(seed).standard_normal(shape, dtype=cp.float32)
+    if dtype_name == "float16":
+        return x.astype(cp.float16)
+    # float32 -> bfloat16 with round-to-nearest-even on the bit pattern (no NaNs here).
+    bits = x.view(cp.uint32)
+    rounded = (bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16
+    return rounded.astype(cp.uint16).view(_dtype("bfloat16"))
+
+
+def event_ms(cp, fn, repeats=EVENT_REPEATS):
+    """Median CUDA-event time of fn() in ms; an L2 flush (outside the events) before each call."""
+    flush = cp.empty(L2_FLUSH_BYTES, dtype=cp.uint8)
+    times = []
+    for _ in range(repeats):
+        flush.fill(0)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def pool_growth_bytes(cp, fn):
+    """Bytes the default pool grows by during fn() from an empty cache: its peak extra memory."""
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    result = fn()
+    cp.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    del result
+    return grown
+
+
+def reference_module():
+    try:
+        from cuflash import reference
+    except ImportError as exc:
+        raise NotImplementedError(f"cuflash.reference is not available: {exc}") from None
+    return reference
+
+
+class _Suite:
+    """Shared timing, event and memory methods; subclasses define setup() and self.op."""
+
+    timeout = 600
+    warmup_time = 0.5
+
+    def _run(self):
+        self.op()
+        self.cp.cuda.Device().synchronize()
+
+    def track_gpu_ms(self, *params):
+        return event_ms(self.cp, self.op)
+
+    track_gpu_ms.unit = "ms"
+
+    def track_peak_bytes(self, *params):
+        return pool_growth_bytes(self.cp, self.op)
+
+    track_peak_bytes.unit = "bytes"
+
+
+class _Prefill(_Suite):
+    params = ([1024, 4096, 16384], [64, 128], [False, True], ["bfloat16", "float16"])
+    param_names = ["n", "d", "causal", "dtype"]
+
+    def make_inputs(self, n, d, causal, dtype):
+        self.cp = cp = _cupy()
+        b, h = TOKENS // n, MODEL_WIDTH // d
+        seed = stable_seed(n, d, causal, dtype)
+        self.q, self.k, self.v = (random_normal(cp, (b, h, n, d), dtype, seed + i) for i in range(3))
+        self.causal = "top_left" if causal else False
+        return b, h
+
+
+class CuflashForward(_Prefill):
+    def setup(self, n, d, causal, dtype):
+        self.make_inputs(n, d, causal, dtype)
+        import cuflash
+
+        self.op = lambda: cuflash.attention(self.q, self.k, self.v, causal=self.causal)
+        self._run()  # compiles the kernel (NVRTC) and warms up; NotImplementedError skips
+
+    def time_forward(self, n, d, causal, dtype):
+        self._run()
+
+
+class ReferenceForward(_Prefill):
+    def setup(self, n, d, causal, dtype):
+        b, h = TOKENS // n, MODEL_WIDTH // d
+        need = REFERENCE_BYTES_PER_PAIR * b * h * n * n
+        if need > REFERENCE_MAX_BYTES:
+            raise NotImplementedError(f"the reference's S and P need about {need / 1e9:.0f} GB")
+        reference = reference_module()
+        self.make_inputs(n, d, causal, dtype)
+        self.op = lambda: reference.attention(self.q, self.k, self.v, causal=self.causal)
+        self._run()
+
+    def time_forward(self, n, d, causal, dtype):
+        self._run()
+
+
+class CuflashBackward(_Prefill):
+    def setup(self, n, d, causal, dtype):
+        self.make_inputs(n, d, causal, dtype)
+        import cuflash
+
+        self.do = random_normal(self.cp, self.q.shape, dtype, 7)
+        _, vjp = cuflash.attention_vjp(self.q, self.k, self.v, causal=self.causal)
+        self.op = lambda: vjp(self.do)
+        self._run()  # NotImplementedError while cuflash has no GPU backward: asv skips
+
+    def time_backward(self, n, d, causal, dtype):
+        self._run()
+
+
+class _Decode(_Suite):
+    # One query token per sequence over a K/V cache of length L; heads as "B x Hq x Hkv".
+    params = ([4096, 16384, 65536], ["8x32x8", "64x32x8", "8x32x32"])
+    param_names = ["cache_len", "b_hq_hkv"]
+    d = 128
+
+    def make_inputs(self, cache_len, b_hq_hkv):
+        self.cp = cp = _cupy()
+        b, hq, hkv = (int(x) for x in b_hq_hkv.split("x"))
+        seed = stable_seed(cache_len, b_hq_hkv)
+        self.q = random_normal(cp, (b, hq, 1, self.d), "bfloat16", seed)
+        self.k = random_normal(cp, (b, hkv, cache_len, self.d), "bfloat16", seed + 1)
+        self.v = random_normal(cp, (b, hkv, cache_len, self.d), "bfloat16", seed + 2)
+
+
+class CuflashDecode(_Decode):
+    def setup(self, cache_len, b_hq_hkv):
+        self.make_inputs(cache_len, b_hq_hkv)
+        import cuflash
+
+        self.op = lambda: cuflash.attention(self.q, self.k, self.v)
+        self._run()
+
+    def time_decode(self, cache_len, b_hq_hkv):
+        self._run()
+
+
+class ReferenceDecode(_Decode):
+    def setup(self, cache_len, b_hq_hkv):
+        reference = reference_module()
+        self.make_inputs(cache_len, b_hq_hkv)
+        self.op = lambda: reference.attention(self.q, self.k, self.v)
+        self._run()
+
+    def time_decode(self, cache_len, b_hq_hkv):
+        self._run()
+

@@ -1,0 +1,283 @@
+"""The benchmark harness without a GPU: peers.py's plan and verdicts, the asv suites' skip, and
+tools/asv_regressions.py on asv 0.6 result files written here."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers.py"
+REGRESSIONS = ROOT / "tools" / "asv_regressions.py"
+
+
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peers = load(PEERS, "peers_under_test")
+asv_regressions = load(REGRESSIONS, "asv_regressions_under_test")
+
+
+# ---------------------------------------------------------------------------------------------
+# peers.py
+
+
+def dry_run(tmp_path, *flags):
+    """Run peers.py --dry-run in a fresh interpreter where importing torch or CuPy fails."""
+    out = tmp_path / "plan.json"
+    code = (
+        "import sys, runpy; sys.modules['torch'] = None; sys.modules['cupy'] = None; "
+        f"sys.argv = ['peers.py', '--dry-run', '--out', {str(out)!r}] + {list(flags)!r}; "
+        f"runpy.run_path({str(PEERS)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())["plan"], proc.stdout
+
+
+def test_peers_dry_run_builds_the_forward_grid_without_torch_or_cupy(tmp_path):
+    plan, stdout = dry_run(tmp_path)
+    assert "48 cases" in stdout
+    assert len(plan) == 48
+    seen = set()
+    for c in plan:
+        assert c["op"] == "fwd"
+        assert c["b"] * c["nq"] == 16384 and c["hq"] * c["d"] == 2048  # 16k tokens, width 2048
+        assert c["hq"] == c["hkv"] and c["nq"] == c["nk"]
+        n, d, bh = c["nq"], c["d"], c["b"] * c["hq"]
+        dense = 4 * bh * n * n * d
+        assert c["flops"] == (dense / 2 if c["causal"] else dense)
+        # top-left causal with Nq == Nk keeps row i's i+1 keys: n(n+1)/2 pairs per head
+        assert c["flops_exact"] == (4 * bh * d * n * (n + 1) // 2 if c["causal"] else dense)
+        assert c["logical_bytes"] == 2 * 4 * bh * n * d  # q, k, v read and o written, 2 bytes each
+        seen.add((c["dtype"], d, n, c["causal"]))
+    bf16 = {("bfloat16", d, n, c) for d in (64, 128, 256) for n in (512, 1024, 2048, 4096, 8192, 16384)
+            for c in (False, True)}
+    fp16 = {("float16", 128, n, c) for n in (512, 1024, 2048, 4096, 8192, 16384) for c in (False, True)}
+    assert seen == bf16 | fp16
+
+
+def test_peers_dry_run_quick_plan_with_backward_and_decode(tmp_path):
+    plan, _ = dry_run(tmp_path, "--quick", "--ops", "fwd,bwd,decode")
+    fwd = [c for c in plan if c["op"] == "fwd"]
+    bwd = [c for c in plan if c["op"] == "bwd"]
+    decode = [c for c in plan if c["op"] == "decode"]
+    assert {(c["d"], c["nq"], c["causal"]) for c in fwd} == {
+        (d, n, causal) for d in (64, 128) for n in (1024, 4096) for causal in (False, True)}
+    assert all(c["dtype"] == "bfloat16" for c in plan)
+    assert len(bwd) == len(fwd)
+    for f, b in zip(fwd, bwd):
+        assert b["flops"] == 2.5 * f["flops"] and b["flops_exact"] == 2.5 * f["flops_exact"]
+    assert decode and any(c["hq"] != c["hkv"] for c in decode)
+    for c in decode:
+        assert c["nq"] == 1 and not c["causal"]
+        assert c["flops"] == 4 * c["b"] * c["hq"] * c["nk"] * c["d"]
+        # K and V caches once, plus q and o
+        assert c["logical_bytes"] == 2 * (2 * c["b"] * c["hkv"] * c["nk"] * c["d"] + 2 * c["b"] * c["hq"] * c["d"])
+
+
+def test_peers_reference_is_planned_only_where_s_and_p_fit():
+    big = peers.Case("fwd", "bfloat16", 64, 1, 32, 32, 16384, 16384, False)
+    small = peers.Case("fwd", "bfloat16", 128, 16, 16, 16, 1024, 1024, False)
+    assert big.reference_bytes() > peers.REFERENCE_MAX_BYTES > small.reference_bytes()
+
+
+def _attention(q, k, v, dtype, round_to=ml_dtypes.bfloat16):
+    """Attention computed in `dtype` arithmetic (scores, softmax, PV), then rounded to `round_to`."""
+    s = (q.astype(dtype) @ k.astype(dtype).T) / dtype(math.sqrt(q.shape[-1]))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = (p @ v.astype(dtype)) / p.sum(-1, keepdims=True)
+    return o.astype(round_to).astype(np.float64)
+
+
+def test_peers_judge_accepts_a_correct_result_and_flags_a_wrong_one():
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((256, 64)).astype(ml_dtypes.bfloat16).astype(np.float64) for _ in range(3))
+    exact = _attention(q, k, v, np.float64, round_to=np.float64)
+    peer = _attention(q, k, v, np.float32)
+    good = _attention(q[:, ::-1].copy(), k[:, ::-1].copy(), v, np.float32)  # other summation order
+    u, scale = peers.UNIT_ROUNDOFF["bfloat16"], np.abs(exact).max()
+    checked = [0, 1, 63, 64, 127, 128, 254, 255]  # rows compared with float64, like sample_rows
+
+    def verdict(cand):
+        return peers.judge(np.abs(cand[checked] - exact[checked]).max(), np.abs(peer[checked] - exact[checked]).max(),
+                           np.abs(cand - peer).max(), scale, u, bool(np.isfinite(cand).all()))
+
+    assert verdict(good) == "ok"
+    wrong_row = good.copy()
+    wrong_row[200] = good[199]  # a row computed from the wrong query, outside the checked rows
+    assert verdict(wrong_row) == "mismatch"
+    # Each bound on its own: error against float64 beyond 2x the peer's plus one rounding ...
+    e = np.abs(peer[checked] - exact[checked]).max()
+    assert peers.judge(2 * e + 2 * u * scale, e, e, scale, u) == "mismatch"
+    assert peers.judge(2 * e, e, e, scale, u) == "ok"
+    # ... and a whole-tensor difference from the peer beyond what both errors allow.
+    assert peers.judge(e, e, 3 * e + 2 * u * scale, scale, u) == "mismatch"
+    assert peers.judge(e, e, 3 * e, scale, u) == "ok"
+    unscaled = _attention(q * 8.0, k, v, np.float32)  # forgot the 1/sqrt(d)
+    assert verdict(unscaled) == "mismatch"
+    poisoned = good.copy()
+    poisoned[3, 5] = np.nan  # an element the kernel never wrote
+    assert verdict(poisoned) == "mismatch"
+
+
+# ---------------------------------------------------------------------------------------------
+# asv suites
+
+
+def test_asv_suites_skip_without_a_gpu():
+    bench = load(ROOT / "benchmarks" / "benchmarks" / "bench_attention.py", "bench_attention_under_test")
+    try:
+        import cupy
+
+        has_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        has_gpu = False
+    if has_gpu:
+        pytest.skip("a GPU is present: the suites would run rather than skip")
+    for suite, params in ((bench.CuflashForward, (1024, 64, False, "bfloat16")),
+                          (bench.CuflashBackward, (1024, 64, True, "float16")),
+                          (bench.CuflashDecode, (4096, "8x32x8"))):
+        with pytest.raises(NotImplementedError):
+            suite().setup(*params)
+    # The reference skips where S and P would not fit, before it looks for a GPU.
+    with pytest.raises(NotImplementedError, match="GB"):
+        bench.ReferenceForward().setup(16384, 64, False, "bfloat16")
+    assert bench.stable_seed(1024, 64, True, "bfloat16") == bench.stable_seed(1024, 64, True, "bfloat16")
+
+
+def test_asv_config_is_what_asv_reads():
+    config = pytest.importorskip("asv.config")
+    here = ROOT / "benchmarks"  # asv is run from here; its paths are relative to it
+    conf = config.Config.load(str(here / "asv.conf.json"))
+    assert conf.environment_type == "existing"
+    assert (here / conf.repo).resolve() == ROOT
+    assert (here / conf.benchmark_dir).resolve() == (here / "benchmarks").resolve()
+    assert (here / conf.results_dir).resolve() == (here / "results" / "asv").resolve()
+    assert (here / conf.results_dir).resolve() == asv_regressions.DEFAULT_RESULTS
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/asv_regressions.py on asv 0.6 result files
+
+COLUMNS = ["result", "params", "version", "started_at", "duration", "stats_ci_99_a", "stats_ci_99_b",
+           "stats_q_25", "stats_q_75", "stats_number", "stats_repeat", "samples", "profile"]
+PARAMS = [["1024", "4096"], ["'bfloat16'"]]
+TIME = "bench_attention.CuflashForward.time_forward"
+PEAK = "bench_attention.CuflashForward.track_peak_bytes"
+
+
+def write_machine(root, machine="h200"):
+    d = root / machine
+    d.mkdir(parents=True)
+    (d / "machine.json").write_text(json.dumps({"machine": machine, "version": 1}))
+    return d
+
+
+def write_result(machine_dir, commit, date, started, times, peaks, version="v1"):
+    """One result file as asv 0.6's Results.save writes it (columns trimmed of trailing Nones)."""
+    def row(values, unit_stats):
+        r = [values, PARAMS, version, started, 1.5]
+        if unit_stats and values is not None:
+            r += [[v * 0.9 if v == v else None for v in values], [v * 1.1 if v == v else None for v in values],
+                  values, values, [1] * len(values), [10] * len(values)]
+        return r
+
+    env = "existing-py_usr_bin_python3"
+    data = {"commit_hash": commit, "env_name": env, "date": date,
+            "params": {"machine": machine_dir.name, "python": "3.12"}, "python": "3.12",
+            "requirements": {}, "env_vars": {}, "result_columns": COLUMNS,
+            "results": {TIME: row(times, True), PEAK: row(peaks, False)},
+            "durations": {"<build>": 0.0}, "version": 2}
+    path = machine_dir / f"{commit[:8]}-{env}.json"
+    path.write_text(json.dumps(data))  # NaN for skipped results, as asv's json writer does
+    return path
+
+
+OLD, NEW, OLDEST = "a" * 40, "1" * 40, "f" * 40  # file names sort opposite to commit dates
+
+
+def check(results, *args):
+    proc = subprocess.run([sys.executable, str(REGRESSIONS), "--results", str(results), *args],
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_regressions_exit_1_when_the_latest_commit_is_slower(tmp_path):
+    d = write_machine(tmp_path)
+    write_result(d, OLDEST, 1000, 1100, [9.0e-3, 9.0e-3], [100, 100])  # ignored: not one of the last two
+    write_result(d, OLD, 2000, 2100, [1.0e-3, 4.0e-3], [100, 200])
+    write_result(d, NEW, 3000, 3100, [1.2e-3, 4.0e-3], [100, 200])
+    rc, out = check(tmp_path)
+    assert rc == 1, out
+    assert f"old {OLD[:8]} -> new {NEW[:8]}" in out
+    slow = [line for line in out.splitlines() if line.startswith("+")]
+    assert len(slow) == 1 and "time_forward(1024, 'bfloat16')" in slow[0] and "1.20" in slow[0]
+    assert check(tmp_path, "--factor", "1.25")[0] == 0  # a 20% slowdown is within x1.25
+
+
+def test_regressions_exit_0_without_slowdown(tmp_path):
+    d = write_machine(tmp_path)
+    write_result(d, OLD, 2000, 2100, [1.0e-3, 4.0e-3], [100, 200])
+    write_result(d, NEW, 3000, 3100, [1.05e-3, 3.0e-3], [100, float("nan")])  # +5%, faster, skipped
+    rc, out = check(tmp_path, "--machine", "h200")
+    assert rc == 0, out
+    assert "no regression" in out
+    assert any(line.startswith("-") and "time_forward(4096" in line for line in out.splitlines())
+
+
+def test_regressions_memory_growth_and_new_failures_count(tmp_path):
+    d = write_machine(tmp_path)
+    write_result(d, OLD, 2000, 2100, [1.0e-3, 4.0e-3], [100, 200])
+    write_result(d, NEW, 3000, 3100, [1.0e-3, 4.0e-3], [100, 300])  # peak bytes x1.5
+    assert check(tmp_path)[0] == 1
+    d2 = write_machine(tmp_path / "b")
+    write_result(d2, OLD, 2000, 2100, [1.0e-3, 4.0e-3], [100, 200])
+    write_result(d2, NEW, 3000, 3100, None, [100, 200])  # the timed suite fails now
+    rc, out = check(tmp_path / "b")
+    assert rc == 1 and "failed" in out
+
+
+def test_regressions_order_ties_by_run_time_and_ignore_changed_code(tmp_path):
+    d = write_machine(tmp_path)
+    # Same commit date (asv records the commit's date): the run that started later is newer.
+    write_result(d, NEW, 2000, 2500, [1.0e-3, 4.0e-3], [100, 200])
+    write_result(d, OLD, 2000, 2100, [2.0e-3, 4.0e-3], [100, 200])
+    assert asv_regressions.latest_two_commits(asv_regressions.load_runs(d)) == [OLD, NEW]
+    assert check(tmp_path)[0] == 0  # new is faster
+    # A benchmark whose code changed (new version hash) is shown, not judged.
+    write_result(d, NEW, 2000, 2500, [9.0e-3, 4.0e-3], [100, 200], version="v2")
+    rc, out = check(tmp_path)
+    assert rc == 0 and any(line.startswith("x") for line in out.splitlines())
+
+
+def test_regressions_usage_errors(tmp_path):
+    assert check(tmp_path / "missing")[0] == 2
+    write_machine(tmp_path, "h200")
+    write_machine(tmp_path, "other")
+    assert check(tmp_path)[0] == 2  # two machines and no --machine
+    rc, out = check(tmp_path, "--machine", "h200")
+    assert rc == 0 and "nothing to compare" in out
+
+
+def test_synthetic_results_are_read_by_asv_itself(tmp_path):
+    results = pytest.importorskip("asv.results")
+    d = write_machine(tmp_path)
+    path = write_result(d, NEW, 3000, 3100, [1.0e-3, float("nan")], [100, 200])
+    loaded = results.Results.load(str(path), machine_name="h200")
+    assert loaded.commit_hash == NEW
+    assert loaded.get_result_value(TIME, PARAMS)[0] == 1.0e-3
+    assert math.isnan(loaded.get_result_value(TIME, PARAMS)[1])
+    assert loaded.get_result_value(PEAK, PARAMS) == [100, 200]
+    assert loaded.benchmark_version[TIME] == "v1"
