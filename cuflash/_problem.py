@@ -197,3 +197,29 @@ def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="
     if lse.dtype != np.float32:
         raise TypeError(f"lse: expected dtype float32, got {dtype_name(lse.dtype)}")
     return p
+
+
+def check_kv_lens(kv_lens, p: Problem, validate: bool = True):
+    """Validate ``kv_lens`` (valid cache length per sequence). Returns (device_or_host_array, host
+    int64 array or None). With validate=True a CuPy kv_lens is copied to the host once to check
+    0 <= kv_lens <= Nk; validate=False skips that copy (and the check)."""
+    if kv_lens is None:
+        return None, None
+    if array_namespace(kv_lens) is not p.xp:
+        raise TypeError(f"kv_lens: expected a {p.xp.__name__}.ndarray like q, got {type(kv_lens).__name__}")
+    if kv_lens.dtype != np.int32:
+        raise TypeError(f"kv_lens: expected dtype int32, got {dtype_name(kv_lens.dtype)}")
+    want = p.batch_shape if not p.single_head else ()
+    if tuple(kv_lens.shape) != tuple(want):
+        raise ValueError(f"kv_lens: expected shape {tuple(want)} (q's batch dimensions), got {tuple(kv_lens.shape)}")
+    host = None
+    if validate or p.xp is np:
+        host = np.asarray(kv_lens.get() if p.xp is not np else kv_lens).reshape(-1).astype(np.int64)
+        if host.size and (host.min() < 0 or host.max() > p.nk):
+            raise ValueError(f"kv_lens: values must lie in [0, Nk={p.nk}], got min {host.min()} max {host.max()}")
+    dev = kv_lens.reshape(-1)
+    if p.xp is not np:
+        import cupy
+
+        dev = cupy.ascontiguousarray(dev)
+    return dev, host

@@ -18,7 +18,8 @@ def _backend(p):
     return gpu
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
+              kv_lens=None, validate=True):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -34,6 +35,13 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     layout : "bhsd" or "bshd".
     return_lse : also return the float32 natural-log log-sum-exp, shape (..., Hq, Nq).
     out : optional array of q's shape and dtype to write o into (must not overlap an input).
+    kv_lens : optional int32 array of q's batch shape: sequence b attends to its first
+        kv_lens[b] keys only (a KV cache filled to different lengths); keys beyond are never
+        read. Causal alignment is per sequence (bottom-right: the last query sees key
+        kv_lens[b] - 1). Few query tokens against a long cache run the split-KV decode kernel.
+    validate : check kv_lens on the host (0 <= kv_lens <= Nk). For CuPy inputs that costs one
+        device-to-host copy; validate=False skips it (out-of-range values are then clamped to
+        Nk by the decode kernel; the prefill fallback copies kv_lens to the host anyway).
 
     Returns
     -------
@@ -49,12 +57,36 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
     lse3 = xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    _backend(p).forward(p, q4, k4, v4, o4, lse3)
+    lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
+    if lens_dev is None:
+        _backend(p).forward(p, q4, k4, v4, o4, lse3)
+    else:
+        _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host)
     if not direct:
         o[...] = from_bhsd(o4, p, p.hq, p.nq)
     if return_lse:
         return o, lse3.reshape(p.lse_shape())
     return o
+
+
+def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
+    """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
+    problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
+    import dataclasses
+
+    if p.xp is not np:
+        from . import gpu_decode
+
+        if gpu_decode.applies(p, k4, v4):
+            gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
+            return
+        if lens_host is None:
+            lens_host = lens_dev.get().astype(np.int64)
+    backend = _backend(p)
+    for b, n in enumerate(np.minimum(lens_host, p.nk)):
+        pb = dataclasses.replace(p, batch_shape=(1,), nk=int(n), single_head=False)
+        sl = slice(b, b + 1)
+        backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False):

@@ -109,3 +109,37 @@ BACKWARD_TILES: dict[int, BackwardTile] = {
 def backward_tile(d: int) -> tuple[int, BackwardTile]:
     hd = head_dim_bucket(d)
     return hd, BACKWARD_TILES[hd]
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    block_n: int  # keys per warp tile
+    warps: int  # warps per block, each streaming its own interleaved key tiles
+    stages: int  # tiles in flight per warp
+    max_row_tiles: int  # packed (GQA head, token) rows per block, in 16-row mma tiles
+    reason: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
+        rows = 16 * row_tiles
+        return (rows * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2 + self.warps * rows * 2 * 4
+
+
+# Split-KV decoding (few query tokens, long cache): memory bound, so the tile is sized for bytes in
+# flight (each warp keeps one K+V tile loading while it computes another: warps x 2 x block_n x d
+# x 2 bytes per SM) rather than for reuse. O is row_tiles x d / 8 x 4 registers per thread.
+DECODE_TILES: dict[int, DecodeTile] = {
+    32: DecodeTile(64, 4, 2, 4, "short rows: 64-key tiles keep 32 KiB per block in flight"),
+    64: DecodeTile(32, 4, 2, 4, "32-key tiles: 32 KiB per block in flight; up to 64 packed rows"),
+    128: DecodeTile(32, 4, 2, 2, "32 keys x 128 x 2 x 2 B = 16 KiB per warp tile; O for 32 rows = 64 regs"),
+    192: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
+    256: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
+}
+
+
+def decode_tile(d: int) -> tuple[int, DecodeTile]:
+    hd = head_dim_bucket(d)
+    return hd, DECODE_TILES[hd]

@@ -1,0 +1,17 @@
+"""Shared check for kv_lens results: each sequence is its own problem over its first kv_lens[b] keys."""
+
+import numpy as np
+
+from cuflash.testing import assert_within_naive_error, naive_attention_in_dtype, reference64, to_numpy
+
+
+def check_per_sequence(o, lse, q, k, v, lens, causal, dtype):
+    o, lse = to_numpy(o), to_numpy(lse)
+    q, k, v = (to_numpy(a) for a in (q, k, v))
+    for b, n in enumerate(lens):
+        n = int(n)
+        qb, kb, vb = q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n]
+        ref_o, ref_l = reference64(qb, kb, vb, causal=causal)
+        nv_o, nv_l = naive_attention_in_dtype(qb, kb, vb, causal=causal)
+        assert_within_naive_error(f"o[seq {b}, len {n}]", o[b : b + 1], ref_o, nv_o, dtype)
+        assert_within_naive_error(f"lse[seq {b}, len {n}]", lse[b : b + 1], ref_l, nv_l, np.float32)
