@@ -147,3 +147,19 @@ def test_console_script_is_installed():
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "backend  cpu" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_demo_on_gpu(dtype, causal):
+    args = ["demo", "--backend", "gpu", "--json", "--dtype", dtype, "--b", "2", "--h", "4", "--hkv", "2",
+            "--n", "300", "--nk", "520", "--d", "64", "--repeats", "3"]
+    if causal:
+        args += ["--causal", causal]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["backend"] == "gpu"
+    assert out["check"]["passed"] is True
+    assert out["flops"] == 4 * brute_force_pairs(causal, 300, 520) * 64 * 2 * 4
