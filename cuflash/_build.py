@@ -151,6 +151,69 @@ def compile_offline(spec: KernelSpec, arch: str = "sm_90a") -> CompileReport:
     return parse_ptxas_log(spec, arch, log, lowered.decode())
 
 
+def _compile_group(args):
+    """One NVRTC program for several expressions of one source (worker of compile_offline_many)."""
+    specs, arch = args
+    from cuda.bindings import nvrtc
+
+    src = load_source(specs[0].source).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(src, specs[0].source.encode(), 0, [], [])
+    try:
+        for spec in specs:
+            nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode())
+        opts = [o.encode() for o in BASE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return None  # the caller recompiles one by one to attribute the error
+        out = {}
+        for spec in specs:
+            _, lowered = nvrtc.nvrtcGetLoweredName(prog, spec.expression.encode())
+            out[spec.short_name] = parse_ptxas_log(spec, arch, log, lowered.decode())
+        return out
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_offline_many(specs, arch: str = "sm_90a", processes: int | None = None, group_size: int = 12):
+    """{short_name: CompileReport or CompileError} for many specs, batched and in parallel.
+
+    Specs of one source share NVRTC programs of up to `group_size` name expressions (the same
+    text, options and expressions as run time; each instantiation is still its own entry
+    function with its own ptxas report), spread over worker processes. A group that fails to
+    compile is retried one spec at a time so that each error is attributed to its instantiation.
+    """
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    by_source: dict[str, list] = {}
+    for spec in specs:
+        by_source.setdefault(spec.source, []).append(spec)
+    groups = [(lst[i : i + group_size], arch) for lst in by_source.values() for i in range(0, len(lst), group_size)]
+    processes = processes or max(1, min(len(groups), os.cpu_count() or 1))
+    results: dict = {}
+    if processes > 1:
+        import multiprocessing
+
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            outs = list(pool.map(_compile_group, groups))
+    else:
+        outs = [_compile_group(g) for g in groups]
+    for (group, _), out in zip(groups, outs):
+        if out is not None:
+            results.update(out)
+            continue
+        for spec in group:
+            try:
+                results[spec.short_name] = compile_offline(spec, arch)
+            except CompileError as exc:
+                results[spec.short_name] = exc
+    return results
+
+
 def parse_ptxas_log(spec, arch, log, mangled) -> CompileReport:
     """Pick the resource lines of one entry function out of a ptxas -v log."""
     lines = log.splitlines()

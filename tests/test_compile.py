@@ -80,12 +80,28 @@ def _nvrtc_or_skip():
         pytest.skip(f"cuda.bindings NVRTC not usable: {exc!r} (pip install -e '.[test]')")
 
 
-@pytest.mark.parametrize(("spec", "enumeration_error"), _spec_params())
+_PARAMS = _spec_params()
+_REPORTS: dict = {}
+
+
+def _report(spec):
+    """All instantiations are compiled once, batched per source and spread over the cores
+    (_build.compile_offline_many); each test then reads its own instantiation's report."""
+    if not _REPORTS:
+        specs = [p.values[0] for p in _PARAMS if p.values[0] is not None]
+        _REPORTS.update(_build.compile_offline_many(specs, ARCH))
+    result = _REPORTS[spec.short_name]
+    if isinstance(result, Exception):
+        raise result  # CompileError carries NVRTC's log
+    return result
+
+
+@pytest.mark.parametrize(("spec", "enumeration_error"), _PARAMS)
 def test_instantiation_compiles_without_spills(spec, enumeration_error):
     if enumeration_error is not None:
         raise enumeration_error
     _nvrtc_or_skip()
-    report = _build.compile_offline(spec, ARCH)  # CompileError carries NVRTC's log
+    report = _report(spec)
     assert report.registers > 0, f"{spec.short_name}: ptxas reported no registers:\n{report.log}"
     assert (report.stack_bytes, report.spill_stores, report.spill_loads) == (0, 0, 0), (
         f"{spec.short_name} on {ARCH}: {report.registers} registers, {report.stack_bytes} bytes stack frame, "
