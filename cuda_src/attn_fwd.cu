@@ -73,7 +73,8 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, i64 ld, in
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool LAZY_RESCALE = true>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
          u16* __restrict__ o, float* __restrict__ lse,
@@ -210,7 +211,7 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
         }
 
         // Online softmax: S becomes unnormalized P (in place); O is rescaled if a row max moved.
-        softmax.template update<kMmaM, kNS, kNO>(acc_s, acc_o, scale_log2);
+        softmax.template update<kMmaM, kNS, kNO, LAZY_RESCALE>(acc_s, acc_o, scale_log2);
 
         // O += P V, with P taken straight from the S accumulators (C layout == A layout).
 #pragma unroll

@@ -18,7 +18,9 @@ struct OnlineSoftmax {
     }
 
     // Turn the score tile s into unnormalized probabilities and rescale o where the max moved.
-    template <int MMA_M, int NS, int NO>
+    // LAZY: skip O's rescale when no row of the warp moved its max (a vote and a branch, which
+    // also splits the basic block between softmax and the P V product).
+    template <int MMA_M, int NS, int NO, bool LAZY = true>
     __device__ __forceinline__ void update(float (&s)[MMA_M][NS][4], float (&o)[MMA_M][NO][4], float scale_log2) {
         float alpha[ROWS];
         bool moved = false;
@@ -48,7 +50,7 @@ struct OnlineSoftmax {
                 l[r] = l[r] * alpha[r] + sum;
             }
         // Rescaling O costs a multiply per accumulator; skip it when no row of the warp moved.
-        if (__any_sync(0xffffffffu, moved)) {
+        if (!LAZY || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int mi = 0; mi < MMA_M; ++mi)
 #pragma unroll

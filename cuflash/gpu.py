@@ -53,7 +53,9 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None):
     t = tile or t
     expr = (
         f"attn_fwd<{_TYPE_TAG[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-        f"{'true' if causal else 'false'}, {'true' if vec else 'false'}>"
+        f"{'true' if causal else 'false'}, {'true' if vec else 'false'}"
+        + ("" if t.lazy_rescale else ", false")
+        + ">"
     )
     return KernelSpec("attn_fwd.cu", expr, t.threads, t.smem_bytes(hd)), t
 

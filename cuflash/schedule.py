@@ -22,6 +22,7 @@ class TileConfig:
     warps: int  # warps per block; each owns block_m / warps query rows
     stages: int  # K/V tiles in flight in the cp.async ring
     reason: str
+    lazy_rescale: bool = True  # skip O's rescale when no row max moved (a vote + branch per tile)
 
     @property
     def threads(self) -> int:
