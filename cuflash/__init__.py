@@ -2,6 +2,7 @@
 
 from .api import attention, attention_backward, attention_vjp
 from .accounting import flops, io_model, memory_report
+from .tune import tune  # the function; the module stays importable as `from cuflash.tune import ...`
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_vjp", "flops", "memory_report", "io_model", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "flops", "memory_report", "io_model", "tune", "__version__"]

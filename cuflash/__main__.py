@@ -2,6 +2,7 @@
 
     cuflash demo [--b B --h H --hkv HKV --n N --nk NK --d D --dtype T --causal [MODE] --backend B]
     cuflash report ...        (cuflash.report)
+    cuflash tune / schedules  (cuflash.tune)
 
 ``demo`` runs attention on fresh random inputs with the best backend available, checks whole
 heads against the float64 reference with the accuracy rule of :mod:`cuflash.testing`, and prints
@@ -23,6 +24,8 @@ import numpy as np
 # name -> (module, function, help). Each function takes the remaining argv and returns an exit code.
 DELEGATED = {
     "report": ("cuflash.report", "main", "accounting report (cuflash.report); see `cuflash report --help`"),
+    "tune": ("cuflash.tune", "main_tune", "autotune tile schedules ahead of time (GPU); see `cuflash tune --help`"),
+    "schedules": ("cuflash.tune", "main_schedules", "legal tiles, registers, occupancy, traffic, tuned times"),
 }
 
 DTYPES = ("float16", "bfloat16", "float32")
