@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _problem
+from . import _problem, interop
+from ._arrays import may_share_memory
 from ._layout import from_bhsd, is_view_of, to_bhsd
 
 
@@ -18,6 +19,7 @@ def _backend(p):
     return gpu
 
 
+@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", outputs=("out",))
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
               kv_lens=None, validate=True):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
@@ -26,7 +28,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     ----------
     q : array (..., Hq, Nq, d) for ``layout="bhsd"`` or (..., Nq, Hq, d) for ``"bshd"``; a 2-D
         (Nq, d) array is a single head. NumPy arrays run the NumPy tiled backend, CuPy arrays the
-        CUDA kernels.
+        CUDA kernels. torch tensors, JAX arrays and other ``__dlpack__`` /
+        ``__cuda_array_interface__`` producers are used without copies, on their device and (torch)
+        current stream, and results come back as the caller's kind of array (cuflash.interop).
     k, v : arrays (..., Hkv, Nk, d) (or (..., Nk, Hkv, d)); Hq must be a multiple of Hkv (GQA/MQA).
     causal : False, True / "bottom_right" (query i sees keys j <= i + Nk - Nq, FlashAttention's
         convention) or "top_left" (j <= i, torch SDPA's). Rows that see no key give o = 0 and
@@ -89,26 +93,54 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
         backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False):
+@interop.accepts_foreign_arrays("do", "q", "k", "v", "o", "lse", outputs=("out",))
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
+                       out=None):
     """Gradients (dq, dk, dv) of ``attention`` for upstream gradient ``do``.
 
     ``o`` and ``lse`` are the forward's outputs (``return_lse=True``); P is recomputed tile by
     tile from q, k and lse, and D = rowsum(do * o). dk and dv are summed over the query heads
     that share a K/V head. ``deterministic=True`` asks for bitwise-reproducible dq.
+    ``out`` : optional tuple (dq, dk, dv) of arrays to write the gradients into (shapes of q, k,
+    k; q's dtype; overlapping neither the inputs nor each other).
     """
     p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     xp = p.xp
-    dq = xp.empty(p.q_shape(), dtype=p.dtype)
-    dk = xp.empty(p.kv_shape(), dtype=p.dtype)
-    dv = xp.empty(p.kv_shape(), dtype=p.dtype)
+    rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
+    dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
     views = [to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o)] + [to_bhsd(a, p, p.hkv, p.nk) for a in (k, v)]
     do4, q4, o4, k4, v4 = views
     lse3 = lse.reshape((p.batch, p.hq, p.nq))
-    grads = (to_bhsd(dq, p, p.hq, p.nq), to_bhsd(dk, p, p.hkv, p.nk), to_bhsd(dv, p, p.hkv, p.nk))
+    grads = [to_bhsd(g, p, h, n) for g, (h, n) in zip((dq, dk, dv), rows)]
+    # An out= array whose strides do not merge into (B, H, N, d) with a unit head-dim stride gets
+    # a scratch array; the result is copied in afterwards.
+    direct = [is_view_of(g4, g) and (p.d == 1 or g4.strides[-1] == g4.itemsize) for g4, g in zip(grads, (dq, dk, dv))]
+    grads = [g4 if ok else xp.empty((p.batch, h, n, p.d), dtype=p.dtype) for g4, ok, (h, n) in zip(grads, direct, rows)]
     _backend(p).backward(p, do4, q4, k4, v4, o4, lse3, *grads, deterministic=bool(deterministic))
+    for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
+        if not ok:
+            g[...] = from_bhsd(g4, p, h, n)
     return dq, dk, dv
+
+
+def _gradient_outputs(p, out, inputs):
+    """(dq, dk, dv): fresh arrays, or the checked arrays of ``out=(dq, dk, dv)``."""
+    xp = p.xp
+    if out is None:
+        return (xp.empty(p.q_shape(), dtype=p.dtype), xp.empty(p.kv_shape(), dtype=p.dtype),
+                xp.empty(p.kv_shape(), dtype=p.dtype))
+    if not (isinstance(out, tuple) and len(out) == 3) or any(a is None for a in out):
+        raise TypeError(f"out: expected a tuple (dq, dk, dv) of arrays, got {type(out).__name__}")
+    names = ("out[0]", "out[1]", "out[2]")
+    for name, a, shape in zip(names, out, (p.q_shape(), p.kv_shape(), p.kv_shape())):
+        _problem.check_out(name, a, shape, p.dtype, xp, inputs)
+    for i in range(3):
+        for j in range(i):
+            if may_share_memory(out[i], out[j]):
+                raise ValueError(f"{names[i]}: must not overlap {names[j]}")
+    return out
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd"):
