@@ -209,22 +209,36 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
     o_t = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
     lse_t = torch.empty((b, h, n), device="cuda", dtype=torch.float32)
     o4, lse3 = cp.from_dlpack(o_t), cp.from_dlpack(lse_t)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        if op == "fwd":
-            refs = [F.scaled_dot_product_attention(q, k, v, is_causal=causal)]
-            row["torch_flash_s"] = torch_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        else:
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def torch_reference(backend):
+        with sdpa_kernel([backend]):
+            if op == "fwd":
+                refs = [F.scaled_dot_product_attention(q, k, v, is_causal=causal)]
+                secs = torch_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                return refs, secs
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
             o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
             refs = list(torch.autograd.grad(o_ref, (qg, kg, vg), do, retain_graph=True))
-            row["torch_flash_s"] = torch_time(lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do, retain_graph=True))
-            del o_ref
-            # cuflash's own forward (the table's tile) gives the o and lse the backward reads.
-            gpu.forward(p, qc, kc, vc, o4, lse3, tile=schedule.forward_tile(d)[1])
-            doc = cp.from_dlpack(do)
-            grads_t = [torch.empty_like(x) for x in (q, k, v)]
-            grads = [cp.from_dlpack(g) for g in grads_t]
+            secs = torch_time(lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do, retain_graph=True))
+            return refs, secs
+
+    # torch's flash kernel is the comparison; should it refuse a shape, its memory-efficient one.
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            refs, row["torch_flash_s"] = torch_reference(backend)
+            row["torch_backend"] = backend.name
+            break
+        except RuntimeError as exc:
+            row.setdefault("torch_errors", []).append(repr(exc)[:200])
+    else:
+        raise RuntimeError(f"no torch SDPA reference for {shape}: {row['torch_errors']}")
+    if op != "fwd":
+        # cuflash's own forward (the table's tile) gives the o and lse the backward reads.
+        gpu.forward(p, qc, kc, vc, o4, lse3, tile=schedule.forward_tile(d)[1])
+        doc = cp.from_dlpack(do)
+        grads_t = [torch.empty_like(x) for x in (q, k, v)]
+        grads = [cp.from_dlpack(g) for g in grads_t]
     ref_max = [x.float().abs().max().item() for x in refs]
 
     def run(cand):
@@ -325,7 +339,13 @@ def device_main(args):
                         log(f"  budget spent: skipping {op} d={d} N={n} causal={causal}")
                         bucket["shapes"].append({"d": d, "n": n, "b": b, "h": h, "causal": causal, "skipped": "budget"})
                         continue
-                    row = run_shape(op, d, n, b, h, causal, chosen, flush, budget, log)
+                    try:
+                        row = run_shape(op, d, n, b, h, causal, chosen, flush, budget, log)
+                    except Exception as exc:  # noqa: BLE001 - one broken shape must not lose the rest
+                        log(f"  {op} d={d} N={n} causal={causal}: FAILED {exc!r}")
+                        bucket["shapes"].append({"d": d, "n": n, "b": b, "h": h, "causal": causal,
+                                                 "skipped": f"error: {exc!r}"[:300]})
+                        continue
                     bucket["shapes"].append(row)
                     ok = {k: v for k, v in row["candidates"].items() if v.get("status") == "ok"}
                     best = min(ok, key=lambda k: ok[k]["time_s"]) if ok else None
@@ -368,7 +388,9 @@ def _row_cells(op, bucket, row):
     return [str(row["n"]), str(row["b"]), str(row["h"]), str(row["causal"]),
             best or "-", ms(best), tflops(best), regs(best), occ(best),
             largest or "-", ms(largest), tflops(largest), regs(largest), occ(largest),
-            f"{table_name}: {ms(table_name)}", f"{row['torch_flash_s'] * 1e3:.3f}", f"{len(ok)} / {mismatched}"]
+            f"{table_name}: {ms(table_name)}", f"{row['torch_flash_s'] * 1e3:.3f}" + ("" if row.get("torch_backend", "FLASH_ATTENTION") == "FLASH_ATTENTION"
+                                                else f" ({row['torch_backend']})"),
+            f"{len(ok)} / {mismatched}"]
 
 
 _HEADER = ["N", "B", "H", "causal", "fastest", "ms", "TFLOP/s", "regs", "blocks/SM, warps/SM",
@@ -395,7 +417,7 @@ def write_outputs(result, out_dir, ops):
             for row in bucket["shapes"]:
                 if row.get("skipped"):
                     cells = [str(row["n"]), str(row["b"]), str(row["h"]), str(row["causal"]),
-                             f"skipped ({row['skipped']})"] + [""] * (len(_HEADER) - 5)
+                             f"skipped ({row['skipped']})".replace("|", "/")] + [""] * (len(_HEADER) - 5)
                 else:
                     cells = _row_cells(op, bucket, row)
                 md.append("| " + " | ".join(cells) + " |")
