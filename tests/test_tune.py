@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import warnings
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -712,3 +713,53 @@ def test_schedule_search_writes_at_most_six_files(tmp_path):
     assert "| 2.000 |" in row and "| 210 |" in row and "mismatch" in row and "| 1 / 1 |" in row
     assert "skipped (budget)" in md
     assert json.loads((tmp_path / "schedule_search.json").read_text())["device"]["name"] == H200.name
+
+
+def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
+    """The device run's control flow (screening, causal compiles, spill handling per mask, budget,
+    outputs) with a fake compiler and a fake shape runner, so a typo cannot waste GPU time."""
+    cupy = pytest.importorskip("cupy")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import schedule_search as s
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    monkeypatch.setattr(s.device_limits, "from_cupy", lambda: H200)
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: None)
+
+    def fake_compile(spec):
+        # Every third expression spills; causal instantiations of 8-warp forward tiles spill too.
+        spills = zlib.crc32(spec.expression.encode()) % 3 == 0 or ("true, true>" in spec.expression and ", 8, " in spec.expression)
+        return CompileInfo(200, 16 if spills else 0, 0, "fake")
+
+    monkeypatch.setattr(tune_mod, "compile_device_info", fake_compile)
+    ran = []
+
+    def fake_run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
+        ran.append((op, d, n, causal, tuple(c.name for c in chosen)))
+        return {"d": d, "n": n, "b": b, "h": h, "causal": causal, "torch_flash_s": 1e-3,
+                "candidates": {c.name: {"status": "ok", "time_s": 1e-3 * (1 + i), "tflops": 1.0}
+                               for i, c in enumerate(chosen)}}
+
+    monkeypatch.setattr(s, "run_shape", fake_run_shape)
+    assert s.main(["--out", str(tmp_path), "--workers", "0", "--ds", "64,128", "--ns", "1024,4096"]) == 0
+    res = json.loads((tmp_path / "schedule_search.json").read_text())
+    assert sorted(res["buckets"]) == ["bwd-d128", "bwd-d64", "fwd-d128", "fwd-d64"]
+    for key, bucket in res["buckets"].items():
+        assert 1 <= len(bucket["chosen"]) <= 7 and bucket["largest"] in bucket["chosen"]
+        for name in bucket["chosen"]:
+            assert bucket["compile"][name]["clean"][0]  # screened on the non-causal instantiation
+            assert len(bucket["compile"][name]["registers"]) == 2
+        assert len(bucket["shapes"]) == 4
+    # A candidate whose causal instantiation spills is not run on causal shapes.
+    for op, d, n, causal, names in ran:
+        bucket = res["buckets"][f"{op}-d{d}"]
+        assert all(bucket["compile"][nm]["clean"][int(causal)] for nm in names)
+    causal_rows = [sh for b in res["buckets"].values() for sh in b["shapes"] if sh["causal"]]
+    assert any(c.get("status") == "spills (this mask)" for sh in causal_rows for c in sh["candidates"].values())
+    assert len(list(tmp_path.iterdir())) == 3
+    # A zero budget: nothing timed, every shape recorded as skipped, outputs still written.
+    ran.clear()
+    assert s.main(["--out", str(tmp_path / "b"), "--workers", "0", "--ds", "64", "--ns", "1024", "--budget-s", "0"]) == 0
+    res = json.loads((tmp_path / "b" / "schedule_search.json").read_text())
+    assert ran == [] and all(sh.get("skipped") == "budget" for b in res["buckets"].values() for sh in b["shapes"])
