@@ -35,9 +35,9 @@ class TileConfig:
 
 # Forward, 16-bit inputs, mma.sync m16n8k16. Keyed by the padded head dim.
 FORWARD_TILES: dict[int, TileConfig] = {
-    32: TileConfig(128, 64, 4, 2, "32 rows/warp halve K/V fragment reloads; 128-key tiles spill (S alone is 128 regs)"),
-    64: TileConfig(128, 64, 4, 2, "32 rows/warp, Q kept in registers (+5% over re-reading it, sweep b); 3-4 stages no better; 128-key tiles (FA2's choice) spill here"),
-    128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs"),
+    32: TileConfig(128, 64, 4, 2, "as d=64 (eager rescale fits); 128-key tiles spill (S alone is 128 regs)", lazy_rescale=False),
+    64: TileConfig(128, 64, 4, 2, "32 rows/warp, Q in registers (+5%, sweep b), eager O rescale (+6.5% over the vote-and-branch, sweep c); 3-4 stages no better; 128-key tiles spill", lazy_rescale=False),
+    128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs; eager rescale spills here, so lazy"),
     192: TileConfig(128, 64, 8, 2, "16 rows per warp: O alone is 96 regs; 8 warps keep the 128-row Q tile for K/V reuse"),
     256: TileConfig(128, 64, 8, 2, "16 rows per warp (O = 128 regs); 192 KiB shared memory, one block per SM"),
 }
