@@ -87,6 +87,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
+    if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
+        from .tune import pick_forward_tile
+
+        tile = pick_forward_tile(p)
     spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, vec, tile)
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0

@@ -80,6 +80,10 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
+    if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
+        from .tune import pick_backward_tile
+
+        tile = pick_backward_tile(p, deterministic=deterministic)
     specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile)
     off = np.int32(p.causal_offset if p.causal is not None else 0)
     scale_log2 = np.float32(p.scale * _LOG2E)
