@@ -11,7 +11,7 @@ the same bytes. Each implementation's output is checked before it is timed:
 cuflash (and the reference) fail the check ("mismatch", still timed and reported) when their
 error against float64 exceeds 2x torch-flash's error plus one rounding of the output, or their
 whole-tensor difference from torch-flash exceeds what those two bounds allow (3x flash's error plus
-one rounding), or any element is not finite. Timing: CUDA events on torch's current stream (cuflash
+one rounding, relative to the values' magnitude), or any element is not finite. Timing: CUDA events on torch's current stream (cuflash
 runs on that same stream), warm-up first, L2 flushed between repeats by writing a 256 MiB buffer
 outside the timed region, median of the repeats. By default a GPU spin queued before each start
 event hides the host's launch overhead (device time only); ``--count-launch`` keeps it in.
@@ -51,6 +51,7 @@ IMPLS = ("cuflash",) + PEERS + ("reference",)
 # The materializing reference keeps S and P (and temporaries) in float32: the peers note measured
 # about 4 float32 matrices of B*H*Nq*Nk in CuPy's pool. Skip it where that estimate is too large.
 REFERENCE_BYTES_PER_PAIR = 16
+REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS live together
 REFERENCE_MAX_BYTES = 40e9
 BACKWARD_FLOP_FACTOR = 2.5
 L2_FLUSH_BYTES = 256 << 20
@@ -117,7 +118,8 @@ class Case:
         return elems * ITEMSIZE[self.dtype]
 
     def reference_bytes(self) -> int:
-        return REFERENCE_BYTES_PER_PAIR * self.b * self.hq * self.nq * self.nk
+        per_pair = REFERENCE_BACKWARD_BYTES_PER_PAIR if self.op == "bwd" else REFERENCE_BYTES_PER_PAIR
+        return per_pair * self.b * self.hq * self.nq * self.nk
 
 
 def forward_grid(ds=GRID_D, ns=GRID_N, dtypes=("bfloat16",)):
@@ -158,19 +160,22 @@ def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None):
     return plan
 
 
-def judge(cand_err, peer_err, cand_vs_peer, out_scale, unit_roundoff, finite=True):
+def judge(cand_err, peer_err, checked_scale, cand_vs_peer, full_scale, unit_roundoff, finite=True):
     """"ok" or "mismatch" for a candidate's output.
 
     cand_err / peer_err: max abs error of the candidate / the peer against float64 on the checked
-    part; cand_vs_peer: max abs difference between the two on the whole tensor; out_scale: max abs
-    of the float64 result. The candidate may be off by 2x the peer's error plus one rounding;
-    the whole-tensor difference may then reach that plus the peer's own error."""
+    part (sampled rows, or one head's gradients); checked_scale: max abs of the float64 result
+    there. The candidate may be off by 2x the peer's error plus one rounding. cand_vs_peer: max abs
+    difference between the two on the whole tensor, whose max abs is full_scale; errors grow with
+    the values, so the checked errors are carried over relative to their scale: the difference
+    may reach 3x the peer's relative error (2x for the candidate, 1x for the peer) plus one
+    rounding, times full_scale."""
     if not finite or any(map(math.isnan, (cand_err, cand_vs_peer))):
         return "mismatch"
-    rounding = unit_roundoff * out_scale
-    if cand_err > 2.0 * peer_err + rounding:
+    if cand_err > 2.0 * peer_err + unit_roundoff * checked_scale:
         return "mismatch"
-    if cand_vs_peer > 3.0 * peer_err + rounding:
+    peer_rel = peer_err / checked_scale if checked_scale > 0 else peer_err
+    if cand_vs_peer > (3.0 * peer_rel + unit_roundoff) * max(full_scale, checked_scale):
         return "mismatch"
     return "ok"
 
@@ -506,7 +511,8 @@ class Runner:
                 rel = (diff.double().norm() / check_out.double().norm()).item()
                 del diff
                 if impl in ("cuflash", "reference"):
-                    status = judge(err, peer_err, vs_peer, out_scale, u, finite)
+                    full_scale = check_out.abs().max().item()
+                    status = judge(err, peer_err, out_scale, vs_peer, full_scale, u, finite)
                 else:
                     status = "ok" if finite else "mismatch"
                 if ot is not check_out:
@@ -545,12 +551,20 @@ class Runner:
             dq, dk, dv = grads
             return dq[bi, kh * group:(kh + 1) * group], dk[bi, kh], dv[bi, kh]
 
-        order = [i for i in PEERS + ("cuflash",) if i in self.args.impls]
+        order = [i for i in PEERS + ("cuflash", "reference") if i in self.args.impls]
         check, check_peer, peer_errs = None, None, None
         for impl in order:
             if time.monotonic() > deadline:
                 rows_out.append(record(case, impl, "skipped", reason="--max-seconds budget spent"))
                 continue
+            if impl == "reference":
+                if self.reference is None:
+                    rows_out.append(record(case, impl, "skipped", reason=self.reference_missing))
+                    continue
+                if case.reference_bytes() > REFERENCE_MAX_BYTES:
+                    rows_out.append(record(case, impl, "skipped",
+                                           reason=f"P, dP and dS need about {case.reference_bytes() / 1e9:.0f} GB"))
+                    continue
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -563,6 +577,17 @@ class Runner:
                             def run():
                                 with self.on_torch_stream():
                                     return vjp(doc)
+                            grads, peak = self.peak_extra_bytes_cupy(run)
+                            grads = tuple(self.as_torch(g) for g in grads)
+                        elif impl == "reference":
+                            qc, kc, vc, doc = (self.as_cupy(t) for t in (q, k, v, do))
+                            ref, causal = self.reference, self.cuflash_causal(case)
+                            with self.on_torch_stream():
+                                o_ref, lse_ref = ref.attention(qc, kc, vc, causal=causal, return_lse=True)
+
+                            def run():
+                                with self.on_torch_stream():
+                                    return ref.attention_backward(doc, qc, kc, vc, o_ref, lse_ref, causal=causal)
                             grads, peak = self.peak_extra_bytes_cupy(run)
                             grads = tuple(self.as_torch(g) for g in grads)
                         else:
@@ -595,8 +620,10 @@ class Runner:
                     den += c.double().pow(2).sum().item()
                     del diff
                 rel = math.sqrt(num / den) if den else float("nan")
-                if impl == "cuflash":
-                    verdicts = [judge(*args, u, finite) for args in zip(errs, peer_errs, vs_peer, scales)]
+                if impl in ("cuflash", "reference"):
+                    full_scales = [c.abs().max().item() for c in check]
+                    verdicts = [judge(e, pe, sc, vp, fs, u, finite)
+                                for e, pe, sc, vp, fs in zip(errs, peer_errs, scales, vs_peer, full_scales)]
                     status = "mismatch" if "mismatch" in verdicts else "ok"
                 else:
                     status = "ok" if finite else "mismatch"
@@ -612,7 +639,7 @@ class Runner:
                 rows_out.append(record(case, impl, "skipped" if oom else "error",
                                        reason=f"{type(exc).__name__}: {str(exc)[:500]}"))
             finally:
-                grads = o = run = leaves = vjp = None  # noqa: F841 - drop this impl's buffers
+                grads = o = run = leaves = vjp = o_ref = lse_ref = None  # noqa: F841 - drop this impl's buffers
                 self.free()
         del q, k, v, do, check
         self.free()

@@ -112,7 +112,8 @@ def test_peers_judge_accepts_a_correct_result_and_flags_a_wrong_one():
 
     def verdict(cand):
         return peers.judge(np.abs(cand[checked] - exact[checked]).max(), np.abs(peer[checked] - exact[checked]).max(),
-                           np.abs(cand - peer).max(), scale, u, bool(np.isfinite(cand).all()))
+                           np.abs(exact[checked]).max(), np.abs(cand - peer).max(), np.abs(peer).max(), u,
+                           bool(np.isfinite(cand).all()))
 
     assert verdict(good) == "ok"
     wrong_row = good.copy()
@@ -120,11 +121,14 @@ def test_peers_judge_accepts_a_correct_result_and_flags_a_wrong_one():
     assert verdict(wrong_row) == "mismatch"
     # Each bound on its own: error against float64 beyond 2x the peer's plus one rounding ...
     e = np.abs(peer[checked] - exact[checked]).max()
-    assert peers.judge(2 * e + 2 * u * scale, e, e, scale, u) == "mismatch"
-    assert peers.judge(2 * e, e, e, scale, u) == "ok"
-    # ... and a whole-tensor difference from the peer beyond what both errors allow.
-    assert peers.judge(e, e, 3 * e + 2 * u * scale, scale, u) == "mismatch"
-    assert peers.judge(e, e, 3 * e, scale, u) == "ok"
+    assert peers.judge(2 * e + 2 * u * scale, e, scale, e, scale, u) == "mismatch"
+    assert peers.judge(2 * e, e, scale, e, scale, u) == "ok"
+    # ... and a whole-tensor difference from the peer beyond what both errors allow,
+    assert peers.judge(e, e, scale, 3 * e + 2 * u * scale, scale, u) == "mismatch"
+    assert peers.judge(e, e, scale, 3 * e, scale, u) == "ok"
+    # where errors elsewhere may grow with the values: twice the magnitude, twice the allowance.
+    assert peers.judge(e, e, scale, 5 * e, 2 * scale, u) == "ok"
+    assert peers.judge(e, e, scale, 6 * e + 3 * u * scale, 2 * scale, u) == "mismatch"
     unscaled = _attention(q * 8.0, k, v, np.float32)  # forgot the 1/sqrt(d)
     assert verdict(unscaled) == "mismatch"
     poisoned = good.copy()

@@ -22,6 +22,7 @@ import numpy as np
 TOKENS = 16384  # B * N, as in peers-h200.md
 MODEL_WIDTH = 2048  # H * d
 REFERENCE_BYTES_PER_PAIR = 16  # S and P in float32 plus temporaries (peers note: ~4 such matrices)
+REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS
 REFERENCE_MAX_BYTES = 40e9
 L2_FLUSH_BYTES = 256 << 20
 EVENT_REPEATS = 20
@@ -169,6 +170,23 @@ class CuflashBackward(_Prefill):
         _, vjp = cuflash.attention_vjp(self.q, self.k, self.v, causal=self.causal)
         self.op = lambda: vjp(self.do)
         self._run()  # NotImplementedError while cuflash has no GPU backward: asv skips
+
+    def time_backward(self, n, d, causal, dtype):
+        self._run()
+
+
+class ReferenceBackward(_Prefill):
+    def setup(self, n, d, causal, dtype):
+        b, h = TOKENS // n, MODEL_WIDTH // d
+        need = REFERENCE_BACKWARD_BYTES_PER_PAIR * b * h * n * n
+        if need > REFERENCE_MAX_BYTES:
+            raise NotImplementedError(f"the reference's P, dP and dS need about {need / 1e9:.0f} GB")
+        reference = reference_module()
+        self.make_inputs(n, d, causal, dtype)
+        self.do = random_normal(self.cp, self.q.shape, dtype, 7)
+        o, lse = reference.attention(self.q, self.k, self.v, causal=self.causal, return_lse=True)
+        self.op = lambda: reference.attention_backward(self.do, self.q, self.k, self.v, o, lse, causal=self.causal)
+        self._run()
 
     def time_backward(self, n, d, causal, dtype):
         self._run()
