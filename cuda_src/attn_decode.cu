@@ -259,13 +259,14 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
             if (c == 0) lse[((i64)b * hq + h) * nq + tok] = row_lse;
         } else {
             const i64 prow = (((i64)b * gridDim.y + hk) * n_splits + split) * rows + r;
-            part_o[prow * HEAD_DIM + c] = val;
+            part_o[prow * d + c] = val;
             if (c == 0) part_lse[prow] = row_lse;
         }
     }
 }
 
 // Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).
+// Partial O rows are d floats apart (no head-dim padding in the workspace).
 template <typename T, int HEAD_DIM>
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                     u16* __restrict__ o, float* __restrict__ lse,
@@ -285,7 +286,7 @@ __global__ void attn_decode_combine(const float* __restrict__ part_o, const floa
         float acc = 0.f;
         for (int s = 0; s < n_splits; ++s) {
             const float l = part_lse[base + (i64)s * rows];
-            if (l != -INFINITY) acc += __expf(l - mx) * part_o[(base + (i64)s * rows) * HEAD_DIM + c];
+            if (l != -INFINITY) acc += __expf(l - mx) * part_o[(base + (i64)s * rows) * d + c];
         }
         o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(wsum > 0.f ? acc / wsum : 0.f);
     }

@@ -79,12 +79,23 @@ def num_splits(p, tile, sm_count: int) -> int:
     return max(1, min(want, -(-p.nk // per_split_min)))
 
 
-def workspace_bytes(p, splits: int, head_dim: int) -> int:
-    """Partial O (float32, rows padded to the head-dim bucket) and LSE per split; 0 with one split."""
+def plan(p, sm_count: int, splits=None):
+    """(row_tiles, tile, splits, chunk): the launch's geometry. Each split covers `chunk` keys, a
+    whole number of key tiles; the accounting reads the split count from here too."""
+    rt = row_tiles_for(p)
+    _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True)
+    splits = splits or num_splits(p, t, sm_count)
+    chunk = -(-max(p.nk, 1) // splits)
+    chunk = -(-chunk // t.block_n) * t.block_n
+    return rt, t, -(-max(p.nk, 1) // chunk), chunk
+
+
+def workspace_bytes(p, splits: int) -> int:
+    """Partial O (float32, d per row) and LSE per split; nothing with one split."""
     if splits <= 1:
         return 0
     rows = p.batch * p.hkv * splits * p.group * p.nq
-    return rows * head_dim * 4 + rows * 4
+    return rows * p.d * 4 + rows * 4
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None):
@@ -92,16 +103,12 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None):
 
     from .gpu import _elem_strides
 
-    rt = row_tiles_for(p)
-    main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True)
     sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    splits = splits or num_splits(p, t, sm)
-    chunk = -(-p.nk // splits)
-    chunk = -(-chunk // t.block_n) * t.block_n  # whole tiles per split
-    splits = -(-p.nk // chunk)
+    rt, t, splits, chunk = plan(p, sm, splits)
+    main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True)
     rows = p.group * p.nq
     if splits > 1:
-        part_o = cupy.empty((p.batch, p.hkv, splits, rows, hd), dtype=np.float32)
+        part_o = cupy.empty((p.batch, p.hkv, splits, rows, p.d), dtype=np.float32)
         part_lse = cupy.empty((p.batch, p.hkv, splits, rows), dtype=np.float32)
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)

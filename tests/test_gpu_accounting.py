@@ -1,0 +1,76 @@
+"""On the GPU: the bytes cuflash.memory_report predicts are the bytes the kernels allocate.
+
+Every device allocation of one call is recorded through CuPy's allocator hook (requested sizes;
+CuPy's pool then rounds each up to 512 bytes, which is not counted on either side). Inputs are
+allocated before the call, so the record holds exactly what the call adds: outputs, saved state
+and workspace, to be compared with the report's entries of those categories.
+"""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import accounting, gpu_decode
+from cuflash._arrays import BFLOAT16
+from cuflash._problem import validate_forward
+from cuflash.testing import random_inputs
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+def _recorded(fn):
+    pool = cupy.get_default_memory_pool()
+    fn()  # compile and warm up first
+    cupy.cuda.Device().synchronize()
+    sizes = []
+
+    def malloc(nbytes):
+        sizes.append(nbytes)
+        return pool.malloc(nbytes)
+
+    cupy.cuda.set_allocator(malloc)
+    try:
+        result = fn()
+        cupy.cuda.Device().synchronize()
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    del result
+    return sizes
+
+
+def _predicted(report, categories):
+    return sum(e.bytes for e in report.entries if e.category in categories)
+
+
+def _inputs(shape_q, shape_kv, seed):
+    rng = np.random.default_rng(seed)
+    return tuple(cupy.asarray(a) for a in random_inputs(rng, shape_q, shape_kv, BFLOAT16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_bytes(causal):
+    q, k, v = _inputs((2, 8, 1000, 128), (2, 8, 1000, 128), 1)
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
+    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd", causal=causal)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
+
+
+def test_backward_bytes():
+    q, k, v = _inputs((2, 8, 1000, 128), (2, 8, 1000, 128), 2)
+    do = _inputs((2, 8, 1000, 128), (2, 8, 1000, 128), 3)[0]
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    sizes = _recorded(lambda: cuflash.attention_backward(do, q, k, v, o, lse))
+    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="bwd")
+    assert sum(sizes) == _predicted(rep, {"output", "workspace"}), (sizes, rep.table())
+
+
+def test_decode_bytes():
+    q, k, v = _inputs((4, 32, 1, 128), (4, 8, 8192, 128), 4)
+    p = validate_forward(q, k, v, causal=True)
+    sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    _, _, splits, _ = gpu_decode.plan(p, sm)
+    assert splits > 1  # this shape must exercise the partials
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True))
+    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd", causal=True, splits=splits)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, splits, rep.table())
+    assert gpu_decode.workspace_bytes(p, splits) == sum(sizes) - 2 * (4 * 32 * 128) - 4 * 32 * 4
