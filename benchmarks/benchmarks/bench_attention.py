@@ -26,6 +26,11 @@ REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS
 REFERENCE_MAX_BYTES = 40e9
 L2_FLUSH_BYTES = 256 << 20
 EVENT_REPEATS = 20
+# CUFLASH_ASV_SMALL=1 keeps the history runs on the lent GPU inside its time budget: bf16, d=128,
+# non-causal, N in {1024, 4096} (still "over N" for the published comparison).
+import os as _os
+
+SMALL = _os.environ.get("CUFLASH_ASV_SMALL") == "1"
 
 
 def stable_seed(*params):
@@ -122,7 +127,11 @@ class _Suite:
 
 
 class _Prefill(_Suite):
-    params = ([1024, 4096, 16384], [64, 128], [False, True], ["bfloat16", "float16"])
+    params = (
+        ([1024, 4096], [128], [False], ["bfloat16"])
+        if SMALL
+        else ([1024, 4096, 16384], [64, 128], [False, True], ["bfloat16", "float16"])
+    )
     param_names = ["n", "d", "causal", "dtype"]
 
     def make_inputs(self, n, d, causal, dtype):
