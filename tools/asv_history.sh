@@ -3,7 +3,7 @@
 #
 #   OUT=dir bash tools/asv_history.sh HEAD_SHA [OLD_SHA ...]
 #
-# Needs: asv importable (carried wheels), .asvrepo (a bare clone: asv reads commit dates from it),
+# Needs: asv importable (carried wheels installed into $ASV_SITE, kept off the global path), .asvrepo (a bare clone: asv reads commit dates from it),
 # .asvtrees/<sha>/ (cuflash + cuda_src of each older commit, from `git archive`). Each commit is
 # benchmarked in the current interpreter with its own package tree on PYTHONPATH and recorded
 # under its hash (--set-commit-hash); results go to $OUT/asv_results.tar (benchmarks/results/asv/).
@@ -11,14 +11,14 @@ set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root/benchmarks" || exit 2
 sed "s#\"repo\": \"..\"#\"repo\": \"$root/.asvrepo\"#" asv.conf.json > asv.device.json
-python3 -m asv machine --config asv.device.json --machine h200 --yes > /dev/null
+PYTHONPATH="$root${ASV_SITE:+:$ASV_SITE}" python3 -m asv machine --config asv.device.json --machine h200 --yes > /dev/null
 export CUFLASH_ASV_SMALL=${CUFLASH_ASV_SMALL:-1}
 for sha in "$@"; do
     if [ -d "$root/.asvtrees/$sha" ]; then tree="$root/.asvtrees/$sha"; else tree="$root"; fi
     echo "== asv: $sha (package from $tree)"
     # HEAD keeps asv's samples; older commits are backfilled with one sample each (--quick).
     quick=""; [ "$tree" != "$root" ] && quick="--quick"
-    PYTHONPATH="$tree" timeout "${ASV_TIMEOUT:-150}" python3 -m asv run --config asv.device.json -E "existing:$(command -v python3)" \
+    PYTHONPATH="$tree${ASV_SITE:+:$ASV_SITE}" timeout "${ASV_TIMEOUT:-150}" python3 -m asv run --config asv.device.json -E "existing:$(command -v python3)" \
         --machine h200 --set-commit-hash "$sha" --bench "${ASV_BENCH:-Forward}" --show-stderr $quick 2>&1 | tail -25
 done
 rm -f asv.device.json
