@@ -481,5 +481,5 @@ def test_ncu_csv_parsing_and_command():
     dims = dict(batch=1, hq=2, hkv=1, nq=1, nk=512, d=64, dtype="bfloat16", causal=True)
     cmd = report.ncu_command("/usr/bin/ncu", dims)
     assert cmd[:3] == ["/usr/bin/ncu", "--clock-control", "none"]
-    assert ",".join(report.NCU_METRICS) in cmd and "regex:attn_fwd" in cmd
+    assert ",".join(report.NCU_METRICS) in cmd and report.KERNEL_REGEX in cmd and "attn_decode" in report.KERNEL_REGEX
     assert "--launch-only" in cmd and "--causal" in cmd and cmd[cmd.index("--decode") + 1] == "512"

@@ -150,6 +150,9 @@ class CuflashForward(_Prefill):
 
         self.op = lambda: cuflash.attention(self.q, self.k, self.v, causal=self.causal)
         self._run()  # compiles the kernel (NVRTC) and warms up; NotImplementedError skips
+        import sys
+
+        print(f"cuflash imported from {cuflash.__file__}", file=sys.stderr)  # which tree ran
 
     def time_forward(self, n, d, causal, dtype):
         self._run()
