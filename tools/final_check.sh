@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The final GPU check in one device call (fits the 10-minute limit): the whole GPU test suite,
+# the side-by-side benchmarks (forward, backward, decode; separate budgets so none starves the
+# others), merged into bench.json, and summary.json by tools/summarize.py.
+#
+#   OUT=dir GIT_COMMIT=<sha> bash tools/final_check.sh
+set -u
+cd "$(dirname "$0")/.." || exit 2
+: "${OUT:?set OUT}"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE \
+    --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
+echo "tests rc=$?"; tail -8 "$OUT/tests.log"
+tmp=$(mktemp -d)
+timeout 140 python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,4096,16384 --max-seconds 125 \
+    --out "$tmp/fwd.json" > "$tmp/fwd.log" 2>&1; echo "fwd bench rc=$?"
+timeout 90 python3 benchmarks/peers.py --ops bwd --d 64,128 --n 4096,16384 --impls cuflash,torch-flash,torch-cudnn \
+    --max-seconds 75 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
+timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
+    --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
+cat "$tmp"/fwd.log "$tmp"/bwd.log "$tmp"/decode.log > "$OUT/bench.log"
+python3 - "$tmp" "$OUT/bench.json" <<'PY'
+import json, sys, pathlib
+parts = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
+merged = dict(parts[0]) if parts else {}
+merged["bench"] = [row for p in parts for row in p.get("bench", [])]
+merged["ceilings_per_run"] = [p.get("ceilings") for p in parts]
+merged["complete"] = all(p.get("complete", False) for p in parts)
+pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
+print(f"merged {len(parts)} benchmark runs, {len(merged['bench'])} rows")
+PY
+python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
