@@ -41,8 +41,9 @@ def applies(p, k4, v4) -> bool:
     return p.nq <= 16 and p.nk >= MIN_KEYS and row_tiles_for(p) is not None and _vector_ok((k4, v4), p.d)
 
 
-def decode_specs(dtype, d, row_tiles, causal, vec):
+def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
     hd, t = schedule.decode_tile(d)
+    t = tile or t
     # More packed rows mean a taller S tile: shrink the key tile to keep S's registers constant.
     # (a power of two, at least one 16-key mma step)
     bn = t.block_n
@@ -71,20 +72,23 @@ def all_decode_specs():
     return list(dict.fromkeys(specs))
 
 
-def num_splits(p, tile, sm_count: int) -> int:
-    """Enough blocks for about two waves of one block per SM, each warp keeping >= 4 tiles."""
+WAVES = 2  # blocks per SM the split count aims for
+
+
+def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
+    """Enough blocks for about `waves` blocks per SM, each warp keeping >= 4 tiles."""
     blocks = max(1, p.batch * p.hkv)
-    want = -(-2 * sm_count // blocks)
+    want = -(-(waves or WAVES) * sm_count // blocks)
     per_split_min = tile.warps * tile.block_n * 4
     return max(1, min(want, -(-p.nk // per_split_min)))
 
 
-def plan(p, sm_count: int, splits=None):
+def plan(p, sm_count: int, splits=None, tile=None, waves=None):
     """(row_tiles, tile, splits, chunk): the launch's geometry. Each split covers `chunk` keys, a
     whole number of key tiles; the accounting reads the split count from here too."""
     rt = row_tiles_for(p)
-    _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True)
-    splits = splits or num_splits(p, t, sm_count)
+    _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+    splits = splits or num_splits(p, t, sm_count, waves)
     chunk = -(-max(p.nk, 1) // splits)
     chunk = -(-chunk // t.block_n) * t.block_n
     return rt, t, -(-max(p.nk, 1) // chunk), chunk
@@ -98,14 +102,14 @@ def workspace_bytes(p, splits: int) -> int:
     return rows * p.d * 4 + rows * 4
 
 
-def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None):
+def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None):
     import cupy
 
     from .gpu import _elem_strides
 
     sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    rt, t, splits, chunk = plan(p, sm, splits)
-    main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True)
+    rt, t, splits, chunk = plan(p, sm, splits, tile, waves)
+    main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
     rows = p.group * p.nq
     if splits > 1:
         part_o = cupy.empty((p.batch, p.hkv, splits, rows, p.d), dtype=np.float32)
