@@ -285,3 +285,28 @@ def test_synthetic_results_are_read_by_asv_itself(tmp_path):
     assert math.isnan(loaded.get_result_value(TIME, PARAMS)[1])
     assert loaded.get_result_value(PEAK, PARAMS) == [100, 200]
     assert loaded.benchmark_version[TIME] == "v1"
+
+
+def test_asv_check_passes_without_a_gpu():
+    """`asv check` (the benchmark suites import and are well formed), as CI runs it."""
+    pytest.importorskip("asv")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "asv", "check", "-E", f"existing:{sys.executable}"],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_committed_h200_history_is_readable():
+    """The committed asv results hold at least three commits on the h200 machine."""
+    runs = asv_regressions.load_runs(asv_regressions.DEFAULT_RESULTS / "h200")
+    commits = {r["commit_hash"] for r in runs}
+    assert len(commits) >= 3, commits
+    for r in runs:  # every commit recorded real timings of cuflash's forward, not only skips
+        times = columns(r, "bench_attention.CuflashForward.track_gpu_ms")["result"]
+        assert times and all(t is not None and t > 0 for t in times), (r["commit_hash"], times)
+
+
+def columns(data, name):
+    return asv_regressions.columns(data, name)
