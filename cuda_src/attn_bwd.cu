@@ -11,6 +11,7 @@
 //   attn_bwd_dq_convert : dQ = scale * accumulator, rounded to the input dtype.
 // Nothing N x N touches device memory: dS lives in one shared-memory tile per block.
 #include "common.cuh"
+#include "tile_load.cuh"
 
 // ---------------------------------------------------------------------------------------------
 template <typename T>
@@ -61,34 +62,6 @@ struct BwdTraits {
     static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
 };
 
-// ROWS x HEAD_DIM tile -> swizzled shared memory (same contract as the forward's load_tile).
-template <int HEAD_DIM, int THREADS, int ROWS, bool VEC>
-__device__ __forceinline__ void load_rows(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d) {
-    using Swz = Swizzle<HEAD_DIM>;
-    constexpr int kChunks = HEAD_DIM / 8;
-    constexpr int kIters = ROWS * kChunks / THREADS;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int i = it * THREADS + threadIdx.x;
-        const int row = i / kChunks, col = (i % kChunks) * 8;
-        u16* dst = smem + Swz::offset(row, col);
-        if constexpr (VEC) {
-            const bool ok = row < rows_valid && col < d;
-            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
-        } else {
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c0 = col + 2 * e;
-                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
-                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
-                w[e] = lo | (hi << 16);
-            }
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-}
-
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
@@ -130,15 +103,15 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
     const u16* gK = k + b * k_sb + hk * k_sh + n0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + n0 * v_sn;
-    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK, gK, k_sn, keys_valid, d);
-    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV, gV, v_sn, keys_valid, d);
+    load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK, gK, k_sn, keys_valid, d, threadIdx.x);
+    load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV, gV, v_sn, keys_valid, d, threadIdx.x);
 
     auto load_step = [&](int step, int buf) {
         const int h = hk * group + step / per_head;
         const int m0 = (m_begin + step % per_head) * BLOCK_M;
         const int rows = min(BLOCK_M, nq - m0);
-        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d);
-        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d);
+        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, threadIdx.x);
+        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, threadIdx.x);
         const i64 stat = ((i64)b * hq + h) * nq + m0;
         for (int i = threadIdx.x; i < BLOCK_M; i += Tr::kThreads) {
             // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
@@ -249,14 +222,8 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
             u32 ap[kMmaM][4], as[kMmaM][4];
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi) {
-                ap[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-                ap[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-                ap[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-                ap[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-                as[mi][0] = pack2<T>(dp[mi][2 * kk][0], dp[mi][2 * kk][1]);
-                as[mi][1] = pack2<T>(dp[mi][2 * kk][2], dp[mi][2 * kk][3]);
-                as[mi][2] = pack2<T>(dp[mi][2 * kk + 1][0], dp[mi][2 * kk + 1][1]);
-                as[mi][3] = pack2<T>(dp[mi][2 * kk + 1][2], dp[mi][2 * kk + 1][3]);
+                acc_to_a<T>(ap[mi], s[mi], kk);
+                acc_to_a<T>(as[mi], dp[mi], kk);
             }
             if (ATOMIC_DQ && wd == 0) {  // one copy of dS^T for the dQ product
 #pragma unroll
@@ -403,11 +370,11 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
     const u16* gK = k + b * k_sb + hk * k_sh;
     const u16* gV = v + b * v_sb + hk * v_sh;
-    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, d);
-    load_rows<HEAD_DIM, Tr::kThreads, BLOCK_M, VEC>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows_valid, d);
+    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, d, threadIdx.x);
+    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows_valid, d, threadIdx.x);
     if (n_tiles > 0) {
-        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK, gK, k_sn, nk, d);
-        load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV, gV, v_sn, nk, d);
+        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK, gK, k_sn, nk, d, threadIdx.x);
+        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV, gV, v_sn, nk, d, threadIdx.x);
     }
     cp_async_commit();
 
@@ -444,8 +411,8 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         __syncthreads();
         if (j + 1 < n_tiles) {
             const int nn = (j + 1) * BLOCK_N;
-            load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sK + (buf ^ 1) * Tr::kTileKV, gK + nn * k_sn, k_sn, nk - nn, d);
-            load_rows<HEAD_DIM, Tr::kThreads, BLOCK_N, VEC>(sV + (buf ^ 1) * Tr::kTileKV, gV + nn * v_sn, v_sn, nk - nn, d);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + (buf ^ 1) * Tr::kTileKV, gK + nn * k_sn, k_sn, nk - nn, d, threadIdx.x);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + (buf ^ 1) * Tr::kTileKV, gV + nn * v_sn, v_sn, nk - nn, d, threadIdx.x);
         }
         cp_async_commit();
         const u32 koff = buf * Tr::kTileKV * 2;
@@ -502,14 +469,9 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             u32 a[kMmaM][4];
 #pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                a[mi][0] = pack2<T>(dp[mi][2 * kk][0], dp[mi][2 * kk][1]);
-                a[mi][1] = pack2<T>(dp[mi][2 * kk][2], dp[mi][2 * kk][3]);
-                a[mi][2] = pack2<T>(dp[mi][2 * kk + 1][0], dp[mi][2 * kk + 1][1]);
-                a[mi][3] = pack2<T>(dp[mi][2 * kk + 1][2], dp[mi][2 * kk + 1][3]);
-            }
+            for (int mi = 0; mi < kMmaM; ++mi) acc_to_a<T>(a[mi], dp[mi], kk);
 #pragma unroll
-            for (int di = 0; di < kNO; di += 2) {
+            for (int di = 0; di < kNO; di += 2) {  // (mma_acc_times_bt's loop; inlined here it spills)
                 u32 bk[4];
                 ldmatrix_x4_trans(bk, bKt.at(kk * 16, split * kNO + di) + koff);
 #pragma unroll

@@ -9,6 +9,7 @@
 // attn_decode_combine merges the splits with the log-sum-exp rule.
 #include "common.cuh"
 #include "softmax.cuh"
+#include "tile_load.cuh"
 
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
 struct DecodeTraits {
@@ -23,33 +24,6 @@ struct DecodeTraits {
     static_assert((BLOCK_N * kChunks) % 32 == 0, "a warp loads its tiles evenly");
     static_assert(kRows * HEAD_DIM * 4 <= WARPS * kRingElems * 2, "the O merge buffer reuses the rings");
 };
-
-// A warp copies a ROWS x HEAD_DIM tile (rows >= rows_valid, cols >= d zero-filled).
-template <int HEAD_DIM, int ROWS, bool VEC>
-__device__ __forceinline__ void warp_load(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d, int lane) {
-    using Swz = Swizzle<HEAD_DIM>;
-    constexpr int kChunks = HEAD_DIM / 8;
-#pragma unroll
-    for (int it = 0; it < ROWS * kChunks / 32; ++it) {
-        const int i = it * 32 + lane;
-        const int row = i / kChunks, col = (i % kChunks) * 8;
-        u16* dst = smem + Swz::offset(row, col);
-        if constexpr (VEC) {
-            const bool ok = row < rows_valid && col < d;
-            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
-        } else {
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c0 = col + 2 * e;
-                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
-                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
-                w[e] = lo | (hi << 16);
-            }
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-}
 
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -111,8 +85,8 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
     auto load = [&](int t, int slot) {
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        warp_load<HEAD_DIM, BLOCK_N, VEC>(ring + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-        warp_load<HEAD_DIM, BLOCK_N, VEC>(ring + (STAGES + slot) * Tr::kTileKV, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(ring + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(ring + (STAGES + slot) * Tr::kTileKV, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -186,26 +160,7 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         }
         softmax.template update<ROW_TILES, kNS, kNO>(acc_s, acc_o, scale_log2);
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[ROW_TILES][4];
-#pragma unroll
-            for (int mi = 0; mi < ROW_TILES; ++mi) {
-                a[mi][0] = pack2<T>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
-                a[mi][1] = pack2<T>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
-                a[mi][2] = pack2<T>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
-                a[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int di = 0; di < kNO; di += 2) {
-                u32 bv[4];
-                ldmatrix_x4_trans(bv, aV.at(kk * 16, di) + slot);
-#pragma unroll
-                for (int mi = 0; mi < ROW_TILES; ++mi) {
-                    mma_16816<T>(acc_o[mi][di], a[mi], bv[0], bv[1]);
-                    mma_16816<T>(acc_o[mi][di + 1], a[mi], bv[2], bv[3]);
-                }
-            }
-        }
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, slot);
     }
     cp_async_wait<0>();
 

@@ -7,6 +7,7 @@
 // the only outputs are O and the float32 log-sum-exp (natural log) per query row.
 #include "common.cuh"
 #include "softmax.cuh"
+#include "tile_load.cuh"
 
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTraits {
@@ -35,43 +36,6 @@ struct FwdTraits {
                   "tile loads split evenly over the threads");
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
-
-// Copy a ROWS x kHeadDim tile (row stride `ld` elements) into swizzled shared memory.
-// Rows >= rows_valid and columns >= d are zero-filled: zero K rows get masked to -inf later,
-// zero V rows meet p = 0, and zero columns add nothing to the dot products.
-template <typename Tr, int ROWS, bool VEC>
-__device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d) {
-    constexpr int kIters = ROWS * Tr::kChunks / Tr::kThreads;
-    constexpr bool kFixedCol = Tr::kThreads % Tr::kChunks == 0;  // each thread keeps one column
-    constexpr int kRowStep = Tr::kThreads / Tr::kChunks;         // rows advanced per iteration
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        int row, col;
-        if constexpr (kFixedCol) {
-            row = threadIdx.x / Tr::kChunks + it * kRowStep;
-            col = (threadIdx.x % Tr::kChunks) * 8;
-        } else {
-            const int i = it * Tr::kThreads + threadIdx.x;
-            row = i / Tr::kChunks;
-            col = (i % Tr::kChunks) * 8;
-        }
-        u16* dst = smem + Tr::Swz::offset(row, col);
-        if constexpr (VEC) {  // d % 8 == 0, 16-byte aligned rows
-            const bool ok = row < rows_valid && col < d;
-            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
-        } else {  // any d, any alignment: element loads, synchronous
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c0 = col + 2 * e;
-                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
-                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
-                w[e] = lo | (hi << 16);
-            }
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-}
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool LAZY_RESCALE = true>
@@ -105,13 +69,13 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
     const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
 
     // Prologue: Q and the first STAGES-1 K/V tiles in flight (one commit group per tile).
-    load_tile<Tr, BLOCK_M, VEC>(sQ, gQ, q_sn, rows_valid, d);
+    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, gQ, q_sn, rows_valid, d, threadIdx.x);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n_tiles) {
             const int n0 = s * BLOCK_N;
-            load_tile<Tr, BLOCK_N, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d);
-            load_tile<Tr, BLOCK_N, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d, threadIdx.x);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d, threadIdx.x);
         }
         cp_async_commit();
     }
@@ -142,8 +106,8 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
             const int jn = j + STAGES - 1;
             if (jn < n_tiles) {
                 const int slot = jn % STAGES, n0 = jn * BLOCK_N;
-                load_tile<Tr, BLOCK_N, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d);
-                load_tile<Tr, BLOCK_N, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d);
+                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d, threadIdx.x);
+                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d, threadIdx.x);
             }
             cp_async_commit();
         }
@@ -215,26 +179,7 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
 
         // O += P V, with P taken straight from the S accumulators (C layout == A layout).
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                a[mi][0] = pack2<T>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
-                a[mi][1] = pack2<T>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
-                a[mi][2] = pack2<T>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
-                a[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int di = 0; di < kNO; di += 2) {
-                u32 bv[4];
-                ldmatrix_x4_trans(bv, aV.at(kk * 16, di) + slot_bytes);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(acc_o[mi][di], a[mi], bv[0], bv[1]);
-                    mma_16816<T>(acc_o[mi][di + 1], a[mi], bv[2], bv[3]);
-                }
-            }
-        }
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, slot_bytes);
     }
     // Every thread's copies (Q's included, when no K/V tile was visible) have landed before any
     // warp reuses its rows of sQ for the output.

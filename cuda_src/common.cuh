@@ -101,6 +101,17 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
     }
 }
 
+// Accumulator (C) fragments of two adjacent 8-column tiles, 2*kk and 2*kk+1, rounded into the A
+// fragment of one 16-deep mma step: the C layout of m16n8 equals the A layout of m16n8k16, so P
+// (or dS) feeds the next product straight from registers.
+template <typename T, int NS>
+__device__ __forceinline__ void acc_to_a(u32 (&a)[4], const float (&acc)[NS][4], int kk) {
+    a[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+    a[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+    a[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 // ---- quad reductions: the four lanes that hold one accumulator row (lane = 4*row + t) ----
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -154,3 +165,24 @@ struct LaneAddr {
         return base + (row_c * COLS + Swz::phys(chunk_c, key) * 8) * 2;
     }
 };
+
+// One 16-deep step of ACC += P B: P's A fragments are rounded from the accumulator tile p
+// (acc_to_a), B's come from `b` by transposed ldmatrix at rows row_c and chunks chunk0 + 0..NO.
+// The P V product of the forward and decode kernels, and dQ = dS K of the backward.
+template <typename T, int MMA_M, int NP, int NO, int COLS>
+__device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], const float (&p)[MMA_M][NP][4], int kk,
+                                                 const LaneAddr<COLS>& b, int row_c, int chunk0, u32 off) {
+    u32 a[MMA_M][4];
+#pragma unroll
+    for (int mi = 0; mi < MMA_M; ++mi) acc_to_a<T>(a[mi], p[mi], kk);
+#pragma unroll
+    for (int di = 0; di < NO; di += 2) {
+        u32 bv[4];
+        ldmatrix_x4_trans(bv, b.at(row_c, chunk0 + di) + off);
+#pragma unroll
+        for (int mi = 0; mi < MMA_M; ++mi) {
+            mma_16816<T>(acc[mi][di], a[mi], bv[0], bv[1]);
+            mma_16816<T>(acc[mi][di + 1], a[mi], bv[2], bv[3]);
+        }
+    }
+}

@@ -665,8 +665,7 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     monkeypatch.setattr(gpu, "forward", fake_forward)
     monkeypatch.setattr(gpu_backward, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
-    tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1)
-    tuner.cupy = _NumpyAsCupy
+    tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)
     cands = tuner.candidate_list(3)
     corrupt["name"] = cands[1].name
     small = tuner._small_problem()

@@ -1,0 +1,46 @@
+// Global -> shared tile copies shared by every kernel.
+#pragma once
+#include "common.cuh"
+
+// Copy a ROWS x COLS tile (row stride `ld` elements) into swizzled shared memory with THREADS
+// threads (tid = this thread's index among them: threadIdx.x for a block, the lane for a warp).
+// Rows >= rows_valid and columns >= d are zero-filled: zero K rows get masked to -inf later,
+// zero V rows meet p = 0, and zero columns add nothing to the dot products.
+// VEC: 16-byte cp.async (d % 8 == 0, 16-byte aligned rows), asynchronous; otherwise element
+// loads and one 16-byte shared store per chunk, synchronous.
+template <int COLS, int ROWS, int THREADS, bool VEC>
+__device__ __forceinline__ void load_tile_rows(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d, int tid) {
+    using Swz = Swizzle<COLS>;
+    constexpr int kChunks = COLS / 8;
+    constexpr int kIters = ROWS * kChunks / THREADS;
+    constexpr bool kFixedCol = THREADS % kChunks == 0;  // each thread keeps one column
+    constexpr int kRowStep = THREADS / kChunks;         // rows advanced per iteration
+    static_assert((ROWS * kChunks) % THREADS == 0, "tile loads split evenly over the threads");
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        int row, col;
+        if constexpr (kFixedCol) {
+            row = tid / kChunks + it * kRowStep;
+            col = (tid % kChunks) * 8;
+        } else {
+            const int i = it * THREADS + tid;
+            row = i / kChunks;
+            col = (i % kChunks) * 8;
+        }
+        u16* dst = smem + Swz::offset(row, col);
+        if constexpr (VEC) {
+            const bool ok = row < rows_valid && col < d;
+            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
+        } else {
+            u32 w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c0 = col + 2 * e;
+                const u32 lo = (row < rows_valid && c0 < d) ? gmem[row * ld + c0] : 0u;
+                const u32 hi = (row < rows_valid && c0 + 1 < d) ? gmem[row * ld + c0 + 1] : 0u;
+                w[e] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
