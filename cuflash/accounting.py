@@ -464,6 +464,26 @@ def forward_launch(dtype, d, causal=False, config=None):
                                smem=t.smem_bytes(hd, dtype.itemsize), source="schedule.FORWARD_TILES")
 
 
+H200_SM_COUNT = 132
+
+
+def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
+    """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None."""
+    try:
+        from . import gpu_decode
+    except _NO_KERNEL:
+        return None
+    p = SimpleNamespace(dtype=dtype, d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv, batch=batch,
+                        causal=masks.normalize_causal(causal))
+    if not (nq <= 16 and nk >= gpu_decode.MIN_KEYS and gpu_decode.row_tiles_for(p) is not None):
+        return None
+    rt, t, splits, _ = gpu_decode.plan(p, H200_SM_COUNT)
+    off = masks.causal_offset(p.causal, nq, nk)
+    keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
+    main, _, _, _ = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True)
+    return SimpleNamespace(splits=splits, keys=keys, source=main.short_name)
+
+
 def backward_launch(dtype, d, causal=False, deterministic=False):
     """Tiles and shared memory of the backward kernels cuflash launches, or None where there is none.
 
@@ -761,6 +781,25 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
 
     kv_keys, computed = _kv_tile_reads(causal, nq, nk, bm, bn)
     computed *= bh
+    dec = _decode_launch(dt, d, causal, batch, hq, hkv, nq, nk) if config is None else None
+    if fwd and dec is not None:
+        # Split-KV decode: all query rows of a K/V head share one pass over its cache.
+        p = prefix("fwd")
+        part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 else 0
+        entries += [
+            IOEntry(p + "Q", qe, 0, s, "read once"),
+            IOEntry(p + "K", bhkv * dec.keys * d, 0, s, "once per K/V head (GQA rows packed into one tile)"),
+            IOEntry(p + "V", bhkv * dec.keys * d, 0, s, "once per K/V head"),
+            IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
+                    f"float32, {dec.splits} splits: written by the splits, read by the combine"),
+            IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
+            IOEntry(p + "O", 0, qe, s, "written once"),
+            IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
+        ]
+        assumptions.append(f"split-KV decode kernel ({dec.source}), {dec.splits} splits for "
+                           f"{H200_SM_COUNT} SMs (the H200's; the launch reads the device's count)")
+        computed = bh * masks.pair_count(causal, nq, nk)
+        fwd = False  # the prefill model below does not apply
     if fwd:
         p = prefix("fwd")
         entries += [

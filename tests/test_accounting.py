@@ -297,7 +297,7 @@ def test_io_non_causal_kv_reads():
 
 
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left"])
-@pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1000, 300), (1, 4096), (129, 65)])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1000, 300), (20, 4096), (129, 65)])
 def test_io_causal_matches_tile_enumeration(causal, nq, nk):
     B, H, Hkv, d = 2, 4, 2, 64
     full = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv)
@@ -487,3 +487,24 @@ def test_ncu_csv_parsing_and_command():
     assert all(re.search(pattern, k) for k in ("attn_fwd", "attn_decode", "attn_decode_combine"))
     assert not re.search(pattern, "attn_bwd_kv")
     assert "--launch-only" in cmd and "--causal" in cmd and cmd[cmd.index("--decode") + 1] == "512"
+
+
+@pytest.mark.parametrize("causal", [False, "bottom_right", "top_left"])
+def test_io_decode_reads_the_cache_once_per_kv_head(causal):
+    """Few query tokens over a long cache: the split-KV kernel's traffic, not the prefill tiles'."""
+    from types import SimpleNamespace
+
+    from cuflash import gpu_decode, masks
+
+    B, H, Hkv, nq, nk, d = 8, 32, 8, 1, 16384, 128
+    m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv, causal=causal)
+    by = {e.name: e for e in m.entries}
+    off = masks.causal_offset(masks.normalize_causal(causal), nq, nk)
+    keys = nk if off is None else min(nk, nq + off)
+    assert by["K"].reads == by["V"].reads == B * Hkv * keys * d  # not B * H: GQA rows share the pass
+    p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=Hkv, group=H // Hkv, batch=B,
+                        causal=masks.normalize_causal(causal))
+    _, _, splits, _ = gpu_decode.plan(p, 132)
+    rows = B * Hkv * splits * (H // Hkv) * nq if splits > 1 else 0
+    assert by["O partials"].reads == by["O partials"].writes == rows * d
+    assert m.computed_pairs == B * H * masks.pair_count(masks.normalize_causal(causal), nq, nk)
