@@ -438,6 +438,17 @@ class Runner:
         return "top_left" if case.causal else False
 
     # -- forward and decode ----------------------------------------------------------------
+    def _skip_reason(self, case, impl, deadline, needs):
+        """Why `impl` is not run for `case` (time budget, reference missing or too large), or None."""
+        if time.monotonic() > deadline:
+            return "--max-seconds budget spent"
+        if impl == "reference":
+            if self.reference is None:
+                return self.reference_missing
+            if case.reference_bytes() > REFERENCE_MAX_BYTES:
+                return f"{needs} need about {case.reference_bytes() / 1e9:.0f} GB"
+        return None
+
     def run_forward(self, case, seed, deadline):
         import warnings
 
@@ -475,17 +486,10 @@ class Runner:
         order = [i for i in PEERS + ("cuflash", "reference") if i in self.args.impls]
         check_out, check_peer, peer_err = None, None, None
         for impl in order:
-            if time.monotonic() > deadline:
-                rows_out.append(record(case, impl, "skipped", reason="--max-seconds budget spent"))
+            skip = self._skip_reason(case, impl, deadline, "S and P")
+            if skip:
+                rows_out.append(record(case, impl, "skipped", reason=skip))
                 continue
-            if impl == "reference":
-                if self.reference is None:
-                    rows_out.append(record(case, impl, "skipped", reason=self.reference_missing))
-                    continue
-                if case.reference_bytes() > REFERENCE_MAX_BYTES:
-                    rows_out.append(record(case, impl, "skipped",
-                                           reason=f"S and P need about {case.reference_bytes() / 1e9:.0f} GB"))
-                    continue
             run, lib = fn_for(impl)
             try:
                 with warnings.catch_warnings(record=True) as caught:
@@ -554,17 +558,10 @@ class Runner:
         order = [i for i in PEERS + ("cuflash", "reference") if i in self.args.impls]
         check, check_peer, peer_errs = None, None, None
         for impl in order:
-            if time.monotonic() > deadline:
-                rows_out.append(record(case, impl, "skipped", reason="--max-seconds budget spent"))
+            skip = self._skip_reason(case, impl, deadline, "P, dP and dS")
+            if skip:
+                rows_out.append(record(case, impl, "skipped", reason=skip))
                 continue
-            if impl == "reference":
-                if self.reference is None:
-                    rows_out.append(record(case, impl, "skipped", reason=self.reference_missing))
-                    continue
-                if case.reference_bytes() > REFERENCE_MAX_BYTES:
-                    rows_out.append(record(case, impl, "skipped",
-                                           reason=f"P, dP and dS need about {case.reference_bytes() / 1e9:.0f} GB"))
-                    continue
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")

@@ -123,6 +123,18 @@ class CompileError(RuntimeError):
     pass
 
 
+def _compile_with_log(prog, arch):
+    """Compile an NVRTC program for `arch` with ptxas's resource report; (result, log text)."""
+    from cuda.bindings import nvrtc
+
+    opts = [o.encode() for o in BASE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * n
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return err, buf.decode(errors="replace").rstrip("\x00 \n")
+
+
 def compile_offline(spec: KernelSpec, arch: str = "sm_90a") -> CompileReport:
     """Compile spec for `arch` with NVRTC (no GPU needed) and read ptxas's resource report."""
     from cuda.bindings import nvrtc
@@ -137,12 +149,7 @@ def compile_offline(spec: KernelSpec, arch: str = "sm_90a") -> CompileReport:
     _, prog = check(nvrtc.nvrtcCreateProgram(src, spec.source.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         check(nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode()), "nvrtcAddNameExpression")
-        opts = [o.encode() for o in BASE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * n
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        err, log = _compile_with_log(prog, arch)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{spec.short_name}: NVRTC failed:\n{log}")
         _, lowered = check(nvrtc.nvrtcGetLoweredName(prog, spec.expression.encode()), "nvrtcGetLoweredName")
@@ -161,12 +168,7 @@ def _compile_group(args):
     try:
         for spec in specs:
             nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode())
-        opts = [o.encode() for o in BASE_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * n
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        err, log = _compile_with_log(prog, arch)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None  # the caller recompiles one by one to attribute the error
         out = {}
