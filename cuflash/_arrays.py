@@ -46,10 +46,6 @@ def is_real_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
-def is_finite_positive(x) -> bool:
-    return is_real_number(x) and math.isfinite(float(x)) and float(x) > 0.0
-
-
 def byte_range(a):
     """[start, end) byte addresses an array's elements can touch (for alias checks)."""
     if isinstance(a, np.ndarray):

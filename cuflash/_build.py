@@ -48,7 +48,14 @@ def load_source(name: str) -> str:
 
 
 def source_hash(name: str) -> str:
-    return hashlib.sha256(load_source(name).encode()).hexdigest()[:16]
+    # get_function asks on every launch: load_source returns its cached text object, whose hash
+    # Python keeps, so _text_hash's lookup is cheap and the SHA-256 runs once per text.
+    return _text_hash(load_source(name))
+
+
+@lru_cache(maxsize=None)
+def _text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

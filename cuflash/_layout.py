@@ -26,11 +26,6 @@ def from_bhsd(a4, p, heads: int, n: int):
     return a4.transpose(0, 2, 1, 3).reshape(p.batch_shape + (n, heads, p.d))
 
 
-def lse_from_bh(l3, p):
-    """(B, Hq, Nq) float32 -> the public lse shape."""
-    return l3.reshape(p.lse_shape())
-
-
 def is_view_of(view, base) -> bool:
     """True when `view` aliases `base`'s memory (so writes through it land in base)."""
     if view.size == 0:

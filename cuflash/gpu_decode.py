@@ -7,6 +7,7 @@ the decode tile's packed rows. Everything else takes the prefill kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -102,12 +103,20 @@ def workspace_bytes(p, splits: int) -> int:
     return rows * p.d * 4 + rows * 4
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    """Multiprocessors of a device, read once (Device.attributes queries every attribute)."""
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None):
     import cupy
 
     from .gpu import _elem_strides
 
-    sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sm = _sm_count(cupy.cuda.Device().id)
     rt, t, splits, chunk = plan(p, sm, splits, tile, waves)
     main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
     rows = p.group * p.nq
