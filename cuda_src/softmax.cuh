@@ -17,12 +17,11 @@ struct OnlineSoftmax {
         }
     }
 
-    // Turn the score tile s into unnormalized probabilities and rescale o where the max moved.
-    // LAZY: skip O's rescale when no row of the warp moved its max (a vote and a branch, which
-    // also splits the basic block between softmax and the P V product).
-    template <int MMA_M, int NS, int NO, bool LAZY = true>
-    __device__ __forceinline__ void update(float (&s)[MMA_M][NS][4], float (&o)[MMA_M][NO][4], float scale_log2) {
-        float alpha[ROWS];
+    // Turn the score tile s into unnormalized probabilities (in place), update the running max and
+    // sum, and return in alpha[r] the factor that O's row r must be multiplied by. Returns whether
+    // any of this thread's rows moved its max.
+    template <int MMA_M, int NS>
+    __device__ __forceinline__ bool probs(float (&s)[MMA_M][NS][4], float scale_log2, float (&alpha)[ROWS]) {
         bool moved = false;
 #pragma unroll
         for (int mi = 0; mi < MMA_M; ++mi)
@@ -49,15 +48,27 @@ struct OnlineSoftmax {
                     }
                 l[r] = l[r] * alpha[r] + sum;
             }
-        // Rescaling O costs a multiply per accumulator; skip it when no row of the warp moved.
-        if (!LAZY || __any_sync(0xffffffffu, moved)) {
+        return moved;
+    }
+
+    template <int MMA_M, int NO>
+    static __device__ __forceinline__ void rescale(float (&o)[MMA_M][NO][4], const float (&alpha)[ROWS]) {
 #pragma unroll
-            for (int mi = 0; mi < MMA_M; ++mi)
+        for (int mi = 0; mi < MMA_M; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < NO; ++ni)
+            for (int ni = 0; ni < NO; ++ni)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) o[mi][ni][e] *= alpha[2 * mi + e / 2];
-        }
+                for (int e = 0; e < 4; ++e) o[mi][ni][e] *= alpha[2 * mi + e / 2];
+    }
+
+    // probs() and O's rescale in one step.
+    // LAZY: skip O's rescale when no row of the warp moved its max (a vote and a branch, which
+    // also splits the basic block between softmax and the P V product).
+    template <int MMA_M, int NS, int NO, bool LAZY = true>
+    __device__ __forceinline__ void update(float (&s)[MMA_M][NS][4], float (&o)[MMA_M][NO][4], float scale_log2) {
+        float alpha[ROWS];
+        const bool moved = probs(s, scale_log2, alpha);
+        if (!LAZY || __any_sync(0xffffffffu, moved)) rescale(o, alpha);
     }
 
     // Divide o by the row sums; lse = ln(sum_j exp(scale * s_ij)), -inf for rows with no key.

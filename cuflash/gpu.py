@@ -87,15 +87,26 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
+    if tile is None:
+        from . import gpu_hopper
+
+        if gpu_hopper.applies(p, vec):  # sm_90: the wgmma kernel
+            gpu_hopper.forward(p, q4, k4, v4, o4, lse3)
+            return
     if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
         from .tune import pick_forward_tile
 
         tile = pick_forward_tile(p)
     spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, vec, tile)
+    launch_forward(spec, tile.block_m, p, q4, k4, v4, o4, lse3)
+
+
+def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3):
+    """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch)."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     scale_log2 = np.float32(p.scale * _LOG2E)
-    m_blocks = -(-p.nq // tile.block_m)
+    m_blocks = -(-p.nq // block_m)
     for b0 in range(0, p.batch, _MAX_GRID_Z):
         b1 = min(p.batch, b0 + _MAX_GRID_Z)
         qs, ks, vs, os_ = (a[b0:b1] for a in (q4, k4, v4, o4))

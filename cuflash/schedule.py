@@ -54,6 +54,36 @@ FORWARD_TILES_SCALAR: dict[int, TileConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class HopperTile:
+    """attn_fwd_wgmma: each warpgroup owns 64 query rows (wgmma's M), so block_m = 64 x warpgroups."""
+
+    block_n: int  # keys per K/V tile (the N of Q K^T's wgmma, the K of P V's)
+    warpgroups: int
+    stages: int  # K/V tiles in the cp.async ring; >= 3 (tile j+1 multiplied while j+2 loads)
+    reason: str
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Q tile + `stages` K and V tiles, + 1 KiB to align the base to the 128-byte swizzle."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 1024
+
+
+# Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: wgmma kernels. Keyed by the padded
+# head dim; other head dims and scalar-load inputs use FORWARD_TILES' mma.sync kernels.
+HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
+    64: HopperTile(128, 3, 3, "3 warpgroups (192 query rows) reuse each K/V tile 3x; S 64 + O 32 + P 32 regs fit 168 at 384 threads"),
+    128: HopperTile(128, 2, 3, "S 64 + O 64 + P 32 regs per thread: 2 warpgroups at ~235 regs; 3 stages = 225 KiB, the most that fits"),
+}
+
+
 def head_dim_bucket(d: int) -> int:
     for hd in HEAD_DIM_BUCKETS:
         if d <= hd:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, gpu, masks
+from cuflash import _problem, gpu, gpu_hopper, masks
 from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash._layout import is_view_of, to_bhsd
 from cuflash.testing import (
@@ -156,10 +156,18 @@ def run_and_check(rng, dtype, batch, hq, hkv, nq, nk, d, *, causal, layout="bhsd
 
 # ----------------------------------------------------------------------------- accuracy grid
 
+@pytest.fixture(params=["auto", "mma_sync"])
+def kernels(request, monkeypatch):
+    """Both kernel families: on a Hopper GPU "auto" runs the wgmma kernel where it applies and
+    "mma_sync" forces the fallback, so neither goes untested; elsewhere the two coincide."""
+    monkeypatch.setenv(gpu_hopper.ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [32, 40, 64, 96, 111, 128, 192, 256])
-def test_head_dims(rng, dtype, causal, d):
+def test_head_dims(rng, kernels, dtype, causal, d):
     # Every padded bucket (32, 64, 128, 192, 256), head dims below it (zero-filled columns) and
     # odd ones (scalar loads); lengths not multiples of any tile; GQA 2:1.
     layout = "bshd" if d in (40, 111, 192) else "bhsd"
@@ -169,7 +177,7 @@ def test_head_dims(rng, dtype, causal, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [pytest.param(False, id="full"), pytest.param(True, id="causal")])
 @pytest.mark.parametrize("n", [1, 17, 97, 128, 200, 1023, 1025, 4096])
-def test_sequence_lengths(rng, dtype, causal, n):
+def test_sequence_lengths(rng, kernels, dtype, causal, n):
     d = 64 if n % 2 else 128
     run_and_check(rng, dtype, (1,), 2, 2, n, n, d, causal=causal)
 
@@ -177,7 +185,7 @@ def test_sequence_lengths(rng, dtype, causal, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("nq, nk", [(1, 239), (113, 203), (1024, 1023), (1023, 1024)])
-def test_rectangular(rng, dtype, causal, nq, nk):
+def test_rectangular(rng, kernels, dtype, causal, nq, nk):
     # (1024, 1023) bottom-right: row 0 sees no key. (1, 239): decode-like single query.
     run_and_check(rng, dtype, (1,), 2, 1, nq, nk, 96, causal=causal)
 
@@ -185,12 +193,12 @@ def test_rectangular(rng, dtype, causal, nq, nk):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 1)])
-def test_grouped_query_heads(rng, dtype, layout, hq, hkv):
+def test_grouped_query_heads(rng, kernels, dtype, layout, hq, hkv):
     run_and_check(rng, dtype, (1,), hq, hkv, 256, 256, 128, causal=True, layout=layout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_explicit_scale_and_peaked_scores(rng, dtype):
+def test_explicit_scale_and_peaked_scores(rng, kernels, dtype):
     # Larger logits: the running max moves often and probabilities are far from uniform.
     run_and_check(rng, dtype, (2,), 2, 2, 300, 333, 64, causal=False, scale=0.37, input_scale=(3.0, 2.0, 1.0))
 
@@ -264,6 +272,27 @@ def test_no_keys_at_all(rng, dtype):
     o, lse = forward_poisoned(q, k, v)
     assert np.all(to_host(o).astype(np.float64) == 0.0)
     assert np.all(to_host(lse) == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
+    # On sm_90 the default path must be the wgmma kernel (else its tests above would silently
+    # test the fallback twice).
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("not a Hopper GPU: the wgmma kernel does not apply")
+    launched = []
+    real = gpu.get_function
+
+    def recording(spec):
+        launched.append(spec.expression)
+        return real(spec)
+
+    monkeypatch.setattr(gpu, "get_function", recording)
+    q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, 150, d), dtype)
+    o, lse = forward_poisoned(q, k, v)
+    assert launched == [gpu_hopper.forward_spec(dtype, d, False)[0].expression]
+    check_rows(o, lse, q, k, v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

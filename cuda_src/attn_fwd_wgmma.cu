@@ -1,0 +1,211 @@
+// Tiled forward attention for Hopper (sm_90a): wgmma tensor cores fed from swizzled shared memory.
+//
+// Same algorithm and outputs as attn_fwd.cu (online base-2 softmax, O and the natural-log LSE,
+// nothing N x N written); what changes is the machine: each warpgroup (4 warps) owns 64 query rows
+// and issues asynchronous m64nNk16 wgmmas. S = Q K^T reads Q and K from shared memory; O += P V
+// takes P from registers and V from shared memory (N-major). Within a warpgroup the next tile's
+// Q K^T and this tile's P V are in flight together while the softmax of the next tile runs on
+// the CUDA cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles stream through a
+// STAGES-deep cp.async ring, loaded by all threads.
+#include "common.cuh"
+#include "softmax.cuh"
+#include "wgmma.cuh"
+
+template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
+struct HopperFwdTraits {
+    static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 or 128)
+    static constexpr int kBlockN = BLOCK_N;       // keys per K/V tile
+    static constexpr int kWarpgroups = WARPGROUPS;
+    static constexpr int kThreads = 128 * WARPGROUPS;
+    static constexpr int kBlockM = 64 * WARPGROUPS;  // wgmma's M is 64 rows per warpgroup
+    static constexpr int kStages = STAGES;
+    using TileQ = Sw128Tile<HEAD_DIM, kBlockM>;
+    using TileKV = Sw128Tile<HEAD_DIM, BLOCK_N>;
+    // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
+    static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 1024;
+    static_assert(STAGES >= 3, "tile j+1 is multiplied while j's P V runs and j+2 loads");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL>
+__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+               u16* __restrict__ o, float* __restrict__ lse,
+               i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+               i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+               int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
+    using TileQ = typename Tr::TileQ;
+    using TileKV = typename Tr::TileKV;
+    constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM;
+    constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sK = sQ + TileQ::kBytes;
+    const u32 sV = sK + STAGES * TileKV::kBytes;
+
+    // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int m0 = m_block * kBM;
+    const int rows_valid = min(kBM, nq - m0);
+    const u16* gQ = q + b * q_sb + h * q_sh + m0 * q_sn;
+    const u16* gK = k + b * k_sb + hk * k_sh;
+    const u16* gV = v + b * v_sb + hk * v_sh;
+
+    int n_end = nk;
+    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
+    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    auto load_kv = [&](int j) {
+        const int slot = j % STAGES, n0 = j * BLOCK_N;
+        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sK + slot * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, tid);
+        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sV + slot * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, tid);
+    };
+    // Commit group g holds K/V tile g (group 0 also Q), so "tile j landed" is a group count.
+    load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_tiles) load_kv(s);
+        cp_async_commit();
+    }
+
+    float acc_o[1][kNO][4];
+#pragma unroll
+    for (int ni = 0; ni < kNO; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][ni][e] = 0.f;
+    float acc_s[1][kNS][4];
+    u32 p_frag[BLOCK_N / 16][4];
+    OnlineSoftmax<2> softmax;
+    float alpha[2];
+
+    const int row0 = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the tile
+    const u32 q_rows = sQ + 64 * wg * 128;                // this warpgroup's rows of each column block
+
+    // S = Q K_j^T: HEAD_DIM/16 k-steps along the 128-byte rows of Q and K (K-major operands).
+    auto issue_qk = [&](int j) {
+        const u32 k_tile = sK + (j % STAGES) * TileKV::kBytes;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const u32 step = (kk & 3) * 32;  // 16 elements = 32 bytes into the swizzle atom
+            const auto da = sw128_desc(q_rows + (kk >> 2) * TileQ::kBlockBytes + step, 16, 1024);
+            const auto db = sw128_desc(k_tile + (kk >> 2) * TileKV::kBlockBytes + step, 16, 1024);
+            Wgmma<T, BLOCK_N>::ss(acc_s[0], da, db, kk > 0);
+        }
+    };
+    // O += P V_j: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart by
+    // one block of the tile, 8-row groups 1024 bytes apart).
+    auto issue_pv = [&](int j) {
+        const u32 v_tile = sV + (j % STAGES) * TileKV::kBytes;
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, HEAD_DIM>::rs(acc_o[0], p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, TileKV::kBlockBytes, 1024), 1);
+    };
+    // Keys past the end and, under causality, after each row's diagonal get -inf. Only tiles
+    // that straddle a boundary for this warp's rows pay for it.
+    auto mask = [&](int j) {
+        const int n0 = j * BLOCK_N;
+        const int warp_first = m0 + 64 * wg + 16 * warp;
+        if ((n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > warp_first + causal_off)) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = m0 + row0 + 8 * hf;
+                const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+#pragma unroll
+                for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[0][ni][2 * hf + e] = -INFINITY;
+            }
+        }
+    };
+    auto to_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
+    };
+
+    if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
+        cp_async_wait<STAGES - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        wgmma_fence();
+        issue_qk(0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_s[0]);
+        mask(0);
+        softmax.probs(acc_s, scale_log2, alpha);
+        to_p();
+    }
+    // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
+    // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
+    // tile's Q K^T makes ptxas serialize every wgmma).
+    auto step = [&](int j, const bool kNext) {
+        // Tile j+1 has landed for every thread; every warpgroup is done with tile j-1's slot.
+        cp_async_wait<STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        if (j + STAGES - 1 < n_tiles) load_kv(j + STAGES - 1);
+        cp_async_commit();
+
+        wgmma_fence();
+        if (kNext) {
+            issue_qk(j + 1);
+            wgmma_commit();
+        }
+        issue_pv(j);
+        wgmma_commit();
+        if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
+            wgmma_wait<1>();
+            fence_regs(acc_s[0]);
+            mask(j + 1);
+            softmax.probs(acc_s, scale_log2, alpha);
+        }
+        wgmma_wait<0>();
+        fence_regs(acc_o[0]);
+        fence_regs(p_frag);
+        if (kNext) {
+            softmax.rescale(acc_o, alpha);
+            to_p();
+        }
+    };
+    for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
+    if (n_tiles > 0) step(n_tiles - 1, false);
+    // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float row_lse[2];
+    softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+
+    // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int di = 0; di < kNO; ++di) {
+            const u32 addr = sQ + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
+        }
+    __syncthreads();
+    u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
+#pragma unroll
+    for (int it = 0; it < kBM * TileQ::kChunks / kThreads; ++it) {
+        const int i = it * kThreads + tid;
+        const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
+        if (row < rows_valid && c * 8 < d) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sQ + TileQ::offset(row, c)));
+            *reinterpret_cast<uint4*>(gO + row * o_sn + c * 8) = val;
+        }
+    }
+    if ((lane & 3) == 0) {
+        float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+            if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
+    }
+}

@@ -1,0 +1,75 @@
+"""Hopper forward: the wgmma kernel (cuda_src/attn_fwd_wgmma.cu), chosen automatically on sm_90.
+
+It covers 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
+vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES entry; everything else,
+and every other GPU, runs the mma.sync kernels of cuflash.gpu. ``CUFLASH_KERNELS=mma_sync`` turns
+the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+
+from . import schedule
+from ._arrays import BFLOAT16, FLOAT16
+from ._build import KernelSpec
+
+ENV = "CUFLASH_KERNELS"
+_TYPE_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
+
+
+def enabled() -> bool:
+    mode = os.environ.get(ENV, "auto")
+    if mode not in ("auto", "mma_sync"):
+        raise ValueError(f"{ENV}={mode!r}: expected 'auto' or 'mma_sync'")
+    return mode == "auto"
+
+
+@lru_cache(maxsize=None)
+def _is_hopper(device_id: int) -> bool:
+    import cupy
+
+    return cupy.cuda.Device(device_id).compute_capability == "90"
+
+
+def applies(p, vec: bool) -> bool:
+    """Whether the current device runs this problem's forward on the wgmma kernel."""
+    if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
+        return False
+    if schedule.head_dim_bucket(p.d) not in schedule.HOPPER_FORWARD_TILES or not enabled():
+        return False
+    import cupy
+
+    return _is_hopper(cupy.cuda.Device().id)
+
+
+def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices."""
+    hd = schedule.head_dim_bucket(d)
+    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
+    expr = (
+        f"attn_fwd_wgmma<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
+        f"{'true' if causal else 'false'}>"
+    )
+    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+def all_hopper_forward_specs():
+    """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a."""
+    return [
+        forward_spec(dtype, hd, causal)[0]
+        for dtype in (FLOAT16, BFLOAT16)
+        for hd in schedule.HOPPER_FORWARD_TILES
+        for causal in (False, True)
+    ]
+
+
+def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+    """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward."""
+    from .gpu import launch_forward
+
+    spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3)
