@@ -80,11 +80,20 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
-    if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
+    hopper_kv = None
+    if tile is None:
+        from . import gpu_hopper
+
+        if gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
+            hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic)
+    if tile is None and vec and hopper_kv is None:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
         tile = pick_backward_tile(p, deterministic=deterministic)
     specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile)
+    kv_block_n = t.block_n
+    if hopper_kv is not None:
+        specs["kv"], kv_block_n = hopper_kv[0], hopper_kv[1].block_n
     off = np.int32(p.causal_offset if p.causal is not None else 0)
     scale_log2 = np.float32(p.scale * _LOG2E)
     lse3 = cupy.ascontiguousarray(lse3)
@@ -102,10 +111,10 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                 (o4[sl], do4[sl], dsum[sl], *_strides3(o4), *_strides3(do4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d)),
             )
         common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
-        n_blocks = -(-p.nk // t.block_n)
+        n_blocks = -(-p.nk // kv_block_n)
         if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
             get_function(specs["kv"])(
-                (n_blocks, p.hkv, nb), (t.threads,),
+                (n_blocks, p.hkv, nb), (specs["kv"].threads,),
                 (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
                  *common, *_strides3(dk4), *_strides3(dv4),
                  np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2),

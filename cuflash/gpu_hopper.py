@@ -1,8 +1,10 @@
-"""Hopper forward: the wgmma kernel (cuda_src/attn_fwd_wgmma.cu), chosen automatically on sm_90.
+"""Hopper kernels (wgmma, sm_90a), chosen automatically on sm_90: the forward
+(cuda_src/attn_fwd_wgmma.cu) and the backward's main K/V kernel (cuda_src/attn_bwd_wgmma.cu).
 
-It covers 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
-vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES entry; everything else,
-and every other GPU, runs the mma.sync kernels of cuflash.gpu. ``CUFLASH_KERNELS=mma_sync`` turns
+They cover 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
+vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES / HOPPER_BACKWARD_TILES
+entry; everything else, and every other GPU, runs the mma.sync kernels of cuflash.gpu and
+cuflash.gpu_backward. ``CUFLASH_KERNELS=mma_sync`` turns
 the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
 """
 
@@ -35,15 +37,24 @@ def _is_hopper(device_id: int) -> bool:
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
-def applies(p, vec: bool) -> bool:
-    """Whether the current device runs this problem's forward on the wgmma kernel."""
+def _applies(p, vec: bool, table) -> bool:
     if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
         return False
-    if schedule.head_dim_bucket(p.d) not in schedule.HOPPER_FORWARD_TILES or not enabled():
+    if schedule.head_dim_bucket(p.d) not in table or not enabled():
         return False
     import cupy
 
     return _is_hopper(cupy.cuda.Device().id)
+
+
+def applies(p, vec: bool) -> bool:
+    """Whether the current device runs this problem's forward on the wgmma kernel."""
+    return _applies(p, vec, schedule.HOPPER_FORWARD_TILES)
+
+
+def backward_applies(p, vec: bool) -> bool:
+    """Whether the current device runs this problem's backward K/V kernel on wgmma."""
+    return _applies(p, vec, schedule.HOPPER_BACKWARD_TILES)
 
 
 def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
@@ -73,3 +84,24 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3)
+
+
+def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
+    """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
+    hd = schedule.head_dim_bucket(d)
+    t = tile or schedule.HOPPER_BACKWARD_TILES[hd]
+    expr = (
+        f"attn_bwd_kv_wgmma<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
+        f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
+    )
+    return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+def all_hopper_backward_specs():
+    return [
+        backward_kv_spec(dtype, hd, causal, det)[0]
+        for dtype in (FLOAT16, BFLOAT16)
+        for hd in schedule.HOPPER_BACKWARD_TILES
+        for causal in (False, True)
+        for det in (False, True)
+    ]

@@ -84,6 +84,35 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
 }
 
 
+@dataclass(frozen=True)
+class HopperBwdTile:
+    """attn_bwd_kv_wgmma: each warpgroup owns 64 key rows, so block_n = 64 x warpgroups."""
+
+    block_m: int  # queries per step (the N of S^T = K Q^T); 64: dQ's wgmma M is one 64-row tile
+    warpgroups: int
+    reason: str
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, + 1 KiB alignment."""
+        return (2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m + 1024
+
+
+# Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head
+# dim; others use BACKWARD_TILES. The deterministic dQ kernel stays the mma.sync one.
+HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
+    64: HopperBwdTile(64, 2, "128 keys per block; dK+dV 64 regs, S^T and dP^T 32 each; dQ split by keys (one 64-column block)"),
+    128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup"),
+}
+
+
 def head_dim_bucket(d: int) -> int:
     for hd in HEAD_DIM_BUCKETS:
         if d <= hd:

@@ -58,3 +58,13 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(
             ("rng seed", f"rng seed {seed}: replay with {_SEED_ENV}={seed} python -m pytest '{item.nodeid}'")
         )
+
+
+@pytest.fixture(params=["auto", "mma_sync"])
+def kernels(request, monkeypatch):
+    """Both kernel families: on a Hopper GPU "auto" runs the wgmma kernels where they apply and
+    "mma_sync" forces the fallback, so neither goes untested; elsewhere the two coincide."""
+    from cuflash import gpu_hopper
+
+    monkeypatch.setenv(gpu_hopper.ENV, request.param)
+    return request.param

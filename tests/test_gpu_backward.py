@@ -42,7 +42,7 @@ def _run(rng, b, hq, hkv, nq, nk, d, dtype, causal, *, scale=1.0, deterministic=
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [32, 40, 64, 96, 111, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, "bottom_right", "top_left"], ids=["full", "br", "tl"])
-def test_backward_head_dims(dtype, d, causal):
+def test_backward_head_dims(kernels, dtype, d, causal):
     rng = np.random.default_rng([d, len(str(causal)), dtype.itemsize, 11])
     _run(rng, 1, 2, 2, 97, 130, d, dtype, causal)
 
@@ -57,7 +57,7 @@ _ONE_KEY = pytest.mark.xfail(strict=True, reason="dq analytically 0 (one visible
 
 @pytest.mark.parametrize("nq,nk", [(1, 239), (113, 203), (203, 113), (257, 255), (255, 257)])
 @pytest.mark.parametrize("causal", [False, "bottom_right", "top_left"], ids=["full", "br", "tl"])
-def test_backward_lengths(nq, nk, causal, request):
+def test_backward_lengths(kernels, nq, nk, causal, request):
     if (nq, nk, causal) == (1, 239, "top_left"):
         request.applymarker(_ONE_KEY)
     rng = np.random.default_rng([nq, nk, len(str(causal))])
@@ -66,21 +66,21 @@ def test_backward_lengths(nq, nk, causal, request):
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_gqa(hq, hkv, deterministic):
+def test_backward_gqa(kernels, hq, hkv, deterministic):
     rng = np.random.default_rng([hq, hkv, int(deterministic)])
     _run(rng, 2, hq, hkv, 150, 170, 128, BFLOAT16, True, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 128, 1025])
 @pytest.mark.parametrize("scale", [5.0, 3.0])
-def test_backward_large_scores_no_nan(n, scale):
+def test_backward_large_scores_no_nan(kernels, n, scale):
     # The overflow case that once broke FlashAttention: large logits, short non-tile lengths.
     rng = np.random.default_rng([n, int(scale)])
     grads = _run(rng, 1, 2, 2, n, n, 64, FLOAT16, True, scale=scale)
     assert all(np.isfinite(g.astype(np.float32)).all() for g in grads)
 
 
-def test_backward_bshd_layout_and_fully_masked_rows():
+def test_backward_bshd_layout_and_fully_masked_rows(kernels):
     rng = np.random.default_rng(5)
     # Nq > Nk with bottom-right alignment: the first Nq - Nk rows see no key, dq there must be 0.
     dq, dk, dv = _run(rng, 1, 4, 2, 150, 60, 64, BFLOAT16, "bottom_right", layout="bshd")
@@ -88,7 +88,7 @@ def test_backward_bshd_layout_and_fully_masked_rows():
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_deterministic_bitwise(d):
+def test_backward_deterministic_bitwise(kernels, d):
     rng = np.random.default_rng(d)
     q, k, v = (cupy.asarray(a) for a in random_inputs(rng, (2, 4, 300, d), (2, 4, 300, d), BFLOAT16))
     do = cupy.asarray(random_inputs(rng, (2, 4, 300, d), (2, 4, 300, d), BFLOAT16)[0])

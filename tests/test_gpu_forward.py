@@ -156,13 +156,6 @@ def run_and_check(rng, dtype, batch, hq, hkv, nq, nk, d, *, causal, layout="bhsd
 
 # ----------------------------------------------------------------------------- accuracy grid
 
-@pytest.fixture(params=["auto", "mma_sync"])
-def kernels(request, monkeypatch):
-    """Both kernel families: on a Hopper GPU "auto" runs the wgmma kernel where it applies and
-    "mma_sync" forces the fallback, so neither goes untested; elsewhere the two coincide."""
-    monkeypatch.setenv(gpu_hopper.ENV, request.param)
-    return request.param
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)

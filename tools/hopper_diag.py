@@ -34,4 +34,26 @@ for d in (64, 128, 40, 96):
                 bad += not ok
                 line.append(f"{fam}: o {err:.2e} lse {lerr:.2e} {'ok' if ok else 'BAD'}")
             print("  ".join(line), flush=True)
+
+# Backward: both kernel families against the float64 reference gradients (3x naive rule).
+from cuflash.testing import assert_backward_within_naive_error, random_inputs, to_numpy  # noqa: E402
+
+for d in (64, 128, 96):
+    for causal in (False, "bottom_right", "top_left"):
+        for nq, nk in ((200, 333), (333, 200), (64, 64)):
+            q, k, v = random_inputs(rng, (1, 4, nq, d), (1, 2, nk, d), ml_dtypes.bfloat16)
+            do = random_inputs(rng, (1, 4, nq, d), (1, 4, nq, d), ml_dtypes.bfloat16)[0]
+            line = [f"bwd d={d:3d} causal={causal!s:12} nq={nq:4d} nk={nk:4d}"]
+            for fam in ("auto", "mma_sync"):
+                os.environ["CUFLASH_KERNELS"] = fam
+                qg, kg, vg, dog = (cp.asarray(a) for a in (q, k, v, do))
+                o, lse = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True)
+                grads = tuple(to_numpy(g) for g in cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal))
+                try:
+                    assert_backward_within_naive_error(grads, do, q, k, v, causal=causal)
+                    line.append(f"{fam}: ok")
+                except AssertionError as exc:
+                    bad += 1
+                    line.append(f"{fam}: BAD {str(exc).splitlines()[0][:160]}")
+            print("  ".join(line), flush=True)
 sys.exit(1 if bad else 0)

@@ -1,0 +1,249 @@
+// Backward main kernel for Hopper (sm_90a): attn_bwd_kv's algorithm on wgmma tensor cores.
+//
+// One block per (K/V tile, K/V head, batch); each warpgroup owns 64 key rows (wgmma's M) and
+// keeps their dK and dV accumulators in registers across the loop over the query heads of the
+// GQA group and the query tiles that see the block's keys. Per query tile, per warpgroup:
+//   S^T  = K Q^T,  dP^T = V dO^T              (A and B from shared memory, K-major)
+//   P^T  = exp2(S^T * scale log2e - lse log2e), dS^T = P^T (dP^T - D)
+//   dV  += P^T dO, dK += dS^T Q                (A = P^T / dS^T from registers, B N-major)
+//   dQ  += dS K                                (A = dS^T from shared memory read M-major, B = K
+//                                               N-major), added into the float32 accumulator
+// dQ's split: when the head dim holds one 64-column block per warpgroup, each warpgroup computes
+// its columns over all the block's keys (one atomic per element); otherwise each computes all
+// columns over its own 64 keys (one atomic per element per warpgroup).
+// attn_bwd_prep (D) and attn_bwd_dq_convert come from attn_bwd.cu; deterministic mode runs
+// attn_bwd_dq there and this kernel with ATOMIC_DQ = false.
+#include "common.cuh"
+#include "wgmma.cuh"
+
+template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS>
+struct HopperBwdTraits {
+    static constexpr int kBlockM = BLOCK_M;             // queries per step
+    static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
+    static constexpr int kThreads = 128 * WARPGROUPS;
+    using TileQ = Sw128Tile<HEAD_DIM, BLOCK_M>;         // Q and dO, two buffers each
+    using TileKV = Sw128Tile<HEAD_DIM, kBlockN>;
+    using TileS = Sw128Tile<BLOCK_M, kBlockN>;          // dS^T: rows = keys, columns = queries
+    static constexpr bool kDqByColumns = HEAD_DIM % (64 * WARPGROUPS) == 0;
+    static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
+    static constexpr int kDqKeys = kDqByColumns ? kBlockN : 64;
+    static constexpr int kSmemBytes =
+        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + 1024;
+    static_assert(BLOCK_M == 64 && HEAD_DIM % 64 == 0, "dQ = dS K is one 64-row wgmma tile; 128-byte swizzle atoms");
+};
+
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                  float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                  int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
+    using TileQ = typename Tr::TileQ;
+    using TileKV = typename Tr::TileKV;
+    using TileS = typename Tr::TileS;
+    constexpr int kBN = Tr::kBlockN, kThreads = Tr::kThreads;
+    constexpr int kNQ = BLOCK_M / 8, kND = HEAD_DIM / 8;
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sV = sK + TileKV::kBytes;
+    const u32 sQ = sV + TileKV::kBytes;       // 2 buffers
+    const u32 sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
+    const u32 sdS = sdO + 2 * TileQ::kBytes;
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
+    float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = n_block * kBN;
+    const int keys_valid = min(kBN, nk - n0);
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int key_row = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
+
+    // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + off.
+    const int m_tiles = (nq + BLOCK_M - 1) / BLOCK_M;
+    int m_begin = 0;
+    if constexpr (CAUSAL) m_begin = max(0, n0 - causal_off) / BLOCK_M;
+    const int per_head = max(0, m_tiles - m_begin);
+    const int n_steps = per_head * group;  // (head, query tile) pairs, head-major
+
+    load_sw128<HEAD_DIM, kBN, kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
+    load_sw128<HEAD_DIM, kBN, kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
+    auto load_step = [&](int step, int buf) {
+        const int h = hk * group + step / per_head;
+        const int m0 = (m_begin + step % per_head) * BLOCK_M;
+        const int rows = min(BLOCK_M, nq - m0);
+        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
+        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
+        const i64 stat = ((i64)b * hq + h) * nq + m0;
+        for (int i = tid; i < BLOCK_M; i += kThreads) {
+            // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
+            const float l = i < rows ? lse[stat + i] : -INFINITY;
+            sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+            sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
+        }
+    };
+    if (n_steps > 0) load_step(0, 0);
+    cp_async_commit();
+
+    float acc_dk[kND][4], acc_dv[kND][4];
+#pragma unroll
+    for (int ni = 0; ni < kND; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
+
+    const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
+    for (int step = 0; step < n_steps; ++step) {
+        const int buf = step & 1;
+        // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
+        cp_async_commit();
+        const int h = hk * group + step / per_head;
+        const int m0 = (m_begin + step % per_head) * BLOCK_M;
+        const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
+        const float* tL = sL + buf * BLOCK_M;
+        const float* tD = sD + buf * BLOCK_M;
+
+        // S^T = K Q^T and dP^T = V dO^T, two commit groups.
+        float s[kNQ][4], dp[kNQ][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+            const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32;
+            Wgmma<T, BLOCK_M>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+            const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32;
+            Wgmma<T, BLOCK_M>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+
+        // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
+        const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
+        wgmma_wait<1>();
+        fence_regs(s);
+        u32 pf[BLOCK_M / 16][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = n0 + key_row + 8 * hf;
+#pragma unroll
+            for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int qc = ni * 8 + 2 * (lane & 3) + e;
+                    float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
+                    if (need_mask) {
+                        const int qi = m0 + qc;
+                        const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
+                        p = vis ? p : 0.f;
+                    }
+                    s[ni][2 * hf + e] = p;
+                }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) acc_to_a<T>(pf[kk], s, kk);
+        // dV += P^T dO (dO read N-major: rows are the k steps).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+        wgmma_commit();
+
+        // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
+        wgmma_wait<1>();
+        fence_regs(dp);
+        u32 sf[BLOCK_M / 16][4];
+#pragma unroll
+        for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[ni * 8 + 2 * (lane & 3) + (e & 1)]);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) acc_to_a<T>(sf[kk], dp, kk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+        wgmma_commit();
+
+        if constexpr (ATOMIC_DQ) {
+            // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 16 kk + 2t (+1, +8, +9).
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = key_row + 8 * (r & 1), chunk = 2 * kk + (r >> 1);
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
+                }
+            fence_proxy_async();
+            if constexpr (Tr::kDqByColumns) {
+                __syncthreads();  // every warpgroup's dS^T rows are in place
+            } else {
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
+            }
+            // dQ(tile)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
+            constexpr int kDqN = Tr::kDqCols;
+            const int key0 = Tr::kDqByColumns ? 0 : 64 * wg;
+            const int col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+            float acc_q[kDqN / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
+                const u32 rows = (key0 + kk * 16) * 128;
+                Wgmma<T, kDqN>::template ss<1, 1>(acc_q, sw128_desc(sdS + rows, TileS::kBlockBytes, 1024),
+                                                  sw128_desc(sK + (col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024),
+                                                  kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc_q);
+            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM + col0;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                if (m0 + row < nq) {
+#pragma unroll
+                    for (int ni = 0; ni < kDqN / 8; ++ni)
+                        red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                }
+            }
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_regs(acc_dv);
+        fence_regs(acc_dk);
+        fence_regs(pf);
+        fence_regs(sf);
+    }
+    cp_async_wait<0>();
+
+    // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
+    const float scale = scale_log2 / kLog2e;
+    u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
+    u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = key_row + 8 * hf;
+        if (row >= keys_valid) continue;
+#pragma unroll
+        for (int ni = 0; ni < kND; ++ni) {
+            const int col = ni * 8 + 2 * (lane & 3);
+            if (col < d) {
+                *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale);
+                *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,18 @@
+"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal]"""
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+import cuflash
+
+b, h, n, d = (int(x) for x in sys.argv[1:5])
+dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
+causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
+rng = np.random.default_rng(0)
+q, k, v, do = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(4))
+o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+cp.cuda.Device().synchronize()
+print("ok", *(float(cp.abs(g.astype(cp.float32)).max()) for g in (dq, dk, dv)))
