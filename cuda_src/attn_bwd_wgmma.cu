@@ -172,12 +172,6 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[ni * 8 + 2 * (lane & 3) + (e & 1)]);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) acc_to_a<T>(sf[kk], dp, kk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-        wgmma_commit();
-
         if constexpr (ATOMIC_DQ) {
             // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 16 kk + 2t (+1, +8, +9).
 #pragma unroll
@@ -193,12 +187,17 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             } else {
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
             }
+        }
+        // dQ (if atomic) then dK, two groups: dQ's atomics run while dK is on the tensor cores,
+        // and nothing is in flight across iterations (a wgmma in flight over the loop's back edge
+        // makes ptxas serialize them all).
+        constexpr int kDqN = Tr::kDqCols;
+        const int col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+        float acc_q[kDqN / 8][4];
+        wgmma_fence();
+        if constexpr (ATOMIC_DQ) {
             // dQ(tile)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
-            constexpr int kDqN = Tr::kDqCols;
             const int key0 = Tr::kDqByColumns ? 0 : 64 * wg;
-            const int col0 = Tr::kDqByColumns ? wg * kDqN : 0;
-            float acc_q[kDqN / 8][4];
-            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
                 const u32 rows = (key0 + kk * 16) * 128;
@@ -207,7 +206,13 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                                                   kk > 0);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+        wgmma_commit();
+        if constexpr (ATOMIC_DQ) {
+            wgmma_wait<1>();  // dV and dQ done; dK in flight
             fence_regs(acc_q);
             float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM + col0;
 #pragma unroll
@@ -219,9 +224,8 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                         red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
                 }
             }
-        } else {
-            wgmma_wait<0>();
         }
+        wgmma_wait<0>();
         fence_regs(acc_dv);
         fence_regs(acc_dk);
         fence_regs(pf);
