@@ -90,8 +90,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     if tile is None:
         from . import gpu_hopper
 
-        if gpu_hopper.applies(p, vec):  # sm_90: the wgmma kernel
-            gpu_hopper.forward(p, q4, k4, v4, o4, lse3)
+        if gpu_hopper.applies(p, vec):  # sm_90: the wgmma kernel (its autotuned tile when CUFLASH_TUNE asks)
+            from .tune import pick_hopper_forward_tile
+
+            gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=pick_hopper_forward_tile(p))
             return
     if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
         from .tune import pick_forward_tile

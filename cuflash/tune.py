@@ -1,9 +1,13 @@
 """Tile schedule search: legal configurations from device limits, occupancy, autotuning, a cache.
 
-Three kernels have a tile to choose (``OPS``):
+Four kernels have a tile to choose (``OPS``):
 
-* ``"fwd"``: the forward kernel, a :class:`~cuflash.schedule.TileConfig` (block_m, block_n, warps,
-  stages);
+* ``"fwd"``: the mma.sync forward kernel, a :class:`~cuflash.schedule.TileConfig` (block_m, block_n,
+  warps, stages);
+* ``"fwd_wgmma"``: the Hopper forward (attn_fwd_wgmma.cu, sm_90a only), a
+  :class:`~cuflash.schedule.HopperTile` (block_n, warpgroups, stages), for the head-dim buckets of
+  ``schedule.HOPPER_FORWARD_TILES``; it is what ``gpu.forward`` runs on sm_90 for 16-bit inputs
+  with 16-byte-aligned rows (picked by :func:`pick_hopper_forward_tile`);
 * ``"bwd"``: the backward's K/V-parallel main kernel (the block_m, block_n, warps, warps_d fields of
   a :class:`~cuflash.schedule.BackwardTile`), timed as the whole backward with atomic dQ;
 * ``"bwd_dq"``: the deterministic dQ kernel (the dq_* fields), timed as the whole deterministic
@@ -11,9 +15,11 @@ Three kernels have a tile to choose (``OPS``):
 
 For each head-dim bucket the candidates are the product of a few values per field. A candidate is
 LEGAL when it satisfies the kernel's ``static_assert``s (mirrored here from FwdTraits, BwdTraits,
-DqTraits and Swizzle), its shared memory fits the device's opt-in limit per block, its threads fit
-a block, and it compiles without spilling (ptxas's report from :func:`cuflash._build.compile_offline`,
-no GPU needed, or the compiled kernel's ``num_regs``/``local_size_bytes`` on a GPU). For a legal
+DqTraits, HopperFwdTraits, Swizzle and Sw128Tile; for the wgmma kernel also that the generated
+wrappers exist), its shared memory (with the wgmma kernel's 1 KiB alignment slack) fits the
+device's opt-in limit per block, its threads fit a block, and it compiles without spilling
+(ptxas's report from :func:`cuflash._build.compile_offline`, no GPU needed, or the compiled
+kernel's ``num_regs``/``local_size_bytes`` on a GPU). For a legal
 candidate :func:`cuflash.device_limits.occupancy` gives resident blocks and warps per SM, and
 :func:`cuflash.accounting.io_model` its logical HBM traffic.
 
@@ -38,6 +44,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -52,18 +59,24 @@ import numpy as np
 from . import device_limits, schedule
 from ._arrays import BFLOAT16, FLOAT16, dtype_name
 from .device_limits import DeviceLimits, Occupancy, occupancy
-from .schedule import BackwardTile, TileConfig
+from .schedule import BackwardTile, HopperTile, TileConfig
 
-OPS = ("fwd", "bwd", "bwd_dq")
-OP_SOURCE = {"fwd": "attn_fwd.cu", "bwd": "attn_bwd.cu", "bwd_dq": "attn_bwd.cu"}
-OP_TITLE = {"fwd": "forward", "bwd": "backward main kernel (K/V-parallel, atomic dQ)",
-            "bwd_dq": "backward deterministic dQ kernel"}
+OPS = ("fwd", "bwd", "bwd_dq", "fwd_wgmma")
+FORWARD_OPS = ("fwd", "fwd_wgmma")
+OP_SOURCE = {"fwd": "attn_fwd.cu", "bwd": "attn_bwd.cu", "bwd_dq": "attn_bwd.cu", "fwd_wgmma": "attn_fwd_wgmma.cu"}
+OP_TITLE = {"fwd": "forward (mma.sync)", "bwd": "backward main kernel (K/V-parallel, atomic dQ)",
+            "bwd_dq": "backward deterministic dQ kernel", "fwd_wgmma": "forward, Hopper wgmma kernel (sm_90a)"}
 TUNED_DTYPES = (FLOAT16, BFLOAT16)  # the float32 kernels have their own fixed tile
 
 # The search space per kernel.
 FWD_SPACE = dict(block_m=(64, 128, 256), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4))
 BWD_SPACE = dict(block_m=(32, 64, 128), block_n=(32, 64, 128), warps=(4, 8), warps_d=(1, 2, 4))
 DQ_SPACE = dict(dq_block_m=(64, 128), dq_block_n=(16, 32, 64), dq_warps=(4, 8), dq_split=(1, 2, 4))
+# block_n values need a generated wgmma wrapper (tools/gen_wgmma.py SHAPES); a value without one
+# is illegal, not a compile failure. 256 is kept although it spills at d 64/128 (so the tables
+# show where the register file ends).
+WGMMA_SPACE = dict(block_n=(64, 96, 128, 160, 192, 256), warpgroups=(1, 2, 3), stages=(3, 4, 5))
+_SPACES = {"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE, "fwd_wgmma": WGMMA_SPACE}
 
 ENV_MODE = "CUFLASH_TUNE"
 ENV_CACHE_DIR = "CUFLASH_CACHE_DIR"
@@ -86,20 +99,29 @@ class Candidate:
 
     op: str
     hd: int
-    tile: object  # TileConfig ("fwd") or BackwardTile ("bwd", "bwd_dq")
+    tile: object  # TileConfig ("fwd"), BackwardTile ("bwd", "bwd_dq") or HopperTile ("fwd_wgmma")
 
     @property
     def name(self) -> str:
         t = self.tile
         if self.op == "fwd":
             return f"{t.block_m}x{t.block_n}w{t.warps}s{t.stages}" + ("" if getattr(t, "lazy_rescale", True) else "-eager")
+        if self.op == "fwd_wgmma":  # query rows x keys, warpgroups, stages
+            return f"{t.block_m}x{t.block_n}wg{t.warpgroups}s{t.stages}"
         if self.op == "bwd":  # q rows streamed, k keys owned, warps, warps splitting d
             return f"q{t.block_m}k{t.block_n}w{t.warps}d{t.warps_d}"
         return f"q{t.dq_block_m}k{t.dq_block_n}w{t.dq_warps}x{t.dq_split}"
 
     @property
     def threads(self) -> int:
+        if self.op == "fwd_wgmma":
+            return self.tile.threads
         return 32 * (self.tile.dq_warps if self.op == "bwd_dq" else self.tile.warps)
+
+    @property
+    def stages(self) -> int:
+        """K/V tiles in flight (forward kernels), 0 where the kernel has no ring to size."""
+        return self.tile.stages if self.op in FORWARD_OPS else 0
 
     @property
     def smem_bytes(self) -> int:
@@ -123,7 +145,7 @@ def tile_to_dict(tile) -> dict:
 def tile_from_dict(op: str, d: dict):
     """The tile a cache entry stores, each field checked against its type; fields the entry lacks
     take their defaults (a field added to the dataclass later), unknown ones are refused."""
-    cls = TileConfig if op == "fwd" else BackwardTile
+    cls = {"fwd": TileConfig, "fwd_wgmma": HopperTile}.get(op, BackwardTile)
     known = {f.name: f for f in fields(cls)}
     if not isinstance(d, dict) or not set(d) <= set(known):
         raise ValueError(f"tile: expected fields among {sorted(known)}, got {d!r}")
@@ -142,7 +164,7 @@ def tile_from_dict(op: str, d: dict):
 
 def op_fields(op: str) -> tuple:
     """The tile fields kernel ``op`` reads (the others belong to the other backward kernel)."""
-    return tuple({"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE}[_check_op(op)])
+    return tuple(_SPACES[_check_op(op)])
 
 
 def same_tile(op: str, a, b) -> bool:
@@ -152,7 +174,17 @@ def same_tile(op: str, a, b) -> bool:
 
 def table_tile(op: str, hd: int):
     """The built-in table's tile for this kernel and head-dim bucket."""
+    if op == "fwd_wgmma":
+        return schedule.HOPPER_FORWARD_TILES[hd]
     return schedule.FORWARD_TILES[hd] if op == "fwd" else schedule.BACKWARD_TILES[hd]
+
+
+def op_buckets(op: str) -> tuple:
+    """The head-dim buckets kernel ``op`` runs for: every bucket, except the Hopper forward, which
+    gpu_hopper.applies dispatches only where HOPPER_FORWARD_TILES has an entry."""
+    if _check_op(op) == "fwd_wgmma":
+        return tuple(schedule.HOPPER_FORWARD_TILES)
+    return schedule.HEAD_DIM_BUCKETS
 
 
 def _check_op(op):
@@ -167,11 +199,11 @@ def candidates(op: str, hd: int, base=None) -> list[Candidate]:
     The fields outside the search space (the other backward kernel's, the forward's lazy_rescale)
     come from ``base``, by default the table's tile."""
     _check_op(op)
-    if hd not in schedule.HEAD_DIM_BUCKETS:
-        raise ValueError(f"hd: expected a head-dim bucket {schedule.HEAD_DIM_BUCKETS}, got {hd}")
+    if hd not in op_buckets(op):
+        raise ValueError(f"hd: expected a head-dim bucket of {op}, {op_buckets(op)}, got {hd}")
     out = []
     base = base or table_tile("bwd" if op == "bwd_dq" else op, hd)
-    space = {"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE}[op]
+    space = _SPACES[op]
     for values in itertools.product(*space.values()):
         out.append(Candidate(op, hd, replace(base, reason="search", **dict(zip(space, values)))))
     return out
@@ -243,9 +275,38 @@ def dq_violations(hd: int, t: BackwardTile) -> list[str]:
     return v
 
 
+_WRAPPER = re.compile(r"struct\s+Wgmma\s*<\s*T\s*,\s*(\d+)\s*>")
+
+
+def wgmma_shapes() -> tuple:
+    """The N of every wgmma wrapper in cuda_src/wgmma_ops.cuh (generated by tools/gen_wgmma.py)."""
+    from ._build import load_source
+
+    return tuple(sorted({int(n) for n in _WRAPPER.findall(load_source("wgmma_ops.cuh"))}))
+
+
+def hopper_forward_violations(hd: int, t: HopperTile) -> list[str]:
+    """HopperFwdTraits', Sw128Tile's static_asserts and the wgmma wrappers attn_fwd_wgmma.cu
+    instantiates: Wgmma<T, block_n> for S = Q K^T and Wgmma<T, head dim> for O += P V."""
+    v = []
+    shapes = wgmma_shapes()
+    if hd % 64:
+        v.append(f"head dim {hd}: 128-byte swizzle atoms need a multiple of 64 columns")
+    elif hd not in shapes:
+        v.append(f"head dim {hd}: no wgmma wrapper m64n{hd}k16 for P V (tools/gen_wgmma.py SHAPES)")
+    if t.block_n % 16:
+        v.append(f"block_n {t.block_n} is not a multiple of 16 (whole k-steps of P V)")
+    if t.block_n not in shapes:
+        v.append(f"block_n {t.block_n}: no wgmma wrapper m64n{t.block_n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
+    if t.stages < 3:
+        v.append("stages < 3: tile j+1 is multiplied while j's P V runs and j+2 loads")
+    return v
+
+
 def violations(cand: Candidate, limits: DeviceLimits | None = None) -> list[str]:
     """Why a candidate cannot launch (empty when it is legal before compiling)."""
-    check = {"fwd": forward_violations, "bwd": backward_violations, "bwd_dq": dq_violations}[cand.op]
+    check = {"fwd": forward_violations, "bwd": backward_violations, "bwd_dq": dq_violations,
+             "fwd_wgmma": hopper_forward_violations}[cand.op]
     v = check(cand.hd, cand.tile)
     if limits is not None:
         if cand.threads > limits.max_threads_per_block:
@@ -274,6 +335,10 @@ def estimated_registers(cand: Candidate) -> int:
 
     Only ORDERS the search (likely spills last); the compiler's report decides legality."""
     t, hd = cand.tile, cand.hd
+    if cand.op == "fwd_wgmma":
+        # Per thread (64 rows x N columns over a warpgroup's 128 threads): S = block_n/2 floats,
+        # O = hd/2, P = block_n/4 packed pairs; +40 matched ptxas (sm_90a, NVRTC 13) on d 64/128.
+        return t.block_n // 2 + hd // 2 + t.block_n // 4 + 40
     if cand.op == "fwd":
         rows = t.block_m // max(t.warps, 1)
         q_regs = rows * hd // 64 if hd <= 64 else 0
@@ -303,7 +368,7 @@ def shortlist(cands: list[Candidate], k: int | None, limits: DeviceLimits, table
 
     def shape(c):
         t = c.tile
-        if c.op == "fwd":
+        if c.op in FORWARD_OPS:
             return (t.block_m, t.block_n)
         if c.op == "bwd":
             return (t.block_m, t.block_n, t.warps_d)
@@ -317,7 +382,7 @@ def shortlist(cands: list[Candidate], k: int | None, limits: DeviceLimits, table
 
     def variant_key(c):
         occ = occupancy(limits, c.threads, min(estimated_registers(c), 255), c.smem_bytes)
-        return (likely_spills(c, limits), -occ.warps_per_sm, c.tile.stages if c.op == "fwd" else 0, c.name)
+        return (likely_spills(c, limits), -occ.warps_per_sm, c.stages, c.name)
 
     by_shape: dict = {}
     for c in legal:
@@ -347,7 +412,7 @@ def shortlist(cands: list[Candidate], k: int | None, limits: DeviceLimits, table
 def largest_first(cands: list[Candidate], limits: DeviceLimits) -> list[Candidate]:
     """Legal candidates, largest tile first (the "largest legal tile" is the first that compiles cleanly)."""
     legal = [c for c in cands if not violations(c, limits)]
-    return sorted(legal, key=lambda c: (-c.area, -c.threads, -(c.tile.stages if c.op == "fwd" else 0), c.name))
+    return sorted(legal, key=lambda c: (-c.area, -c.threads, -c.stages, c.name))
 
 
 # --------------------------------------------------------------------------- compile reports
@@ -376,6 +441,10 @@ def spec_for(cand: Candidate, dtype, causal: bool, vec: bool = True):
         from .gpu import forward_spec
 
         return forward_spec(dtype, cand.hd, causal, vec, cand.tile)[0]
+    if cand.op == "fwd_wgmma":  # vector loads only: the kernel has no scalar path
+        from .gpu_hopper import forward_spec
+
+        return forward_spec(dtype, cand.hd, causal, cand.tile)[0]
     from .gpu_backward import backward_specs
 
     specs = backward_specs(dtype, cand.hd, causal, vec, cand.op == "bwd_dq", cand.tile)[0]
@@ -584,13 +653,16 @@ class _IoTile:
 def logical_bytes(cand: Candidate, shape, *, dtype="bfloat16", causal=False, nk=None, hkv=None) -> int:
     """Logical HBM bytes of the pass this candidate's kernel belongs to (accounting.io_model).
 
-    "fwd": the forward; "bwd": the whole atomic-dQ backward; "bwd_dq": the deterministic dQ
-    kernel alone (each of dq_split blocks per query tile reads Q, dO, LSE, D, K and V)."""
+    "fwd", "fwd_wgmma": the forward; "bwd": the whole atomic-dQ backward; "bwd_dq": the
+    deterministic dQ kernel alone (each of dq_split blocks per query tile reads Q, dO, LSE, D, K and V)."""
     from .accounting import io_model
 
     t = cand.tile
     if cand.op == "fwd":
         return io_model(shape, t, dtype=dtype, causal=causal, pass_="fwd", nk=nk, hkv=hkv).bytes
+    if cand.op == "fwd_wgmma":  # same traffic model; the Hopper tile's smem formula has no itemsize
+        cfg = _IoTile(t.block_m, t.block_n, cand.threads, cand.smem_bytes)
+        return io_model(shape, cfg, dtype=dtype, causal=causal, pass_="fwd", nk=nk, hkv=hkv).bytes
     if cand.op == "bwd":
         cfg = _IoTile(t.block_m, t.block_n, cand.threads, cand.smem_bytes)
         return io_model(shape, cfg, dtype=dtype, causal=causal, pass_="bwd", nk=nk, hkv=hkv).bytes
@@ -847,6 +919,12 @@ def pick_forward_tile(p) -> TileConfig | None:
     return _pick("fwd", p)
 
 
+def pick_hopper_forward_tile(p) -> HopperTile | None:
+    """The wgmma forward's tile for p (the caller checked gpu_hopper.applies), or None to use
+    HOPPER_FORWARD_TILES."""
+    return _pick("fwd_wgmma", p)
+
+
 def pick_backward_tile(p, deterministic: bool = False) -> BackwardTile | None:
     """The backward tile for p: the tuned main-kernel fields and, when deterministic, the tuned
     dQ-kernel fields, each falling back to the table's; None when neither was tuned."""
@@ -866,6 +944,8 @@ def _pick(op, p, base=None, *, tuner_factory=None):
         return None
     if p.d > schedule.MAX_HEAD_DIM or p.d % 8:
         return None  # d % 8 != 0 runs the scalar-load kernel, whose tiles are not tuned
+    if schedule.head_dim_bucket(p.d) not in op_buckets(op):
+        return None  # a bucket this kernel is never launched for
     try:
         device = _current_device_name()
     except Exception:  # noqa: BLE001 - no CuPy/device: nothing to tune for
@@ -963,6 +1043,18 @@ def _poisoned(cupy, shape, dtype):
     return a
 
 
+def forward_launcher(op: str):
+    """The launch function that takes forward op's tile: gpu.forward would run a HopperTile
+    through the mma.sync spec, so the wgmma op launches gpu_hopper.forward directly."""
+    if op == "fwd_wgmma":
+        from . import gpu_hopper
+
+        return gpu_hopper.forward
+    from . import gpu
+
+    return gpu.forward
+
+
 class GpuTuner:
     """Autotune one kernel for the shapes of problem p on the current GPU.
 
@@ -981,6 +1073,10 @@ class GpuTuner:
         self.p = p
         self.hd = schedule.head_dim_bucket(p.d)
         self.limits = limits or device_limits.from_cupy()
+        if self.hd not in op_buckets(op):
+            raise ValueError(f"{op}: head dim {p.d} (bucket {self.hd}) is not one of its buckets {op_buckets(op)}")
+        if op == "fwd_wgmma" and self.limits.cc != 90:
+            raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU; {self.limits.name} is cc {self.limits.cc}")
         self.base = base
         self.causal = p.causal is not None
         self.rng = np.random.default_rng(seed)
@@ -1021,7 +1117,7 @@ class GpuTuner:
         ps = validate_forward(*dev, causal=p.causal, scale=p.scale)
         q4, k4, v4 = (to_bhsd(a, ps, h, n) for a, h, n in zip(dev, (hq, hkv, hkv), (nq, nk, nk)))
         data = {"ps": ps, "host": host, "q4": q4, "k4": k4, "v4": v4}
-        if self.op == "fwd":
+        if self.op in FORWARD_OPS:
             data["ref"] = testing.reference64(*host, causal=p.causal, scale=p.scale)
             data["naive"] = testing.naive_attention_in_dtype(*host, causal=p.causal, scale=p.scale)
         else:
@@ -1044,12 +1140,10 @@ class GpuTuner:
         cp, p = self.cupy, self.p
         s = self._small_problem()
         ps = s["ps"]
-        if self.op == "fwd":
-            from . import gpu
-
+        if self.op in FORWARD_OPS:
             o4 = _poisoned(cp, s["q4"].shape, p.dtype)
             lse3 = cp.full((1, ps.hq, ps.nq), np.nan, dtype=cp.float32)
-            gpu.forward(ps, s["q4"], s["k4"], s["v4"], o4, lse3, tile=cand.tile)
+            forward_launcher(self.op)(ps, s["q4"], s["k4"], s["v4"], o4, lse3, tile=cand.tile)
             cp.cuda.Device().synchronize()
             testing.assert_within_naive_error("o", o4, s["ref"][0], s["naive"][0], p.dtype)
             testing.assert_within_naive_error("lse", lse3.reshape(s["ref"][1].shape), s["ref"][1], s["naive"][1], p.dtype)
@@ -1080,7 +1174,7 @@ class GpuTuner:
         o4 = cp.empty((pt.batch, pt.hq, pt.nq, pt.d), dtype=p.dtype)
         lse3 = cp.empty((pt.batch, pt.hq, pt.nq), dtype=cp.float32)
         data = {"pt": pt, "q4": q4, "k4": k4, "v4": v4, "o4": o4, "lse3": lse3}
-        if self.op != "fwd":
+        if self.op not in FORWARD_OPS:
             from . import gpu
 
             gpu.forward(pt, q4, k4, v4, o4, lse3, tile=schedule.forward_tile(p.d)[1])
@@ -1093,11 +1187,11 @@ class GpuTuner:
 
     def time(self, cand):
         t = self._timing_data()
-        if self.op == "fwd":
-            from . import gpu
+        if self.op in FORWARD_OPS:
+            fwd = forward_launcher(self.op)
 
             def run():
-                gpu.forward(t["pt"], t["q4"], t["k4"], t["v4"], t["o4"], t["lse3"], tile=cand.tile)
+                fwd(t["pt"], t["q4"], t["k4"], t["v4"], t["o4"], t["lse3"], tile=cand.tile)
         else:
             from . import gpu_backward
 
@@ -1171,27 +1265,61 @@ def _text_progress(prefix, stream=None):
     return report
 
 
-def tune(*shapes, ops=("fwd", "bwd"), causal=False, dtype="bfloat16", hkv=None, max_candidates=None,
+def ops_that_run(hd: int, cc: int) -> tuple:
+    """The tuned kernels that gpu.forward and gpu_backward.backward launch for 16-bit,
+    16-byte-aligned inputs of head-dim bucket hd on compute capability cc (the conditions of
+    gpu_hopper.applies / backward_applies): the forward, "fwd_wgmma" or "fwd", and "bwd" unless the
+    Hopper backward K/V kernel, which has no tuned op, takes the backward."""
+    from . import gpu_hopper
+
+    hopper = cc == 90 and gpu_hopper.enabled()
+    fwd = "fwd_wgmma" if hopper and hd in op_buckets("fwd_wgmma") else "fwd"
+    return (fwd,) if hopper and hd in schedule.HOPPER_BACKWARD_TILES else (fwd, "bwd")
+
+
+def _current_device_cc() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def tune(*shapes, ops="auto", causal=False, dtype="bfloat16", hkv=None, max_candidates=None,
          force=False, progress=True):
     """Autotune the tiles for these shapes ahead of time and store the winners in the cache.
 
-    shapes: (B, H, N, d) tuples (or (B, H, Nq, Nk, d)); ops: any of "fwd", "bwd", "bwd_dq";
-    max_candidates: how many candidates to time per bucket (None: every legal one). Buckets already
-    in the cache are skipped unless ``force``. Returns {bucket key string: SearchResult or None
-    (cached)}. The winners are used when CUFLASH_TUNE is 1 or "cached". Needs a CUDA device."""
+    shapes: (B, H, N, d) tuples (or (B, H, Nq, Nk, d)); ops: "auto" (the tuned kernels that run for
+    each shape on this GPU, see :func:`ops_that_run`) or any of "fwd", "fwd_wgmma", "bwd",
+    "bwd_dq"; max_candidates: how many candidates to time per bucket (None: every legal one).
+    Buckets already in the cache are skipped unless ``force``. Returns {bucket key string:
+    SearchResult or None (cached)}. The winners are used when CUFLASH_TUNE is 1 or "cached".
+    Needs a CUDA device (sm_90 for "fwd_wgmma"); an op that cannot run for a shape raises
+    ValueError before anything is timed."""
     if not shapes:
         raise ValueError("shapes: give at least one (B, H, N, d) shape")
-    if isinstance(ops, str):
+    auto = ops == "auto"
+    if isinstance(ops, str) and not auto:
         ops = (ops,)
-    for op in ops:
-        _check_op(op)
+    if not auto:
+        for op in ops:
+            _check_op(op)
+    problems = [_problem_for_shape(tuple(shape), dtype, causal, hkv) for shape in shapes]
+    cc = _current_device_cc()
+    plans = []
+    for p in problems:  # every explicit request is checked before anything is timed
+        hd = schedule.head_dim_bucket(p.d)
+        p_ops = ops_that_run(hd, cc) if auto else tuple(ops)
+        if "fwd_wgmma" in p_ops:
+            if cc != 90:
+                raise ValueError(f"ops: fwd_wgmma needs an sm_90 GPU; this one is cc {cc}")
+            if hd not in op_buckets("fwd_wgmma"):
+                raise ValueError(f"ops: fwd_wgmma runs for head-dim buckets {op_buckets('fwd_wgmma')}, not d={p.d}")
+        plans.append((p, p_ops))
     out = {}
     cache = _cache()
-    for shape in shapes:
-        p = _problem_for_shape(tuple(shape), dtype, causal, hkv)
+    for p, p_ops in plans:
         device = _current_device_name()
         kv_tile = None
-        for op in ops:
+        for op in p_ops:
             key = bucket_key(op, device, p.dtype, p.d, p.causal is not None, p.nq, p.nk)
             if op == "bwd_dq" and kv_tile is None:  # the main kernel's tile the dQ kernel runs beside
                 kv_tile = cache.winner(bucket_key("bwd", device, p.dtype, p.d, p.causal is not None, p.nq, p.nk))[1]
@@ -1324,14 +1452,17 @@ def main_tune(argv) -> int:
     ap = argparse.ArgumentParser(prog="cuflash tune", description="Autotune tile schedules ahead of time "
                                  "(needs a GPU); winners go to the cache used when CUFLASH_TUNE=1 or 'cached'.")
     _common_args(ap)
-    ap.add_argument("--ops", default="fwd,bwd", help="comma-separated: fwd, bwd, bwd_dq (default fwd,bwd)")
+    ap.add_argument("--ops", default="auto",
+                    help="comma-separated: fwd, fwd_wgmma, bwd, bwd_dq; default auto: the tuned kernels that run "
+                         "here (on sm_90 for d <= 128: fwd_wgmma only, the backward being the untuned wgmma "
+                         "kernel; elsewhere fwd and bwd)")
     ap.add_argument("--max-candidates", type=int, default=None, help="candidates timed per bucket (default all legal)")
     ap.add_argument("--force", action="store_true", help="retune buckets already in the cache")
     args = ap.parse_args(argv)
     try:
         shapes = [_parse_shape(s) for s in args.shape]
-        ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
-        for op in ops:
+        ops = "auto" if args.ops.strip() == "auto" else tuple(o.strip() for o in args.ops.split(",") if o.strip())
+        for op in () if ops == "auto" else ops:
             _check_op(op)
     except ValueError as exc:
         ap.error(str(exc))
@@ -1342,8 +1473,12 @@ def main_tune(argv) -> int:
         print(f"cuflash tune: needs a GPU, but {reason}. `cuflash schedules` shows the legal tiles without one.",
               file=sys.stderr)
         return 2
-    results = tune(*shapes, ops=ops, causal=args.causal or False, dtype=args.dtype, hkv=args.hkv,
-                   max_candidates=args.max_candidates, force=args.force)
+    try:
+        results = tune(*shapes, ops=ops, causal=args.causal or False, dtype=args.dtype, hkv=args.hkv,
+                       max_candidates=args.max_candidates, force=args.force)
+    except ValueError as exc:  # e.g. fwd_wgmma asked for off Hopper: said before anything is timed
+        print(f"cuflash tune: {exc}", file=sys.stderr)
+        return 2
     print(f"cache: {cache_path()}")
     for key, res in results.items():
         if res is None:
@@ -1370,6 +1505,8 @@ def main_schedules(argv) -> int:
     _common_args(ap)
     ap.add_argument("--bwd", action="store_true", help="the backward main kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the deterministic backward's dQ kernel")
+    ap.add_argument("--wgmma", action="store_true", help="only the Hopper wgmma forward (default: both forward "
+                    "kernels, the wgmma one where the device is sm_90 and the head dim has a Hopper tile)")
     ap.add_argument("--device", choices=("auto", "h200", "current"), default="auto",
                     help="limits: the current GPU's, or the recorded H200's (auto: the GPU if there is one)")
     ap.add_argument("--no-compile", action="store_true", help="skip the NVRTC compiles (no register counts)")
@@ -1379,7 +1516,8 @@ def main_schedules(argv) -> int:
         shapes = [_parse_shape(s) for s in args.shape]
     except ValueError as exc:
         ap.error(str(exc))
-    op = "bwd_dq" if args.dq else "bwd" if args.bwd else "fwd"
+    if args.dq + args.bwd + args.wgmma > 1:
+        ap.error("--bwd, --dq and --wgmma choose one kernel each; give at most one")
     from .__main__ import gpu_unavailable_reason
 
     if args.device == "h200" or (args.device == "auto" and gpu_unavailable_reason() is not None):
@@ -1398,7 +1536,18 @@ def main_schedules(argv) -> int:
         except Exception as exc:  # noqa: BLE001
             print(f"note: cuda.bindings NVRTC unavailable ({type(exc).__name__}); registers not shown", file=sys.stderr)
             compile_ok = False
+    jobs = []
     for shape in shapes:
+        hd = schedule.head_dim_bucket(shape[3])
+        wgmma = limits.cc == 90 and hd in op_buckets("fwd_wgmma")
+        if args.wgmma and not wgmma:
+            print(f"cuflash schedules: the wgmma forward runs on sm_90 for head-dim buckets {op_buckets('fwd_wgmma')}; "
+                  f"not for d={shape[3]} on {limits.name} (cc {limits.cc})", file=sys.stderr)
+            return 2
+        ops = (["bwd_dq"] if args.dq else ["bwd"] if args.bwd else ["fwd_wgmma"] if args.wgmma
+               else ["fwd"] + (["fwd_wgmma"] if wgmma else []))
+        jobs += [(shape, op) for op in ops]
+    for shape, op in jobs:
         b, h, n, d = shape
         hd = schedule.head_dim_bucket(d)
         prog = _text_progress(f"compiling {op} d{hd}") if compile_ok else None
@@ -1408,6 +1557,13 @@ def main_schedules(argv) -> int:
         n_illegal = sum(e.status == "illegal" for e in evals)
         print(f"{OP_TITLE[op]}: B={b} H={h} N={n} d={d} (bucket {hd}) {args.dtype} causal={args.causal or False} on "
               f"{limits.name}, {where}")
+        running = ops_that_run(hd, limits.cc)
+        if op == "fwd" and "fwd_wgmma" in running:
+            print("note: on this device gpu.forward runs the wgmma kernel for this bucket (table below); "
+                  "this one runs with CUFLASH_KERNELS=mma_sync or for unaligned inputs")
+        if op == "bwd" and "bwd" not in running:
+            print("note: on this device the backward's K/V kernel for this bucket is the wgmma one (not a tuned "
+                  "op); this one runs with CUFLASH_KERNELS=mma_sync or for unaligned inputs")
         print(f"limits: {limits.smem_per_block_optin:,} B shared memory per block (opt-in), {limits.smem_per_sm:,} per SM, "
               f"{limits.regs_per_sm} registers/SM (allocated per warp in {limits.reg_alloc_unit}s), "
               f"{limits.max_threads_per_sm} threads/SM")
@@ -1415,7 +1571,8 @@ def main_schedules(argv) -> int:
         if not args.all:
             print(f"({n_illegal} of {len(evals)} candidates break a kernel static_assert or a device limit; --all lists them)")
         if entry is None:
-            print(f"time: not tuned for {limits.name} (run `cuflash tune --shape {b},{h},{n},{d}` on the GPU; "
+            flags = f" --ops {op}" + (f" --causal {args.causal}" if args.causal else "")
+            print(f"time: not tuned for {limits.name} (run `cuflash tune --shape {b},{h},{n},{d}{flags}` on the GPU; "
                   f"{ENV_MODE}=1 or 'cached' uses the winner)")
         elif entry["winner"] is None:
             print("tuned: no candidate passed; the built-in table is used")

@@ -131,7 +131,7 @@ def test_occupancy_zero_when_a_block_cannot_launch():
 
 def test_table_tiles_are_legal_candidates():
     for op in OPS:
-        for hd in schedule.HEAD_DIM_BUCKETS:
+        for hd in tune_mod.op_buckets(op):
             legal = legal_candidates(op, hd, H200)
             table = table_tile(op, hd)
             assert any(tune_mod.same_tile(op, c.tile, table) for c in legal), (op, hd)
@@ -153,7 +153,7 @@ def test_illegal_candidates_with_reason(cand, why):
 
 def test_legal_candidates_satisfy_mirrored_asserts():
     for op in OPS:
-        for hd in schedule.HEAD_DIM_BUCKETS:
+        for hd in tune_mod.op_buckets(op):
             for c in legal_candidates(op, hd, H200):
                 assert c.smem_bytes <= H200.smem_per_block_optin
                 assert c.threads <= H200.max_threads_per_block
@@ -163,6 +163,9 @@ def test_legal_candidates_satisfy_mirrored_asserts():
                 elif op == "bwd":
                     assert (t.block_n // (t.warps // t.warps_d)) % 16 == 0
                     assert t.warps % (t.block_m // 16) == 0
+                elif op == "fwd_wgmma":  # HopperFwdTraits, Sw128Tile, and the generated wrappers
+                    assert t.stages >= 3 and t.block_n % 16 == 0 and hd % 64 == 0
+                    assert t.block_n in tune_mod.wgmma_shapes() and hd in tune_mod.wgmma_shapes()
                 else:
                     assert (t.dq_block_m // t.dq_warps) % 16 == 0
 
@@ -280,7 +283,7 @@ def test_evaluate_static_marks_illegal_and_oversubscribed():
 
 def test_shortlist_starts_with_table_spans_shapes_and_is_legal():
     for op in OPS:
-        for hd in schedule.HEAD_DIM_BUCKETS:
+        for hd in tune_mod.op_buckets(op):
             cands = candidates(op, hd)
             sl = shortlist(cands, 6, H200, table_tile(op, hd))
             assert 1 <= len(sl) <= 6
@@ -431,6 +434,7 @@ class FakeTuner:
     made = []
     fastest = None  # the candidate name to make fastest
     wrong = set()
+    limits = H200  # what tune() records beside the winner
 
     def __init__(self, op, p, base=None):
         self.op, self.p, self.base = op, p, base
@@ -596,10 +600,11 @@ def _run_tool(*args):
 def test_schedule_search_dry_run():
     r = _run_tool("--dry-run")
     assert r.returncode == 0, r.stderr
-    for op in ("fwd", "bwd"):
-        for d in (64, 128, 256):
-            assert f"{op} d={d}:" in r.stdout
+    for op, ds in (("fwd", (64, 128, 256)), ("bwd", (64, 128, 256)), ("fwd_wgmma", (64, 128))):
+        for d in ds:
+            assert f"\n{op} d={d}:" in r.stdout
             assert Candidate(op, d, table_tile(op, d)).name in r.stdout
+    assert "fwd_wgmma d=256" not in r.stdout  # the wgmma kernel is not dispatched there
     assert "(64, 16384, 1, 32)" in r.stdout  # B*N = 16384, H*d = 2048
 
 
@@ -609,7 +614,7 @@ def test_schedule_search_plan_and_no_gpu_imports():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["6", "False", "False"]
+    assert r.stdout.split() == ["8", "False", "False"]  # fwd and bwd at 3 head dims, fwd_wgmma at 64 and 128
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import schedule_search as s
@@ -643,18 +648,25 @@ class _NumpyAsCupy:
             return _D()
 
 
-@pytest.mark.parametrize("op", ["fwd", "bwd"])
+@pytest.mark.parametrize("op", ["fwd", "bwd", "fwd_wgmma"])
 def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     """GpuTuner's check (small ragged problem, reference, accuracy rule) and run(), with the CPU
     backend standing in for the kernels (it honours block_m/block_n) and a fake timer. A kernel
     that corrupts one output element must fail the check and never be picked."""
-    from cuflash import cpu, gpu, gpu_backward
+    from cuflash import cpu, gpu, gpu_backward, gpu_hopper
 
     corrupt = {"name": None}
 
     def fake_forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+        assert isinstance(tile, TileConfig)  # a HopperTile must never reach the mma.sync launch
         cpu.forward(p, q4, k4, v4, o4, lse3, block_m=tile.block_m, block_n=tile.block_n)
         if op == "fwd" and tile.reason == "search" and Candidate("fwd", 64, tile).name == corrupt["name"]:
+            o4[0, 1, 7, 3] += 0.25
+
+    def fake_hopper_forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+        assert isinstance(tile, schedule.HopperTile)
+        cpu.forward(p, q4, k4, v4, o4, lse3, block_m=tile.block_m, block_n=tile.block_n)
+        if Candidate("fwd_wgmma", 64, tile).name == corrupt["name"]:
             o4[0, 1, 7, 3] += 0.25
 
     def fake_backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None):
@@ -663,6 +675,7 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
             dk4[0, 0, 5, 2] += 0.25
 
     monkeypatch.setattr(gpu, "forward", fake_forward)
+    monkeypatch.setattr(gpu_hopper, "forward", fake_hopper_forward)
     monkeypatch.setattr(gpu_backward, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
     tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)
@@ -743,9 +756,9 @@ def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
     monkeypatch.setattr(s, "run_shape", fake_run_shape)
     assert s.main(["--out", str(tmp_path), "--workers", "0", "--ds", "64,128", "--ns", "1024,4096"]) == 0
     res = json.loads((tmp_path / "schedule_search.json").read_text())
-    assert sorted(res["buckets"]) == ["bwd-d128", "bwd-d64", "fwd-d128", "fwd-d64"]
+    assert sorted(res["buckets"]) == ["bwd-d128", "bwd-d64", "fwd-d128", "fwd-d64", "fwd_wgmma-d128", "fwd_wgmma-d64"]
     for key, bucket in res["buckets"].items():
-        assert 1 <= len(bucket["chosen"]) <= 7 and bucket["largest"] in bucket["chosen"]
+        assert 1 <= len(bucket["chosen"]) <= s.PER_BUCKET[bucket["op"]] + 1 and bucket["largest"] in bucket["chosen"]
         for name in bucket["chosen"]:
             assert bucket["compile"][name]["clean"][0]  # screened on the non-causal instantiation
             assert len(bucket["compile"][name]["registers"]) == 2
@@ -756,7 +769,7 @@ def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
         assert all(bucket["compile"][nm]["clean"][int(causal)] for nm in names)
     causal_rows = [sh for b in res["buckets"].values() for sh in b["shapes"] if sh["causal"]]
     assert any(c.get("status") == "spills (this mask)" for sh in causal_rows for c in sh["candidates"].values())
-    assert len(list(tmp_path.iterdir())) == 3
+    assert len(list(tmp_path.iterdir())) == 4  # the JSON and one markdown file per op
     # A zero budget: nothing timed, every shape recorded as skipped, outputs still written.
     ran.clear()
     assert s.main(["--out", str(tmp_path / "b"), "--workers", "0", "--ds", "64", "--ns", "1024", "--budget-s", "0"]) == 0

@@ -1,8 +1,10 @@
 """Evidence run for the tile schedule search on one GPU (written for the H200), one process.
 
 For d in {64, 128, 256} and N in {1k, 4k, 16k} (B*N = 16384 tokens, H*d = 2048, bfloat16), causal
-and not, forward and backward: every candidate on a short list (the built-in table's tile, the
-largest legal tile, then diverse block shapes, ~6 per (op, d); see cuflash.tune.shortlist) that
+and not, for both forward kernel families and the backward ("fwd": mma.sync, every d; "fwd_wgmma":
+the Hopper wgmma kernel, d 64 and 128, skipped on other GPUs; "bwd"): every candidate on a short
+list (the built-in table's tile, the largest legal tile, then diverse block shapes, PER_BUCKET per
+(op, d); see cuflash.tune.shortlist) that
 compiles without spilling is run once, compared with torch SDPA's flash output (max abs diff;
 a candidate further off than twice the table's own difference, or one bfloat16 rounding of the
 largest value, is skipped as a mismatch), and timed with CUDA events (median, 256 MiB written
@@ -10,7 +12,7 @@ between repeats to flush L2). Writes --out DIR/schedule_search.json (everything)
 file per op (a table per head dim): the fastest config, the largest legal tile, their times,
 registers and occupancy, next to the table's tile and torch's flash kernel.
 
-    PYTHONPATH=. python3 tools/schedule_search.py --out $OUT          # on the GPU, <= ~4 minutes
+    PYTHONPATH=. python3 tools/schedule_search.py --out $OUT          # on the GPU, <= ~5 minutes
     PYTHONPATH=. python3 tools/schedule_search.py --dry-run           # anywhere: the candidate lists
 
 Importable without a GPU: CuPy and torch are imported inside the device path only.
@@ -30,14 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuflash import device_limits, schedule  # noqa: E402
 from cuflash.tune import (  # noqa: E402
-    Candidate, candidates, estimated_registers, largest_first, likely_spills, occupancy, shortlist, table_tile,
+    FORWARD_OPS, Candidate, candidates, estimated_registers, largest_first, likely_spills, occupancy, op_buckets,
+    shortlist, table_tile,
 )
 
 TOKENS = 16384
 HIDDEN = 2048
 DS = (64, 128, 256)
 NS = (1024, 4096, 16384)
-OPS = ("fwd", "bwd")
+OPS = ("fwd", "fwd_wgmma", "bwd")
+# Clean candidates timed per (op, d), plus the largest. The wgmma forward gets more: its forward
+# timings are cheap (milliseconds) and its space has stage variants as well as block shapes.
+PER_BUCKET = {"fwd": 6, "fwd_wgmma": 12, "bwd": 6}
 BF16_U = 2.0**-8  # unit roundoff of bfloat16
 LARGEST_TRIES = 16  # largest-first candidates compiled to find the largest that does not spill
 ORDER_TRIES = 3  # try at most 3 x per_bucket candidates of the short list to find per_bucket clean ones
@@ -48,21 +54,25 @@ def planned_shapes(ds=DS, ns=NS):
     return [(d, n, TOKENS // n, HIDDEN // d) for d in ds for n in ns]
 
 
-def plan(ops=OPS, ds=DS, per_bucket=6, limits=None):
+def plan(ops=OPS, ds=DS, per_bucket=None, limits=None):
     """{(op, d): {"order": [Candidate...] in try order, "largest": [Candidate...] largest first}}.
 
-    The device run walks "order" until per_bucket candidates compile cleanly, and "largest" until
-    one does (the largest legal tile); both lists contain only statically legal candidates."""
+    The device run walks "order" until per_bucket (default PER_BUCKET[op]) candidates compile
+    cleanly, and "largest" until one does (the largest legal tile); both lists contain only
+    statically legal candidates. (op, d) pairs the kernel never runs for (fwd_wgmma at d=256) are
+    left out."""
     limits = limits or device_limits.H200
     out = {}
     for op in ops:
         for d in ds:
             hd = schedule.head_dim_bucket(d)
+            if hd not in op_buckets(op):
+                continue
             cands = candidates(op, hd)
             out[(op, d)] = {
                 "order": shortlist(cands, None, limits, table_tile(op, hd)),
                 "largest": largest_first(cands, limits),
-                "per_bucket": per_bucket,
+                "per_bucket": per_bucket or PER_BUCKET.get(op, 6),
             }
     return out
 
@@ -195,7 +205,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
 
     from cuflash import gpu, gpu_backward
     from cuflash._problem import validate_forward
-    from cuflash.tune import cuda_median_time
+    from cuflash.tune import cuda_median_time, forward_launcher
 
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs, recorded for a replay
     torch.manual_seed(seed)
@@ -215,7 +225,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
 
     def torch_reference(backend):
         with sdpa_kernel([backend]):
-            if op == "fwd":
+            if op in FORWARD_OPS:
                 refs = [F.scaled_dot_product_attention(q, k, v, is_causal=causal)]
                 secs = torch_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                 return refs, secs
@@ -235,7 +245,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
             row.setdefault("torch_errors", []).append(repr(exc)[:200])
     else:
         raise RuntimeError(f"no torch SDPA reference for {shape}: {row['torch_errors']}")
-    if op != "fwd":
+    if op not in FORWARD_OPS:
         # cuflash's own forward (the table's tile) gives the o and lse the backward reads.
         gpu.forward(p, qc, kc, vc, o4, lse3, tile=schedule.forward_tile(d)[1])
         doc = cp.from_dlpack(do)
@@ -243,13 +253,15 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
         grads = [cp.from_dlpack(g) for g in grads_t]
     ref_max = [x.float().abs().max().item() for x in refs]
 
+    forward = forward_launcher(op)
+
     def run(cand):
-        if op == "fwd":
-            gpu.forward(p, qc, kc, vc, o4, lse3, tile=cand.tile)
+        if op in FORWARD_OPS:
+            forward(p, qc, kc, vc, o4, lse3, tile=cand.tile)
         else:
             gpu_backward.backward(p, doc, qc, kc, vc, o4, lse3, *grads, tile=cand.tile)
 
-    outs = [o_t] if op == "fwd" else grads_t
+    outs = [o_t] if op in FORWARD_OPS else grads_t
     table = table_tile(op, schedule.head_dim_bucket(d))
     table_name = Candidate(op, schedule.head_dim_bucket(d), table).name
     # The table's tile first: its difference from torch sets the mismatch threshold.
@@ -301,7 +313,7 @@ def screen(pl, args, budget, log):
             log(f"precompiling {len(specs)} {'causal' if causal else 'non-causal'} kernels in {args.workers} processes")
             _precompile(specs, args.workers, log)
 
-    warm([c for e in pl.values() for c in e["order"][:ORDER_TRIES * args.per_bucket] + e["largest"][:LARGEST_TRIES]],
+    warm([c for e in pl.values() for c in e["order"][:ORDER_TRIES * e["per_bucket"]] + e["largest"][:LARGEST_TRIES]],
          False)
     info_cache, selected = {}, {}
     for (op, d), entry in pl.items():
@@ -342,6 +354,9 @@ def device_main(args):
         print(f"[{budget.elapsed:6.1f}s] {msg}", flush=True)
 
     ops = tuple(args.ops.split(","))
+    if "fwd_wgmma" in ops and limits.cc != 90:
+        log(f"fwd_wgmma skipped: the wgmma kernel needs sm_90; {limits.name} is cc {limits.cc}")
+        ops = tuple(op for op in ops if op != "fwd_wgmma")
     ds = tuple(int(x) for x in args.ds.split(","))
     ns = tuple(int(x) for x in args.ns.split(","))
     pl = plan(ops, ds, args.per_bucket, limits)
@@ -452,11 +467,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output directory (device run)")
     ap.add_argument("--dry-run", action="store_true", help="list the candidates per (op, d); no GPU needed")
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(OPS),
+                    help=f"comma-separated subset of {OPS} (fwd_wgmma runs on sm_90 only, for d 64 and 128)")
     ap.add_argument("--ds", default=",".join(map(str, DS)))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
-    ap.add_argument("--per-bucket", type=int, default=6, help="clean candidates timed per (op, d), plus the largest")
-    ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting new work after this many seconds")
+    ap.add_argument("--per-bucket", type=int, default=None,
+                    help=f"clean candidates timed per (op, d), plus the largest (default per op: {PER_BUCKET})")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new work after this many seconds")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="processes warming CuPy's compile cache first (0: compile serially, in this process)")
     args = ap.parse_args(argv)
