@@ -7,12 +7,10 @@
 //   P^T  = exp2(S^T * scale log2e - lse log2e), dS^T = P^T (dP^T - D)
 //   dV  += P^T dO, dK += dS^T Q                (A = P^T / dS^T from registers, B N-major)
 //   dQ  += dS K                                (A = dS^T from shared memory read M-major, B = K
-//                                               N-major), staged as float32 in shared memory and
-//                                               added to the dQ accumulator by one bulk reduce
+//                                               N-major), added into the float32 accumulator
 // dQ's split: when the head dim holds one 64-column block per warpgroup, each warpgroup computes
-// its columns over all the block's keys into one shared tile; otherwise each computes all columns
-// over its own 64 keys into its own tile (one bulk reduce per warpgroup). Per-element atomics
-// cost ~40% of the kernel (measured: tools/bwd_kv_probe.py); the copy engine's reduce does not.
+// its columns over all the block's keys (one atomic per element); otherwise each computes all
+// columns over its own 64 keys (one atomic per element per warpgroup).
 // attn_bwd_prep (D) and attn_bwd_dq_convert come from attn_bwd.cu; deterministic mode runs
 // attn_bwd_dq there and this kernel with ATOMIC_DQ = false.
 #include "common.cuh"
@@ -29,24 +27,13 @@ struct HopperBwdTraits {
     static constexpr bool kDqByColumns = HEAD_DIM % (64 * WARPGROUPS) == 0;
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqByColumns ? kBlockN : 64;
-    static constexpr int kDqTiles = kDqByColumns ? 1 : WARPGROUPS;  // float32 BLOCK_M x HEAD_DIM each
-    static constexpr int kDqTileBytes = BLOCK_M * HEAD_DIM * 4;
     static constexpr int kSmemBytes =
-        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + kDqTiles * kDqTileBytes + 1024;
+        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + 1024;
     static_assert(BLOCK_M == 64 && HEAD_DIM % 64 == 0, "dQ = dS K is one 64-row wgmma tile; 128-byte swizzle atoms");
 };
 
-// Bulk reduce (sm_90 copy engine): global[dst .. dst+bytes) += shared[src ..) as float32.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// The issuing thread's bulk operations have finished reading shared memory (READ) or completed.
-template <bool READ>
-__device__ __forceinline__ void bulk_wait_all() {
-    if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
@@ -72,16 +59,12 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const u32 sdS = sdO + 2 * TileQ::kBytes;
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
     float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
-    const u32 sdQ = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // kDqTiles float32 tiles, rows of HEAD_DIM
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * kBN;
     const int keys_valid = min(kBN, nk - n0);
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int key_row = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
-    // The thread that issues dQ's bulk reduce: one per block (column split) or per warpgroup.
-    const bool dq_leader = Tr::kDqByColumns ? tid == 0 : (tid & 127) == 0;
-    const u32 dq_tile = sdQ + (Tr::kDqByColumns ? 0 : wg * Tr::kDqTileBytes);
 
     // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + off.
     const int m_tiles = (nq + BLOCK_M - 1) / BLOCK_M;
@@ -116,11 +99,6 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
 
     const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
-    // Barrier among the threads that share dS^T rows and a dQ tile: the block or the warpgroup.
-    auto dq_sync = [&]() {
-        if constexpr (Tr::kDqByColumns) __syncthreads();
-        else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-    };
     for (int step = 0; step < n_steps; ++step) {
         const int buf = step & 1;
         // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
@@ -204,8 +182,11 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
                 }
             fence_proxy_async();
-            if (dq_leader) bulk_wait_all<true>();  // the previous step's reduce has read the dQ tile
-            dq_sync();  // dS^T rows in place (and the dQ tile free) for the warpgroups that read them
+            if constexpr (Tr::kDqByColumns) {
+                __syncthreads();  // every warpgroup's dS^T rows are in place
+            } else {
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
+            }
         }
         // dQ (if atomic) then dK, two groups: dQ's atomics run while dK is on the tensor cores,
         // and nothing is in flight across iterations (a wgmma in flight over the loop's back edge
@@ -233,22 +214,16 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         if constexpr (ATOMIC_DQ) {
             wgmma_wait<1>();  // dV and dQ done; dK in flight
             fence_regs(acc_q);
-            // Stage this warpgroup's dQ rows x columns in its float32 tile (rows of HEAD_DIM, the
-            // accumulator's layout in global memory), then one thread reduces the tile's valid
-            // rows into the accumulator while the next step starts.
+            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM + col0;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                if (m0 + row < nq) {
 #pragma unroll
-                for (int ni = 0; ni < kDqN / 8; ++ni)
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dq_tile + (row * HEAD_DIM + col0 + ni * 8 + 2 * (lane & 3)) * 4),
-                                 "f"(acc_q[ni][2 * hf]), "f"(acc_q[ni][2 * hf + 1]));
+                    for (int ni = 0; ni < kDqN / 8; ++ni)
+                        red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                }
             }
-            fence_proxy_async();
-            dq_sync();
-            if (dq_leader)
-                bulk_reduce_add_f32(dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM, dq_tile,
-                                    (u32)min(BLOCK_M, nq - m0) * HEAD_DIM * 4);
         }
         wgmma_wait<0>();
         fence_regs(acc_dv);
@@ -257,7 +232,6 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         fence_regs(sf);
     }
     cp_async_wait<0>();
-    if (ATOMIC_DQ && dq_leader) bulk_wait_all<false>();  // shared memory stays until the reduces finish
 
     // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
     const float scale = scale_log2 / kLog2e;

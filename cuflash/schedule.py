@@ -100,15 +100,9 @@ class HopperBwdTile:
     def threads(self) -> int:
         return 128 * self.warpgroups
 
-    def dq_tiles(self, head_dim: int) -> int:
-        """float32 dQ staging tiles: one shared (columns split over warpgroups) or one each (keys split)."""
-        return 1 if head_dim % (64 * self.warpgroups) == 0 else self.warpgroups
-
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, the float32 dQ
-        staging tiles, + 1 KiB alignment."""
-        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
-                + self.dq_tiles(head_dim) * self.block_m * head_dim * 4 + 1024)
+        """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, + 1 KiB alignment."""
+        return (2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m + 1024
 
 
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head
