@@ -8,9 +8,12 @@
 //   dV  += P^T dO, dK += dS^T Q                (A = P^T / dS^T from registers, B N-major)
 //   dQ  += dS K                                (A = dS^T from shared memory read M-major, B = K
 //                                               N-major), added into the float32 accumulator
-// dQ's split: when the head dim holds one 64-column block per warpgroup, each warpgroup computes
-// its columns over all the block's keys (one atomic per element); otherwise each computes all
-// columns over its own 64 keys (one atomic per element per warpgroup).
+// A step of BLOCK_M = 128 queries runs the first four products in two 64-query halves (the
+// registers of one half) and dQ once for the whole step.
+// dQ's split over the warpgroups, one atomic per element except the last:
+//   rows    (BLOCK_M = 64 x warpgroups): each warpgroup takes 64 queries, all keys, all columns;
+//   columns (head dim = 64-column block per warpgroup): all queries and keys, its own columns;
+//   keys    (otherwise): all queries and columns over its own 64 keys (one atomic per warpgroup).
 // attn_bwd_prep (D) and attn_bwd_dq_convert come from attn_bwd.cu; deterministic mode runs
 // attn_bwd_dq there and this kernel with ATOMIC_DQ = false.
 #include "common.cuh"
@@ -24,12 +27,16 @@ struct HopperBwdTraits {
     using TileQ = Sw128Tile<HEAD_DIM, BLOCK_M>;         // Q and dO, two buffers each
     using TileKV = Sw128Tile<HEAD_DIM, kBlockN>;
     using TileS = Sw128Tile<BLOCK_M, kBlockN>;          // dS^T: rows = keys, columns = queries
-    static constexpr bool kDqByColumns = HEAD_DIM % (64 * WARPGROUPS) == 0;
+    static constexpr int kHalves = BLOCK_M / 64;        // 64-query sub-steps of S^T .. dK
+    static constexpr bool kDqByRows = BLOCK_M == 64 * WARPGROUPS;
+    static constexpr bool kDqByColumns = !kDqByRows && HEAD_DIM % (64 * WARPGROUPS) == 0;
+    static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
-    static constexpr int kDqKeys = kDqByColumns ? kBlockN : 64;
+    static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
     static constexpr int kSmemBytes =
         2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + 1024;
-    static_assert(BLOCK_M == 64 && HEAD_DIM % 64 == 0, "dQ = dS K is one 64-row wgmma tile; 128-byte swizzle atoms");
+    static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
+    static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
@@ -49,7 +56,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
     constexpr int kBN = Tr::kBlockN, kThreads = Tr::kThreads;
-    constexpr int kNQ = BLOCK_M / 8, kND = HEAD_DIM / 8;
+    constexpr int kND = HEAD_DIM / 8;
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -113,112 +120,135 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const float* tL = sL + buf * BLOCK_M;
         const float* tD = sD + buf * BLOCK_M;
 
-        // S^T = K Q^T and dP^T = V dO^T, two commit groups.
-        float s[kNQ][4], dp[kNQ][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-            const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32;
-            Wgmma<T, BLOCK_M>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-            const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32;
-            Wgmma<T, BLOCK_M>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-
-        // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
         const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
-        wgmma_wait<1>();
-        fence_regs(s);
-        u32 pf[BLOCK_M / 16][4];
+        // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
+        // pinned (fence_regs after the final wait) while its dV and dK read them.
+        u32 pf[64 / 16][4], sf[64 / 16][4];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int key = n0 + key_row + 8 * hf;
+        for (int hv = 0; hv < Tr::kHalves; ++hv) {
+            const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
+            // S^T = K Q^T and dP^T = V dO^T, two commit groups.
+            float s[8][4], dp[8][4];
+            wgmma_fence();
 #pragma unroll
-            for (int ni = 0; ni < kNQ; ++ni)
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+                const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
+                Wgmma<T, 64>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int qc = ni * 8 + 2 * (lane & 3) + e;
-                    float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
-                    if (need_mask) {
-                        const int qi = m0 + qc;
-                        const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
-                        p = vis ? p : 0.f;
-                    }
-                    s[ni][2 * hf + e] = p;
-                }
-        }
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) acc_to_a<T>(pf[kk], s, kk);
-        // dV += P^T dO (dO read N-major: rows are the k steps).
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-        wgmma_commit();
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+                const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
+                Wgmma<T, 64>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
 
-        // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
-        wgmma_wait<1>();
-        fence_regs(dp);
-        u32 sf[BLOCK_M / 16][4];
+            // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
+            wgmma_wait<1>();
+            fence_regs(s);
 #pragma unroll
-        for (int ni = 0; ni < kNQ; ++ni)
+            for (int hf = 0; hf < 2; ++hf) {
+                const int key = n0 + key_row + 8 * hf;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[ni * 8 + 2 * (lane & 3) + (e & 1)]);
+                for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) acc_to_a<T>(sf[kk], dp, kk);
+                    for (int e = 0; e < 2; ++e) {
+                        const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + e;  // query within the step
+                        float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
+                        if (need_mask) {
+                            const int qi = m0 + qc;
+                            const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
+                            p = vis ? p : 0.f;
+                        }
+                        s[ni][2 * hf + e] = p;
+                    }
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
+            // dV += P^T dO (dO read N-major: rows are the k steps).
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+            wgmma_commit();
+
+            // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
+            wgmma_wait<1>();
+            fence_regs(dp);
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
+            if constexpr (ATOMIC_DQ) {
+                // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
+                    }
+            }
+            if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(acc_dv);
+                fence_regs(acc_dk);
+                fence_regs(pf);
+                fence_regs(sf);
+            }
+        }
         if constexpr (ATOMIC_DQ) {
-            // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 16 kk + 2t (+1, +8, +9).
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int row = key_row + 8 * (r & 1), chunk = 2 * kk + (r >> 1);
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
-                }
             fence_proxy_async();
-            if constexpr (Tr::kDqByColumns) {
+            if constexpr (Tr::kDqBlockSync) {
                 __syncthreads();  // every warpgroup's dS^T rows are in place
             } else {
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
             }
         }
-        // dQ (if atomic) then dK, two groups: dQ's atomics run while dK is on the tensor cores,
-        // and nothing is in flight across iterations (a wgmma in flight over the loop's back edge
-        // makes ptxas serialize them all).
+        // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
+        // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
+        // loop's back edge makes ptxas serialize them all).
         constexpr int kDqN = Tr::kDqCols;
-        const int col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+        const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
+        const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+        const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
         float acc_q[kDqN / 8][4];
         wgmma_fence();
         if constexpr (ATOMIC_DQ) {
-            // dQ(tile)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
-            const int key0 = Tr::kDqByColumns ? 0 : 64 * wg;
+            // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
 #pragma unroll
             for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
-                const u32 rows = (key0 + kk * 16) * 128;
-                Wgmma<T, kDqN>::template ss<1, 1>(acc_q, sw128_desc(sdS + rows, TileS::kBlockBytes, 1024),
-                                                  sw128_desc(sK + (col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024),
-                                                  kk > 0);
+                const u32 rows = (dq_key0 + kk * 16) * 128;
+                Wgmma<T, kDqN>::template ss<1, 1>(
+                    acc_q, sw128_desc(sdS + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
+                    sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
             }
             wgmma_commit();
         }
+        {
+            const u32 q_last = 64 * (Tr::kHalves - 1) * 128;
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-        wgmma_commit();
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_last + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+            wgmma_commit();
+        }
         if constexpr (ATOMIC_DQ) {
             wgmma_wait<1>();  // dV and dQ done; dK in flight
             fence_regs(acc_q);
-            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM + col0;
+            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                if (m0 + row < nq) {
+                if (m0 + dq_q0 + row < nq) {
 #pragma unroll
                     for (int ni = 0; ni < kDqN / 8; ++ni)
                         red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);

@@ -88,7 +88,7 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
 class HopperBwdTile:
     """attn_bwd_kv_wgmma: each warpgroup owns 64 key rows, so block_n = 64 x warpgroups."""
 
-    block_m: int  # queries per step (the N of S^T = K Q^T); 64: dQ's wgmma M is one 64-row tile
+    block_m: int  # queries per step: 64, or 64 x warpgroups (dQ then split by query rows)
     warpgroups: int
     reason: str
 
@@ -108,7 +108,7 @@ class HopperBwdTile:
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head
 # dim; others use BACKWARD_TILES. The deterministic dQ kernel stays the mma.sync one.
 HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
-    64: HopperBwdTile(64, 2, "128 keys per block; dK+dV 64 regs, S^T and dP^T 32 each; dQ split by keys (one 64-column block)"),
+    64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel)"),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup"),
 }
 

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash import _problem, gpu_backward, gpu_hopper
+from cuflash import _problem, gpu_hopper, schedule
 from cuflash._build import get_function
 
 
@@ -46,14 +46,15 @@ for d in (64, 128):
             dk, dv = cp.empty_like(k), cp.empty_like(v)
             st = lambda a: [np.int64(s // a.itemsize) for s in a.strides[:3]]
             line = [f"d={d} N={n} causal={causal}: backward {total:.3f} ms"]
-            for det in (False, True):
-                spec, t = gpu_hopper.backward_kv_spec(p.dtype, d, causal, det)
+            tiles = [None] + ([schedule.HopperBwdTile(64, 2, "64-query steps, dQ split by keys")] if d == 64 else [])
+            for tile, det in [(tl, dt) for tl in tiles for dt in (False, True)]:
+                spec, t = gpu_hopper.backward_kv_spec(p.dtype, d, causal, det, tile)
                 fn = get_function(spec)
                 args = (q, k, v, do, lse, dsum, acc, dk, dv, *st(q), *st(k), *st(v), *st(do), *st(dk), *st(dv),
                         np.int32(h), np.int32(n), np.int32(n), np.int32(d), np.int32(1), np.int32(0),
                         np.float32(d ** -0.5 * 1.4426950408889634))
                 ms = timed(lambda: fn((-(-n // t.block_n), h, bsz), (spec.threads,), args, shared_mem=spec.smem_bytes))
-                line.append(f"kv {'dK/dV only' if det else 'with dQ'} {ms:.3f} ms")
+                line.append(f"kv[{t.block_m}q] {'dK/dV only' if det else 'with dQ'} {ms:.3f} ms")
             flops = 10 * n * n * d * h * bsz * (0.5 if causal else 1)
             line.append(f"({flops / total / 1e9:.0f} TFLOP/s whole)")
             print("  ".join(line), flush=True)
