@@ -5,8 +5,9 @@
 // and issues asynchronous m64nNk16 wgmmas. S = Q K^T reads Q and K from shared memory; O += P V
 // takes P from registers and V from shared memory (N-major). Within a warpgroup the next tile's
 // Q K^T and this tile's P V are in flight together while the softmax of the next tile runs on
-// the CUDA cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles stream through a
-// STAGES-deep cp.async ring, loaded by all threads.
+// the CUDA cores (FlashAttention-3's intra-warpgroup overlap). K and V tiles stream through two
+// STAGES-deep cp.async rings, loaded by all threads: K runs one tile ahead of V because Q K^T of
+// tile j+1 is issued together with P V of tile j, so K's slot frees an iteration before V's.
 #include "common.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
@@ -23,7 +24,7 @@ struct HopperFwdTraits {
     using TileKV = Sw128Tile<HEAD_DIM, BLOCK_N>;
     // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
     static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 1024;
-    static_assert(STAGES >= 3, "tile j+1 is multiplied while j's P V runs and j+2 loads");
+    static_assert(STAGES >= 2, "a K (and a V) tile in use while the next one loads");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
@@ -58,16 +59,21 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
     const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
 
-    auto load_kv = [&](int j) {
-        const int slot = j % STAGES, n0 = j * BLOCK_N;
-        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sK + slot * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, tid);
-        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sV + slot * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, tid);
+    auto load_k = [&](int j) {
+        const int n0 = j * BLOCK_N;
+        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sK + (j % STAGES) * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, tid);
     };
-    // Commit group g holds K/V tile g (group 0 also Q), so "tile j landed" is a group count.
+    auto load_v = [&](int j) {
+        const int n0 = j * BLOCK_N;
+        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sV + (j % STAGES) * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, tid);
+    };
+    // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
+    // needs K_{j+1} and V_j, i.e. group j+1, and issues group j+STAGES.
     load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_tiles) load_kv(s);
+    for (int g = 0; g < STAGES; ++g) {
+        if (g < n_tiles) load_k(g);
+        if (g >= 1 && g - 1 < n_tiles) load_v(g - 1);
         cp_async_commit();
     }
 
@@ -127,7 +133,7 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     };
 
     if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
         fence_proxy_async();
         __syncthreads();
         wgmma_fence();
@@ -143,11 +149,13 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
     // tile's Q K^T makes ptxas serialize every wgmma).
     auto step = [&](int j, const bool kNext) {
-        // Tile j+1 has landed for every thread; every warpgroup is done with tile j-1's slot.
-        cp_async_wait<STAGES - 3>();
+        // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
+        // Q K^T retired last iteration) and V_{j-1}, whose slots the next loads reuse.
+        cp_async_wait<STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
-        if (j + STAGES - 1 < n_tiles) load_kv(j + STAGES - 1);
+        if (j + STAGES < n_tiles) load_k(j + STAGES);
+        if (j + STAGES - 1 < n_tiles) load_v(j + STAGES - 1);
         cp_async_commit();
 
         wgmma_fence();

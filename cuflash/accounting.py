@@ -440,10 +440,19 @@ def _check_config(config, name="config"):
 _NO_KERNEL = (ImportError, NotImplementedError, KeyError, AttributeError)
 
 
-def forward_launch(dtype, d, causal=False, config=None):
-    """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path).
+def _hopper_runs(dtype, hd, table) -> bool:
+    """Whether the modelled GPU (the H200, sm_90) runs the wgmma kernel of `table` here."""
+    from . import gpu_hopper
 
-    Read from cuflash.gpu.forward_spec, the spec the launch and the compile check use, so the
+    return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
+
+
+def forward_launch(dtype, d, causal=False, config=None):
+    """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
+    on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
+    the mma.sync kernel).
+
+    Read from cuflash.gpu(_hopper).forward_spec, the spec the launch and the compile check use, so the
     numbers follow the kernels (the float32 kernel has its own tile table); a ``config`` replaces
     the table's TileConfig (its smem_bytes is then trusted)."""
     dtype = _check_dtype("dtype", dtype)
@@ -453,9 +462,14 @@ def forward_launch(dtype, d, causal=False, config=None):
         return SimpleNamespace(block_m=config.block_m, block_n=config.block_n, hd=hd, threads=config.threads,
                                smem=config.smem_bytes(hd, dtype.itemsize), source="config")
     try:
+        from . import gpu_hopper
         from .gpu import forward_spec
 
-        spec, t = forward_spec(dtype, d, masks.normalize_causal(causal) is not None, True)
+        is_causal = masks.normalize_causal(causal) is not None
+        if _hopper_runs(dtype, hd, schedule.HOPPER_FORWARD_TILES):
+            spec, t = gpu_hopper.forward_spec(dtype, d, is_causal)
+        else:
+            spec, t = forward_spec(dtype, d, is_causal, True)
         return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
                                smem=spec.smem_bytes, source=spec.short_name)
     except _NO_KERNEL:
@@ -488,16 +502,23 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
     """Tiles and shared memory of the backward kernels cuflash launches, or None where there is none.
 
     From cuflash.gpu_backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
-    streaming block_m query rows) and, when deterministic, the separate dQ kernel."""
+    streaming block_m query rows; on the modelled H200 the wgmma one where it applies) and, when
+    deterministic, the separate dQ kernel."""
     dtype = _check_dtype("dtype", dtype)
     try:
         from .gpu_backward import backward_specs
 
-        specs, hd, t = backward_specs(dtype, d, masks.normalize_causal(causal) is not None, True, bool(deterministic))
+        is_causal = masks.normalize_causal(causal) is not None
+        specs, hd, t = backward_specs(dtype, d, is_causal, True, bool(deterministic))
     except _NO_KERNEL:
         return None
     dq = specs.get("dq")
-    return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=specs["kv"].threads,
+    kv_tile = t
+    if _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES):  # the K/V kernel on wgmma
+        from . import gpu_hopper
+
+        specs["kv"], kv_tile = gpu_hopper.backward_kv_spec(dtype, d, is_causal, bool(deterministic))
+    return SimpleNamespace(block_m=kv_tile.block_m, block_n=kv_tile.block_n, hd=hd, threads=specs["kv"].threads,
                            smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
                            dq_block_m=t.dq_block_m if dq else None, dq_block_n=t.dq_block_n if dq else None,
                            dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None)

@@ -60,7 +60,7 @@ class HopperTile:
 
     block_n: int  # keys per K/V tile (the N of Q K^T's wgmma, the K of P V's)
     warpgroups: int
-    stages: int  # K/V tiles in the cp.async ring; >= 3 (tile j+1 multiplied while j+2 loads)
+    stages: int  # slots in each of the K and V cp.async rings (K runs one tile ahead of V); >= 2
     reason: str
 
     @property
@@ -80,7 +80,9 @@ class HopperTile:
 # head dim; other head dims and scalar-load inputs use FORWARD_TILES' mma.sync kernels.
 HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
     64: HopperTile(128, 3, 3, "3 warpgroups (192 query rows) reuse each K/V tile 3x; S 64 + O 32 + P 32 regs fit 168 at 384 threads"),
-    128: HopperTile(128, 2, 3, "S 64 + O 64 + P 32 regs per thread: 2 warpgroups at ~235 regs; 3 stages = 225 KiB, the most that fits"),
+    128: HopperTile(128, 2, 3, "S 64 + O 64 + P 32 regs per thread: 2 warpgroups at ~235 regs; 3 stages (K two tiles ahead) = 225 KiB, the most that fits; the schedule search found no faster legal tile"),
+    192: HopperTile(64, 2, 2, "O is 96 regs: 64-key tiles keep S at 32; 2 stages = 145 KiB"),
+    256: HopperTile(64, 2, 2, "O is 128 regs: 64-key tiles keep S at 32 (96 keys spill); 2 stages = 193 KiB"),
 }
 
 

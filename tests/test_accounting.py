@@ -181,17 +181,25 @@ def test_flops_window_is_ignored_by_dense_equivalent_only():
 # --------------------------------------------------------------------------- memory
 
 
-def test_memory_tiled_forward_hand_computed():
+@pytest.mark.parametrize("kernels", ["auto", "mma_sync"])
+def test_memory_tiled_forward_hand_computed(monkeypatch, kernels):
+    # The modelled GPU is the H200: its wgmma kernel by default, the mma.sync one when forced.
+    monkeypatch.setenv("CUFLASH_KERNELS", kernels)
     r = cuflash.memory_report((2, 8, 1000, 64), (2, 2, 1000, 64), dtype="bfloat16")
     by = {e.name: e for e in r.entries}
     assert by["Q"].bytes == 2 * 8 * 1000 * 64 * 2 and by["Q"].category == accounting.INPUT
     assert by["K"].bytes == by["V"].bytes == 2 * 2 * 1000 * 64 * 2
     assert by["O"].bytes == 2 * 8 * 1000 * 64 * 2 and by["O"].category == accounting.OUTPUT
     assert by["LSE"].bytes == 2 * 8 * 1000 * 4 and by["LSE"].category == accounting.SAVED
-    _, cfg = schedule.forward_tile(64)
     smem = by["shared memory / block (fwd)"]
     assert smem.category == accounting.ON_CHIP
-    assert smem.bytes == (cfg.block_m + 2 * cfg.stages * cfg.block_n) * 64 * 2
+    if kernels == "auto":  # Q tile + 3 K and 3 V tiles of 128 keys + 1 KiB alignment slack
+        t = schedule.HOPPER_FORWARD_TILES[64]
+        assert smem.bytes == (64 * t.warpgroups + 2 * t.stages * t.block_n) * 64 * 2 + 1024 == (192 + 768) * 128 + 1024
+        assert "attn_fwd_wgmma" in smem.note
+    else:
+        _, cfg = schedule.forward_tile(64)
+        assert smem.bytes == (cfg.block_m + 2 * cfg.stages * cfg.block_n) * 64 * 2
     io_bytes = 2 * (2 * 8 * 1000 * 64 * 2) + 2 * (2 * 2 * 1000 * 64 * 2)
     assert r.device_bytes == io_bytes + 2 * 8 * 1000 * 4  # on-chip storage is not device memory
     assert r.beyond_inputs_outputs == 2 * 8 * 1000 * 4
@@ -207,8 +215,10 @@ def test_memory_tiled_backward_hand_computed():
     assert {n for n, e in by.items() if e.category == accounting.INPUT} == {"Q", "K", "V", "O", "dO"}
     assert {n for n, e in by.items() if e.category == accounting.OUTPUT} == {"dQ", "dK", "dV"}
     assert by["dQ accumulator"].bytes == 1 * 4 * 300 * 128 * 4
-    _, bt = schedule.backward_tile(128)
-    assert by["shared memory / block (bwd)"].bytes == bt.smem_bytes(128)
+    # The H200's wgmma K/V kernel: K, V, 2 Q and 2 dO tiles, dS^T, 2 x (lse, D) rows, 1 KiB slack.
+    bt = schedule.HOPPER_BACKWARD_TILES[128]
+    assert (bt.block_m, bt.block_n) == (64, 128)
+    assert by["shared memory / block (bwd)"].bytes == (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 16 * 64 + 1024
     assert by["shared memory / block (bwd)"].category == accounting.ON_CHIP
     assert by["D"].bytes == 1 * 4 * 300 * 4
     assert r.device_bytes == 8 * (1 * 4 * 300 * 128 * 2) + 1 * 4 * 300 * 4 + 1 * 4 * 300 * 128 * 4 + 1 * 4 * 300 * 4
@@ -254,8 +264,9 @@ def test_memory_arrays_give_dtype_and_splits_add_workspace():
     by = {e.name: e for e in r.entries}
     assert by["O partials"].bytes == 3 * 4 * 1 * 8 * 64 * 4
     assert by["LSE partials"].bytes == 3 * 4 * 1 * 8 * 4
-    _, cfg = schedule.forward_tile(64)
-    assert by["registers / block (fwd)"].bytes == 100 * 4 * cfg.threads
+    launch = accounting.forward_launch("float16", 64)  # the H200's kernel: 3 warpgroups
+    assert launch.threads == schedule.HOPPER_FORWARD_TILES[64].threads == 384
+    assert by["registers / block (fwd)"].bytes == 100 * 4 * launch.threads
     assert by["registers / block (fwd)"].category == accounting.ON_CHIP
     assert r.device_bytes == q.nbytes + 2 * k.nbytes + q.nbytes + 3 * 4 * 4 + 3 * 4 * 8 * 64 * 4 + 3 * 4 * 8 * 4
     # A bfloat16 array: dtype read from it.
@@ -302,7 +313,7 @@ def test_io_causal_matches_tile_enumeration(causal, nq, nk):
     B, H, Hkv, d = 2, 4, 2, 64
     full = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv)
     m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv, causal=causal, pass_="fwd+bwd")
-    _, fwd_tile = schedule.forward_tile(d)
+    fwd_tile = accounting.forward_launch("bfloat16", d, causal)  # what the H200 launches
     assert (m.block_m, m.block_n) == (fwd_tile.block_m, fwd_tile.block_n)
     kv_keys, _, pairs = brute_tile_traffic(causal, nq, nk, m.block_m, m.block_n)
     _, q_rows, bwd_pairs = brute_tile_traffic(causal, nq, nk, m.bwd_block_m, m.bwd_block_n)
@@ -320,7 +331,7 @@ def test_io_causal_matches_tile_enumeration(causal, nq, nk):
 
 
 def test_io_tiles_follow_the_backward_table():
-    hd, bt = schedule.backward_tile(128)
+    bt = schedule.HOPPER_BACKWARD_TILES[128]  # the K/V kernel the H200 runs
     m = cuflash.io_model((1, 2, 512, 128), pass_="bwd")
     assert (m.bwd_block_m, m.bwd_block_n) == (bt.block_m, bt.block_n)
 

@@ -268,7 +268,7 @@ def test_no_keys_at_all(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
     # On sm_90 the default path must be the wgmma kernel (else its tests above would silently
     # test the fallback twice).

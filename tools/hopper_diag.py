@@ -14,7 +14,7 @@ from cuflash.testing import naive_attention_in_dtype, reference64
 
 rng = np.random.default_rng(1)
 bad = 0
-for d in (64, 128, 40, 96):
+for d in (64, 128, 40, 96, 256, 192):
     for causal in (False, True):
         for nq, nk in ((200, 333), (333, 200), (64, 64), (1000, 1000)):
             q, k, v = (rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in ((1, 3, nq, d), (1, 3, nk, d), (1, 3, nk, d)))
