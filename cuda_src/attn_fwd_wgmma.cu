@@ -6,44 +6,62 @@
 // takes P from registers and V from shared memory (N-major). Within a warpgroup the next tile's
 // Q K^T and this tile's P V are in flight together while the softmax of the next tile runs on
 // the CUDA cores (FlashAttention-3's intra-warpgroup overlap). K and V tiles stream through two
-// STAGES-deep cp.async rings, loaded by all threads: K runs one tile ahead of V because Q K^T of
-// tile j+1 is issued together with P V of tile j, so K's slot frees an iteration before V's.
+// STAGES-deep cp.async rings: K runs one tile ahead of V because Q K^T of tile j+1 is issued
+// together with P V of tile j, so K's slot frees an iteration before V's.
+// PRODUCER = false: all threads load, and a block barrier per tile publishes the copies.
+// PRODUCER = true (warp specialization): one more warpgroup only loads, with few registers
+// (setmaxnreg), handing tiles over through mbarriers; the math warpgroups never wait for each
+// other and get the registers the producer gave up.
 #include "common.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES>
+template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER>
 struct HopperFwdTraits {
-    static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 or 128)
+    static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 .. 256)
     static constexpr int kBlockN = BLOCK_N;       // keys per K/V tile
-    static constexpr int kWarpgroups = WARPGROUPS;
-    static constexpr int kThreads = 128 * WARPGROUPS;
+    static constexpr int kWarpgroups = WARPGROUPS;  // math warpgroups
+    static constexpr int kMathThreads = 128 * WARPGROUPS;
+    static constexpr int kThreads = kMathThreads + (PRODUCER ? 128 : 0);
+    static constexpr int kLoadThreads = PRODUCER ? 128 : kThreads;
+    // Registers after setmaxnreg: the producer keeps 40, the math warpgroups share the rest.
+    static constexpr int kProducerRegs = 40;
+    static constexpr int kMathRegs = ((65536 / 128 - kProducerRegs) / WARPGROUPS) / 8 * 8 > 240
+                                         ? 240 : ((65536 / 128 - kProducerRegs) / WARPGROUPS) / 8 * 8;
     static constexpr int kBlockM = 64 * WARPGROUPS;  // wgmma's M is 64 rows per warpgroup
     static constexpr int kStages = STAGES;
     using TileQ = Sw128Tile<HEAD_DIM, kBlockM>;
     using TileKV = Sw128Tile<HEAD_DIM, BLOCK_N>;
+    // mbarriers (PRODUCER): Q full, then K full, V full, K empty, V empty per stage.
+    static constexpr int kBarriers = PRODUCER ? 1 + 4 * STAGES : 0;
     // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
-    static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 1024;
+    static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 8 * kBarriers + 1024;
     static_assert(STAGES >= 2, "a K (and a V) tile in use while the next one loads");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL>
-__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), 1)
 attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ o, float* __restrict__ lse,
                i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES>;
+    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
-    constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM;
+    constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = sQ + TileQ::kBytes;
     const u32 sV = sK + STAGES * TileKV::kBytes;
+    const u32 sBar = sV + STAGES * TileKV::kBytes;
+    const u32 full_q = sBar;
+    auto full_k = [&](int s) { return sBar + 8 * (1 + s); };
+    auto full_v = [&](int s) { return sBar + 8 * (1 + STAGES + s); };
+    auto empty_k = [&](int s) { return sBar + 8 * (1 + 2 * STAGES + s); };
+    auto empty_v = [&](int s) { return sBar + 8 * (1 + 3 * STAGES + s); };
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
     const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -59,161 +77,223 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
     const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
 
-    auto load_k = [&](int j) {
+    // ltid: this thread's index among the loading threads (all of them, or the producer's, whose
+    // loops stay rolled to fit its registers).
+    auto load_k = [&](int j, int ltid) {
         const int n0 = j * BLOCK_N;
-        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sK + (j % STAGES) * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, tid);
+        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sK + (j % STAGES) * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, ltid);
     };
-    auto load_v = [&](int j) {
+    auto load_v = [&](int j, int ltid) {
         const int n0 = j * BLOCK_N;
-        load_sw128<HEAD_DIM, BLOCK_N, kThreads>(sV + (j % STAGES) * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, tid);
+        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sV + (j % STAGES) * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, ltid);
     };
-    // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
-    // needs K_{j+1} and V_j, i.e. group j+1, and issues group j+STAGES.
-    load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
-#pragma unroll
-    for (int g = 0; g < STAGES; ++g) {
-        if (g < n_tiles) load_k(g);
-        if (g >= 1 && g - 1 < n_tiles) load_v(g - 1);
-        cp_async_commit();
-    }
+    // The math warpgroups' part: everything after the tiles start arriving.
+    auto math = [&]() {
+        float acc_o[1][kNO][4];
+    #pragma unroll
+        for (int ni = 0; ni < kNO; ++ni)
+    #pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][ni][e] = 0.f;
+        float acc_s[1][kNS][4];
+        u32 p_frag[BLOCK_N / 16][4];
+        OnlineSoftmax<2> softmax;
+        float alpha[2];
 
-    float acc_o[1][kNO][4];
-#pragma unroll
-    for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][ni][e] = 0.f;
-    float acc_s[1][kNS][4];
-    u32 p_frag[BLOCK_N / 16][4];
-    OnlineSoftmax<2> softmax;
-    float alpha[2];
+        const int row0 = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the tile
+        const u32 q_rows = sQ + 64 * wg * 128;                // this warpgroup's rows of each column block
 
-    const int row0 = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the tile
-    const u32 q_rows = sQ + 64 * wg * 128;                // this warpgroup's rows of each column block
-
-    // S = Q K_j^T: HEAD_DIM/16 k-steps along the 128-byte rows of Q and K (K-major operands).
-    auto issue_qk = [&](int j) {
-        const u32 k_tile = sK + (j % STAGES) * TileKV::kBytes;
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 step = (kk & 3) * 32;  // 16 elements = 32 bytes into the swizzle atom
-            const auto da = sw128_desc(q_rows + (kk >> 2) * TileQ::kBlockBytes + step, 16, 1024);
-            const auto db = sw128_desc(k_tile + (kk >> 2) * TileKV::kBlockBytes + step, 16, 1024);
-            Wgmma<T, BLOCK_N>::ss(acc_s[0], da, db, kk > 0);
-        }
-    };
-    // O += P V_j: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart by
-    // one block of the tile, 8-row groups 1024 bytes apart).
-    auto issue_pv = [&](int j) {
-        const u32 v_tile = sV + (j % STAGES) * TileKV::kBytes;
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, HEAD_DIM>::rs(acc_o[0], p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, TileKV::kBlockBytes, 1024), 1);
-    };
-    // Keys past the end and, under causality, after each row's diagonal get -inf. Only tiles
-    // that straddle a boundary for this warp's rows pay for it.
-    auto mask = [&](int j) {
-        const int n0 = j * BLOCK_N;
-        const int warp_first = m0 + 64 * wg + 16 * warp;
-        if ((n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > warp_first + causal_off)) {
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = m0 + row0 + 8 * hf;
-                const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
-#pragma unroll
-                for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[0][ni][2 * hf + e] = -INFINITY;
+        // S = Q K_j^T: HEAD_DIM/16 k-steps along the 128-byte rows of Q and K (K-major operands).
+        auto issue_qk = [&](int j) {
+            const u32 k_tile = sK + (j % STAGES) * TileKV::kBytes;
+    #pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const u32 step = (kk & 3) * 32;  // 16 elements = 32 bytes into the swizzle atom
+                const auto da = sw128_desc(q_rows + (kk >> 2) * TileQ::kBlockBytes + step, 16, 1024);
+                const auto db = sw128_desc(k_tile + (kk >> 2) * TileKV::kBlockBytes + step, 16, 1024);
+                Wgmma<T, BLOCK_N>::ss(acc_s[0], da, db, kk > 0);
             }
-        }
-    };
-    auto to_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
-    };
+        };
+        // O += P V_j: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart by
+        // one block of the tile, 8-row groups 1024 bytes apart).
+        auto issue_pv = [&](int j) {
+            const u32 v_tile = sV + (j % STAGES) * TileKV::kBytes;
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                Wgmma<T, HEAD_DIM>::rs(acc_o[0], p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, TileKV::kBlockBytes, 1024), 1);
+        };
+        // Keys past the end and, under causality, after each row's diagonal get -inf. Only tiles
+        // that straddle a boundary for this warp's rows pay for it.
+        auto mask = [&](int j) {
+            const int n0 = j * BLOCK_N;
+            const int warp_first = m0 + 64 * wg + 16 * warp;
+            if ((n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > warp_first + causal_off)) {
+    #pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = m0 + row0 + 8 * hf;
+                    const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+    #pragma unroll
+                    for (int ni = 0; ni < kNS; ++ni)
+    #pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[0][ni][2 * hf + e] = -INFINITY;
+                }
+            }
+        };
+        auto to_p = [&]() {
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
+        };
 
-    if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
-        cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
-        fence_proxy_async();
-        __syncthreads();
-        wgmma_fence();
-        issue_qk(0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc_s[0]);
-        mask(0);
-        softmax.probs(acc_s, scale_log2, alpha);
-        to_p();
-    }
-    // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
-    // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
-    // tile's Q K^T makes ptxas serialize every wgmma).
-    auto step = [&](int j, const bool kNext) {
-        // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
-        // Q K^T retired last iteration) and V_{j-1}, whose slots the next loads reuse.
-        cp_async_wait<STAGES - 2>();
-        fence_proxy_async();
-        __syncthreads();
-        if (j + STAGES < n_tiles) load_k(j + STAGES);
-        if (j + STAGES - 1 < n_tiles) load_v(j + STAGES - 1);
-        cp_async_commit();
-
-        wgmma_fence();
-        if (kNext) {
-            issue_qk(j + 1);
+        if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
+            if constexpr (PRODUCER) {
+                mbar_wait(full_q, 0);
+                mbar_wait(full_k(0), 0);
+            } else {
+                cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
+            }
+            // The copies were written through the generic proxy; wgmma reads through the async one.
+            fence_proxy_async();
+            if constexpr (!PRODUCER) __syncthreads();
+            wgmma_fence();
+            issue_qk(0);
             wgmma_commit();
-        }
-        issue_pv(j);
-        wgmma_commit();
-        if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
-            wgmma_wait<1>();
+            wgmma_wait<0>();
             fence_regs(acc_s[0]);
-            mask(j + 1);
+            if constexpr (PRODUCER) mbar_arrive(empty_k(0));
+            mask(0);
             softmax.probs(acc_s, scale_log2, alpha);
-        }
-        wgmma_wait<0>();
-        fence_regs(acc_o[0]);
-        fence_regs(p_frag);
-        if (kNext) {
-            softmax.rescale(acc_o, alpha);
             to_p();
         }
-    };
-    for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
-    if (n_tiles > 0) step(n_tiles - 1, false);
-    // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
-    cp_async_wait<0>();
-    __syncthreads();
+        // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
+        // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
+        // tile's Q K^T makes ptxas serialize every wgmma).
+        auto step = [&](int j, const bool kNext) {
+            if constexpr (PRODUCER) {  // K_{j+1} and V_j have landed
+                if (kNext) mbar_wait(full_k((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+                mbar_wait(full_v(j % STAGES), (j / STAGES) & 1);
+                fence_proxy_async();
+            } else {
+                // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
+                // Q K^T retired last iteration) and V_{j-1}, whose slots the next loads reuse.
+                cp_async_wait<STAGES - 2>();
+                fence_proxy_async();
+                __syncthreads();
+                if (j + STAGES < n_tiles) load_k(j + STAGES, tid);
+                if (j + STAGES - 1 < n_tiles) load_v(j + STAGES - 1, tid);
+                cp_async_commit();
+            }
 
-    float row_lse[2];
-    softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+            wgmma_fence();
+            if (kNext) {
+                issue_qk(j + 1);
+                wgmma_commit();
+            }
+            issue_pv(j);
+            wgmma_commit();
+            if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
+                wgmma_wait<1>();
+                fence_regs(acc_s[0]);
+                if constexpr (PRODUCER) mbar_arrive(empty_k((j + 1) % STAGES));
+                mask(j + 1);
+                softmax.probs(acc_s, scale_log2, alpha);
+            }
+            wgmma_wait<0>();
+            fence_regs(acc_o[0]);
+            fence_regs(p_frag);
+            if constexpr (PRODUCER) mbar_arrive(empty_v(j % STAGES));
+            if (kNext) {
+                softmax.rescale(acc_o, alpha);
+                to_p();
+            }
+        };
+        for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
+        if (n_tiles > 0) step(n_tiles - 1, false);
+        // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
+        if constexpr (PRODUCER) {
+            if (n_tiles == 0) mbar_wait(full_q, 0);  // Q's copies may still be landing in the rows reused below
+            named_barrier(1, kMath);
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();
+        }
 
-    // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int di = 0; di < kNO; ++di) {
-            const u32 addr = sQ + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
-        }
-    __syncthreads();
-    u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
-#pragma unroll
-    for (int it = 0; it < kBM * TileQ::kChunks / kThreads; ++it) {
-        const int i = it * kThreads + tid;
-        const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
-        if (row < rows_valid && c * 8 < d) {
-            uint4 val;
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + TileQ::offset(row, c)));
-            *reinterpret_cast<uint4*>(gO + row * o_sn + c * 8) = val;
-        }
-    }
-    if ((lane & 3) == 0) {
-        float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
-#pragma unroll
+        float row_lse[2];
+        softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+
+        // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.
+    #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-            if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
+    #pragma unroll
+            for (int di = 0; di < kNO; ++di) {
+                const u32 addr = sQ + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
+            }
+        if constexpr (PRODUCER) named_barrier(1, kMath);
+        else __syncthreads();
+        u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
+    #pragma unroll
+        for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
+            const int i = it * kMath + tid;
+            const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
+            if (row < rows_valid && c * 8 < d) {
+                uint4 val;
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                             : "r"(sQ + TileQ::offset(row, c)));
+                *reinterpret_cast<uint4*>(gO + row * o_sn + c * 8) = val;
+            }
+        }
+        if ((lane & 3) == 0) {
+            float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
+    #pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
+        }
+    };
+    if constexpr (PRODUCER) {
+        if (tid == 0) {
+            mbar_init(full_q, kLoad);
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(full_k(s), kLoad);
+                mbar_init(full_v(s), kLoad);
+                mbar_init(empty_k(s), kMath);
+                mbar_init(empty_v(s), kMath);
+            }
+        }
+        __syncthreads();  // the last block-wide barrier: the roles split here
+        // One if/else per role, so that ptxas applies each branch's setmaxnreg to its code.
+        if (wg == WARPGROUPS) {
+            // Producer: fill slot j % STAGES once the math warpgroups released its previous tile
+            // (the n-th refill waits for phase n-1 of "empty"; a fresh barrier passes parity 1).
+            setmaxnreg_dec<Tr::kProducerRegs>();
+            const int ltid = tid - kMath;
+            load_sw128<HEAD_DIM, kBM, kLoad, false>(sQ, gQ, q_sn, rows_valid, d, ltid);
+            cp_async_mbar_arrive(full_q);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = j % STAGES;
+                const u32 parity = ((j / STAGES) & 1) ^ 1;
+                mbar_wait(empty_k(s), parity);
+                load_k(j, ltid);
+                cp_async_mbar_arrive(full_k(s));
+                mbar_wait(empty_v(s), parity);
+                load_v(j, ltid);
+                cp_async_mbar_arrive(full_v(s));
+            }
+            cp_async_wait<0>();
+        } else {
+            setmaxnreg_inc<Tr::kMathRegs>();
+            math();
+        }
+    } else {
+        // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
+        // needs K_{j+1} and V_j, i.e. group j+1, and issues group j+STAGES.
+        load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
+#pragma unroll
+        for (int g = 0; g < STAGES; ++g) {
+            if (g < n_tiles) load_k(g, tid);
+            if (g >= 1 && g - 1 < n_tiles) load_v(g - 1, tid);
+            cp_async_commit();
+        }
+        math();
     }
 }

@@ -22,11 +22,12 @@ struct Sw128Tile {
 
 // Copy a ROWS x COLS tile (row stride ld elements) with 16-byte cp.async by THREADS threads.
 // Rows >= rows_valid and columns >= d are zero-filled (they are masked or multiply zeros).
-template <int COLS, int ROWS, int THREADS>
+// UNROLL = false keeps the loop rolled: a warp-specialized producer has ~40 registers.
+template <int COLS, int ROWS, int THREADS, bool UNROLL = true>
 __device__ __forceinline__ void load_sw128(u32 smem, const u16* gmem, i64 ld, int rows_valid, int d, int tid) {
     using L = Sw128Tile<COLS, ROWS>;
     constexpr int kTotal = ROWS * L::kChunks;
-#pragma unroll
+#pragma unroll(UNROLL ? (kTotal + THREADS - 1) / THREADS : 1)
     for (int it = 0; it < (kTotal + THREADS - 1) / THREADS; ++it) {
         const int i = it * THREADS + tid;
         if (kTotal % THREADS != 0 && i >= kTotal) break;
@@ -76,3 +77,33 @@ __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
 // Shared memory written through the generic proxy (cp.async, ordinary stores) is read by wgmma
 // through the async proxy: each writing thread fences before the barrier that publishes it.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- mbarriers (shared-memory arrive/wait barriers with phases) ----
+// A warp-specialized kernel's producer and consumers hand tiles over through them instead of
+// block-wide barriers: "full" when a tile has landed, "empty" when its slot may be refilled.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrive once this thread's cp.async copies issued so far have landed (the count was set at init).
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase with this parity has completed (a fresh barrier counts parity 1 as done).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// A barrier over the first `threads` threads of the block (id 0 is __syncthreads').
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }

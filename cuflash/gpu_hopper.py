@@ -63,7 +63,7 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     expr = (
         f"attn_fwd_wgmma<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
-        f"{'true' if causal else 'false'}>"
+        f"{'true' if causal else 'false'}{', true' if t.producer else ''}>"
     )
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 

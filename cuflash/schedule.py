@@ -59,9 +59,10 @@ class HopperTile:
     """attn_fwd_wgmma: each warpgroup owns 64 query rows (wgmma's M), so block_m = 64 x warpgroups."""
 
     block_n: int  # keys per K/V tile (the N of Q K^T's wgmma, the K of P V's)
-    warpgroups: int
+    warpgroups: int  # math warpgroups
     stages: int  # slots in each of the K and V cp.async rings (K runs one tile ahead of V); >= 2
     reason: str
+    producer: bool = False  # warp specialization: one more warpgroup only loads (mbarrier handoff)
 
     @property
     def block_m(self) -> int:
@@ -69,11 +70,13 @@ class HopperTile:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + `stages` K and V tiles, + 1 KiB to align the base to the 128-byte swizzle."""
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 1024
+        """Q tile + `stages` K and V tiles (+ the producer's mbarriers), + 1 KiB to align the base
+        to the 128-byte swizzle."""
+        barriers = 8 * (1 + 4 * self.stages) if self.producer else 0
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 1024
 
 
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: wgmma kernels. Keyed by the padded
