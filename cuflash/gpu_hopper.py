@@ -68,12 +68,21 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
+def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
+    """The table tile with a producer warpgroup (at most 2 math warpgroups: the producer's
+    registers come out of theirs). Measured slower at d >= 128 with cp.async loads (notes/PERF.md);
+    kept selectable and compiled in CI as the base of a TMA producer."""
+    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "warp-specialized " + t.reason, True)
+
+
 def all_hopper_forward_specs():
-    """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a."""
+    """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
+    table's tiles and their warp-specialized variants)."""
     return [
-        forward_spec(dtype, hd, causal)[0]
+        forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
-        for hd in schedule.HOPPER_FORWARD_TILES
+        for hd, t in schedule.HOPPER_FORWARD_TILES.items()
+        for tile in (t, warp_specialized(t))
         for causal in (False, True)
     ]
 

@@ -8,15 +8,14 @@ import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash import schedule
+from cuflash import gpu_hopper, schedule
 
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
 if len(sys.argv) > 7 and sys.argv[7] == "ws":
     hd = schedule.head_dim_bucket(d)
-    t = schedule.HOPPER_FORWARD_TILES[hd]
-    schedule.HOPPER_FORWARD_TILES[hd] = schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "ws", True)
+    schedule.HOPPER_FORWARD_TILES[hd] = gpu_hopper.warp_specialized(schedule.HOPPER_FORWARD_TILES[hd])
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
