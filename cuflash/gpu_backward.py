@@ -71,9 +71,12 @@ def workspace_bytes(p) -> int:
     return p.batch * p.hq * p.nq * (hd + 1) * 4
 
 
-def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None):
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None):
+    """hopper_tile (a schedule.HopperBwdTile, schedule search): the wgmma K/V kernel's tile; only
+    where gpu_hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile."""
     import cupy
 
+    from . import gpu_hopper
     from .gpu import _unit_d, _vector_ok
 
     if p.batch == 0 or p.hq == 0:
@@ -81,11 +84,17 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
     hopper_kv = None
-    if tile is None:
-        from . import gpu_hopper
+    if hopper_tile is not None:
+        if not gpu_hopper.backward_applies(p, vec):
+            raise ValueError("hopper_tile: the wgmma backward K/V kernel does not run for this problem here (it needs "
+                             "sm_90, float16/bfloat16 with 16-byte-aligned rows, a head dim of HOPPER_BACKWARD_TILES "
+                             f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {gpu_hopper.ENV}=auto)")
+        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic, tile=hopper_tile)
+    elif tile is None and gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
+        from .tune import pick_hopper_backward_tile  # its autotuned tile when CUFLASH_TUNE asks
 
-        if gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
-            hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic)
+        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
+                                                tile=pick_hopper_backward_tile(p, deterministic))
     if tile is None and vec and hopper_kv is None:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 

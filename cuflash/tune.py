@@ -1,6 +1,6 @@
 """Tile schedule search: legal configurations from device limits, occupancy, autotuning, a cache.
 
-Four kernels have a tile to choose (``OPS``):
+Five kernels have a tile to choose (``OPS``):
 
 * ``"fwd"``: the mma.sync forward kernel, a :class:`~cuflash.schedule.TileConfig` (block_m, block_n,
   warps, stages);
@@ -11,11 +11,16 @@ Four kernels have a tile to choose (``OPS``):
 * ``"bwd"``: the backward's K/V-parallel main kernel (the block_m, block_n, warps, warps_d fields of
   a :class:`~cuflash.schedule.BackwardTile`), timed as the whole backward with atomic dQ;
 * ``"bwd_dq"``: the deterministic dQ kernel (the dq_* fields), timed as the whole deterministic
-  backward.
+  backward;
+* ``"bwd_wgmma"``: the Hopper backward K/V kernel (attn_bwd_wgmma.cu, sm_90a only), a
+  :class:`~cuflash.schedule.HopperBwdTile` (block_m, warpgroups), for the head-dim buckets of
+  ``schedule.HOPPER_BACKWARD_TILES``; timed as the whole atomic-dQ backward, it is the K/V kernel
+  ``gpu_backward.backward`` runs on sm_90 for 16-bit inputs with 16-byte-aligned rows (picked by
+  :func:`pick_hopper_backward_tile`).
 
 For each head-dim bucket the candidates are the product of a few values per field. A candidate is
 LEGAL when it satisfies the kernel's ``static_assert``s (mirrored here from FwdTraits, BwdTraits,
-DqTraits, HopperFwdTraits, Swizzle and Sw128Tile; for the wgmma kernel also that the generated
+DqTraits, HopperFwdTraits, HopperBwdTraits, Swizzle and Sw128Tile; for the wgmma kernel also that the generated
 wrappers exist), its shared memory (with the wgmma kernel's 1 KiB alignment slack) fits the
 device's opt-in limit per block, its threads fit a block, and it compiles without spilling
 (ptxas's report from :func:`cuflash._build.compile_offline`, no GPU needed, or the compiled
@@ -59,13 +64,17 @@ import numpy as np
 from . import device_limits, schedule
 from ._arrays import BFLOAT16, FLOAT16, dtype_name
 from .device_limits import DeviceLimits, Occupancy, occupancy
-from .schedule import BackwardTile, HopperTile, TileConfig
+from .schedule import BackwardTile, HopperBwdTile, HopperTile, TileConfig
 
-OPS = ("fwd", "bwd", "bwd_dq", "fwd_wgmma")
+OPS = ("fwd", "bwd", "bwd_dq", "fwd_wgmma", "bwd_wgmma")
 FORWARD_OPS = ("fwd", "fwd_wgmma")
-OP_SOURCE = {"fwd": "attn_fwd.cu", "bwd": "attn_bwd.cu", "bwd_dq": "attn_bwd.cu", "fwd_wgmma": "attn_fwd_wgmma.cu"}
+HOPPER_OPS = ("fwd_wgmma", "bwd_wgmma")  # sm_90a kernels, for the buckets of their Hopper tables
+OP_SOURCE = {"fwd": "attn_fwd.cu", "bwd": "attn_bwd.cu", "bwd_dq": "attn_bwd.cu", "fwd_wgmma": "attn_fwd_wgmma.cu",
+             "bwd_wgmma": "attn_bwd_wgmma.cu"}
 OP_TITLE = {"fwd": "forward (mma.sync)", "bwd": "backward main kernel (K/V-parallel, atomic dQ)",
-            "bwd_dq": "backward deterministic dQ kernel", "fwd_wgmma": "forward, Hopper wgmma kernel (sm_90a)"}
+            "bwd_dq": "backward deterministic dQ kernel", "fwd_wgmma": "forward, Hopper wgmma kernel (sm_90a)",
+            "bwd_wgmma": "backward K/V kernel, Hopper wgmma (sm_90a, atomic dQ)"}
+_TILE_CLASS = {"fwd": TileConfig, "fwd_wgmma": HopperTile, "bwd_wgmma": HopperBwdTile}  # else BackwardTile
 TUNED_DTYPES = (FLOAT16, BFLOAT16)  # the float32 kernels have their own fixed tile
 
 # The search space per kernel.
@@ -74,9 +83,12 @@ BWD_SPACE = dict(block_m=(32, 64, 128), block_n=(32, 64, 128), warps=(4, 8), war
 DQ_SPACE = dict(dq_block_m=(64, 128), dq_block_n=(16, 32, 64), dq_warps=(4, 8), dq_split=(1, 2, 4))
 # block_n values need a generated wgmma wrapper (tools/gen_wgmma.py SHAPES); a value without one
 # is illegal, not a compile failure. 256 is kept although it spills at d 64/128 (so the tables
-# show where the register file ends).
-WGMMA_SPACE = dict(block_n=(64, 96, 128, 160, 192, 256), warpgroups=(1, 2, 3), stages=(3, 4, 5))
-_SPACES = {"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE, "fwd_wgmma": WGMMA_SPACE}
+# show where the register file ends). Stages: slots of each of the K and V rings, >= 2.
+WGMMA_SPACE = dict(block_n=(64, 96, 128, 160, 192, 256), warpgroups=(1, 2, 3), stages=(2, 3, 4, 5))
+# Hopper backward K/V kernel: keys owned = 64 x warpgroups; queries per step 64 or 64 x warpgroups.
+BWD_WGMMA_SPACE = dict(block_m=(64, 128, 192), warpgroups=(1, 2, 3))
+_SPACES = {"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE, "fwd_wgmma": WGMMA_SPACE,
+           "bwd_wgmma": BWD_WGMMA_SPACE}
 
 ENV_MODE = "CUFLASH_TUNE"
 ENV_CACHE_DIR = "CUFLASH_CACHE_DIR"
@@ -99,7 +111,7 @@ class Candidate:
 
     op: str
     hd: int
-    tile: object  # TileConfig ("fwd"), BackwardTile ("bwd", "bwd_dq") or HopperTile ("fwd_wgmma")
+    tile: object  # TileConfig ("fwd"), BackwardTile ("bwd", "bwd_dq"), HopperTile ("fwd_wgmma"), HopperBwdTile
 
     @property
     def name(self) -> str:
@@ -108,13 +120,15 @@ class Candidate:
             return f"{t.block_m}x{t.block_n}w{t.warps}s{t.stages}" + ("" if getattr(t, "lazy_rescale", True) else "-eager")
         if self.op == "fwd_wgmma":  # query rows x keys, warpgroups, stages
             return f"{t.block_m}x{t.block_n}wg{t.warpgroups}s{t.stages}"
+        if self.op == "bwd_wgmma":  # queries per step, keys owned, warpgroups
+            return f"q{t.block_m}k{t.block_n}wg{t.warpgroups}"
         if self.op == "bwd":  # q rows streamed, k keys owned, warps, warps splitting d
             return f"q{t.block_m}k{t.block_n}w{t.warps}d{t.warps_d}"
         return f"q{t.dq_block_m}k{t.dq_block_n}w{t.dq_warps}x{t.dq_split}"
 
     @property
     def threads(self) -> int:
-        if self.op == "fwd_wgmma":
+        if self.op in HOPPER_OPS:
             return self.tile.threads
         return 32 * (self.tile.dq_warps if self.op == "bwd_dq" else self.tile.warps)
 
@@ -145,7 +159,7 @@ def tile_to_dict(tile) -> dict:
 def tile_from_dict(op: str, d: dict):
     """The tile a cache entry stores, each field checked against its type; fields the entry lacks
     take their defaults (a field added to the dataclass later), unknown ones are refused."""
-    cls = {"fwd": TileConfig, "fwd_wgmma": HopperTile}.get(op, BackwardTile)
+    cls = _TILE_CLASS.get(op, BackwardTile)
     known = {f.name: f for f in fields(cls)}
     if not isinstance(d, dict) or not set(d) <= set(known):
         raise ValueError(f"tile: expected fields among {sorted(known)}, got {d!r}")
@@ -176,14 +190,19 @@ def table_tile(op: str, hd: int):
     """The built-in table's tile for this kernel and head-dim bucket."""
     if op == "fwd_wgmma":
         return schedule.HOPPER_FORWARD_TILES[hd]
+    if op == "bwd_wgmma":
+        return schedule.HOPPER_BACKWARD_TILES[hd]
     return schedule.FORWARD_TILES[hd] if op == "fwd" else schedule.BACKWARD_TILES[hd]
 
 
 def op_buckets(op: str) -> tuple:
-    """The head-dim buckets kernel ``op`` runs for: every bucket, except the Hopper forward, which
-    gpu_hopper.applies dispatches only where HOPPER_FORWARD_TILES has an entry."""
+    """The head-dim buckets kernel ``op`` runs for: every bucket, except the Hopper kernels, which
+    gpu_hopper.applies / backward_applies dispatch only where HOPPER_FORWARD_TILES /
+    HOPPER_BACKWARD_TILES have an entry."""
     if _check_op(op) == "fwd_wgmma":
         return tuple(schedule.HOPPER_FORWARD_TILES)
+    if op == "bwd_wgmma":
+        return tuple(schedule.HOPPER_BACKWARD_TILES)
     return schedule.HEAD_DIM_BUCKETS
 
 
@@ -298,15 +317,41 @@ def hopper_forward_violations(hd: int, t: HopperTile) -> list[str]:
         v.append(f"block_n {t.block_n} is not a multiple of 16 (whole k-steps of P V)")
     if t.block_n not in shapes:
         v.append(f"block_n {t.block_n}: no wgmma wrapper m64n{t.block_n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
-    if t.stages < 3:
-        v.append("stages < 3: tile j+1 is multiplied while j's P V runs and j+2 loads")
+    if t.stages < 2:
+        v.append("stages < 2: a K (and a V) tile in use while the next one loads")
+    return v
+
+
+def hopper_dq_columns(hd: int, t: HopperBwdTile) -> int:
+    """HopperBwdTraits::kDqCols: the N of the dQ = dS K wgmma (dQ split by query rows when
+    block_m = 64 x warpgroups, else by 64-column blocks where the head dim allows, else by keys)."""
+    by_rows = t.block_m == 64 * t.warpgroups
+    return hd // t.warpgroups if not by_rows and hd % (64 * t.warpgroups) == 0 else hd
+
+
+def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
+    """HopperBwdTraits' static_asserts (attn_bwd_wgmma.cu) and the wgmma wrappers it instantiates:
+    Wgmma<T, 64> for S^T and dP^T, Wgmma<T, head dim> for dV and dK, Wgmma<T, kDqCols> for dQ."""
+    v = []
+    shapes = wgmma_shapes()
+    if hd % 64:
+        v.append(f"head dim {hd}: 128-byte swizzle atoms need a multiple of 64 columns")
+    if t.block_m % 64:
+        v.append(f"block_m {t.block_m}: 128-byte swizzle atoms need a multiple of 64 query rows")
+    if t.block_m != 64 and t.block_m != 64 * t.warpgroups:
+        v.append(f"block_m {t.block_m} is neither 64 nor 64 x {t.warpgroups} warpgroups (dQ = dS K takes one "
+                 f"64-row wgmma tile per warpgroup)")
+    wrappers = sorted({hd, hopper_dq_columns(hd, t)}) if hd % 64 == 0 else []
+    for n in wrappers:
+        if n not in shapes:
+            v.append(f"no wgmma wrapper m64n{n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
     return v
 
 
 def violations(cand: Candidate, limits: DeviceLimits | None = None) -> list[str]:
     """Why a candidate cannot launch (empty when it is legal before compiling)."""
     check = {"fwd": forward_violations, "bwd": backward_violations, "bwd_dq": dq_violations,
-             "fwd_wgmma": hopper_forward_violations}[cand.op]
+             "fwd_wgmma": hopper_forward_violations, "bwd_wgmma": hopper_backward_violations}[cand.op]
     v = check(cand.hd, cand.tile)
     if limits is not None:
         if cand.threads > limits.max_threads_per_block:
@@ -339,6 +384,10 @@ def estimated_registers(cand: Candidate) -> int:
         # Per thread (64 rows x N columns over a warpgroup's 128 threads): S = block_n/2 floats,
         # O = hd/2, P = block_n/4 packed pairs; +40 matched ptxas (sm_90a, NVRTC 13) on d 64/128.
         return t.block_n // 2 + hd // 2 + t.block_n // 4 + 40
+    if cand.op == "bwd_wgmma":
+        # Per thread (64 key rows per warpgroup): dK + dV = hd floats, S^T and dP^T of a 64-query
+        # half = 64, a quarter of the dQ columns; +40 matched ptxas (sm_90a, NVRTC 13) on d 64/128.
+        return hd + 64 + hopper_dq_columns(hd, t) // 4 + 40
     if cand.op == "fwd":
         rows = t.block_m // max(t.warps, 1)
         q_regs = rows * hd // 64 if hd <= 64 else 0
@@ -368,7 +417,7 @@ def shortlist(cands: list[Candidate], k: int | None, limits: DeviceLimits, table
 
     def shape(c):
         t = c.tile
-        if c.op in FORWARD_OPS:
+        if c.op in FORWARD_OPS or c.op == "bwd_wgmma":
             return (t.block_m, t.block_n)
         if c.op == "bwd":
             return (t.block_m, t.block_n, t.warps_d)
@@ -445,6 +494,10 @@ def spec_for(cand: Candidate, dtype, causal: bool, vec: bool = True):
         from .gpu_hopper import forward_spec
 
         return forward_spec(dtype, cand.hd, causal, cand.tile)[0]
+    if cand.op == "bwd_wgmma":  # the atomic-dQ instantiation, the one the tuner times
+        from .gpu_hopper import backward_kv_spec
+
+        return backward_kv_spec(dtype, cand.hd, causal, False, cand.tile)[0]
     from .gpu_backward import backward_specs
 
     specs = backward_specs(dtype, cand.hd, causal, vec, cand.op == "bwd_dq", cand.tile)[0]
@@ -653,7 +706,7 @@ class _IoTile:
 def logical_bytes(cand: Candidate, shape, *, dtype="bfloat16", causal=False, nk=None, hkv=None) -> int:
     """Logical HBM bytes of the pass this candidate's kernel belongs to (accounting.io_model).
 
-    "fwd", "fwd_wgmma": the forward; "bwd": the whole atomic-dQ backward; "bwd_dq": the
+    "fwd", "fwd_wgmma": the forward; "bwd", "bwd_wgmma": the whole atomic-dQ backward; "bwd_dq": the
     deterministic dQ kernel alone (each of dq_split blocks per query tile reads Q, dO, LSE, D, K and V)."""
     from .accounting import io_model
 
@@ -663,7 +716,7 @@ def logical_bytes(cand: Candidate, shape, *, dtype="bfloat16", causal=False, nk=
     if cand.op == "fwd_wgmma":  # same traffic model; the Hopper tile's smem formula has no itemsize
         cfg = _IoTile(t.block_m, t.block_n, cand.threads, cand.smem_bytes)
         return io_model(shape, cfg, dtype=dtype, causal=causal, pass_="fwd", nk=nk, hkv=hkv).bytes
-    if cand.op == "bwd":
+    if cand.op in ("bwd", "bwd_wgmma"):
         cfg = _IoTile(t.block_m, t.block_n, cand.threads, cand.smem_bytes)
         return io_model(shape, cfg, dtype=dtype, causal=causal, pass_="bwd", nk=nk, hkv=hkv).bytes
     cfg = _IoTile(t.dq_block_m, t.dq_block_n, cand.threads, cand.smem_bytes)
@@ -925,6 +978,13 @@ def pick_hopper_forward_tile(p) -> HopperTile | None:
     return _pick("fwd_wgmma", p)
 
 
+def pick_hopper_backward_tile(p, deterministic: bool = False) -> HopperBwdTile | None:
+    """The wgmma backward K/V kernel's tile for p (the caller checked gpu_hopper.backward_applies),
+    or None to use HOPPER_BACKWARD_TILES. The tuner checks and times the atomic-dQ kernel, so the
+    deterministic backward (ATOMIC_DQ = false, an instantiation it never ran) keeps the table."""
+    return None if deterministic else _pick("bwd_wgmma", p)
+
+
 def pick_backward_tile(p, deterministic: bool = False) -> BackwardTile | None:
     """The backward tile for p: the tuned main-kernel fields and, when deterministic, the tuned
     dQ-kernel fields, each falling back to the table's; None when neither was tuned."""
@@ -1055,6 +1115,12 @@ def forward_launcher(op: str):
     return gpu.forward
 
 
+def backward_tile_kwargs(op: str, tile) -> dict:
+    """The keyword gpu_backward.backward takes backward op's tile by: the wgmma K/V kernel's
+    HopperBwdTile goes to hopper_tile (which also keeps the mma.sync tile out of the way)."""
+    return {"hopper_tile": tile} if op == "bwd_wgmma" else {"tile": tile}
+
+
 class GpuTuner:
     """Autotune one kernel for the shapes of problem p on the current GPU.
 
@@ -1075,8 +1141,13 @@ class GpuTuner:
         self.limits = limits or device_limits.from_cupy()
         if self.hd not in op_buckets(op):
             raise ValueError(f"{op}: head dim {p.d} (bucket {self.hd}) is not one of its buckets {op_buckets(op)}")
-        if op == "fwd_wgmma" and self.limits.cc != 90:
+        if op in HOPPER_OPS and self.limits.cc != 90:
             raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU; {self.limits.name} is cc {self.limits.cc}")
+        if op == "bwd_wgmma":
+            from . import gpu_hopper
+
+            if not gpu_hopper.enabled():  # gpu_backward.backward would refuse every hopper_tile
+                raise ValueError(f"{op}: {gpu_hopper.ENV}=mma_sync turns the wgmma backward off")
         self.base = base
         self.causal = p.causal is not None
         self.rng = np.random.default_rng(seed)
@@ -1152,7 +1223,7 @@ class GpuTuner:
 
         grads = [_poisoned(cp, a.shape, p.dtype) for a in (s["q4"], s["k4"], s["v4"])]
         gpu_backward.backward(ps, s["do4"], s["q4"], s["k4"], s["v4"], s["o4"], s["lse3"], *grads,
-                              deterministic=self.op == "bwd_dq", tile=cand.tile)
+                              deterministic=self.op == "bwd_dq", **backward_tile_kwargs(self.op, cand.tile))
         cp.cuda.Device().synchronize()
         for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, s["ref"], s["naive"]):
             testing.assert_within_naive_error(name, got, ref, naive, p.dtype, factor=3.0)
@@ -1197,7 +1268,7 @@ class GpuTuner:
 
             def run():
                 gpu_backward.backward(t["pt"], t["do4"], t["q4"], t["k4"], t["v4"], t["o4"], t["lse3"], *t["grads"],
-                                      deterministic=self.op == "bwd_dq", tile=cand.tile)
+                                      deterministic=self.op == "bwd_dq", **backward_tile_kwargs(self.op, cand.tile))
         return cuda_median_time(run, flush=self._flush)
 
     def io(self, cand):
@@ -1268,13 +1339,14 @@ def _text_progress(prefix, stream=None):
 def ops_that_run(hd: int, cc: int) -> tuple:
     """The tuned kernels that gpu.forward and gpu_backward.backward launch for 16-bit,
     16-byte-aligned inputs of head-dim bucket hd on compute capability cc (the conditions of
-    gpu_hopper.applies / backward_applies): the forward, "fwd_wgmma" or "fwd", and "bwd" unless the
-    Hopper backward K/V kernel, which has no tuned op, takes the backward."""
+    gpu_hopper.applies / backward_applies): the forward, "fwd_wgmma" or "fwd", and the backward's
+    K/V kernel, "bwd_wgmma" or "bwd"."""
     from . import gpu_hopper
 
     hopper = cc == 90 and gpu_hopper.enabled()
     fwd = "fwd_wgmma" if hopper and hd in op_buckets("fwd_wgmma") else "fwd"
-    return (fwd,) if hopper and hd in schedule.HOPPER_BACKWARD_TILES else (fwd, "bwd")
+    bwd = "bwd_wgmma" if hopper and hd in op_buckets("bwd_wgmma") else "bwd"
+    return (fwd, bwd)
 
 
 def _current_device_cc() -> int:
@@ -1289,10 +1361,10 @@ def tune(*shapes, ops="auto", causal=False, dtype="bfloat16", hkv=None, max_cand
 
     shapes: (B, H, N, d) tuples (or (B, H, Nq, Nk, d)); ops: "auto" (the tuned kernels that run for
     each shape on this GPU, see :func:`ops_that_run`) or any of "fwd", "fwd_wgmma", "bwd",
-    "bwd_dq"; max_candidates: how many candidates to time per bucket (None: every legal one).
+    "bwd_dq", "bwd_wgmma"; max_candidates: how many candidates to time per bucket (None: every legal one).
     Buckets already in the cache are skipped unless ``force``. Returns {bucket key string:
     SearchResult or None (cached)}. The winners are used when CUFLASH_TUNE is 1 or "cached".
-    Needs a CUDA device (sm_90 for "fwd_wgmma"); an op that cannot run for a shape raises
+    Needs a CUDA device (sm_90 for "fwd_wgmma" and "bwd_wgmma"); an op that cannot run for a shape raises
     ValueError before anything is timed."""
     if not shapes:
         raise ValueError("shapes: give at least one (B, H, N, d) shape")
@@ -1308,11 +1380,11 @@ def tune(*shapes, ops="auto", causal=False, dtype="bfloat16", hkv=None, max_cand
     for p in problems:  # every explicit request is checked before anything is timed
         hd = schedule.head_dim_bucket(p.d)
         p_ops = ops_that_run(hd, cc) if auto else tuple(ops)
-        if "fwd_wgmma" in p_ops:
+        for op in (op for op in HOPPER_OPS if op in p_ops):
             if cc != 90:
-                raise ValueError(f"ops: fwd_wgmma needs an sm_90 GPU; this one is cc {cc}")
-            if hd not in op_buckets("fwd_wgmma"):
-                raise ValueError(f"ops: fwd_wgmma runs for head-dim buckets {op_buckets('fwd_wgmma')}, not d={p.d}")
+                raise ValueError(f"ops: {op} needs an sm_90 GPU; this one is cc {cc}")
+            if hd not in op_buckets(op):
+                raise ValueError(f"ops: {op} runs for head-dim buckets {op_buckets(op)}, not d={p.d}")
         plans.append((p, p_ops))
     out = {}
     cache = _cache()
@@ -1453,9 +1525,9 @@ def main_tune(argv) -> int:
                                  "(needs a GPU); winners go to the cache used when CUFLASH_TUNE=1 or 'cached'.")
     _common_args(ap)
     ap.add_argument("--ops", default="auto",
-                    help="comma-separated: fwd, fwd_wgmma, bwd, bwd_dq; default auto: the tuned kernels that run "
-                         "here (on sm_90 for d <= 128: fwd_wgmma only, the backward being the untuned wgmma "
-                         "kernel; elsewhere fwd and bwd)")
+                    help="comma-separated: fwd, fwd_wgmma, bwd, bwd_dq, bwd_wgmma; default auto: the tuned kernels "
+                         "that run here (on sm_90: fwd_wgmma, with bwd_wgmma for d <= 128 and bwd above; elsewhere fwd "
+                         "and bwd)")
     ap.add_argument("--max-candidates", type=int, default=None, help="candidates timed per bucket (default all legal)")
     ap.add_argument("--force", action="store_true", help="retune buckets already in the cache")
     args = ap.parse_args(argv)
@@ -1476,7 +1548,7 @@ def main_tune(argv) -> int:
     try:
         results = tune(*shapes, ops=ops, causal=args.causal or False, dtype=args.dtype, hkv=args.hkv,
                        max_candidates=args.max_candidates, force=args.force)
-    except ValueError as exc:  # e.g. fwd_wgmma asked for off Hopper: said before anything is timed
+    except ValueError as exc:  # e.g. a wgmma op asked for off Hopper: said before anything is timed
         print(f"cuflash tune: {exc}", file=sys.stderr)
         return 2
     print(f"cache: {cache_path()}")
@@ -1503,10 +1575,12 @@ def main_schedules(argv) -> int:
     ap = argparse.ArgumentParser(prog="cuflash schedules", description="The candidate tiles of one bucket: "
                                  "registers, shared memory, occupancy, logical HBM bytes, cached times, the choice.")
     _common_args(ap)
-    ap.add_argument("--bwd", action="store_true", help="the backward main kernel instead of the forward")
-    ap.add_argument("--dq", action="store_true", help="the deterministic backward's dQ kernel")
-    ap.add_argument("--wgmma", action="store_true", help="only the Hopper wgmma forward (default: both forward "
+    ap.add_argument("--bwd", action="store_true", help="the backward's K/V kernel instead of the forward (both "
                     "kernels, the wgmma one where the device is sm_90 and the head dim has a Hopper tile)")
+    ap.add_argument("--dq", action="store_true", help="the deterministic backward's dQ kernel")
+    ap.add_argument("--wgmma", action="store_true", help="only the Hopper wgmma kernel: the forward, or with --bwd "
+                    "the backward K/V kernel (default: both kernels, the wgmma one where the device is sm_90 and "
+                    "the head dim has a Hopper tile)")
     ap.add_argument("--device", choices=("auto", "h200", "current"), default="auto",
                     help="limits: the current GPU's, or the recorded H200's (auto: the GPU if there is one)")
     ap.add_argument("--no-compile", action="store_true", help="skip the NVRTC compiles (no register counts)")
@@ -1516,8 +1590,8 @@ def main_schedules(argv) -> int:
         shapes = [_parse_shape(s) for s in args.shape]
     except ValueError as exc:
         ap.error(str(exc))
-    if args.dq + args.bwd + args.wgmma > 1:
-        ap.error("--bwd, --dq and --wgmma choose one kernel each; give at most one")
+    if args.dq + args.bwd > 1 or args.dq + args.wgmma > 1:
+        ap.error("--dq is one kernel: give it without --bwd or --wgmma (--bwd --wgmma: the Hopper backward only)")
     from .__main__ import gpu_unavailable_reason
 
     if args.device == "h200" or (args.device == "auto" and gpu_unavailable_reason() is not None):
@@ -1539,13 +1613,16 @@ def main_schedules(argv) -> int:
     jobs = []
     for shape in shapes:
         hd = schedule.head_dim_bucket(shape[3])
-        wgmma = limits.cc == 90 and hd in op_buckets("fwd_wgmma")
+        family = "bwd" if args.bwd else "fwd"
+        hopper_op = f"{family}_wgmma"
+        wgmma = limits.cc == 90 and hd in op_buckets(hopper_op)
         if args.wgmma and not wgmma:
-            print(f"cuflash schedules: the wgmma forward runs on sm_90 for head-dim buckets {op_buckets('fwd_wgmma')}; "
+            what = "backward K/V kernel" if args.bwd else "forward"
+            print(f"cuflash schedules: the wgmma {what} runs on sm_90 for head-dim buckets {op_buckets(hopper_op)}; "
                   f"not for d={shape[3]} on {limits.name} (cc {limits.cc})", file=sys.stderr)
             return 2
-        ops = (["bwd_dq"] if args.dq else ["bwd"] if args.bwd else ["fwd_wgmma"] if args.wgmma
-               else ["fwd"] + (["fwd_wgmma"] if wgmma else []))
+        ops = (["bwd_dq"] if args.dq else [hopper_op] if args.wgmma
+               else [family] + ([hopper_op] if wgmma else []))
         jobs += [(shape, op) for op in ops]
     for shape, op in jobs:
         b, h, n, d = shape
@@ -1561,9 +1638,9 @@ def main_schedules(argv) -> int:
         if op == "fwd" and "fwd_wgmma" in running:
             print("note: on this device gpu.forward runs the wgmma kernel for this bucket (table below); "
                   "this one runs with CUFLASH_KERNELS=mma_sync or for unaligned inputs")
-        if op == "bwd" and "bwd" not in running:
-            print("note: on this device the backward's K/V kernel for this bucket is the wgmma one (not a tuned "
-                  "op); this one runs with CUFLASH_KERNELS=mma_sync or for unaligned inputs")
+        if op == "bwd" and "bwd_wgmma" in running:
+            print("note: on this device the backward's K/V kernel for this bucket is the wgmma one (bwd_wgmma, "
+                  "table below); this one runs with CUFLASH_KERNELS=mma_sync or for unaligned inputs")
         print(f"limits: {limits.smem_per_block_optin:,} B shared memory per block (opt-in), {limits.smem_per_sm:,} per SM, "
               f"{limits.regs_per_sm} registers/SM (allocated per warp in {limits.reg_alloc_unit}s), "
               f"{limits.max_threads_per_sm} threads/SM")

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 import warnings
 import zlib
 from dataclasses import replace
@@ -164,8 +165,10 @@ def test_legal_candidates_satisfy_mirrored_asserts():
                     assert (t.block_n // (t.warps // t.warps_d)) % 16 == 0
                     assert t.warps % (t.block_m // 16) == 0
                 elif op == "fwd_wgmma":  # HopperFwdTraits, Sw128Tile, and the generated wrappers
-                    assert t.stages >= 3 and t.block_n % 16 == 0 and hd % 64 == 0
+                    assert t.stages >= 2 and t.block_n % 16 == 0 and hd % 64 == 0
                     assert t.block_n in tune_mod.wgmma_shapes() and hd in tune_mod.wgmma_shapes()
+                elif op == "bwd_wgmma":  # HopperBwdTraits
+                    assert hd % 64 == 0 and t.block_m in (64, 64 * t.warpgroups) and hd in tune_mod.wgmma_shapes()
                 else:
                     assert (t.dq_block_m // t.dq_warps) % 16 == 0
 
@@ -600,11 +603,12 @@ def _run_tool(*args):
 def test_schedule_search_dry_run():
     r = _run_tool("--dry-run")
     assert r.returncode == 0, r.stderr
-    for op, ds in (("fwd", (64, 128, 256)), ("bwd", (64, 128, 256)), ("fwd_wgmma", (64, 128))):
+    for op, ds in (("fwd", (64, 128, 256)), ("bwd", (64, 128, 256)), ("fwd_wgmma", (64, 128, 256)),
+                   ("bwd_wgmma", (64, 128))):
         for d in ds:
             assert f"\n{op} d={d}:" in r.stdout
             assert Candidate(op, d, table_tile(op, d)).name in r.stdout
-    assert "fwd_wgmma d=256" not in r.stdout  # the wgmma kernel is not dispatched there
+    assert "bwd_wgmma d=256" not in r.stdout  # the wgmma backward is not dispatched there
     assert "(64, 16384, 1, 32)" in r.stdout  # B*N = 16384, H*d = 2048
 
 
@@ -614,7 +618,7 @@ def test_schedule_search_plan_and_no_gpu_imports():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["8", "False", "False"]  # fwd and bwd at 3 head dims, fwd_wgmma at 64 and 128
+    assert r.stdout.split() == ["11", "False", "False"]  # fwd, bwd, fwd_wgmma at 3 head dims, bwd_wgmma at 64, 128
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import schedule_search as s
@@ -679,10 +683,17 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     monkeypatch.setattr(gpu_backward, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
     tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)
-    cands = tuner.candidate_list(3)
-    corrupt["name"] = cands[1].name
     small = tuner._small_problem()
     assert small["ps"].nq == 300 and small["ps"].hkv == 1 and small["ps"].hq == 2  # GQA kept
+    assert_wrong_candidate_never_wins(monkeypatch, tuner, corrupt)
+
+
+def assert_wrong_candidate_never_wins(monkeypatch, tuner, corrupt):
+    """tuner.check passes the first of 3 short-listed candidates and rejects the second, which
+    the kernel stand-in corrupts (corrupt["name"]); run() then never picks the second although
+    it times fastest."""
+    cands = tuner.candidate_list(3)
+    corrupt["name"] = cands[1].name
     assert tuner.check(cands[0]) is True
     with pytest.raises(AssertionError):
         tuner.check(cands[1])
@@ -694,15 +705,16 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     assert res.winner.candidate.name == cands[0].name
 
 
-def test_schedule_search_writes_at_most_six_files(tmp_path):
-    """The report writer on a synthetic result: 1 JSON + 1 markdown per op, a table per head dim."""
+def test_schedule_search_writes_three_files(tmp_path):
+    """The report writer on a synthetic result: one JSON, one markdown (a section per op, a table
+    per head dim) and one log, however many ops (the device run returns only a few files)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import schedule_search as s
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    result = {"device": H200.to_dict(), "buckets": {}}
-    for op in ("fwd", "bwd"):
+    result = {"device": H200.to_dict(), "buckets": {}, "log": ["first line", "second line"]}
+    for op in ("fwd", "bwd", "bwd_wgmma"):
         for d in (64, 128):
             table = Candidate(op, d, table_tile(op, d)).name
             other = shortlist(candidates(op, d), 3, H200, table_tile(op, d))[1].name
@@ -715,11 +727,17 @@ def test_schedule_search_writes_at_most_six_files(tmp_path):
                                            other: {"status": "mismatch"}}},
                            {"d": d, "n": 4096, "b": 4, "h": 2048 // d, "causal": False, "skipped": "budget"}],
             }
-    s.write_outputs(result, tmp_path, ("fwd", "bwd"))
+    s.write_outputs(result, tmp_path, ("fwd", "bwd", "bwd_wgmma"))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["schedule_search.json", "schedule_search_bwd.md", "schedule_search_fwd.md"]
-    md = (tmp_path / "schedule_search_fwd.md").read_text()
-    assert md.count("## d = ") == 2
+    assert files == ["schedule_search.json", "schedule_search.log", "schedule_search.md"]
+    assert (tmp_path / "schedule_search.log").read_text() == "first line\nsecond line\n"
+    md = (tmp_path / "schedule_search.md").read_text()
+    assert md.count(", d = ") == 6
+    for op in ("fwd", "bwd", "bwd_wgmma"):  # each op's section holds its own two tables
+        section = md.split(f"# {op}: ")[1].split("\n# ")[0]
+        assert section.count(f"## {op}, d = ") == 2
+    wg64 = Candidate("bwd_wgmma", 64, table_tile("bwd_wgmma", 64)).name
+    assert f"| {wg64}: 2.000 |" in md
     table64 = Candidate("fwd", 64, table_tile("fwd", 64)).name
     row = next(ln for ln in md.splitlines() if ln.startswith("| 1024 ") and table64 in ln)
     assert "| 2.000 |" in row and "| 210 |" in row and "mismatch" in row and "| 1 / 1 |" in row
@@ -727,17 +745,29 @@ def test_schedule_search_writes_at_most_six_files(tmp_path):
     assert json.loads((tmp_path / "schedule_search.json").read_text())["device"]["name"] == H200.name
 
 
+def cupy_or_stand_in(monkeypatch):
+    """CuPy, or where it is not installed an empty module in its place (the device path's
+    `import cupy` then succeeds; the test patches what it uses)."""
+    try:
+        import cupy
+    except ImportError:
+        cupy = types.ModuleType("cupy")
+        cupy.uint8 = np.uint8
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return cupy
+
+
 def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
     """The device run's control flow (screening, causal compiles, spill handling per mask, budget,
     outputs) with a fake compiler and a fake shape runner, so a typo cannot waste GPU time."""
-    cupy = pytest.importorskip("cupy")
+    cupy = cupy_or_stand_in(monkeypatch)
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import schedule_search as s
     finally:
         sys.path.remove(str(ROOT / "tools"))
     monkeypatch.setattr(s.device_limits, "from_cupy", lambda: H200)
-    monkeypatch.setattr(cupy, "empty", lambda *a, **k: None)
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: None, raising=False)
 
     def fake_compile(spec):
         # Every third expression spills; causal instantiations of 8-warp forward tiles spill too.
@@ -756,7 +786,8 @@ def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
     monkeypatch.setattr(s, "run_shape", fake_run_shape)
     assert s.main(["--out", str(tmp_path), "--workers", "0", "--ds", "64,128", "--ns", "1024,4096"]) == 0
     res = json.loads((tmp_path / "schedule_search.json").read_text())
-    assert sorted(res["buckets"]) == ["bwd-d128", "bwd-d64", "fwd-d128", "fwd-d64", "fwd_wgmma-d128", "fwd_wgmma-d64"]
+    assert sorted(res["buckets"]) == ["bwd-d128", "bwd-d64", "bwd_wgmma-d128", "bwd_wgmma-d64", "fwd-d128", "fwd-d64",
+                                      "fwd_wgmma-d128", "fwd_wgmma-d64"]
     for key, bucket in res["buckets"].items():
         assert 1 <= len(bucket["chosen"]) <= s.PER_BUCKET[bucket["op"]] + 1 and bucket["largest"] in bucket["chosen"]
         for name in bucket["chosen"]:
@@ -769,7 +800,8 @@ def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
         assert all(bucket["compile"][nm]["clean"][int(causal)] for nm in names)
     causal_rows = [sh for b in res["buckets"].values() for sh in b["shapes"] if sh["causal"]]
     assert any(c.get("status") == "spills (this mask)" for sh in causal_rows for c in sh["candidates"].values())
-    assert len(list(tmp_path.iterdir())) == 4  # the JSON and one markdown file per op
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # the device returns only a few files
+        "schedule_search.json", "schedule_search.log", "schedule_search.md"]
     # A zero budget: nothing timed, every shape recorded as skipped, outputs still written.
     ran.clear()
     assert s.main(["--out", str(tmp_path / "b"), "--workers", "0", "--ds", "64", "--ns", "1024", "--budget-s", "0"]) == 0

@@ -30,7 +30,7 @@ from cuflash.tune import (
 
 # The stand-in tuner, the NVRTC skip, and the fixtures (isolated_cache is autouse here too: pytest
 # collects fixtures from the module's namespace).
-from test_tune import FakeTuner, _nvrtc_or_skip, fake_gpu, isolated_cache  # noqa: F401
+from test_tune import FakeTuner, _nvrtc_or_skip, cupy_or_stand_in, fake_gpu, isolated_cache  # noqa: F401
 
 tune_mod = sys.modules["cuflash.tune"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,15 +44,15 @@ def hop(bn, wg, st, hd=128):
 
 
 def test_space_buckets_and_names():
-    assert tune_mod.op_buckets("fwd_wgmma") == tuple(schedule.HOPPER_FORWARD_TILES) == (64, 128)
+    assert tune_mod.op_buckets("fwd_wgmma") == tuple(schedule.HOPPER_FORWARD_TILES) == (64, 128, 192, 256)
     cands = candidates("fwd_wgmma", 64)
-    assert len(cands) == 6 * 3 * 3
+    assert len(cands) == 6 * 3 * 4
     assert len({c.name for c in cands}) == len(cands)
     table = [c for c in cands if tune_mod.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
     assert [c.name for c in table] == ["192x128wg3s3"]
     assert table[0].threads == 384 and table[0].area == 192 * 128
     with pytest.raises(ValueError, match="bucket"):
-        candidates("fwd_wgmma", 256)  # gpu_hopper never launches the wgmma kernel there
+        candidates("fwd_wgmma", 32)  # gpu_hopper never launches the wgmma kernel there
 
 
 def test_wrappers_match_the_generator():
@@ -82,9 +82,11 @@ def test_shared_memory_by_hand():
 
 
 # d=128: 64 x wg + 2 x s x bn <= (232448 - 1024) / 256 = 904 rows, worked out per block_n by hand:
-# 64 keys: every (wg, s); 96 keys: s=3 any wg, s=4 wg <= 2; 128 keys: s=3, wg <= 2; 160+: none.
+# 2 stages: up to 160 keys any wg, 192 keys wg <= 2; 3 stages and more: 64 keys every (wg, s);
+# 96 keys: s=3 any wg, s=4 wg <= 2; 128 keys: s=3, wg <= 2; 160+: none.
 LEGAL_D128 = sorted(
-    [f"{64 * wg}x64wg{wg}s{s}" for wg in (1, 2, 3) for s in (3, 4, 5)]
+    [f"{64 * wg}x{bn}wg{wg}s2" for wg in (1, 2, 3) for bn in (64, 96, 128, 160)] + ["64x192wg1s2", "128x192wg2s2"]
+    + [f"{64 * wg}x64wg{wg}s{s}" for wg in (1, 2, 3) for s in (3, 4, 5)]
     + [f"{64 * wg}x96wg{wg}s3" for wg in (1, 2, 3)] + ["64x96wg1s4", "128x96wg2s4"]
     + ["64x128wg1s3", "128x128wg2s3"])
 
@@ -95,7 +97,7 @@ def test_legal_set_at_d128_by_hand():
 
 @pytest.mark.parametrize("cand,why", [
     (hop(128, 2, 4), "shared memory 295936"),  # (128 + 1024) * 256 + 1024
-    (hop(128, 2, 2), "stages < 3"),
+    (hop(128, 2, 1), "stages < 2"),
     (hop(80, 2, 3), "no wgmma wrapper m64n80k16"),  # a multiple of 16, but not generated
     (hop(72, 1, 3), "not a multiple of 16"),
     (Candidate("fwd_wgmma", 32, HopperTile(64, 1, 3, "t")), "multiple of 64 columns"),
@@ -165,14 +167,23 @@ def test_logical_bytes_follow_block_m():
 # --------------------------------------------------------------------------- compiles (NVRTC, no GPU)
 
 
-@pytest.mark.parametrize("hd", sorted(schedule.HOPPER_FORWARD_TILES))
+def _launched_spec(op, dtype, hd, causal):
+    """What gpu_hopper launches with the table's tile (the backward K/V kernel: atomic dQ)."""
+    if op == "fwd_wgmma":
+        return gpu_hopper.forward_spec(dtype, hd, causal)[0]
+    return gpu_hopper.backward_kv_spec(dtype, hd, causal, False)[0]
+
+
+@pytest.mark.parametrize("op,hd", [("fwd_wgmma", hd) for hd in sorted(schedule.HOPPER_FORWARD_TILES)]
+                         + [("bwd_wgmma", hd) for hd in sorted(schedule.HOPPER_BACKWARD_TILES)])
 @pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT16], ids=["bf16", "fp16"])
-def test_table_tiles_compile_clean_for_sm90a(hd, dtype):
+def test_table_tiles_compile_clean_for_sm90a(op, hd, dtype):
     _nvrtc_or_skip()
-    cand = Candidate("fwd_wgmma", hd, schedule.HOPPER_FORWARD_TILES[hd])
+    cand = Candidate(op, hd, table_tile(op, hd))
     for causal in (False, True):
         spec = tune_mod.spec_for(cand, dtype, causal)
-        assert spec == gpu_hopper.forward_spec(dtype, hd, causal)[0]  # the tuner compiles what runs
+        assert spec == _launched_spec(op, dtype, hd, causal)  # the tuner compiles what runs
+        assert spec.source == tune_mod.OP_SOURCE[op] and spec.threads == cand.threads
         info = tune_mod.compile_offline_info(spec, "sm_90a", TuneCache())
         assert info.error is None and info.clean, info
         assert 0 < info.registers <= register_cap(H200, cand.threads)
@@ -194,34 +205,41 @@ def test_compile_report_decides_spills():
 # --------------------------------------------------------------------------- the cache
 
 
-def _result(hd=128, winner_name=None):
-    cands = shortlist(candidates("fwd_wgmma", hd), 4, H200, table_tile("fwd_wgmma", hd))
+def _result(hd=128, winner_name=None, op="fwd_wgmma"):
+    cands = shortlist(candidates(op, hd), 4, H200, table_tile(op, hd))
     winner_name = winner_name or cands[1].name
     return search(cands, H200, compile_fn=lambda c: CompileInfo(128, 0, 0, "fake"), check_fn=lambda c: None,
-                  time_fn=lambda c: 1e-3 if c.name == winner_name else 2e-3, table=table_tile("fwd_wgmma", hd))
+                  time_fn=lambda c: 1e-3 if c.name == winner_name else 2e-3, table=table_tile(op, hd))
 
 
-def test_cache_round_trip(isolated_cache):
-    key = bucket_key("fwd_wgmma", "FakeGPU", BFLOAT16, 128, True, 4096, 4096)
-    assert key.source_hash == _build.source_hash("attn_fwd_wgmma.cu") != _build.source_hash("attn_fwd.cu")
-    assert "attn_fwd_wgmma.cu" in str(key)
-    res = _result()
+def check_cache_round_trip(op, res, tile_cls, source, mma_sync_op, mma_sync_source):
+    """A Hopper op's winner at d=128 survives the cache file, keyed by its own kernel source; the
+    mma.sync kernel's entry for the same bucket stays separate."""
+    key = bucket_key(op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096)
+    assert key.source_hash == _build.source_hash(source) != _build.source_hash(mma_sync_source)
+    assert source in str(key) and f"|{op}|" in str(key)
+    assert not tune_mod.same_tile(op, res.best_tile, table_tile(op, 128))  # a winner that is not the table's
     TuneCache().put(key, res, shape=(2, 16, 16, 4096, 4096, 128))
     tune_mod.clear_memo()
     found, tile = TuneCache().winner(key)
-    assert found and isinstance(tile, HopperTile)
-    assert tune_mod.same_tile("fwd_wgmma", tile, res.best_tile) and "autotuned on FakeGPU" in tile.reason
-    # The mma.sync forward of the same bucket is a different entry.
-    assert TuneCache().winner(bucket_key("fwd", "FakeGPU", BFLOAT16, 128, True, 4096, 4096)) == (False, None)
+    assert found and isinstance(tile, tile_cls)
+    assert tune_mod.same_tile(op, tile, res.best_tile) and "autotuned on FakeGPU" in tile.reason
+    assert TuneCache().winner(bucket_key(mma_sync_op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096)) == (False, None)
 
 
-def test_cache_rejects_an_illegal_hopper_tile(isolated_cache):
+def test_cache_round_trip(isolated_cache):
+    check_cache_round_trip("fwd_wgmma", _result(), HopperTile, "attn_fwd_wgmma.cu", "fwd", "attn_fwd.cu")
+
+
+# Fields the kernels' static_asserts refuse: one stage; 128 queries per step on one warpgroup.
+@pytest.mark.parametrize("op,bad", [("fwd_wgmma", {"stages": 1}), ("bwd_wgmma", {"block_m": 128, "warpgroups": 1})])
+def test_cache_rejects_an_illegal_hopper_tile(isolated_cache, op, bad):
     import json
 
-    key = bucket_key("fwd_wgmma", "FakeGPU", BFLOAT16, 64, False, 1024, 1024)
-    TuneCache().put(key, _result(64))
+    key = bucket_key(op, "FakeGPU", BFLOAT16, 64, False, 1024, 1024)
+    TuneCache().put(key, _result(64, op=op))
     data = json.loads(isolated_cache.read_text())
-    data["entries"][str(key)]["winner"]["tile"]["stages"] = 2  # the kernel's static_assert refuses it
+    data["entries"][str(key)]["winner"]["tile"].update(bad)
     isolated_cache.write_text(json.dumps(data))
     with pytest.warns(TuneCacheWarning, match="corrupt"):
         assert TuneCache().winner(key) == (False, None)
@@ -250,12 +268,13 @@ def _problem(d=128, n=4096, dtype=BFLOAT16):
 
 
 @pytest.mark.parametrize("env", [None, "0"])
-def test_pick_is_none_when_tuning_is_off(fake_gpu, isolated_cache, monkeypatch, env):
+@pytest.mark.parametrize("op,pick", [("fwd_wgmma", "pick_hopper_forward_tile"), ("bwd_wgmma", "pick_hopper_backward_tile")])
+def test_pick_is_none_when_tuning_is_off(fake_gpu, isolated_cache, monkeypatch, env, op, pick):
     if env is not None:
         monkeypatch.setenv("CUFLASH_TUNE", env)
-    TuneCache().put(bucket_key("fwd_wgmma", "FakeGPU", BFLOAT16, 128, True, 4096, 4096), _result())
+    TuneCache().put(bucket_key(op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096), _result(op=op))
     tune_mod.clear_memo()
-    assert tune_mod.pick_hopper_forward_tile(_problem()) is None  # even with a cached winner
+    assert getattr(tune_mod, pick)(_problem()) is None  # even with a cached winner
     assert fake_gpu.made == []
 
 
@@ -281,7 +300,7 @@ def test_pick_tunes_then_reads_the_cache(fake_gpu, monkeypatch):
 
 def test_pick_outside_the_hopper_buckets(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
-    assert tune_mod.pick_hopper_forward_tile(_problem(d=256)) is None
+    assert tune_mod.pick_hopper_forward_tile(_problem(d=32)) is None
     assert tune_mod.pick_hopper_forward_tile(_problem(d=100)) is None  # d % 8: scalar loads
     assert fake_gpu.made == []
 
@@ -291,7 +310,7 @@ def test_gpu_tuner_refuses_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="sm_90"):
         tune_mod.GpuTuner("fwd_wgmma", p, limits=replace(H200, name="A100", cc=80), cupy=object())
     with pytest.raises(ValueError, match="bucket"):
-        tune_mod.GpuTuner("fwd_wgmma", _problem(d=256), limits=H200, cupy=object())
+        tune_mod.GpuTuner("fwd_wgmma", _problem(d=32), limits=H200, cupy=object())
 
 
 # --------------------------------------------------------------------------- tune(), command line
@@ -308,10 +327,13 @@ def fake_device(fake_gpu, monkeypatch):
 
 
 def test_tune_auto_tunes_the_kernels_that_run(fake_device, fake_gpu):
-    # sm_90, d=128: the wgmma forward, and no "bwd" (the wgmma K/V kernel takes the backward).
+    # sm_90, d=128: both wgmma kernels; d=256: the wgmma forward and the mma.sync backward (no
+    # Hopper backward tile there); d=32: neither Hopper kernel.
     assert 128 in schedule.HOPPER_BACKWARD_TILES and 256 not in schedule.HOPPER_BACKWARD_TILES
-    cuflash.tune((2, 16, 4096, 128), (2, 16, 4096, 256), progress=False)
-    assert fake_gpu.made == [("fwd_wgmma", 128), ("fwd", 256), ("bwd", 256)]
+    assert 256 in schedule.HOPPER_FORWARD_TILES and 32 not in schedule.HOPPER_FORWARD_TILES
+    cuflash.tune((2, 16, 4096, 128), (2, 8, 4096, 256), (2, 16, 4096, 32), progress=False)
+    assert fake_gpu.made == [("fwd_wgmma", 128), ("bwd_wgmma", 128), ("fwd_wgmma", 256), ("bwd", 256),
+                             ("fwd", 32), ("bwd", 32)]
     fake_gpu.made.clear()
     fake_device["cc"] = 80
     cuflash.tune((2, 16, 4096, 64), progress=False)
@@ -330,7 +352,7 @@ def test_tune_explicit_wgmma_is_checked_before_timing(fake_device, fake_gpu):
         cuflash.tune((2, 16, 4096, 128), ops=("fwd_wgmma",), progress=False)
     fake_device["cc"] = 90
     with pytest.raises(ValueError, match="buckets"):
-        cuflash.tune((2, 16, 4096, 64), (2, 16, 4096, 256), ops="fwd_wgmma", progress=False)
+        cuflash.tune((2, 16, 4096, 64), (2, 16, 4096, 32), ops="fwd_wgmma", progress=False)
     assert fake_gpu.made == []  # nothing was tuned for the valid first shape either
     out = cuflash.tune((2, 16, 4096, 64), ops="fwd_wgmma", progress=False)
     assert fake_gpu.made == [("fwd_wgmma", 64)] and len(out) == 1
@@ -363,26 +385,23 @@ def test_schedules_cli_shows_both_forward_kernels_on_h200(capsys):
     assert main(["schedules", "--shape", "2,16,4096,64", "--no-compile", "--device", "h200", "--wgmma"]) == 0
     out = capsys.readouterr().out
     assert "forward (mma.sync)" not in out and "192x128wg3s3" in out
-    assert main(["schedules", "--shape", "2,8,4096,256", "--no-compile", "--device", "h200", "--wgmma"]) == 2
-    assert "head-dim buckets (64, 128)" in capsys.readouterr().err
-    # The backward main kernel's table says that the wgmma K/V kernel runs instead on sm_90.
-    assert main(["schedules", "--shape", "2,16,4096,128", "--no-compile", "--device", "h200", "--bwd"]) == 0
-    assert "K/V kernel for this bucket is the wgmma one" in capsys.readouterr().out
-    # d=256: the wgmma kernel does not run, so the default shows the mma.sync forward only.
-    assert main(["schedules", "--shape", "2,8,4096,256", "--no-compile", "--device", "h200"]) == 0
+    assert main(["schedules", "--shape", "2,64,4096,32", "--no-compile", "--device", "h200", "--wgmma"]) == 2
+    assert "head-dim buckets (64, 128, 192, 256)" in capsys.readouterr().err
+    # d=32: the wgmma kernel does not run, so the default shows the mma.sync forward only.
+    assert main(["schedules", "--shape", "2,64,4096,32", "--no-compile", "--device", "h200"]) == 0
     assert "Hopper wgmma" not in capsys.readouterr().out
 
 
 def test_schedule_search_skips_wgmma_off_hopper(tmp_path, monkeypatch):
     """The evidence run on a non-Hopper GPU leaves the wgmma buckets out instead of failing."""
-    cupy = pytest.importorskip("cupy")
+    cupy = cupy_or_stand_in(monkeypatch)
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import schedule_search as s
     finally:
         sys.path.remove(str(ROOT / "tools"))
     monkeypatch.setattr(s.device_limits, "from_cupy", lambda: replace(H200, name="A100", cc=80))
-    monkeypatch.setattr(cupy, "empty", lambda *a, **k: None)
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: None, raising=False)
     monkeypatch.setattr(tune_mod, "compile_device_info", lambda spec: CompileInfo(100, 0, 0, "fake"))
     monkeypatch.setattr(s, "run_shape", lambda op, d, n, b, h, causal, chosen, *a: {
         "d": d, "n": n, "b": b, "h": h, "causal": causal, "torch_flash_s": 1e-3, "candidates": {}})
@@ -391,7 +410,7 @@ def test_schedule_search_skips_wgmma_off_hopper(tmp_path, monkeypatch):
 
     res = json.loads((tmp_path / "schedule_search.json").read_text())
     assert sorted(res["buckets"]) == ["bwd-d64", "fwd-d64"]
-    assert any("fwd_wgmma skipped" in ln for ln in res["log"])
+    assert any("fwd_wgmma skipped" in ln for ln in res["log"]) and any("bwd_wgmma skipped" in ln for ln in res["log"])
 
 
 class _DeviceArrayStandIn:

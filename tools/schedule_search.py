@@ -1,18 +1,21 @@
 """Evidence run for the tile schedule search on one GPU (written for the H200), one process.
 
 For d in {64, 128, 256} and N in {1k, 4k, 16k} (B*N = 16384 tokens, H*d = 2048, bfloat16), causal
-and not, for both forward kernel families and the backward ("fwd": mma.sync, every d; "fwd_wgmma":
-the Hopper wgmma kernel, d 64 and 128, skipped on other GPUs; "bwd"): every candidate on a short
-list (the built-in table's tile, the largest legal tile, then diverse block shapes, PER_BUCKET per
-(op, d); see cuflash.tune.shortlist) that
+and not, for both kernel families of the forward and of the backward's K/V kernel ("fwd" and
+"bwd": mma.sync, every d; "fwd_wgmma" and "bwd_wgmma": the Hopper wgmma kernels, for the head
+dims of their Hopper tables (bwd_wgmma: 64 and 128), skipped on other GPUs): every candidate on a short list (the built-in table's tile, the largest
+legal tile, then diverse block shapes, PER_BUCKET per (op, d); see cuflash.tune.shortlist; for
+bwd_wgmma every legal one) that
 compiles without spilling is run once, compared with torch SDPA's flash output (max abs diff;
 a candidate further off than twice the table's own difference, or one bfloat16 rounding of the
 largest value, is skipped as a mismatch), and timed with CUDA events (median, 256 MiB written
-between repeats to flush L2). Writes --out DIR/schedule_search.json (everything) and one markdown
-file per op (a table per head dim): the fastest config, the largest legal tile, their times,
-registers and occupancy, next to the table's tile and torch's flash kernel.
+between repeats to flush L2). Writes three files to --out DIR: schedule_search.json (everything),
+schedule_search.md (a section per op, a table per head dim: the fastest config, the largest legal
+tile, their times, registers and occupancy, next to the table's tile and torch's flash kernel) and
+schedule_search.log (the progress log).
 
     PYTHONPATH=. python3 tools/schedule_search.py --out $OUT          # on the GPU, <= ~5 minutes
+    PYTHONPATH=. python3 tools/schedule_search.py --ops fwd_wgmma,bwd_wgmma --ds 64,128 --out $OUT  # ~1 minute
     PYTHONPATH=. python3 tools/schedule_search.py --dry-run           # anywhere: the candidate lists
 
 Importable without a GPU: CuPy and torch are imported inside the device path only.
@@ -32,18 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuflash import device_limits, schedule  # noqa: E402
 from cuflash.tune import (  # noqa: E402
-    FORWARD_OPS, Candidate, candidates, estimated_registers, largest_first, likely_spills, occupancy, op_buckets,
-    shortlist, table_tile,
+    FORWARD_OPS, HOPPER_OPS, OP_TITLE, Candidate, backward_tile_kwargs, candidates, estimated_registers,
+    largest_first, likely_spills, occupancy, op_buckets, shortlist, table_tile,
 )
 
 TOKENS = 16384
 HIDDEN = 2048
 DS = (64, 128, 256)
 NS = (1024, 4096, 16384)
-OPS = ("fwd", "fwd_wgmma", "bwd")
+OPS = ("fwd", "fwd_wgmma", "bwd", "bwd_wgmma")
 # Clean candidates timed per (op, d), plus the largest. The wgmma forward gets more: its forward
-# timings are cheap (milliseconds) and its space has stage variants as well as block shapes.
-PER_BUCKET = {"fwd": 6, "fwd_wgmma": 12, "bwd": 6}
+# timings are cheap (milliseconds) and its space has stage variants as well as block shapes. The
+# wgmma backward's whole space is 9 tiles, of which 4-5 are legal: all of them.
+PER_BUCKET = {"fwd": 6, "fwd_wgmma": 12, "bwd": 6, "bwd_wgmma": 9}
 BF16_U = 2.0**-8  # unit roundoff of bfloat16
 LARGEST_TRIES = 16  # largest-first candidates compiled to find the largest that does not spill
 ORDER_TRIES = 3  # try at most 3 x per_bucket candidates of the short list to find per_bucket clean ones
@@ -59,7 +63,7 @@ def plan(ops=OPS, ds=DS, per_bucket=None, limits=None):
 
     The device run walks "order" until per_bucket (default PER_BUCKET[op]) candidates compile
     cleanly, and "largest" until one does (the largest legal tile); both lists contain only
-    statically legal candidates. (op, d) pairs the kernel never runs for (fwd_wgmma at d=256) are
+    statically legal candidates. (op, d) pairs the kernel never runs for (bwd_wgmma at d=256) are
     left out."""
     limits = limits or device_limits.H200
     out = {}
@@ -193,7 +197,7 @@ def select_candidates(entry, info_cache, budget, log):
 
 def _tflops(op, b, h, n, d, causal, seconds):
     """Peers' dense-equivalent convention (PERF.md): 4*B*H*N^2*d, halved causal, x2.5 backward."""
-    f = 4 * b * h * n * n * d / (2 if causal else 1) * (2.5 if op == "bwd" else 1)
+    f = 4 * b * h * n * n * d / (2 if causal else 1) * (1 if op in FORWARD_OPS else 2.5)
     return f / seconds / 1e12
 
 
@@ -259,7 +263,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
         if op in FORWARD_OPS:
             forward(p, qc, kc, vc, o4, lse3, tile=cand.tile)
         else:
-            gpu_backward.backward(p, doc, qc, kc, vc, o4, lse3, *grads, tile=cand.tile)
+            gpu_backward.backward(p, doc, qc, kc, vc, o4, lse3, *grads, **backward_tile_kwargs(op, cand.tile))
 
     outs = [o_t] if op in FORWARD_OPS else grads_t
     table = table_tile(op, schedule.head_dim_bucket(d))
@@ -354,9 +358,9 @@ def device_main(args):
         print(f"[{budget.elapsed:6.1f}s] {msg}", flush=True)
 
     ops = tuple(args.ops.split(","))
-    if "fwd_wgmma" in ops and limits.cc != 90:
-        log(f"fwd_wgmma skipped: the wgmma kernel needs sm_90; {limits.name} is cc {limits.cc}")
-        ops = tuple(op for op in ops if op != "fwd_wgmma")
+    for op in (op for op in HOPPER_OPS if op in ops and limits.cc != 90):
+        log(f"{op} skipped: the wgmma kernel needs sm_90; {limits.name} is cc {limits.cc}")
+    ops = tuple(op for op in ops if op not in HOPPER_OPS or limits.cc == 90)
     ds = tuple(int(x) for x in args.ds.split(","))
     ns = tuple(int(x) for x in args.ns.split(","))
     pl = plan(ops, ds, args.per_bucket, limits)
@@ -437,19 +441,22 @@ _HEADER = ["N", "B", "H", "causal", "fastest", "ms", "TFLOP/s", "regs", "blocks/
 
 
 def write_outputs(result, out_dir, ops):
-    """schedule_search.json + schedule_search_<op>.md (one table per head dim): 1 + len(ops) files."""
+    """Three files whatever the ops: schedule_search.json (everything), schedule_search.md (a
+    section per op, a table per head dim) and schedule_search.log (result["log"])."""
     (out_dir / "schedule_search.json").write_text(json.dumps(result, indent=1, default=str))
+    (out_dir / "schedule_search.log").write_text("".join(f"{ln}\n" for ln in result.get("log", [])))
+    md = [f"# Schedule search on {result['device']['name']}", "",
+          "bfloat16, B*N = 16384 tokens, H*d = 2048. Times: median of CUDA-event repeats, L2 flushed before "
+          "each; TFLOP/s in the peers' dense-equivalent convention (4*B*H*N^2*d, halved causal, x2.5 for the "
+          "backward ops, which time the whole atomic-dQ backward). Registers and occupancy of the "
+          "instantiation that ran (causal or not). Largest legal tile: the largest block that compiles "
+          "without spilling.", ""]
     for op in ops:
-        md = [f"# Schedule search: {op} on {result['device']['name']}", "",
-              "bfloat16, B*N = 16384 tokens, H*d = 2048. Times: median of CUDA-event repeats, L2 flushed before "
-              "each; TFLOP/s in the peers' dense-equivalent convention (4*B*H*N^2*d, halved causal"
-              + (", x2.5 for the backward" if op == "bwd" else "") + "). Registers and occupancy of the "
-              "instantiation that ran (causal or not). Largest legal tile: the largest block that compiles "
-              "without spilling.", ""]
+        md += [f"# {op}: {OP_TITLE[op]}", ""]
         for bucket in result["buckets"].values():
             if bucket["op"] != op:
                 continue
-            md += [f"## d = {bucket['d']}", "",
+            md += [f"## {op}, d = {bucket['d']}", "",
                    f"Timed (compiled clean): {', '.join(bucket['chosen'])}. Largest legal tile: {bucket['largest']}.",
                    "", "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
             for row in bucket["shapes"]:
@@ -460,7 +467,7 @@ def write_outputs(result, out_dir, ops):
                     cells = _row_cells(op, bucket, row)
                 md.append("| " + " | ".join(cells) + " |")
             md.append("")
-        (out_dir / f"schedule_search_{op}.md").write_text("\n".join(md))
+    (out_dir / "schedule_search.md").write_text("\n".join(md))
 
 
 def main(argv=None):
@@ -468,7 +475,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="output directory (device run)")
     ap.add_argument("--dry-run", action="store_true", help="list the candidates per (op, d); no GPU needed")
     ap.add_argument("--ops", default=",".join(OPS),
-                    help=f"comma-separated subset of {OPS} (fwd_wgmma runs on sm_90 only, for d 64 and 128)")
+                    help=f"comma-separated subset of {OPS} (the wgmma ops run on sm_90 only, for the head dims "
+                         "of their Hopper tables)")
     ap.add_argument("--ds", default=",".join(map(str, DS)))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--per-bucket", type=int, default=None,
