@@ -13,7 +13,7 @@ timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cachepro
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -8 "$OUT/tests.log"
 tmp=$(mktemp -d)
-timeout 140 python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,4096,16384 --max-seconds 125 \
+timeout 170 python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,2048,4096,16384 --max-seconds 150 \
     --out "$tmp/fwd.json" > "$tmp/fwd.log" 2>&1; echo "fwd bench rc=$?"
 timeout 90 python3 benchmarks/peers.py --ops bwd --d 64,128 --n 4096,16384 --impls cuflash,torch-flash,torch-cudnn \
     --max-seconds 75 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
