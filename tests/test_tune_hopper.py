@@ -49,8 +49,8 @@ def test_space_buckets_and_names():
     assert len(cands) == 6 * 3 * 4
     assert len({c.name for c in cands}) == len(cands)
     table = [c for c in cands if tune_mod.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
-    assert [c.name for c in table] == ["192x128wg3s3"]
-    assert table[0].threads == 384 and table[0].area == 192 * 128
+    assert [c.name for c in table] == ["128x64wg2s2"]
+    assert table[0].threads == 256 and table[0].area == 128 * 64
     with pytest.raises(ValueError, match="bucket"):
         candidates("fwd_wgmma", 32)  # gpu_hopper never launches the wgmma kernel there
 
@@ -384,7 +384,7 @@ def test_schedules_cli_shows_both_forward_kernels_on_h200(capsys):
     # Only the Hopper kernel; and a head dim it does not run for is refused.
     assert main(["schedules", "--shape", "2,16,4096,64", "--no-compile", "--device", "h200", "--wgmma"]) == 0
     out = capsys.readouterr().out
-    assert "forward (mma.sync)" not in out and "192x128wg3s3" in out
+    assert "forward (mma.sync)" not in out and "128x64wg2s2" in out
     assert main(["schedules", "--shape", "2,64,4096,32", "--no-compile", "--device", "h200", "--wgmma"]) == 2
     assert "head-dim buckets (64, 128, 192, 256)" in capsys.readouterr().err
     # d=32: the wgmma kernel does not run, so the default shows the mma.sync forward only.

@@ -28,14 +28,15 @@ def _run(cmd) -> str | None:
 
 
 def git_commit() -> dict:
-    """HEAD from git when .git came along, else the GIT_COMMIT variable the caller passed."""
+    """The GIT_COMMIT variable when the caller passed one (the device machine's copy of the tree
+    can carry a stale .git), else HEAD from git."""
+    env = os.environ.get("GIT_COMMIT")
+    if env:
+        return {"commit": env, "commit_source": "GIT_COMMIT", "dirty": None}
     head = _run(["git", "rev-parse", "HEAD"])
     if head:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
         return {"commit": head, "commit_source": "git", "dirty": bool(status)}
-    env = os.environ.get("GIT_COMMIT")
-    if env:
-        return {"commit": env, "commit_source": "GIT_COMMIT", "dirty": None}
     return {"commit": None, "commit_source": "unavailable", "dirty": None}
 
 
