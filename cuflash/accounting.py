@@ -494,8 +494,9 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
     rt, t, splits, _ = gpu_decode.plan(p, H200_SM_COUNT)
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
-    main, _, _, _ = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True)
-    return SimpleNamespace(splits=splits, keys=keys, source=main.short_name)
+    main, _, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True)
+    return SimpleNamespace(splits=splits, keys=keys, source=main.short_name, smem=main.smem_bytes,
+                           threads=main.threads, rows=16 * rt, block_n=t.block_n)
 
 
 def backward_launch(dtype, d, causal=False, deterministic=False):
@@ -550,8 +551,13 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
         _check_head_dim(p.d, "q")
         if config is not None:
             _check_config(config)
+    # Few query tokens over a long cache run the split-KV decode kernel (forward): its shared
+    # memory, and by default the splits it picks on the modelled H200 (132 SMs).
+    dec = None
+    if method == "tiled" and config is None and pass_ in ("fwd", "fwd+bwd"):
+        dec = _decode_launch(p.dtype, p.d, causal, p.batch, p.hq, p.hkv, p.nq, p.nk)
     if splits is None:
-        splits = getattr(config, "splits", None) or getattr(config, "num_splits", None) or 1
+        splits = getattr(config, "splits", None) or getattr(config, "num_splits", None) or (dec.splits if dec else 1)
     splits = _check_int("splits", splits, minimum=1)
     if registers is not None:
         registers = _check_int("registers", registers, minimum=1)
@@ -587,13 +593,18 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                               f"float32 B*Hq*Nq*{hd} (rows padded to the head-dim bucket), summed over K/V tiles",
                               phase="bwd"),
                   MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
-        if fwd:
+        if fwd and dec is not None:
+            f = dec
+            E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, dec.smem,
+                                 f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
+                                 f"per warp, head dim padded to {hd}; {dec.source}"))
+        elif fwd:
             f = forward_launch(p.dtype, p.d, causal, config)
             E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
                                  f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
-            if registers is not None:
-                E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * f.threads,
-                                     f"{registers} registers/thread x {f.threads} threads x 4 B"))
+        if fwd and registers is not None:
+            E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * f.threads,
+                                 f"{registers} registers/thread x {f.threads} threads x 4 B"))
         if bwd:
             b = backward_launch(p.dtype, p.d, causal, deterministic)
             if b is None:

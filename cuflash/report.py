@@ -60,8 +60,9 @@ def build_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--decode", type=_positive, metavar="L",
                     help="decoding: the N queries of --shape attend to a cache of L keys (N=1: one token)")
-    ap.add_argument("--splits", type=_positive, default=1, metavar="S",
-                    help="split-KV partitions of the forward (their float32 partials are workspace)")
+    ap.add_argument("--splits", type=_positive, default=None, metavar="S",
+                    help="split-KV partitions of the forward (their float32 partials are workspace); default: "
+                         "what the decode kernel picks on the H200 for few query tokens, else 1")
     ap.add_argument("--registers", action="store_true",
                     help="compile the forward kernel offline (NVRTC, no GPU) to report registers per thread")
     ap.add_argument("--plot", metavar="DIR", help="write memory-vs-N and traffic-vs-N plots (needs matplotlib)")
@@ -146,7 +147,7 @@ def flops_table(dims) -> str:
     return "\n".join([t] + [f"convention {c}" for c in conventions] + [f"note: {x}" for x in notes])
 
 
-def report_text(dims, *, splits=1, registers=None) -> str:
+def report_text(dims, *, splits=None, registers=None) -> str:
     q, k = _shapes(dims)
     causal = dims["causal"]
     head = (f"cuflash report: B={dims['batch']} Hq={dims['hq']} Hkv={dims['hkv']} Nq={dims['nq']} "

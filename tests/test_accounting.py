@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import math
 
+import types
+
 import numpy as np
 import pytest
 
@@ -256,6 +258,23 @@ def test_memory_reference_fwd_bwd_peak_is_the_larger_phase():
     assert r.device_bytes_in_place == persistent + 2 * nn + d_vec
 
 
+def test_decode_shape_reports_the_decode_kernel_and_its_splits():
+    # Without splits=, a decode shape gets the splits the decode kernel picks on the H200, and
+    # the decode kernel's shared memory; a prefill shape gets neither.
+    from cuflash import gpu_decode
+
+    r = cuflash.memory_report((8, 32, 1, 128), (8, 8, 16384, 128), pass_="fwd")
+    by = {e.name: e for e in r.entries}
+    p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=16384, hq=32, hkv=8, group=4, batch=8, causal=None)
+    rt, _, splits, _ = gpu_decode.plan(p, accounting.H200_SM_COUNT)
+    assert splits > 1 and by["O partials"].bytes == 8 * 32 * 1 * splits * 128 * 4
+    main = gpu_decode.decode_specs(BFLOAT16, 128, rt, False, True)[0]
+    smem = by["shared memory / block (fwd)"]
+    assert smem.bytes == main.smem_bytes and main.short_name in smem.note
+    prefill = {e.name for e in cuflash.memory_report((8, 32, 512, 128), (8, 8, 16384, 128), pass_="fwd").entries}
+    assert "O partials" not in prefill
+
+
 def test_memory_arrays_give_dtype_and_splits_add_workspace():
     q = np.random.default_rng().standard_normal((3, 4, 1, 64)).astype(np.float16)
     k = np.random.default_rng().standard_normal((3, 1, 4096, 64)).astype(np.float16)
@@ -264,9 +283,9 @@ def test_memory_arrays_give_dtype_and_splits_add_workspace():
     by = {e.name: e for e in r.entries}
     assert by["O partials"].bytes == 3 * 4 * 1 * 8 * 64 * 4
     assert by["LSE partials"].bytes == 3 * 4 * 1 * 8 * 4
-    launch = accounting.forward_launch("float16", 64)  # the H200's kernel: 2 warpgroups
-    assert launch.threads == schedule.HOPPER_FORWARD_TILES[64].threads == 256
-    assert by["registers / block (fwd)"].bytes == 100 * 4 * launch.threads
+    # One query token over 4096 keys: the split-KV decode kernel runs (its threads, its smem).
+    assert "attn_decode<" in by["shared memory / block (fwd)"].note
+    assert by["registers / block (fwd)"].bytes == 100 * 4 * schedule.DECODE_TILES[64].threads == 100 * 4 * 128
     assert by["registers / block (fwd)"].category == accounting.ON_CHIP
     assert r.device_bytes == q.nbytes + 2 * k.nbytes + q.nbytes + 3 * 4 * 4 + 3 * 4 * 8 * 64 * 4 + 3 * 4 * 8 * 4
     # A bfloat16 array: dtype read from it.
