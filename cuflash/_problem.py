@@ -6,6 +6,7 @@ dtypes, layouts, masks and ``out=`` live in one place and every error names its 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class Problem:
     causal: str | None  # None, "bottom_right" or "top_left"
     scale: float
     single_head: bool = False  # inputs were 2-D (N, d): outputs are too, and lse is (N,)
+    window: tuple | None = None  # (left, right) sliding window (masks.row_bounds); None: no window
 
     @property
     def batch(self) -> int:
@@ -132,9 +134,10 @@ def check_dtype(named):
     return np.dtype(dtype)
 
 
-def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd") -> Problem:
+def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
     """Check q, k, v and the options; return the Problem or raise ValueError/TypeError."""
     check_layout(layout)
+    window = masks.normalize_window(window)
     named = (("q", q), ("k", k), ("v", v))
     xp = same_library(named)
     dtype = check_dtype(named)
@@ -163,7 +166,7 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd") -> Pro
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
     scale = check_scale(scale, d)
-    return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2)
+    return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2, window=window)
 
 
 def check_out(name, out, shape, dtype, xp, inputs):
@@ -183,9 +186,9 @@ def check_out(name, out, shape, dtype, xp, inputs):
             raise ValueError(f"{name}: must not overlap input {in_name}")
 
 
-def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd") -> Problem:
+def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
     """Check the backward's arguments; the forward's rules plus do/o/lse consistency."""
-    p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     same_library((("q", q), ("do", do), ("o", o), ("lse", lse)))
     for name, a in (("do", do), ("o", o)):
         if tuple(a.shape) != tuple(q.shape):
@@ -223,3 +226,88 @@ def check_kv_lens(kv_lens, p: Problem, validate: bool = True):
 
         dev = cupy.ascontiguousarray(dev)
     return dev, host
+
+
+def check_host_only(q, window, cu_seqlens_q, cu_seqlens_k):
+    """NotImplementedError, before anything runs, for arguments the CUDA kernels lack (issue #5).
+
+    ``q`` is the native array (NumPy or CuPy) the public function computes on; window=(-1, -1) is
+    no window and runs everywhere."""
+    if isinstance(q, np.ndarray):
+        return
+    for name, given in (("window=", masks.normalize_window(window) is not None),
+                        ("cu_seqlens_q= / cu_seqlens_k=", cu_seqlens_q is not None or cu_seqlens_k is not None)):
+        if given:
+            raise NotImplementedError(
+                f"cuflash: {name} is not implemented on the GPU yet (issue #5); NumPy inputs run the CPU backend"
+            )
+
+
+def _check_offsets_array(name, c, xp):
+    if array_namespace(c) is not xp:
+        raise TypeError(f"{name}: expected a {xp.__name__}.ndarray like q, got {type(c).__name__}")
+    if c.dtype != np.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {dtype_name(c.dtype)}")
+    if c.ndim != 1 or c.shape[0] < 1:
+        raise ValueError(f"{name}: expected a 1-D array of B + 1 offsets, got shape {tuple(c.shape)}")
+
+
+def check_offset_values(name, c, total, what):
+    """Offsets c (host ints) of a packed array: start at 0, non-decreasing, end at its length."""
+    c = np.asarray(c, dtype=np.int64)
+    if c.size < 1 or c[0] != 0:
+        raise ValueError(f"{name}: expected cumulative offsets starting at 0, got {c[:4].tolist()}...")
+    down = np.flatnonzero(np.diff(c) < 0)
+    if down.size:
+        b = int(down[0])
+        raise ValueError(f"{name}: offsets must be non-decreasing, got {name}[{b}] = {c[b]} > "
+                         f"{name}[{b + 1}] = {c[b + 1]}")
+    if c[-1] != total:
+        raise ValueError(f"{name}: last offset {c[-1]} must equal the packed length {total} ({what})")
+    return c
+
+
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=None, **options):
+    """(Problem, spans) of packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d).
+
+    The Problem is that of the packed arrays read as "bshd" without a batch axis (so its q_shape
+    is q's shape and its lse_shape (Hq, total_q)); spans are (q0, q1, k0, k1) per sequence.
+    ``grads``: (do, o, lse) for the backward. The offsets' values are read and checked on the host
+    (for CuPy offsets, as the materializing reference takes them, a device-to-host copy): every
+    caller loops over the sequences on the host anyway."""
+    if kv_lens is not None:
+        raise ValueError("kv_lens: cannot be combined with cu_seqlens_q / cu_seqlens_k (give each packed "
+                         "sequence its own length through the offsets)")
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+        raise ValueError(f"{missing}: packed sequences need both cu_seqlens_q and cu_seqlens_k")
+    check_layout(options.pop("layout"))  # a valid value, but packed arrays are always (total, H, d)
+    named = (("q", q), ("k", k), ("v", v))
+    xp = same_library(named)
+    for name, a in named:
+        if a.ndim != 3:
+            rows = "total_q, Hq" if name == "q" else "total_k, Hkv"
+            raise ValueError(f"{name}: with cu_seqlens_q/cu_seqlens_k expected a packed ({rows}, d) array, "
+                             f"got shape {tuple(a.shape)}")
+    if grads is None:
+        p = validate_forward(q, k, v, layout="bshd", **options)
+    else:
+        do, o, lse = grads
+        p = validate_backward(do, q, k, v, o, lse, layout="bshd", **options)
+    for name, c in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_offsets_array(name, c, xp)
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: expected cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (B + 1 offsets "
+                         f"for the same B sequences), got {tuple(cu_seqlens_k.shape)}")
+    host = []
+    for name, c, total, what in (("cu_seqlens_q", cu_seqlens_q, p.nq, "q.shape[0]"),
+                                 ("cu_seqlens_k", cu_seqlens_k, p.nk, "k.shape[0]")):
+        host.append(check_offset_values(name, c.get() if xp is not np else c, total, what))
+    cq, ck = host
+    return p, tuple(zip(cq[:-1].tolist(), cq[1:].tolist(), ck[:-1].tolist(), ck[1:].tolist()))
+
+
+def sequences(p: Problem, spans):
+    """(problem of one packed sequence, its rows of q/o/lse, its rows of k/v) for each span."""
+    for q0, q1, k0, k1 in spans:
+        yield dataclasses.replace(p, nq=q1 - q0, nk=k1 - k0), slice(q0, q1), slice(k0, k1)

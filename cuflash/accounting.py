@@ -26,6 +26,7 @@ import numpy as np
 
 from . import masks, schedule
 from ._arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
+from ._problem import check_offset_values
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 METHODS = ("tiled", "reference")
@@ -88,15 +89,6 @@ def _int_list(name, x):
     return [_check_int(f"{name}[{i}]", v) for i, v in enumerate(x)]
 
 
-def _check_window(window):
-    if window is None:
-        return None
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-        raise TypeError(f"window: expected None or a pair (left, right), got {window!r}")
-    left, right = (_check_int(f"window[{i}]", w, minimum=-1) for i, w in enumerate(window))
-    return (left, right)
-
-
 def _split_heads(name, shape, layout):
     """(batch, heads, seq, d) of one (..., H, N, d) / (..., N, H, d) / (N, d) shape."""
     if len(shape) < 2:
@@ -114,24 +106,6 @@ def _check_heads(hq, hkv, name="k"):
 
 
 # --------------------------------------------------------------------------- exact pair counts
-
-
-def _row_bounds(causal, window, nq, nk):
-    """(lo, hi): key j is visible to query i iff i + lo <= j <= i + hi (then clipped to [0, nk)).
-
-    None means unbounded on that side. The causal bound is j <= i + offset (cuflash.masks). A
-    window (left, right) is aligned like FlashAttention's: on the diagonal i + Nk - Nq (or i for
-    causal="top_left"), keys [diag - left, diag + right]; -1 leaves that side open."""
-    off = masks.causal_offset(causal, nq, nk)
-    diag = off if off is not None else nk - nq
-    lo, hi = None, off
-    if window is not None:
-        left, right = window
-        if right >= 0:
-            hi = diag + right if hi is None else min(hi, diag + right)
-        if left >= 0:
-            lo = diag - left
-    return lo, hi
 
 
 def _sum_positive_linear(i0, i1, slope, intercept):
@@ -153,12 +127,12 @@ def pairs_per_head(causal, nq, nk, window=None) -> int:
     Closed form (splitting the rows where the clip to [0, nk) switches on), so it is exact and O(1)
     for any N. Without a window this is :func:`cuflash.masks.pair_count`."""
     causal = masks.normalize_causal(causal)
-    window = _check_window(window)
+    window = masks.normalize_window(window)
     if nq == 0 or nk == 0:
         return 0
-    if window is None or window == (-1, -1):
+    if window is None:
         return masks.pair_count(causal, nq, nk)
-    lo, hi = _row_bounds(causal, window, nq, nk)
+    lo, hi = masks.row_bounds(causal, window, nq, nk)
     last = nk - 1
     cuts = {0, nq}
     if hi is not None:
@@ -196,12 +170,7 @@ def _sequence_lengths(q_shape, k_shape, layout, kv_lens, cu_seqlens_q, cu_seqlen
         (tq, hq, d), (tk, hkv, dk) = q_shape, k_shape
         cq, ck = _int_list("cu_seqlens_q", cu_seqlens_q), _int_list("cu_seqlens_k", cu_seqlens_k)
         for name, c, total in (("cu_seqlens_q", cq, tq), ("cu_seqlens_k", ck, tk)):
-            if len(c) < 1 or c[0] != 0:
-                raise ValueError(f"{name}: expected cumulative offsets starting at 0, got {c[:4]}...")
-            if any(b < a for a, b in zip(c, c[1:])):
-                raise ValueError(f"{name}: offsets must be non-decreasing")
-            if c[-1] != total:
-                raise ValueError(f"{name}: last offset {c[-1]} must equal the packed length {total}")
+            check_offset_values(name, c, total, "q_shape[0]" if name == "cu_seqlens_q" else "k_shape[0]")
         if len(cq) != len(ck):
             raise ValueError(f"cu_seqlens_k: {len(ck) - 1} sequences, cu_seqlens_q has {len(cq) - 1}")
         batch = len(cq) - 1
@@ -272,7 +241,8 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     ``cu_seqlens_q``/``cu_seqlens_k`` (varlen, B + 1 cumulative offsets each) they are packed
     (total, H, d). ``kv_lens`` gives each sequence's valid key count (a KV cache filled to that
     length): its mask is that of a (Nq, kv_lens[b]) problem, bottom-right causal alignment
-    included. ``window=(left, right)``: FlashAttention's sliding window, -1 = unbounded.
+    included. ``window=(left, right)``: FlashAttention's sliding window, -1 = unbounded, as
+    defined by :func:`cuflash.masks.row_bounds` (the backends' definition).
 
     Exact: forward 4 * pairs * d (S = QK^T and O = PV, 2 FLOPs per multiply-add), backward
     10 * pairs * d (S recomputed, dP, dV, dQ, dK), "fwd+bwd" 14 * pairs * d. Softmax, scaling and
@@ -281,7 +251,7 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     """
     _check_choice("pass_", pass_, PASSES)
     causal = masks.normalize_causal(causal)
-    window = _check_window(window)
+    window = masks.normalize_window(window)
     batch, hq, _, d, lengths = _sequence_lengths(q_shape, k_shape, layout, kv_lens, cu_seqlens_q, cu_seqlens_k)
     pairs = hq * sum(n * pairs_per_head(causal, nq, nk, window) for (nq, nk), n in lengths.items())
     dense_pairs = hq * sum(n * nq * nk for (nq, nk), n in lengths.items())
@@ -293,7 +263,7 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     dconv = ("peers' dense-equivalent: 4*H*d*sum_b(Nq_b*Nk_b)"
              + (", halved for causal" if causal else "")
              + {"fwd": "", "bwd": ", x2.5 for the backward", "fwd+bwd": ", x3.5 for fwd+bwd"}[pass_]
-             + ("; window ignored" if window not in (None, (-1, -1)) else "")
+             + ("; window ignored by this convention (the exact count applies it)" if window is not None else "")
              + ("; Nk_b = kv_lens[b]" if kv_lens is not None else ""))
     return FlopCount(pass_, pairs, d, _EXACT_PER_PAIR[pass_] * pairs * d, dense, conv, dconv)
 

@@ -19,9 +19,9 @@ def _backend(p):
     return gpu
 
 
-@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", outputs=("out",))
+@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", outputs=("out",))
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
-              kv_lens=None, validate=True):
+              kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -46,12 +46,33 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     validate : check kv_lens on the host (0 <= kv_lens <= Nk). For CuPy inputs that costs one
         device-to-host copy; validate=False skips it (out-of-range values are then clamped to
         Nk by the decode kernel; the prefill fallback copies kv_lens to the host anyway).
+    window : optional (left, right) ints >= -1, FlashAttention's sliding window: query i sees key
+        j only if diag - left <= j <= diag + right, diag = i + Nk - Nq (bottom-right, also without
+        causal; i for causal="top_left"); -1 leaves a side unbounded, (-1, -1) is no window. With
+        causal the right end is the smaller bound. Defined by cuflash.masks.row_bounds; checked
+        on the host without any copy (TypeError / ValueError).
+    cu_seqlens_q, cu_seqlens_k : optional int32 1-D arrays of B + 1 offsets (FlashAttention's
+        varlen API): q is then packed (total_q, Hq, d) and k, v (total_k, Hkv, d) - the "bshd"
+        layout without a batch axis, whatever ``layout`` says - and sequence b is q rows
+        [cu_seqlens_q[b], cu_seqlens_q[b+1]) attending only to k/v rows [cu_seqlens_k[b],
+        cu_seqlens_k[b+1]), with causal/window alignment per sequence; empty sequences are
+        allowed. o is (total_q, Hq, d) and lse (Hq, total_q), as FlashAttention's varlen returns
+        it. Not combinable with kv_lens. Dtype, 1-D shape and equal lengths are checked without a
+        copy; the values (start at 0, non-decreasing, last = total) are read on the host: NumPy
+        offsets are always checked, since the CPU backend reads them anyway. On the GPU they will
+        cost a device-to-host copy that validate=False skips, as for kv_lens; today CuPy, torch
+        CUDA and JAX GPU inputs raise NotImplementedError for ``window`` and ``cu_seqlens_*``
+        before anything runs (issue #5).
 
     Returns
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
     """
-    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    _problem.check_host_only(q, window, cu_seqlens_q, cu_seqlens_k)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
+                                 window=window, kv_lens=kv_lens, return_lse=return_lse, out=out)
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
     xp = p.xp
     o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
@@ -93,9 +114,28 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
         backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
 
 
-@interop.accepts_foreign_arrays("do", "q", "k", "v", "o", "lse", outputs=("out",))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, **options):
+    """Packed sequences (cu_seqlens_*): each one is its own problem over its slices of q, k, v."""
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
+    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
+    o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
+    lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
+    for pb, qs, ks in _problem.sequences(p, spans):
+        q4, o4 = _sequence_views(pb, qs, "q", q, o)
+        k4, v4 = _sequence_views(pb, ks, "k", k, v)
+        _backend(p).forward(pb, q4, k4, v4, o4, lse[None, :, qs])
+    return (o, lse) if return_lse else o
+
+
+def _sequence_views(pb, rows, side, *arrays):
+    """(1, H, n, d) views of one packed sequence's rows of (total, H, d) arrays."""
+    heads, n = (pb.hq, pb.nq) if side == "q" else (pb.hkv, pb.nk)
+    return [to_bhsd(a[rows], pb, heads, n) for a in arrays]
+
+
+@interop.accepts_foreign_arrays("do", "q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", outputs=("out",))
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       out=None):
+                       out=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Gradients (dq, dk, dv) of ``attention`` for upstream gradient ``do``.
 
     ``o`` and ``lse`` are the forward's outputs (``return_lse=True``); P is recomputed tile by
@@ -103,10 +143,15 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     that share a K/V head. ``deterministic=True`` asks for bitwise-reproducible dq.
     ``out`` : optional tuple (dq, dk, dv) of arrays to write the gradients into (shapes of q, k,
     k; q's dtype; overlapping neither the inputs nor each other).
+    ``window``, ``cu_seqlens_q``, ``cu_seqlens_k`` : as for :func:`attention` (packed do, o like
+    q and lse (Hq, total_q)); NumPy inputs only for now, the GPU raises NotImplementedError.
     """
-    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _problem.check_host_only(q, window, cu_seqlens_q, cu_seqlens_k)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
+                                layout=layout, window=window, deterministic=deterministic, out=out)
+    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
+    _check_deterministic(deterministic)
     xp = p.xp
     rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
@@ -122,6 +167,25 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
         if not ok:
             g[...] = from_bhsd(g4, p, h, n)
+    return dq, dk, dv
+
+
+def _check_deterministic(deterministic):
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+
+
+def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, **options):
+    """Packed sequences: each sequence's gradients from its own slices (dk, dv rows of a sequence
+    are written by that sequence only, so every row is written once)."""
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), **options)
+    _check_deterministic(deterministic)
+    dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
+    for pb, qs, ks in _problem.sequences(p, spans):
+        do4, q4, o4, dq4 = _sequence_views(pb, qs, "q", do, q, o, dq)
+        k4, v4, dk4, dv4 = _sequence_views(pb, ks, "k", k, v, dk, dv)
+        _backend(p).backward(pb, do4, q4, k4, v4, o4, lse[None, :, qs], dq4, dk4, dv4,
+                             deterministic=bool(deterministic))
     return dq, dk, dv
 
 
@@ -143,12 +207,14 @@ def _gradient_outputs(p, out, inputs):
     return out
 
 
-def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, cu_seqlens_q=None,
+                  cu_seqlens_k=None):
     """Forward once and return ``(o, vjp)``; ``vjp(do)`` gives (dq, dk, dv) from the saved o, lse."""
-    o, lse = attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
+    masking = dict(window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    o, lse = attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True, **masking)
 
     def vjp(do, *, deterministic=False):
         return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, **masking)
 
     return o, vjp

@@ -7,6 +7,8 @@ largest temporary is one (B, Hq, block_m, block_n) score tile. Like the CUDA ker
 
 * the tile sizes are the kernel's (:func:`cuflash.schedule.cpu_blocks`), so the CPU tests walk
   the same ragged last tiles, skipped fully-masked tiles and diagonal tiles;
+* a sliding window (``p.window``, :func:`cuflash.masks.row_bounds`) computes only the K/V tiles
+  that meet the band of a query tile, on both sides; tiles the band cuts are masked to -inf;
 * K/V tiles are always ``block_n`` keys wide, zero-filled past Nk, and keys past Nk are masked
   to -inf (zero-filled keys would otherwise score 0 and leak into the softmax);
 * the arithmetic is wider than the inputs and P is rounded to the input dtype before P V, as
@@ -76,34 +78,22 @@ def _key_tile(a4, n0, block_n):
     return t
 
 
-def _visibility(p, m0, m1, n0, n1):
-    """Boolean (R, n1 - n0): key in range and, under causality, at or before the row's diagonal."""
-    cols = np.arange(n0, n1)
-    vis = cols[None, :] < p.nk
-    off = p.causal_offset
-    if off is not None:
-        rows = np.arange(m0, m1)
-        vis = vis & (cols[None, :] <= rows[:, None] + off)
-    return vis
-
-
 def _scores(p, qt, kt, m0, m1, n0, bn):
     """scale * Q K^T for one tile as (B, Hkv, group, R, block_n), masked only where needed."""
     r = m1 - m0
     s = np.matmul(qt, kt.swapaxes(-1, -2))
     s *= s.dtype.type(p.scale)
     s = s.reshape(p.batch, p.hkv, p.group, r, bn)
-    if masks.tile_needs_mask(p.causal, p.nq, p.nk, m0, n0, n0 + bn):
-        s = np.where(_visibility(p, m0, m1, n0, n0 + bn), s, _NEG_INF)
+    if masks.tile_needs_mask(p.causal, p.nq, p.nk, m0, n0, n0 + bn, p.window, m1):
+        s = np.where(masks.visibility(np, p.causal, p.nq, p.nk, m0, m1, n0, n0 + bn, p.window), s, _NEG_INF)
     return s
 
 
 def _key_tiles(p, m0, m1, bn):
-    """Start columns of the K/V tiles that rows [m0, m1) can see; fully masked tiles are skipped."""
-    n0 = 0
-    while n0 < p.nk and masks.tile_is_visible(p.causal, p.nq, p.nk, m0, m1, n0):
-        yield n0
-        n0 += bn
+    """Start columns of the K/V tiles (multiples of bn) that rows [m0, m1) can see: the tiles
+    covering the rows' key range (masks.key_range); fully masked tiles are skipped."""
+    c0, c1 = masks.key_range(p.causal, p.nq, p.nk, m0, m1, p.window)
+    return range(c0 - c0 % bn, c1, bn) if c1 > c0 else range(0)
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
@@ -191,7 +181,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         dk_acc = np.zeros((p.batch, p.hkv, bn, p.d), dtype=acc_t)
         dv_acc = np.zeros((p.batch, p.hkv, bn, p.d), dtype=acc_t)
         for t, (m0, m1) in enumerate(nq_tiles):
-            if not masks.tile_is_visible(p.causal, p.nq, p.nk, m0, m1, n0):
+            if not masks.tile_is_visible(p.causal, p.nq, p.nk, m0, m1, n0, p.window, n0 + bn):
                 continue
             r = m1 - m0
             rows = p.group * r

@@ -70,15 +70,18 @@ def _heads_as_query_heads(a4, p):
     return a4[:, p.xp.arange(p.hq) // p.group]
 
 
-def _probabilities(p, q4, k4, cdt):
+def _probabilities(p, q4, k4, cdt, mask=None):
     """Materialized P (B, Hq, Nq, Nk), the masked row max m and the row sum l (keepdims).
 
-    Rows that see no key have P = 0, l = 0 and m = -inf."""
+    ``mask``: an explicit boolean (Nq, Nk) visibility that replaces p's causal/window mask (tests
+    pass one built independently). Rows that see no key have P = 0, l = 0 and m = -inf."""
     xp = p.xp
     kq = _heads_as_query_heads(k4, p)
     s = xp.matmul(q4, kq.swapaxes(-1, -2)) * cdt.type(p.scale)
-    if p.causal is not None:
-        s = xp.where(masks.mask_matrix(xp, p.causal, p.nq, p.nk), s, cdt.type(_NEG_INF))
+    if mask is None and (p.causal is not None or p.window is not None):
+        mask = masks.mask_matrix(xp, p.causal, p.nq, p.nk, p.window)
+    if mask is not None:
+        s = xp.where(mask, s, cdt.type(_NEG_INF))
     m = s.max(axis=-1, keepdims=True)
     # Subtract 0 instead of -inf in rows that see nothing, so exp gives 0 there and never NaN.
     shift = xp.where(m == _NEG_INF, cdt.type(0), m)
@@ -89,7 +92,7 @@ def _probabilities(p, q4, k4, cdt):
     return probs, m, l
 
 
-def forward_bhsd(p, q4, k4, v4):
+def forward_bhsd(p, q4, k4, v4, mask=None):
     """(o4, lse3) for canonical (B, H, N, d) arrays already in the compute dtype; no validation.
 
     The arithmetic is that of the arrays' dtype, so float64 arrays give a float64 function
@@ -99,7 +102,7 @@ def forward_bhsd(p, q4, k4, v4):
     if p.nk == 0:  # no keys: every row sees nothing (a max over an empty axis is undefined)
         return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
                 xp.full((p.batch, p.hq, p.nq), _NEG_INF, dtype=cdt))
-    probs, m, l = _probabilities(p, q4, k4, cdt)
+    probs, m, l = _probabilities(p, q4, k4, cdt, mask)
     o4 = xp.matmul(probs, _heads_as_query_heads(v4, p))
     seen = l > 0
     shift = xp.where(seen, m, cdt.type(0))
@@ -107,7 +110,7 @@ def forward_bhsd(p, q4, k4, v4):
     return o4, lse3[..., 0]
 
 
-def backward_bhsd(p, do4, q4, k4, v4):
+def backward_bhsd(p, do4, q4, k4, v4, mask=None):
     """(dq4, dk4, dv4) for canonical arrays already in the compute dtype; no validation."""
     xp = p.xp
     cdt = q4.dtype
@@ -115,7 +118,7 @@ def backward_bhsd(p, do4, q4, k4, v4):
         return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
                 xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt),
                 xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt))
-    probs, _, _ = _probabilities(p, q4, k4, cdt)
+    probs, _, _ = _probabilities(p, q4, k4, cdt, mask)
     kq, vq = _heads_as_query_heads(k4, p), _heads_as_query_heads(v4, p)
     dv_per_qhead = xp.matmul(probs.swapaxes(-1, -2), do4)  # (B, Hq, Nk, d)
     dprobs = xp.matmul(do4, vq.swapaxes(-1, -2))  # (B, Hq, Nq, Nk)
@@ -129,42 +132,81 @@ def backward_bhsd(p, do4, q4, k4, v4):
     return dq4, dk_per_qhead.reshape(grouped).sum(axis=2), dv_per_qhead.reshape(grouped).sum(axis=2)
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, precision="float32"):
+def _wide_bhsd(p, cdt, q_side=(), k_side=()):
+    """Canonical (B, H, N, d) views of q-side and k-side arrays, in the compute dtype."""
+    return ([_widen(p.xp, to_bhsd(a, p, p.hq, p.nq), cdt) for a in q_side]
+            + [_widen(p.xp, to_bhsd(a, p, p.hkv, p.nk), cdt) for a in k_side])
+
+
+def _out_dtype(p, cdt):
+    return p.dtype if cdt == np.float32 else cdt
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, precision="float32",
+              window=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """o = softmax(scale * q k^T [masked]) v with S and P materialized.
 
-    Same arguments and results as :func:`cuflash.attention` (no ``out=``), plus ``precision``
-    ("float32" or "float64", see the module docstring). lse is the natural-log log-sum-exp of the
-    scaled, masked scores, -inf for rows that see no key.
+    Same arguments and results as :func:`cuflash.attention` (no ``out=``, ``kv_lens``), plus
+    ``precision`` ("float32" or "float64", see the module docstring). lse is the natural-log
+    log-sum-exp of the scaled, masked scores, -inf for rows that see no key. ``window`` and
+    ``cu_seqlens_q``/``cu_seqlens_k`` work on NumPy and CuPy arrays alike (CuPy offsets are
+    copied to the host to slice the sequences).
     """
-    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
     cdt = _compute_dtype(precision)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, causal=causal, scale=scale,
+                                 layout=layout, window=window)
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     xp = p.xp
-    q4, k4, v4 = (_widen(xp, to_bhsd(a, p, h, n), cdt) for a, h, n in
-                  ((q, p.hq, p.nq), (k, p.hkv, p.nk), (v, p.hkv, p.nk)))
-    o4, lse3 = forward_bhsd(p, q4, k4, v4)
-    out_dtype = p.dtype if cdt == np.float32 else cdt
-    o = from_bhsd(_narrow(xp, o4, out_dtype), p, p.hq, p.nq)
+    o4, lse3 = forward_bhsd(p, *_wide_bhsd(p, cdt, (q,), (k, v)))
+    o = from_bhsd(_narrow(xp, o4, _out_dtype(p, cdt)), p, p.hq, p.nq)
     if return_lse:
         return o, lse3.reshape(p.lse_shape())
     return o
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", precision="float32"):
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, **options):
+    """Packed sequences: the formula per sequence, written into packed o (total_q, Hq, d), lse (Hq, total_q)."""
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    xp = p.xp
+    o = xp.empty(p.q_shape(), dtype=_out_dtype(p, cdt))
+    lse = xp.empty(p.lse_shape(), dtype=cdt)
+    for pb, qs, ks in _problem.sequences(p, spans):
+        o4, lse3 = forward_bhsd(pb, *_wide_bhsd(pb, cdt, (q[qs],), (k[ks], v[ks])))
+        o[qs] = from_bhsd(_narrow(xp, o4, o.dtype), pb, pb.hq, pb.nq)
+        lse[:, qs] = lse3[0]
+    return (o, lse) if return_lse else o
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", precision="float32",
+                       window=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """(dq, dk, dv) of :func:`attention` for the upstream gradient ``do``, by the explicit formula.
 
     ``o`` and ``lse`` are validated exactly as :func:`cuflash.attention_backward` validates them,
     but their values are not used: P is rebuilt from q and k, and D_i = sum_j P_ij dP_ij
     (= rowsum(do * o) in exact arithmetic), so the reference does not inherit the rounding of a
     forward pass. dk and dv are summed over the query heads that share a K/V head. Gradients
-    have the input dtype for precision "float32" and are float64 for "float64".
+    have the input dtype for precision "float32" and are float64 for "float64". ``window`` and
+    ``cu_seqlens_q``/``cu_seqlens_k`` as for :func:`attention`.
     """
-    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
     cdt = _compute_dtype(precision)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
+                                            scale=scale, layout=layout, window=window)
+        grads = [p.xp.empty(shape, dtype=_out_dtype(p, cdt)) for shape in (p.q_shape(), p.kv_shape(), p.kv_shape())]
+        for pb, qs, ks in _problem.sequences(p, spans):
+            for g, rows, part in zip(grads, (qs, ks, ks), _backward_in(pb, cdt, do[qs], q[qs], k[ks], v[ks])):
+                g[rows] = part
+        return tuple(grads)
+    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
+    return _backward_in(p, cdt, do, q, k, v)
+
+
+def _backward_in(p, cdt, do, q, k, v):
+    """(dq, dk, dv) in the caller's layout, for validated arrays of problem p."""
     xp = p.xp
-    do4, q4 = (_widen(xp, to_bhsd(a, p, p.hq, p.nq), cdt) for a in (do, q))
-    k4, v4 = (_widen(xp, to_bhsd(a, p, p.hkv, p.nk), cdt) for a in (k, v))
-    dq4, dk4, dv4 = backward_bhsd(p, do4, q4, k4, v4)
-    out_dtype = p.dtype if cdt == np.float32 else cdt
+    dq4, dk4, dv4 = backward_bhsd(p, *_wide_bhsd(p, cdt, (do, q), (k, v)))
+    out_dtype = _out_dtype(p, cdt)
     return (
         from_bhsd(_narrow(xp, dq4, out_dtype), p, p.hq, p.nq),
         from_bhsd(_narrow(xp, dk4, out_dtype), p, p.hkv, p.nk),

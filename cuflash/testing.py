@@ -11,6 +11,10 @@ where u is the dtype's unit roundoff. The naive error is measured, not assumed, 
 tracks the inputs: it is a statement that the kernel is no worse than a careful evaluation of the
 formula in the precision of its inputs.
 
+``mask=`` (every function below that takes it): an explicit boolean (Nq, Nk) visibility matrix
+that replaces the ``causal`` mask, so a test can hold a windowed result to an oracle whose mask it
+built itself rather than to cuflash.masks.
+
 Works for NumPy and CuPy arrays (CuPy arrays are copied to the host with ``.get()``); bfloat16
 comes from ml_dtypes.
 """
@@ -70,12 +74,14 @@ def _naive_setup(q, k, v, causal, scale, layout):
     return p, q4, k4, v4
 
 
-def _naive_probs(p, q4, k4, rnd):
+def _naive_probs(p, q4, k4, rnd, mask=None):
     """P in dtype arithmetic, with the row max m and row sum l (float64 holding dtype values)."""
     s = rnd(np.matmul(q4, k4.swapaxes(-1, -2)))
     s = rnd(s * rnd(p.scale))
-    if p.causal is not None:
-        s = np.where(masks.mask_matrix(np, p.causal, p.nq, p.nk), s, -np.inf)
+    if mask is None and p.causal is not None:
+        mask = masks.mask_matrix(np, p.causal, p.nq, p.nk)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
     if p.nk == 0:
         m = np.full(s.shape[:-1] + (1,), -np.inf)
     else:
@@ -87,20 +93,20 @@ def _naive_probs(p, q4, k4, rnd):
     return probs, m, l
 
 
-def naive_attention_in_dtype(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def naive_attention_in_dtype(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None):
     """(o, lse) by the naive formula, each primitive op exact then rounded to q's dtype.
 
     Returns NumPy arrays of the input dtype, shaped like cuflash.attention's outputs."""
     p, q4, k4, v4 = _naive_setup(q, k, v, causal, scale, layout)
     rnd = _Rounded(p.dtype)
-    probs, m, l = _naive_probs(p, q4, k4, rnd)
+    probs, m, l = _naive_probs(p, q4, k4, rnd, mask)
     o4 = rnd(np.matmul(probs, v4))
     seen = l > 0
     lse = np.where(seen, rnd(np.where(seen, m, 0.0) + rnd(np.log(np.where(seen, l, 1.0)))), -np.inf)[..., 0]
     return from_bhsd(o4.astype(p.dtype), p, p.hq, p.nq), lse.astype(p.dtype).reshape(p.lse_shape())
 
 
-def naive_attention_backward_in_dtype(do, q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def naive_attention_backward_in_dtype(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None):
     """(dq, dk, dv) by the naive formula, each primitive op exact then rounded to q's dtype.
 
     D = rowsum(dO * O) with O the naive forward in dtype; dk and dv are summed over the query
@@ -108,7 +114,7 @@ def naive_attention_backward_in_dtype(do, q, k, v, *, causal=False, scale=None, 
     p, q4, k4, v4 = _naive_setup(q, k, v, causal, scale, layout)
     do4 = to_bhsd(to_numpy(do), p, p.hq, p.nq).astype(_F64)
     rnd = _Rounded(p.dtype)
-    probs, _, _ = _naive_probs(p, q4, k4, rnd)
+    probs, _, _ = _naive_probs(p, q4, k4, rnd, mask)
     o4 = rnd(np.matmul(probs, v4))
     dv_h = rnd(np.matmul(probs.swapaxes(-1, -2), do4))
     dprobs = rnd(np.matmul(do4, v4.swapaxes(-1, -2)))
@@ -127,20 +133,34 @@ def naive_attention_backward_in_dtype(do, q, k, v, *, causal=False, scale=None, 
     )
 
 
-def reference64(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def _canonical64(p, q_side, k_side):
+    """(B, H, N, d) float64 copies of q-side and k-side NumPy arrays of problem p."""
+    return ([to_bhsd(a, p, p.hq, p.nq).astype(_F64) for a in q_side]
+            + [to_bhsd(a, p, p.hkv, p.nk).astype(_F64) for a in k_side])
+
+
+def reference64(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None):
     """(o, lse) of the float64 reference from the same (low-precision) inputs, as NumPy float64."""
     q, k, v = (to_numpy(a) for a in (q, k, v))
+    if mask is not None:
+        p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+        o4, lse3 = reference.forward_bhsd(p, *_canonical64(p, (q,), (k, v)), mask=mask)
+        return from_bhsd(o4, p, p.hq, p.nq), lse3.reshape(p.lse_shape())
     o, lse = reference.attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True,
                                  precision="float64")
     return o, lse
 
 
-def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None):
     """(dq, dk, dv) of the float64 reference from the same inputs, as NumPy float64.
 
     The reference rebuilds P from q and k; o and lse are only needed for validation and come
     from the float32 reference."""
     do, q, k, v = (to_numpy(a) for a in (do, q, k, v))
+    if mask is not None:
+        p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+        grads = reference.backward_bhsd(p, *_canonical64(p, (do, q), (k, v)), mask=mask)
+        return tuple(from_bhsd(g, p, h, n) for g, (h, n) in zip(grads, ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))))
     o, lse = reference.attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
     return reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
                                         precision="float64")
@@ -186,11 +206,12 @@ def assert_within_naive_error(name, got, ref64, naive, dtype, factor=2.0):
     return err, bound
 
 
-def assert_forward_within_naive_error(o, lse, q, k, v, *, causal=False, scale=None, layout="bhsd", factor=2.0):
+def assert_forward_within_naive_error(o, lse, q, k, v, *, causal=False, scale=None, layout="bhsd", factor=2.0,
+                                      mask=None):
     """The accuracy rule for a forward result (o, and lse unless None) against the float64 reference."""
     dtype = to_numpy(q).dtype
-    ref_o, ref_lse = reference64(q, k, v, causal=causal, scale=scale, layout=layout)
-    naive_o, naive_lse = naive_attention_in_dtype(q, k, v, causal=causal, scale=scale, layout=layout)
+    ref_o, ref_lse = reference64(q, k, v, causal=causal, scale=scale, layout=layout, mask=mask)
+    naive_o, naive_lse = naive_attention_in_dtype(q, k, v, causal=causal, scale=scale, layout=layout, mask=mask)
     assert to_numpy(o).dtype == dtype, f"o: dtype {dtype_name(to_numpy(o).dtype)}, want {dtype_name(dtype)}"
     assert_within_naive_error("o", o, ref_o, naive_o, dtype, factor)
     if lse is not None:
@@ -198,11 +219,12 @@ def assert_forward_within_naive_error(o, lse, q, k, v, *, causal=False, scale=No
         assert_within_naive_error("lse", lse, ref_lse, naive_lse, dtype, factor)
 
 
-def assert_backward_within_naive_error(grads, do, q, k, v, *, causal=False, scale=None, layout="bhsd", factor=3.0):
+def assert_backward_within_naive_error(grads, do, q, k, v, *, causal=False, scale=None, layout="bhsd", factor=3.0,
+                                       mask=None):
     """The accuracy rule for (dq, dk, dv) against the float64 reference gradients."""
     dtype = to_numpy(q).dtype
-    refs = reference64_backward(do, q, k, v, causal=causal, scale=scale, layout=layout)
-    naives = naive_attention_backward_in_dtype(do, q, k, v, causal=causal, scale=scale, layout=layout)
+    refs = reference64_backward(do, q, k, v, causal=causal, scale=scale, layout=layout, mask=mask)
+    naives = naive_attention_backward_in_dtype(do, q, k, v, causal=causal, scale=scale, layout=layout, mask=mask)
     for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
         assert to_numpy(got).dtype == dtype, f"{name}: dtype {dtype_name(to_numpy(got).dtype)}, want {dtype_name(dtype)}"
         assert_within_naive_error(name, got, ref, naive, dtype, factor)

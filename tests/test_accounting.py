@@ -15,30 +15,12 @@ import cuflash
 from cuflash import accounting, masks, report, schedule
 from cuflash._arrays import BFLOAT16
 
+from _brute_mask import brute_visible
+
 CAUSALS = (False, True, "bottom_right", "top_left")
 
 
 # --------------------------------------------------------------------------- brute force
-
-
-def brute_visible(causal, window, nq, nk):
-    """(nq, nk) boolean mask written straight from the documented definitions, one pair at a time."""
-    causal = masks.normalize_causal(causal)
-    vis = np.zeros((nq, nk), dtype=bool)
-    for i in range(nq):
-        diag = i if causal == "top_left" else i + nk - nq
-        for j in range(nk):
-            ok = True
-            if causal is not None:
-                ok = ok and j <= diag
-            if window is not None:
-                left, right = window
-                if left >= 0:
-                    ok = ok and j >= diag - left
-                if right >= 0:
-                    ok = ok and j <= diag + right
-            vis[i, j] = ok
-    return vis
 
 
 def brute_pairs(causal, window, nq, nk):
