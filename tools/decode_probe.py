@@ -1,0 +1,74 @@
+"""Decode probe (GPU machine): cuDNN / FA2 vs cuflash's split-KV decode over tile shapes, ring
+depths and split waves on the peers' decode grid, timed like benchmarks/peers.py (L2 flushed,
+launch hidden behind a GPU spin), plus the host time of one cuflash.attention call.
+
+    python tools/decode_probe.py out.json [--quick]
+"""
+import json
+import sys
+import time
+
+sys.path.insert(0, ".")
+import cupy as cp
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cuflash
+from benchmarks.peers import Timer
+from cuflash import gpu_decode, schedule
+from cuflash._problem import validate_forward
+
+quick = "--quick" in sys.argv
+timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
+CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
+CANDS = [(16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 4, 6), (16, 8, 3), (16, 8, 4), (32, 4, 3), (32, 4, 4),
+         (16, 2, 6), (16, 2, 8), (32, 2, 4), (64, 2, 3), (64, 4, 2)]
+WAVES = (1, 2, 3, 4, 6)
+if quick:
+    CELLS, CANDS, WAVES = CELLS[:3], CANDS[:4], (1, 2)
+out = []
+for L, B, hkv in CELLS:
+    hq, d = 32, 128
+    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    nbytes = 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+    row = {"L": L, "B": B, "hkv": hkv, "tbps": {}, "ms": {}}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel([be]):
+            ms, _ = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        row["ms"][name], row["tbps"][name] = ms, nbytes / ms / 1e9
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    ms, _ = timer(lambda: cuflash.attention(qc, kc, vc))
+    row["ms"]["api"], row["tbps"]["api"] = ms, nbytes / ms / 1e9
+    # host cost of one call: launches queued behind a long spin, so the host is the only clock
+    torch.cuda._sleep(50_000_000)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        cuflash.attention(qc, kc, vc)
+    row["host_us_per_call"] = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    p = validate_forward(qc, kc, vc)
+    o4 = cp.empty_like(qc)
+    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
+    ref = cuflash.attention(qc, kc, vc)
+    for bn, w, st in CANDS:
+        t = schedule.DecodeTile(bn, w, st, 2, "probe")
+        for waves in WAVES:
+            key = f"{bn}x{w}s{st}v{waves}"
+            try:
+                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, tile=t, waves=waves)
+                f()
+                err = float(cp.abs(o4.astype(cp.float32) - ref.astype(cp.float32)).max())
+                ms, _ = timer(f)
+                row["ms"][key], row["tbps"][key] = ms, nbytes / ms / 1e9
+                if err > 0.05:
+                    row["tbps"][key] = f"wrong: {err}"
+            except Exception as e:
+                row["tbps"][key] = repr(e)[:100]
+    best = sorted(((v_, k_) for k_, v_ in row["tbps"].items() if isinstance(v_, float) and k_ not in ("cudnn", "flash")), reverse=True)[:6]
+    print("DECODE", L, B, hkv, "cudnn %.2f flash %.2f api %.2f host %.0fus" % (row["tbps"]["cudnn"], row["tbps"]["flash"], row["tbps"]["api"], row["host_us_per_call"]),
+          [(k_, round(v_, 2)) for v_, k_ in best], flush=True)
+    out.append(row)
+    del q, k, v, qc, kc, vc
+json.dump(out, open(sys.argv[1], "w"), indent=1)
