@@ -37,16 +37,29 @@ struct FwdTraits {
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
 
+// Band and packed sequences (attn_fwd_band): query i of a sequence sees key j iff
+// i + lo <= j <= i + hi (cuflash.masks.row_bounds). The host passes hi (causal_off) and lo relative
+// to the diagonal; `align` adds the sequence's nk - nq (bottom-right). An open side is INT_MAX / -INT_MAX,
+// clamped here to nk / -nq (equivalent, and no overflow later). cu_q / cu_k (int32, B + 1; null
+// for a uniform batch) give each z-block its own rows of the packed (total, H, d) arrays; lse and
+// the batch strides then index the packed arrays as batch 0.
+struct FwdBand {
+    int lo_off, align;
+    const int* cu_q;
+    const int* cu_k;
+};
+
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          bool LAZY_RESCALE = true>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-         u16* __restrict__ o, float* __restrict__ lse,
-         i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-         i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-         int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+          bool LAZY_RESCALE, bool BAND>
+__device__ __forceinline__ void
+attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+              u16* __restrict__ o, float* __restrict__ lse,
+              i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+              i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+              int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band) {
     using Tr = FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES>;
     constexpr int kMmaM = Tr::kMmaM, kNS = Tr::kNTilesS, kNO = Tr::kNTilesO;
+    constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     u16* sK = sQ + Tr::kTileQ;
@@ -54,28 +67,51 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
     const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, hk = h / group;
+    int b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = m_block * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, nq - m0);
+    // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b).
+    int nq_b = nq, nk_b = nk, hi = causal_off, lo = 0;
+    int q_row0 = 0, k_row0 = 0;
+    if constexpr (BAND) {
+        if (band.cu_q != nullptr) {
+            q_row0 = band.cu_q[b];
+            k_row0 = band.cu_k[b];
+            nq_b = band.cu_q[b + 1] - q_row0;
+            nk_b = band.cu_k[b + 1] - k_row0;
+            b = 0;  // packed arrays: one batch entry, rows picked by the offsets
+        }
+        if (m0 >= nq_b) return;  // the grid covers the longest sequence
+        const i64 shift = band.align ? (i64)nk_b - nq_b : 0;
+        hi = (int)min((i64)causal_off + shift, (i64)nk_b);
+        lo = (int)max((i64)band.lo_off + shift, -(i64)nq_b);
+    }
+    const int rows_valid = min(BLOCK_M, nq_b - m0);
 
-    const u16* gQ = q + b * q_sb + h * q_sh + m0 * q_sn;
-    const u16* gK = k + b * k_sb + hk * k_sh;
-    const u16* gV = v + b * v_sb + hk * v_sh;
+    const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
+    const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
+    const u16* gV = v + b * v_sb + hk * v_sh + (i64)k_row0 * v_sn;
 
-    // Keys this tile can see: all of them, or up to the last valid row's causal limit.
-    int n_end = nk;
-    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    // Keys this tile can see: all of them, or up to the last valid row's causal limit, and from
+    // the first row's lower limit under a band (whole tiles outside are never loaded).
+    int n_end = nk_b;
+    if constexpr (kHi) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
+    int j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (BAND) {
+        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
+        j0 = n_begin / BLOCK_N;
+        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
+    }
 
     // Prologue: Q and the first STAGES-1 K/V tiles in flight (one commit group per tile).
     load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, gQ, q_sn, rows_valid, d, threadIdx.x);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n_tiles) {
-            const int n0 = s * BLOCK_N;
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d, threadIdx.x);
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d, threadIdx.x);
+            const int n0 = (j0 + s) * BLOCK_N;
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk_b - n0, d, threadIdx.x);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk_b - n0, d, threadIdx.x);
         }
         cp_async_commit();
     }
@@ -105,9 +141,9 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
         {
             const int jn = j + STAGES - 1;
             if (jn < n_tiles) {
-                const int slot = jn % STAGES, n0 = jn * BLOCK_N;
-                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk - n0, d, threadIdx.x);
-                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk - n0, d, threadIdx.x);
+                const int slot = jn % STAGES, n0 = (j0 + jn) * BLOCK_N;
+                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk_b - n0, d, threadIdx.x);
+                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk_b - n0, d, threadIdx.x);
             }
             cp_async_commit();
         }
@@ -153,23 +189,25 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
             }
         }
 
-        // Mask keys past the end and, under causality, keys after each row's diagonal. Only the
-        // tiles that straddle a boundary pay for it.
-        const int n0 = j * BLOCK_N;
-        const bool need_mask = (n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + causal_off);
+        // Mask keys past the end and, under causality, keys after each row's diagonal (and, under
+        // a band, keys before its lower limit). Only the tiles that straddle a boundary pay for it.
+        const int n0 = (j0 + j) * BLOCK_N;
+        bool need_mask = (n0 + BLOCK_N > nk_b) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + hi);
+        if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + lo;
         if (need_mask) {
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
-                    const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+                    const int limit = kHi ? min(nk_b, row + hi + 1) : nk_b;
+                    const int first = BAND ? row + lo : 0;
 #pragma unroll
                     for (int ni = 0; ni < kNS; ++ni)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
-                            if (col >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
+                            if (col >= limit || (BAND && col < first)) acc_s[mi][ni][2 * hf + e] = -INFINITY;
                         }
                 }
         }
@@ -205,7 +243,10 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
             }
         }
     __syncwarp();
-    u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
+    if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
+        if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
+    }
+    u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
     constexpr int kStoreIters = Tr::kRowsPerWarp * Tr::kChunks / 32;
 #pragma unroll
     for (int it = 0; it < kStoreIters; ++it) {
@@ -225,11 +266,39 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
         }
     }
     if ((lane & 3) == 0) {
-        float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
+        float* gL = lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0);
 #pragma unroll
         for (int r = 0; r < 2 * kMmaM; ++r) {
             const int row = warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
             if (row < rows_valid) gL[row] = row_lse[r];
         }
     }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool LAZY_RESCALE = true>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+         u16* __restrict__ o, float* __restrict__ lse,
+         i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+         i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+         int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, LAZY_RESCALE, false>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr});
+}
+
+// Sliding window and/or packed sequences: both bounds at run time (an open side clamps away) and
+// per-sequence lengths. A kernel of its own so the plain kernels' code stays as it was.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool VEC, bool LAZY_RESCALE>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+              u16* __restrict__ o, float* __restrict__ lse,
+              i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+              i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+              int nq, int nk, int d, int group, int hi_off, float scale_log2,
+              int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, true, VEC, LAZY_RESCALE, true>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, hi_off, scale_log2, FwdBand{lo_off, align, cu_q, cu_k});
 }

@@ -228,21 +228,6 @@ def check_kv_lens(kv_lens, p: Problem, validate: bool = True):
     return dev, host
 
 
-def check_host_only(q, window, cu_seqlens_q, cu_seqlens_k):
-    """NotImplementedError, before anything runs, for arguments the CUDA kernels lack (issue #5).
-
-    ``q`` is the native array (NumPy or CuPy) the public function computes on; window=(-1, -1) is
-    no window and runs everywhere."""
-    if isinstance(q, np.ndarray):
-        return
-    for name, given in (("window=", masks.normalize_window(window) is not None),
-                        ("cu_seqlens_q= / cu_seqlens_k=", cu_seqlens_q is not None or cu_seqlens_k is not None)):
-        if given:
-            raise NotImplementedError(
-                f"cuflash: {name} is not implemented on the GPU yet (issue #5); NumPy inputs run the CPU backend"
-            )
-
-
 def _check_offsets_array(name, c, xp):
     if array_namespace(c) is not xp:
         raise TypeError(f"{name}: expected a {xp.__name__}.ndarray like q, got {type(c).__name__}")
@@ -273,8 +258,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
     The Problem is that of the packed arrays read as "bshd" without a batch axis (so its q_shape
     is q's shape and its lse_shape (Hq, total_q)); spans are (q0, q1, k0, k1) per sequence.
     ``grads``: (do, o, lse) for the backward. The offsets' values are read and checked on the host
-    (for CuPy offsets, as the materializing reference takes them, a device-to-host copy): every
-    caller loops over the sequences on the host anyway."""
+    (for CuPy offsets a device-to-host copy): the CPU backend and the reference loop over the
+    sequences, and the GPU launch sizes its grid by the longest one."""
     if kv_lens is not None:
         raise ValueError("kv_lens: cannot be combined with cu_seqlens_q / cu_seqlens_k (give each packed "
                          "sequence its own length through the offsets)")

@@ -58,17 +58,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         cu_seqlens_k[b+1]), with causal/window alignment per sequence; empty sequences are
         allowed. o is (total_q, Hq, d) and lse (Hq, total_q), as FlashAttention's varlen returns
         it. Not combinable with kv_lens. Dtype, 1-D shape and equal lengths are checked without a
-        copy; the values (start at 0, non-decreasing, last = total) are read on the host: NumPy
-        offsets are always checked, since the CPU backend reads them anyway. On the GPU they will
-        cost a device-to-host copy that validate=False skips, as for kv_lens; today CuPy, torch
-        CUDA and JAX GPU inputs raise NotImplementedError for ``window`` and ``cu_seqlens_*``
-        before anything runs (issue #5).
+        copy; the values (start at 0, non-decreasing, last = total) are read on the host and
+        always checked: the CPU backend loops over them, and the GPU's single launch needs the
+        longest sequence for its grid, so CuPy offsets cost one device-to-host copy even with
+        validate=False. On the GPU, window and cu_seqlens_* run the mma.sync band kernel
+        (float16/bfloat16; float32 GPU inputs raise NotImplementedError).
 
     Returns
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
     """
-    _problem.check_host_only(q, window, cu_seqlens_q, cu_seqlens_k)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
                                  window=window, kv_lens=kv_lens, return_lse=return_lse, out=out)
@@ -102,7 +101,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     if p.xp is not np:
         from . import gpu_decode
 
-        if gpu_decode.applies(p, k4, v4):
+        if p.window is None and gpu_decode.applies(p, k4, v4):  # the decode kernel masks no band
             gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
@@ -115,16 +114,48 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, **options):
-    """Packed sequences (cu_seqlens_*): each one is its own problem over its slices of q, k, v."""
+    """Packed sequences (cu_seqlens_*): on the GPU one launch over all sequences; on the CPU each
+    one is its own problem over its slices of q, k, v."""
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
     o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
+    if p.xp is not np:
+        from . import gpu
+
+        cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+        (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
+        q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+        gpu.forward_band(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
+        if not direct[0]:
+            o[...] = from_bhsd(o4, p, p.hq, p.nq)
+        return (o, lse) if return_lse else o
     for pb, qs, ks in _problem.sequences(p, spans):
         q4, o4 = _sequence_views(pb, qs, "q", q, o)
         k4, v4 = _sequence_views(pb, ks, "k", k, v)
         _backend(p).forward(pb, q4, k4, v4, o4, lse[None, :, qs])
     return (o, lse) if return_lse else o
+
+
+def _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans):
+    """((cu_q, cu_k) contiguous on the device, (longest q sequence, longest k sequence))."""
+    import cupy
+
+    cu = (cupy.ascontiguousarray(cu_seqlens_q), cupy.ascontiguousarray(cu_seqlens_k))
+    longest = (max((q1 - q0 for q0, q1, _, _ in spans), default=0), max((k1 - k0 for _, _, k0, k1 in spans), default=0))
+    return cu, longest
+
+
+def _packed_outputs(p, arrays, rows):
+    """(1, H, total, d) views of packed outputs, or scratch arrays where out='s strides do not
+    allow a view with a unit head-dim stride (the caller copies those in afterwards)."""
+    views, direct = [], []
+    for a, (h, n) in zip(arrays, rows):
+        a4 = to_bhsd(a, p, h, n)
+        ok = is_view_of(a4, a) and (p.d == 1 or a4.strides[-1] == a4.itemsize)
+        views.append(a4 if ok else p.xp.empty((1, h, n, p.d), dtype=p.dtype))
+        direct.append(ok)
+    return views, direct
 
 
 def _sequence_views(pb, rows, side, *arrays):
@@ -144,9 +175,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     ``out`` : optional tuple (dq, dk, dv) of arrays to write the gradients into (shapes of q, k,
     k; q's dtype; overlapping neither the inputs nor each other).
     ``window``, ``cu_seqlens_q``, ``cu_seqlens_k`` : as for :func:`attention` (packed do, o like
-    q and lse (Hq, total_q)); NumPy inputs only for now, the GPU raises NotImplementedError.
+    q and lse (Hq, total_q)); on the GPU the mma.sync band kernels (float16/bfloat16).
     """
-    _problem.check_host_only(q, window, cu_seqlens_q, cu_seqlens_k)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
                                 layout=layout, window=window, deterministic=deterministic, out=out)
@@ -181,6 +211,18 @@ def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, determi
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), **options)
     _check_deterministic(deterministic)
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
+    if p.xp is not np:  # one launch per kernel over all sequences
+        cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+        rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
+        grads, direct = _packed_outputs(p, (dq, dk, dv), rows)
+        do4, q4, o4 = (to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o))
+        k4, v4 = (to_bhsd(a, p, p.hkv, p.nk) for a in (k, v))
+        _backend(p).backward(p, do4, q4, k4, v4, o4, lse[None], *grads, deterministic=bool(deterministic),
+                             cu_seqlens=cu, max_seqlens=longest)
+        for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
+            if not ok:
+                g[...] = from_bhsd(g4, p, h, n)
+        return dq, dk, dv
     for pb, qs, ks in _problem.sequences(p, spans):
         do4, q4, o4, dq4 = _sequence_views(pb, qs, "q", do, q, o, dq)
         k4, v4, dk4, dv4 = _sequence_views(pb, ks, "k", k, v, dk, dv)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from . import schedule
+from . import masks, schedule
 from ._arrays import BFLOAT16, FLOAT16, FLOAT32
 from ._build import KernelSpec, get_function
 
 _MAX_GRID_Z = 65535
 _LOG2E = 1.4426950408889634
+OPEN = 2**31 - 1  # an open side of the band kernels' mask; they clamp it to the sequence
 
 
 def _elem_strides(a4):
@@ -40,24 +43,42 @@ def _vector_ok(arrays, d) -> bool:
 _TYPE_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 
 
-def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None):
+def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False):
     """(KernelSpec, TileConfig) of the forward kernel for these runtime choices.
 
-    The compile check instantiates exactly these, so what CI compiles is what runs."""
+    ``band``: the sliding-window / packed-sequence kernel attn_fwd_band (16-bit only; ``causal``
+    is then ignored, the bounds are run-time arguments). The compile check instantiates exactly
+    these, so what CI compiles is what runs."""
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
+        if band:
+            raise NotImplementedError(_FP32_BAND)
         from .gpu_fp32 import forward_spec_fp32
 
         return forward_spec_fp32(d, causal, vec)
     hd, t = schedule.forward_tile(d, vec)
+    if band and tile is None and hd in _BAND_BLOCK_N:
+        t = dataclasses.replace(t, block_n=_BAND_BLOCK_N[hd], reason=f"band kernel: {_BAND_BLOCK_N[hd]}-key tiles")
     t = tile or t
-    expr = (
-        f"attn_fwd<{_TYPE_TAG[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-        f"{'true' if causal else 'false'}, {'true' if vec else 'false'}"
-        + ("" if t.lazy_rescale else ", false")
-        + ">"
-    )
+    head = f"{_TYPE_TAG[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
+    if band:
+        expr = f"attn_fwd_band<{head}, {_b(vec)}, {_b(t.lazy_rescale)}>"
+    else:
+        expr = f"attn_fwd<{head}, {_b(causal)}, {_b(vec)}" + ("" if t.lazy_rescale else ", false") + ">"
     return KernelSpec("attn_fwd.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+# The band kernel keeps its bounds and sequence lengths in registers (the plain kernels read nk and
+# the causal offset from kernel parameters): at d = 192 the table's 64-key tile then spills
+# (255 registers + 32 bytes), the 32-key tile fits (239).
+_BAND_BLOCK_N = {192: 32}
+
+_FP32_BAND = ("cuflash: window= and cu_seqlens_q= / cu_seqlens_k= are not implemented for float32 GPU inputs "
+              "(float16/bfloat16 run them on the GPU; NumPy inputs run the CPU backend)")
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
 
 
 def all_forward_specs():
@@ -68,7 +89,18 @@ def all_forward_specs():
             for causal in (False, True):
                 for vec in (False, True):
                     specs.append(forward_spec(dtype, hd, causal, vec)[0])
+            if dtype != FLOAT32:
+                for vec in (False, True):
+                    specs.append(forward_spec(dtype, hd, True, vec, band=True)[0])
     return list(dict.fromkeys(specs))
+
+
+def band_offsets(p):
+    """(hi, lo, align) for the band kernels: masks.row_bounds relative to the diagonal (rows see
+    keys diag + lo .. diag + hi), an open side as +-OPEN; align: the diagonal is i + nk - nq of
+    each sequence (bottom-right), else i (top-left)."""
+    lo, hi = masks.row_bounds(p.causal, p.window, 0, 0)  # nq = nk = 0: offsets from the diagonal
+    return (OPEN if hi is None else hi), (-OPEN if lo is None else lo), int(p.causal != "top_left")
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
@@ -76,6 +108,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 
     `tile` overrides the table's TileConfig (schedule search and benchmarks)."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    if p.window is not None:  # the band kernel; neither the decode nor the wgmma kernels mask a band
+        forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
         return
     q4, k4, v4 = _unit_d(q4), _unit_d(k4), _unit_d(v4)
     if tile is None:
@@ -122,7 +157,51 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3):
         fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 
 
-def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False):
+def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):
+    """Sliding window and/or packed sequences on attn_fwd_band (every GPU, 16-bit inputs).
+
+    Uniform batch: as :func:`forward`. Packed (``cu_seqlens=(cu_q, cu_k)``, device int32 arrays
+    of B + 1 offsets): q4, k4, v4, o4 are (1, H, total, d) views of the packed arrays, lse3 is
+    (1, Hq, total_q), and ``max_seqlen_q`` (a host int: the grid covers the longest sequence) is
+    required; one launch serves every sequence (grid z), a block past its sequence returns."""
+    if np.dtype(p.dtype) == FLOAT32:
+        raise NotImplementedError(_FP32_BAND)
+    if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    q4, k4, v4 = _unit_d(q4), _unit_d(k4), _unit_d(v4)
+    if o4.strides[-1] != o4.itemsize and p.d > 1:
+        raise ValueError("out: the head dim must have unit stride")
+    vec = _vector_ok((q4, k4, v4, o4), p.d)
+    spec, t = forward_spec(p.dtype, p.d, True, vec, tile, band=True)
+    fn = get_function(spec)
+    hi, lo, align = band_offsets(p)
+    strides = []
+    for a in (q4, k4, v4, o4):
+        strides += [np.int64(s) for s in _elem_strides(a)[:3]]
+    head = (*strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), np.int32(hi),
+            np.float32(p.scale * _LOG2E), np.int32(lo), np.int32(align))
+    if cu_seqlens is None:
+        m_blocks = -(-p.nq // t.block_m)
+        for b0 in range(0, p.batch, _MAX_GRID_Z):
+            b1 = min(p.batch, b0 + _MAX_GRID_Z)
+            # A batch slice moves the base pointers: the kernel indexes lse by (b, h) of its chunk.
+            args = (q4[b0:b1], k4[b0:b1], v4[b0:b1], o4[b0:b1], lse3[b0:b1], *head, np.uint64(0), np.uint64(0))
+            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
+        return
+    if max_seqlen_q is None:
+        raise ValueError("max_seqlen_q: required with cu_seqlens (the grid covers the longest sequence)")
+    cu_q, cu_k = cu_seqlens
+    m_blocks = -(-int(max_seqlen_q) // t.block_m)
+    n_seq = cu_q.shape[0] - 1
+    if m_blocks == 0 or n_seq == 0:
+        return
+    for s0 in range(0, n_seq, _MAX_GRID_Z):
+        s1 = min(n_seq, s0 + _MAX_GRID_Z)
+        args = (q4, k4, v4, o4, lse3, *head, cu_q[s0:], cu_k[s0:])
+        fn((m_blocks, p.hq, s1 - s0), (spec.threads,), args, shared_mem=spec.smem_bytes)
+
+
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, **band):
     from . import gpu_backward
 
-    gpu_backward.backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic)
+    gpu_backward.backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, **band)

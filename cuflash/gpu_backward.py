@@ -71,7 +71,8 @@ def workspace_bytes(p) -> int:
     return p.batch * p.hq * p.nq * (hd + 1) * 4
 
 
-def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None):
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
+             cu_seqlens=None, max_seqlens=None):
     """hopper_tile (a schedule.HopperBwdTile, schedule search): the wgmma K/V kernel's tile; only
     where gpu_hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile."""
     import cupy
@@ -79,6 +80,9 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     from . import gpu_hopper
     from .gpu import _unit_d, _vector_ok
 
+    if p.window is not None or cu_seqlens is not None:
+        raise NotImplementedError("cuflash: window= and cu_seqlens_q= / cu_seqlens_k= are not implemented in the GPU "
+                                  "backward yet (issue #5); the GPU forward runs them")
     if p.batch == 0 or p.hq == 0:
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))

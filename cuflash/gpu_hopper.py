@@ -40,6 +40,8 @@ def _is_hopper(device_id: int) -> bool:
 def _applies(p, vec: bool, table) -> bool:
     if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
         return False
+    if p.window is not None:  # no band mask here: the mma.sync band kernels take windows (and packed sequences)
+        return False
     if schedule.head_dim_bucket(p.d) not in table or not enabled():
         return False
     import cupy

@@ -457,7 +457,7 @@ def test_cu_seqlens_backward_checks_packed_shapes(rng):
         cuflash.attention_backward(o, q, k, v, o, lse, deterministic="yes", **kw)
 
 
-# ----------------------------------------------------------------------------- GPU inputs: not yet
+# ----------------------------------------------------------------------------- GPU inputs: routing
 
 
 class StubCupyArray:
@@ -467,7 +467,7 @@ class StubCupyArray:
     device = types.SimpleNamespace(id=0)
 
     def __getattr__(self, name):
-        raise AssertionError(f"the GPU guard must not read the array (read .{name})")
+        raise AssertionError(f"the routing must not read the array before validation (read .{name})")
 
 
 @pytest.fixture
@@ -483,32 +483,33 @@ class ReachedValidation(Exception):
     pass
 
 
-GPU_MESSAGES = {
-    "window": "cuflash: window= is not implemented on the GPU yet (issue #5); NumPy inputs run the CPU backend",
-    "cu_seqlens": "cuflash: cu_seqlens_q= / cu_seqlens_k= is not implemented on the GPU yet (issue #5); "
-                  "NumPy inputs run the CPU backend",
-}
-
-
-@pytest.mark.parametrize("kw, which", [
-    (dict(window=(4, 0)), "window"), (dict(window=(-1, 3)), "window"),
-    (dict(cu_seqlens_q=StubCupyArray(), cu_seqlens_k=StubCupyArray()), "cu_seqlens"),
-    (dict(cu_seqlens_q=StubCupyArray()), "cu_seqlens"),
+@pytest.mark.parametrize("kw, validator", [
+    (dict(window=(4, 0)), "validate_forward"), (dict(window=(-1, 3)), "validate_forward"),
+    (dict(cu_seqlens_q=StubCupyArray(), cu_seqlens_k=StubCupyArray()), "validate_varlen"),
+    (dict(cu_seqlens_q=StubCupyArray()), "validate_varlen"),
 ])
-def test_gpu_inputs_raise_not_implemented_before_anything_runs(fake_cupy, monkeypatch, kw, which):
-    def unreachable(*a, **k):
-        raise AssertionError("validation or a kernel was reached")
+def test_gpu_inputs_with_window_or_cu_seqlens_reach_validation(fake_cupy, monkeypatch, kw, validator):
+    # The GPU runs both now (issue #5): no guard stops them, and they reach the same validation as
+    # NumPy inputs (which names bad arguments), with the window passed on.
+    def reached(*a, **k):
+        if "window" in kw:
+            assert k.get("window") == kw["window"]
+        raise ReachedValidation
 
-    monkeypatch.setattr(_problem, "validate_forward", unreachable)
-    monkeypatch.setattr(_problem, "validate_backward", unreachable)
+    def unreachable(*a, **k):
+        raise AssertionError("the wrong validation was reached")
+
+    for name in ("validate_forward", "validate_backward", "validate_varlen"):
+        monkeypatch.setattr(_problem, name, unreachable)
+    monkeypatch.setattr(_problem, validator, reached)
+    if validator == "validate_forward":
+        monkeypatch.setattr(_problem, "validate_backward", reached)
     a = StubCupyArray()
-    calls = [lambda: cuflash.attention(a, a, a, causal=True, **kw),
-             lambda: cuflash.attention_backward(a, a, a, a, a, a, **kw),
-             lambda: cuflash.attention_vjp(a, a, a, **kw)]
-    for call in calls:
-        with pytest.raises(NotImplementedError) as info:
+    for call in (lambda: cuflash.attention(a, a, a, causal=True, **kw),
+                 lambda: cuflash.attention_backward(a, a, a, a, a, a, **kw),
+                 lambda: cuflash.attention_vjp(a, a, a, **kw)):
+        with pytest.raises(ReachedValidation):
             call()
-        assert str(info.value) == GPU_MESSAGES[which]
 
 
 @pytest.mark.parametrize("window", [None, (-1, -1)])
@@ -532,3 +533,47 @@ def test_gpu_bad_window_is_still_a_value_error(fake_cupy):
     a = StubCupyArray()
     with pytest.raises(ValueError, match=r"^window:"):
         cuflash.attention(a, a, a, window=(-3, 0))
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("window", [None, (0, 0), (2, -1), (-1, 1), (1, 3), (4, 0), (0, 5), (30, 30), (-1, -1)])
+def test_band_kernel_offsets_match_brute_force(causal, window):
+    # The band kernels get the bounds relative to the diagonal (cuflash.gpu.band_offsets), add each
+    # sequence's nk - nq when aligned bottom-right, and clamp an open side (+-OPEN) to nk / -nq.
+    # Done the kernels' way (64-bit sums, then the clamp) for every small (nq, nk), that must be
+    # the documented mask.
+    from cuflash import gpu
+
+    p = types.SimpleNamespace(causal=masks.normalize_causal(causal), window=masks.normalize_window(window))
+    hi_rel, lo_rel, align = gpu.band_offsets(p)
+    assert -gpu.OPEN <= lo_rel <= hi_rel <= gpu.OPEN and gpu.OPEN == 2**31 - 1
+    for nq in range(0, 9):
+        for nk in range(0, 9):
+            shift = nk - nq if align else 0
+            hi, lo = min(hi_rel + shift, nk), max(lo_rel + shift, -nq)
+            i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+            got = (j <= i + hi) & (j >= i + lo)
+            assert np.array_equal(got, brute_visible(causal, window, nq, nk)), (nq, nk)
+
+
+def test_window_problems_never_take_the_hopper_kernels(rng):
+    # The wgmma kernels mask no band: applies() must refuse a windowed problem before it asks for a
+    # device (so this runs without a GPU). The GPU tests check which kernels actually launch.
+    from cuflash import gpu_hopper
+
+    q, k, v = random_inputs(rng, (1, 2, 8, 64), (1, 2, 300, 64), np.float16)
+    p = _problem.validate_forward(q, k, v, causal=True, window=(16, 0))
+    assert gpu_hopper.applies(p, True) is False and gpu_hopper.backward_applies(p, True) is False
+
+
+def test_float32_band_kernel_is_not_implemented():
+    from cuflash import gpu
+
+    with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
+        gpu.forward_spec(np.float32, 64, True, True, band=True)
+    # every 16-bit (head dim, load path) has its band kernel in the list CI compiles
+    names = {s.expression for s in gpu.all_forward_specs()}
+    for dtype in (np.float16, BFLOAT16):
+        for hd in schedule.HEAD_DIM_BUCKETS:
+            for vec in (False, True):
+                assert gpu.forward_spec(dtype, hd, True, vec, band=True)[0].expression in names
