@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
+#include "decode_common.cuh"
 
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
 struct DecodeTraits {
@@ -34,7 +35,7 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
             i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
             int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
-    constexpr int kRows = Tr::kRows, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
+    constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
@@ -42,42 +43,15 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages
     float* s_stat = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM + WARPS * Tr::kRingElems);  // [WARPS][kRows][2]
 
-    const int rows = group * nq;  // row r = (head hk*group + r / nq, token r % nq)
-    const int len = kv_lens ? min(kv_lens[b], nk) : nk;
-    const int off = CAUSAL ? (bottom_right ? len - nq : 0) : 0;
-    const int s0 = split * chunk;
-    int s1 = min(len, s0 + chunk);
-    if constexpr (CAUSAL) s1 = min(s1, max(0, nq - 1 + off + 1));  // last token's limit
-    const int n_keys = max(0, s1 - s0);
-    const int n_tiles = (n_keys + BLOCK_N - 1) / BLOCK_N;
+    const DecodeSpan<CAUSAL> span(kv_lens, b, nk, nq, bottom_right, split, chunk);
+    const int s0 = span.s0, s1 = span.s1, off = span.off;
+    const int n_tiles = (max(0, s1 - s0) + BLOCK_N - 1) / BLOCK_N;
 
     // Q rows, packed and zero-padded, then into registers (reused for every key tile).
-    for (int i = threadIdx.x; i < kRows * Tr::kChunks; i += Tr::kThreads) {
-        const int r = i / Tr::kChunks, col = (i % Tr::kChunks) * 8;
-        u32 w[4] = {0u, 0u, 0u, 0u};
-        if (r < rows) {
-            const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;
-                const u32 hi = col + 2 * e + 1 < d ? src[2 * e + 1] : 0u;
-                w[e] = lo | (hi << 16);
-            }
-        }
-        *reinterpret_cast<uint4*>(sQ + Tr::Swz::offset(r, col)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     __syncthreads();
     const u32 sbase = smem_addr(smem);
-    // Q fragments stay in registers when they are few; otherwise they are re-read from sQ.
-    constexpr bool kQRegs = ROW_TILES * HEAD_DIM <= 128;
-    const LaneAddr<HEAD_DIM> aQ(sbase, lane & 15, lane >> 4);
-    u32 qf[kQRegs ? ROW_TILES : 1][kQRegs ? kKS : 1][4];
-    if constexpr (kQRegs) {
-#pragma unroll
-        for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-            for (int kk = 0; kk < kKS; ++kk) ldmatrix_x4(qf[mi][kk], aQ.at(mi * 16, kk * 2));
-    }
+    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
 
     const u16* gK = k + b * k_sb + hk * k_sh;
     const u16* gV = v + b * v_sb + hk * v_sh;
@@ -98,13 +72,8 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
 
     float acc_o[ROW_TILES][kNO][4];
-#pragma unroll
-    for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mi][ni][e] = 0.f;
     OnlineSoftmax<2 * ROW_TILES> softmax;
+    zero_acc(acc_o);
 
     for (int t = 0; t < my_tiles; ++t) {
         cp_async_wait<STAGES - 2>();
@@ -112,112 +81,15 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         if (t + STAGES - 1 < my_tiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
         cp_async_commit();
         const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
-
-        float acc_s[ROW_TILES][kNS][4];
-#pragma unroll
-        for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < kKS; ++kk) {
-            u32 a[ROW_TILES][4];
-#pragma unroll
-            for (int mi = 0; mi < ROW_TILES; ++mi) {
-                if constexpr (kQRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mi][e] = qf[mi][kk][e];
-                } else {
-                    ldmatrix_x4(a[mi], aQ.at(mi * 16, kk * 2));
-                }
-            }
-#pragma unroll
-            for (int ni = 0; ni < kNS; ni += 2) {
-                u32 bk[4];
-                ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + slot);
-#pragma unroll
-                for (int mi = 0; mi < ROW_TILES; ++mi) {
-                    mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
-                    mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
-                }
-            }
-        }
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        if (n0 + BLOCK_N > s1 || CAUSAL) {
-#pragma unroll
-            for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int r = mi * 16 + (lane >> 2) + 8 * hf;
-                    const int limit = CAUSAL ? min(s1, (r % nq) + off + 1) : s1;
-#pragma unroll
-                    for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
-                }
-        }
-        softmax.template update<ROW_TILES, kNS, kNO>(acc_s, acc_o, scale_log2);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, slot);
+        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL>(qa, aK, aV, slot, slot, n0, s1, off, nq, lane,
+                                                                 softmax, acc_o, scale_log2);
     }
     cp_async_wait<0>();
 
-    // Merge the warps: each publishes (max, sum) per row; every warp rescales its O to the common
-    // max and adds it into a float buffer that reuses the (now idle) K/V rings.
-    constexpr float kLn2 = 0.6931471805599453f;
-#pragma unroll
-    for (int r2 = 0; r2 < 2 * ROW_TILES; ++r2) {
-        const float sum = quad_sum(softmax.l[r2]);
-        if ((lane & 3) == 0) {
-            const int r = (r2 / 2) * 16 + (lane >> 2) + 8 * (r2 % 2);
-            s_stat[(warp * kRows + r) * 2] = softmax.m[r2];
-            s_stat[(warp * kRows + r) * 2 + 1] = sum;
-        }
-    }
-    __syncthreads();  // statistics visible; every warp is past its loop, so the rings are free
-    float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);
-    for (int i = threadIdx.x; i < kRows * HEAD_DIM; i += Tr::kThreads) sO[i] = 0.f;
-    __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = mi * 16 + (lane >> 2) + 8 * hf;
-            float mx = -INFINITY;
-            for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, s_stat[(w * kRows + r) * 2]);
-            const float mine = softmax.m[2 * mi + hf];
-            const float f = mine == -INFINITY ? 0.f : fast_exp2((mine - mx) * scale_log2);
-#pragma unroll
-            for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    atomicAdd(&sO[r * HEAD_DIM + ni * 8 + 2 * (lane & 3) + e], acc_o[mi][ni][2 * hf + e] * f);
-        }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * HEAD_DIM; i += Tr::kThreads) {
-        const int r = i / HEAD_DIM, c = i % HEAD_DIM;
-        if (c >= d) continue;
-        float mx = -INFINITY, sum = 0.f;
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, s_stat[(w * kRows + r) * 2]);
-        if (mx != -INFINITY)
-            for (int w = 0; w < WARPS; ++w) {
-                const float mw = s_stat[(w * kRows + r) * 2];
-                if (mw != -INFINITY) sum += s_stat[(w * kRows + r) * 2 + 1] * fast_exp2((mw - mx) * scale_log2);
-            }
-        const float val = sum > 0.f ? sO[i] / sum : 0.f;
-        const float row_lse = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-        const int h = hk * group + r / nq, tok = r % nq;
-        if (n_splits == 1) {
-            o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(val);
-            if (c == 0) lse[((i64)b * hq + h) * nq + tok] = row_lse;
-        } else {
-            const i64 prow = (((i64)b * gridDim.y + hk) * n_splits + split) * rows + r;
-            part_o[prow * d + c] = val;
-            if (c == 0) part_lse[prow] = row_lse;
-        }
-    }
+    decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
+        softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
+        part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
 }
 
 // Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).

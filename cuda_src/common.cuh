@@ -169,9 +169,10 @@ struct LaneAddr {
 // One 16-deep step of ACC += P B: P's A fragments are rounded from the accumulator tile p
 // (acc_to_a), B's come from `b` by transposed ldmatrix at rows row_c and chunks chunk0 + 0..NO.
 // The P V product of the forward and decode kernels, and dQ = dS K of the backward.
-template <typename T, int MMA_M, int NP, int NO, int COLS>
+// `b` is a LaneAddr or any lane address generator with the same at(row_c, chunk_c).
+template <typename T, int MMA_M, int NP, int NO, typename Addr>
 __device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], const float (&p)[MMA_M][NP][4], int kk,
-                                                 const LaneAddr<COLS>& b, int row_c, int chunk0, u32 off) {
+                                                 const Addr& b, int row_c, int chunk0, u32 off) {
     u32 a[MMA_M][4];
 #pragma unroll
     for (int mi = 0; mi < MMA_M; ++mi) acc_to_a<T>(a[mi], p[mi], kk);

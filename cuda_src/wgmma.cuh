@@ -20,6 +20,22 @@ struct Sw128Tile {
     }
 };
 
+// Per-lane ldmatrix addresses over a [COLS / 64][ROWS][64] 128B-swizzled tile (the layout a TMA
+// box with 128-byte swizzle writes), with LaneAddr's interface: the lane's row and chunk are
+// fixed, a fragment adds row_c (a multiple of 8) and an even chunk_c.
+template <int ROWS>
+struct Sw128LaneAddr {
+    u32 base;  // shared byte address of the lane's row in column block 0
+    int key;   // chunk_lane ^ (row % 8)
+    __device__ __forceinline__ Sw128LaneAddr(u32 tile, int row_lane, int chunk_lane) {
+        base = tile + row_lane * 128;
+        key = chunk_lane ^ (row_lane & 7);
+    }
+    __device__ __forceinline__ u32 at(int row_c, int chunk_c) const {
+        return base + (chunk_c >> 3) * (ROWS * 128) + row_c * 128 + (((chunk_c & 7) ^ key) << 4);
+    }
+};
+
 // Copy a ROWS x COLS tile (row stride ld elements) with 16-byte cp.async by THREADS threads.
 // Rows >= rows_valid and columns >= d are zero-filled (they are masked or multiply zeros).
 // UNROLL = false keeps the loop rolled: a warp-specialized producer has ~40 registers.

@@ -62,6 +62,14 @@ def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
     return main, combine, hd, t
 
 
+def tma_spec(dtype, d, row_tiles, causal, tile=None):
+    """attn_decode_tma's instantiation (d is 64 or 128 exactly: rows are whole 128-byte boxes)."""
+    t = tile or schedule.DECODE_TMA_TILES[d]
+    tag = _TAG[np.dtype(dtype)]
+    expr = f"attn_decode_tma<{tag}, {d}, {row_tiles}, {t.consumer_warps}, {t.stages}, {_b(causal)}>"
+    return KernelSpec("attn_decode_tma.cu", expr, t.threads, t.smem_bytes(d, row_tiles)), t
+
+
 def all_decode_specs():
     specs = []
     for dtype in (FLOAT16, BFLOAT16):
@@ -70,7 +78,45 @@ def all_decode_specs():
                 for causal in (False, True):
                     main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True)
                     specs += [main, combine]
+        for hd, t in schedule.DECODE_TMA_TILES.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    specs.append(tma_spec(dtype, hd, rt, causal)[0])
     return list(dict.fromkeys(specs))
+
+
+def tma_tile_for(p, k4, v4):
+    """The TMA decode tile if this problem runs attn_decode_tma: an sm_90 device with
+    cuda-bindings, d of 64 or 128, unit-stride rows whose base and strides TMA can address."""
+    from . import gpu_hopper, tma
+
+    t = schedule.DECODE_TMA_TILES.get(p.d)
+    if t is None or row_tiles_for(p) > t.max_row_tiles or not gpu_hopper.enabled():
+        return None
+    import cupy
+
+    if not gpu_hopper._is_hopper(cupy.cuda.Device().id) or not tma.available():
+        return None
+    for a in (k4, v4):
+        if a.strides[-1] != a.itemsize or not tma.encodable(a.data.ptr, _map_strides(a)):
+            return None
+    return t
+
+
+def _map_strides(a4):
+    """Byte strides of (key, head, batch) of a (B, H, N, d) view; an axis of extent 1 gets a
+    nominal stride (TMA wants every stride a positive multiple of 16; that axis is never stepped)."""
+    out = []
+    for n, s in zip((a4.shape[2], a4.shape[1], a4.shape[0]), (a4.strides[2], a4.strides[1], a4.strides[0])):
+        out.append(s if n > 1 else 16 * max(1, a4.shape[3] * a4.itemsize // 16))
+    return out
+
+
+def _tma_maps(a4):
+    from . import tma
+
+    b, h, n, d = a4.shape
+    return tma.tiled_map(a4.dtype, a4.data.ptr, (d, n, h, b), _map_strides(a4), (64, 16, 1, 1))
 
 
 WAVES = 2  # blocks per SM the split count aims for
@@ -88,10 +134,14 @@ def plan(p, sm_count: int, splits=None, tile=None, waves=None):
     """(row_tiles, tile, splits, chunk): the launch's geometry. Each split covers `chunk` keys, a
     whole number of key tiles; the accounting reads the split count from here too."""
     rt = row_tiles_for(p)
-    _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+    if tile is None or not isinstance(tile, schedule.DecodeTmaTile):
+        _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+    else:
+        t, waves = tile, waves or tile.waves
     splits = splits or num_splits(p, t, sm_count, waves)
     chunk = -(-max(p.nk, 1) // splits)
-    chunk = -(-chunk // t.block_n) * t.block_n
+    step = t.stage_keys if isinstance(t, schedule.DecodeTmaTile) else t.block_n
+    chunk = -(-chunk // step) * step
     return rt, t, -(-max(p.nk, 1) // chunk), chunk
 
 
@@ -111,33 +161,45 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
-def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None):
+def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None):
+    """Split-KV decode of a validated problem. On sm_90 (d 64/128) the TMA kernel runs unless a
+    cp.async `tile` is forced; `tma_tile` forces a TMA tile (benchmarks and schedule probes)."""
     import cupy
 
     from .gpu import _elem_strides
 
     sm = _sm_count(cupy.cuda.Device().id)
-    rt, t, splits, chunk = plan(p, sm, splits, tile, waves)
-    main, combine, hd, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+    if tma_tile is None and tile is None:
+        tma_tile = tma_tile_for(p, k4, v4)
+    rt, t, splits, chunk = plan(p, sm, splits, tma_tile or tile, waves)
     rows = p.group * p.nq
     if splits > 1:
         part_o = cupy.empty((p.batch, p.hkv, splits, rows, p.d), dtype=np.float32)
         part_lse = cupy.empty((p.batch, p.hkv, splits, rows), dtype=np.float32)
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)
-    lens = kv_lens if kv_lens is not None else cupy.empty((0,), dtype=np.int32)
-    strides = []
-    for a in (q4, k4, v4, o4):
-        strides += [np.int64(s) for s in _elem_strides(a)[:3]]
-    lens_ptr = lens if kv_lens is not None else np.uint64(0)
-    get_function(main)(
-        (splits, p.hkv, p.batch), (t.threads,),
-        (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *strides,
-         np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group),
-         np.int32(p.causal == "bottom_right"), np.int32(chunk), np.float32(p.scale * _LOG2E)),
-        shared_mem=main.smem_bytes,
-    )
+    lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
+    scalars = (np.int32(p.hq), np.int32(p.nq), np.int32(p.nk))
+    tail = (np.int32(p.group), np.int32(p.causal == "bottom_right"), np.int32(chunk), np.float32(p.scale * _LOG2E))
+    if tma_tile is not None:
+        spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
+        strides = [np.int64(s) for a in (q4, o4) for s in _elem_strides(a)[:3]]
+        get_function(spec)(
+            (splits, p.hkv, p.batch), (spec.threads,),
+            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, np.uint64(0), np.int64(0),
+             np.int32(0), *strides, *scalars, *tail),
+            shared_mem=spec.smem_bytes,
+        )
+    else:
+        main, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+        strides = [np.int64(s) for a in (q4, k4, v4, o4) for s in _elem_strides(a)[:3]]
+        get_function(main)(
+            (splits, p.hkv, p.batch), (t.threads,),
+            (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *strides, *scalars, np.int32(p.d), *tail),
+            shared_mem=main.smem_bytes,
+        )
     if splits > 1:
+        _, combine, _, _ = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
         get_function(combine)(
             (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
             (part_o, part_lse, o4, lse3, *[np.int64(s) for s in _elem_strides(o4)[:3]],

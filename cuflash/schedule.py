@@ -205,6 +205,47 @@ DECODE_TILES: dict[int, DecodeTile] = {
 }
 
 
+@dataclass(frozen=True)
+class DecodeTmaTile:
+    """attn_decode_tma: one producer warp fills a block-wide ring by TMA; consumer warps compute
+    16 keys each of every 16 * consumer_warps-key stage."""
+
+    consumer_warps: int
+    stages: int  # ring depth: stages - 1 of them in flight while one is consumed
+    max_row_tiles: int
+    reason: str
+    waves: int = 1  # splits aim at waves x (blocks that fit one per SM)
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.consumer_warps + 1)
+
+    @property
+    def stage_keys(self) -> int:
+        return 16 * self.consumer_warps
+
+    @property
+    def warps(self) -> int:  # the warps that split the keys (num_splits sizes splits by them)
+        return self.consumer_warps
+
+    @property
+    def block_n(self) -> int:
+        return 16
+
+    def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
+        rows = 16 * row_tiles
+        ring = self.stages * 2 * self.stage_keys * head_dim * 2
+        return ring + rows * head_dim * 2 + self.consumer_warps * rows * 2 * 4 + 2 * self.stages * 8 + 1024
+
+
+# Hopper decode (TMA ring), head dims whose rows are whole 128-byte boxes. Sized for bytes in
+# flight per SM: (stages - 1) x 2 x stage_keys x d x 2 bytes per block.
+DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
+    64: DecodeTmaTile(4, 8, 4, "8 x 16 KiB stages: 112 KiB in flight per block"),
+    128: DecodeTmaTile(4, 6, 2, "6 x 32 KiB stages: 160 KiB in flight per block, one block per SM"),
+}
+
+
 def decode_tile(d: int) -> tuple[int, DecodeTile]:
     hd = head_dim_bucket(d)
     return hd, DECODE_TILES[hd]

@@ -22,11 +22,12 @@ from cuflash._problem import validate_forward
 quick = "--quick" in sys.argv
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
 CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
-CANDS = [(16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 4, 6), (16, 8, 3), (16, 8, 4), (32, 4, 3), (32, 4, 4),
-         (16, 2, 6), (16, 2, 8), (32, 2, 4), (64, 2, 3), (64, 4, 2)]
-WAVES = (1, 2, 3, 4, 6)
+CANDS = [(16, 4, 2), (16, 4, 3)]
+WAVES = (1, 2)
+TMA_CANDS = [(4, 6), (4, 4), (4, 3), (4, 2), (8, 3), (8, 2), (2, 8), (2, 4), (6, 4)]
+TMA_WAVES = (1, 2, 3, 4)
 if quick:
-    CELLS, CANDS, WAVES = CELLS[:3], CANDS[:4], (1, 2)
+    CELLS, TMA_CANDS = CELLS[:3], TMA_CANDS[:3]
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
@@ -48,16 +49,30 @@ for L, B, hkv in CELLS:
         cuflash.attention(qc, kc, vc)
     row["host_us_per_call"] = (time.perf_counter() - t0) / 50 * 1e6
     torch.cuda.synchronize()
+    if L == 4096 and B == 8 and hkv == 8:
+        import cProfile, pstats, io
+        pr = cProfile.Profile()
+        torch.cuda._sleep(200_000_000)
+        pr.enable()
+        for _ in range(200):
+            cuflash.attention(qc, kc, vc)
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        print(buf.getvalue()[:6000], flush=True)
     p = validate_forward(qc, kc, vc)
     o4 = cp.empty_like(qc)
     lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    ref = cuflash.attention(qc, kc, vc)
-    for bn, w, st in CANDS:
-        t = schedule.DecodeTile(bn, w, st, 2, "probe")
-        for waves in WAVES:
-            key = f"{bn}x{w}s{st}v{waves}"
+    ref = cp.empty_like(qc)
+    gpu_decode.forward(p, qc, kc, vc, ref, lse3, tile=schedule.DecodeTile(16, 4, 2, 2, "reference"))
+    variants = [(f"{bn}x{w}s{st}v{wv}", dict(tile=schedule.DecodeTile(bn, w, st, 2, "probe"), waves=wv))
+                for bn, w, st in CANDS for wv in WAVES]
+    variants += [(f"tma{cw}s{st}v{wv}", dict(tma_tile=schedule.DecodeTmaTile(cw, st, 2, "probe"), waves=wv))
+                 for cw, st in TMA_CANDS for wv in TMA_WAVES]
+    for key, kw in variants:
             try:
-                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, tile=t, waves=waves)
+                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, **kw)
                 f()
                 err = float(cp.abs(o4.astype(cp.float32) - ref.astype(cp.float32)).max())
                 ms, _ = timer(f)

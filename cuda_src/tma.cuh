@@ -1,0 +1,29 @@
+// The bulk tensor copy engine (TMA, sm_90): tile loads described by a host-built tensor map,
+// issued by one thread and completing on an mbarrier with a transaction byte count.
+#pragma once
+#include "common.cuh"
+
+// cuTensorMapEncodeTiled's opaque 128-byte descriptor. Kernels take it by value as a
+// __grid_constant__ parameter, so the copy engine reads it from parameter space.
+struct __align__(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+// This phase of `bar` completes when one arrival and `bytes` of copies have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Make barrier initialization visible to the copy engine before the first copy names it.
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+// One box of a rank-4 tensor at coordinates (c0 innermost .. c3) into shared memory at `dst`
+// (a 128-byte-swizzled box needs a 1024-byte aligned destination); completes on `bar`.
+// Coordinates past the tensor's extent are zero-filled and still counted in the bytes.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
