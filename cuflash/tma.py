@@ -50,9 +50,10 @@ def tiled_map(dtype, ptr: int, dims, strides_bytes, box):
         np.dtype(FLOAT16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         np.dtype(BFLOAT16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     }[np.dtype(dtype)]
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
     err, tmap = cu.cuTensorMapEncodeTiled(
-        kind, len(dims), ptr, [int(x) for x in dims], [int(x) for x in strides_bytes], [int(x) for x in box],
-        [1] * len(dims), cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        kind, len(dims), ptr, [u64(int(x)) for x in dims], [u64(int(x)) for x in strides_bytes],
+        [u32(int(x)) for x in box], [u32(1)] * len(dims), cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
