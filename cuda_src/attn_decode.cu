@@ -4,7 +4,8 @@
 // one (K/V split, K/V head, sequence) and its warps stream interleaved key tiles through private
 // cp.async rings (no block barrier in the loop). All query rows that read one K/V head - the GQA
 // group times the Nq new tokens - are packed into the rows of one mma tile, so the cache is read
-// once per K/V head, not once per query head. Warps merge their (max, sum, O) in shared memory;
+// once per K/V head, not once per query head (with a block table, the cache is paged). Warps merge
+// their (max, sum, O) in shared memory;
 // with several splits each block writes a normalized partial O and its log-sum-exp, and
 // attn_decode_combine merges the splits with the log-sum-exp rule.
 #include "common.cuh"
@@ -30,7 +31,7 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int S
 __global__ void __launch_bounds__(WARPS * 32)
 attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
             u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o, float* __restrict__ part_lse,
-            const int* __restrict__ kv_lens,
+            const int* __restrict__ kv_lens, const int* __restrict__ block_table, i64 bt_sb, int page_shift,
             i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
             i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
             int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
@@ -59,8 +60,26 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
     auto load = [&](int t, int slot) {
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(ring + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(ring + (STAGES + slot) * Tr::kTileKV, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+        u16* dk = ring + slot * Tr::kTileKV;
+        u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
+        if (block_table == nullptr) {
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+        } else {
+            // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
+            // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
+            // s1 are zero-filled without looking their page up.
+#pragma unroll
+            for (int g = 0; g < BLOCK_N / 16; ++g) {
+                const int n = n0 + 16 * g;
+                const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
+                const int in_page = n & ((1 << page_shift) - 1);
+                load_tile_rows<HEAD_DIM, 16, 32, VEC>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
+                                                      k_sn, s1 - n, d, lane);
+                load_tile_rows<HEAD_DIM, 16, 32, VEC>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
+                                                      v_sn, s1 - n, d, lane);
+            }
+        }
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {

@@ -296,3 +296,58 @@ def sequences(p: Problem, spans):
     """(problem of one packed sequence, its rows of q/o/lse, its rows of k/v) for each span."""
     for q0, q1, k0, k1 in spans:
         yield dataclasses.replace(p, nq=q1 - q0, nk=k1 - k0), slice(q0, q1), slice(k0, k1)
+
+
+def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None, layout="bhsd", window=None):
+    """Check a paged-cache call: q (B, Hq, Nq, d) ("bhsd") or (B, Nq, Hq, d) ("bshd"), caches
+    (num_blocks, block_size, Hkv, d), block_table int32 (B, max_blocks). Returns (Problem with
+    Nk = max_blocks * block_size, block_size). Table values are checked by check_block_table."""
+    check_layout(layout)
+    if masks.normalize_window(window) is not None:
+        raise NotImplementedError("window: not supported together with block_table (paged KV cache) yet")
+    named = (("q", q), ("k", k_cache), ("v", v_cache))
+    xp = same_library(named)
+    dtype = check_dtype(named)
+    if q.ndim != 4:
+        raise ValueError(f"q: with block_table expected 4 dimensions (B, Hq, Nq, d) or (B, Nq, Hq, d), got shape {q.shape}")
+    for name, a in named[1:]:
+        if a.ndim != 4:
+            raise ValueError(f"{name}: with block_table expected a paged cache (num_blocks, block_size, Hkv, d), got shape {a.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v: shape {v_cache.shape} must equal k's {k_cache.shape} (paged caches)")
+    (qb,), hq, nq, d = _split("q", q, layout)
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"k: block_size (axis 1) must be a power of two >= 16, got {bs}")
+    if nb == 0:
+        raise ValueError("k: the paged cache holds no blocks (axis 0 is 0)")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
+    if array_namespace(block_table) is not xp:
+        raise TypeError(f"block_table: expected a {xp.__name__}.ndarray like q, got {type(block_table).__name__}")
+    if block_table.dtype != np.int32:
+        raise TypeError(f"block_table: expected dtype int32, got {dtype_name(block_table.dtype)}")
+    if block_table.ndim != 2 or block_table.shape[0] != qb:
+        raise ValueError(f"block_table: expected shape ({qb}, max_blocks) (q's batch, pages per sequence), "
+                         f"got {tuple(block_table.shape)}")
+    if d == 0:
+        raise ValueError("q: head dim d must be at least 1")
+    scale = check_scale(scale, d)
+    nk = block_table.shape[1] * bs
+    return Problem(xp, layout, (qb,), hq, hkv, nq, nk, d, dtype, masks.normalize_causal(causal), scale), bs
+
+
+def check_block_table(block_table, lens_host, block_size, num_blocks):
+    """The pages each sequence uses (the first ceil(kv_lens[b] / block_size) entries of its row)
+    must index the cache; unused entries are never read and may hold anything (e.g. -1).
+    Returns the table on the host (int64)."""
+    table = np.asarray(block_table.get() if not isinstance(block_table, np.ndarray) else block_table).astype(np.int64)
+    for b, n in enumerate(lens_host):
+        used = table[b, : -(-int(n) // block_size)]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            bad = used[(used < 0) | (used >= num_blocks)][0]
+            raise ValueError(f"block_table: sequence {b} uses page {int(bad)}, outside the cache's "
+                             f"[0, {num_blocks}) blocks")
+    return table

@@ -464,7 +464,7 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
     rt, t, splits, _ = gpu_decode.plan(p, H200_SM_COUNT)
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
-    main, _, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True)
+    main, _, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True, t)
     return SimpleNamespace(splits=splits, keys=keys, source=main.short_name, smem=main.smem_bytes,
                            threads=main.threads, rows=16 * rt, block_n=t.block_n)
 

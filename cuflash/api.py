@@ -19,9 +19,10 @@ def _backend(p):
     return gpu
 
 
-@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", outputs=("out",))
+@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",
+                                outputs=("out",))
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
-              kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+              kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -63,34 +64,99 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         longest sequence for its grid, so CuPy offsets cost one device-to-host copy even with
         validate=False. On the GPU, window and cu_seqlens_* run the mma.sync band kernel
         (float16/bfloat16; float32 GPU inputs raise NotImplementedError).
+    block_table : optional int32 (B, max_blocks): k and v are then a paged KV cache, each
+        (num_blocks, block_size, Hkv, d) with block_size a power of two >= 16, and sequence b's
+        key j is row j % block_size of page block_table[b, j // block_size]; Nk = max_blocks *
+        block_size, and kv_lens (default Nk) says how many keys each sequence has. q must be 4-D.
+        Only the pages a sequence uses are looked up (others may hold anything, e.g. -1). With
+        validate=True those entries are checked on the host (one device-to-host copy for CuPy).
+        Decode shapes run the split-KV kernel reading the pages in place; other shapes (and the
+        NumPy backend) gather each sequence's used pages into a contiguous copy first.
 
     Returns
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
     """
+    if block_table is not None:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("block_table: not combinable with cu_seqlens_q / cu_seqlens_k")
+        return _attention_paged(q, k, v, block_table, kv_lens, causal=causal, scale=scale, layout=layout,
+                                window=window, return_lse=return_lse, out=out, validate=validate)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
                                  window=window, kv_lens=kv_lens, return_lse=return_lse, out=out)
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
     xp = p.xp
-    o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
-    o4 = to_bhsd(o, p, p.hq, p.nq)
-    direct = is_view_of(o4, o)
-    if not direct:  # out's strides don't merge into one batch axis: compute, then copy in
-        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
-    lse3 = xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
+    o, o4, direct, lse3 = _forward_outputs(p, out)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
     if lens_dev is None:
         _backend(p).forward(p, q4, k4, v4, o4, lse3)
     else:
         _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host)
+    return _forward_result(p, o, o4, direct, lse3, return_lse)
+
+
+def _forward_outputs(p, out):
+    """(o, o4, direct, lse3): o (out or fresh), its (B, Hq, Nq, d) view o4 - a scratch array when
+    out's strides don't merge into one batch axis (direct False: copied in by _forward_result)."""
+    xp = p.xp
+    o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
+    o4 = to_bhsd(o, p, p.hq, p.nq)
+    direct = is_view_of(o4, o)
+    if not direct:
+        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
+    return o, o4, direct, xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
+
+
+def _forward_result(p, o, o4, direct, lse3, return_lse):
     if not direct:
         o[...] = from_bhsd(o4, p, p.hq, p.nq)
     if return_lse:
         return o, lse3.reshape(p.lse_shape())
     return o
+
+
+def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, **options):
+    """Paged KV cache: the decode kernel reads pages in place; otherwise (NumPy, prefill shapes)
+    each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d) copy."""
+    import dataclasses
+
+    p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
+    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
+    xp = p.xp
+    lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
+    if lens_dev is None:
+        lens_host = np.full(p.batch, p.nk, dtype=np.int64)
+        lens_dev = xp.asarray(lens_host.astype(np.int32))
+    table_host = None
+    if validate or xp is np:
+        table_host = _problem.check_block_table(block_table, lens_host, bs, k_cache.shape[0])
+    o, o4, direct, lse3 = _forward_outputs(p, out)
+    q4 = to_bhsd(q, p, p.hq, p.nq)
+    done = False
+    if xp is not np:
+        from . import gpu_decode
+
+        if gpu_decode.applies(p, k_cache, v_cache):
+            table = xp.ascontiguousarray(block_table)
+            gpu_decode.forward(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
+            done = True
+    if not done:
+        if lens_host is None:
+            lens_host = lens_dev.get().astype(np.int64)
+        if table_host is None:
+            table_host = np.asarray(block_table.get()).astype(np.int64)
+        for b, n in enumerate(lens_host):
+            n = int(n)
+            pages = xp.asarray(table_host[b, : -(-n // bs)])
+            k4, v4 = (xp.ascontiguousarray(c[pages].reshape(-1, p.hkv, p.d)[:n].transpose(1, 0, 2))[None]
+                      for c in (k_cache, v_cache))
+            pb = dataclasses.replace(p, batch_shape=(1,), nk=n)
+            sl = slice(b, b + 1)
+            _backend(p).forward(pb, q4[sl], k4, v4, o4[sl], lse3[sl])
+    return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
 def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):

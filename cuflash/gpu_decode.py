@@ -58,8 +58,12 @@ def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
         t.threads,
         t.smem_bytes(hd, row_tiles),
     )
-    combine = KernelSpec("attn_decode.cu", f"attn_decode_combine<{tag}, {hd}>", _COMBINE_THREADS, 0)
-    return main, combine, hd, t
+    return main, combine_spec(dtype, d), hd, t
+
+
+def combine_spec(dtype, d):
+    hd, _ = schedule.decode_tile(d)
+    return KernelSpec("attn_decode.cu", f"attn_decode_combine<{_TAG[np.dtype(dtype)]}, {hd}>", _COMBINE_THREADS, 0)
 
 
 def tma_spec(dtype, d, row_tiles, causal, tile=None):
@@ -78,6 +82,10 @@ def all_decode_specs():
                 for causal in (False, True):
                     main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True)
                     specs += [main, combine]
+        for hd, t in schedule.DECODE_TILES_MANY_BLOCKS.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    specs.append(decode_specs(dtype, hd, rt, causal, True, t)[0])
         for hd, t in schedule.DECODE_TMA_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -130,14 +138,26 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     return max(1, min(want, -(-p.nk // per_split_min)))
 
 
+def default_tile(p, sm_count: int, waves=None):
+    """(tile, waves): the table's tile, or with a (sequence, K/V head) block for every SM the
+    deeper-ring tile in one wave (no split, no combine)."""
+    hd, t = schedule.decode_tile(p.d)
+    many = schedule.DECODE_TILES_MANY_BLOCKS.get(hd)
+    if many is not None and p.batch * p.hkv >= sm_count and row_tiles_for(p) <= many.max_row_tiles:
+        return many, waves or 1
+    return t, waves
+
+
 def plan(p, sm_count: int, splits=None, tile=None, waves=None):
     """(row_tiles, tile, splits, chunk): the launch's geometry. Each split covers `chunk` keys, a
     whole number of key tiles; the accounting reads the split count from here too."""
     rt = row_tiles_for(p)
-    if tile is None or not isinstance(tile, schedule.DecodeTmaTile):
-        _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
-    else:
+    if tile is None:
+        tile, waves = default_tile(p, sm_count, waves)
+    if isinstance(tile, schedule.DecodeTmaTile):
         t, waves = tile, waves or tile.waves
+    else:
+        _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
     splits = splits or num_splits(p, t, sm_count, waves)
     chunk = -(-max(p.nk, 1) // splits)
     step = t.stage_keys if isinstance(t, schedule.DecodeTmaTile) else t.block_n
@@ -161,16 +181,16 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
-def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None):
-    """Split-KV decode of a validated problem. On sm_90 (d 64/128) the TMA kernel runs unless a
-    cp.async `tile` is forced; `tma_tile` forces a TMA tile (benchmarks and schedule probes)."""
+def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None):
+    """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
+    kernel (sm_90, d 64/128, see tma_tile_for): measured no faster than the cp.async kernel on
+    the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
+    block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d)."""
     import cupy
 
     from .gpu import _elem_strides
 
     sm = _sm_count(cupy.cuda.Device().id)
-    if tma_tile is None and tile is None:
-        tma_tile = tma_tile_for(p, k4, v4)
     rt, t, splits, chunk = plan(p, sm, splits, tma_tile or tile, waves)
     rows = p.group * p.nq
     if splits > 1:
@@ -179,27 +199,37 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)
     lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
+    if paged is not None:
+        table, bs = paged
+        pages = (table, np.int64(table.strides[0] // table.itemsize), np.int32(bs.bit_length() - 1))
+        kv_strides = [np.int64(s) for a in (k4, v4) for s in (lambda e: (e[0], e[2], e[1]))(_elem_strides(a))]
+    else:
+        pages = (np.uint64(0), np.int64(0), np.int32(0))
+        kv_strides = [np.int64(s) for a in (k4, v4) for s in _elem_strides(a)[:3]]
     scalars = (np.int32(p.hq), np.int32(p.nq), np.int32(p.nk))
     tail = (np.int32(p.group), np.int32(p.causal == "bottom_right"), np.int32(chunk), np.float32(p.scale * _LOG2E))
+    qs = [np.int64(s) for s in _elem_strides(q4)[:3]]
+    os_ = [np.int64(s) for s in _elem_strides(o4)[:3]]
     if tma_tile is not None:
+        if paged is not None:
+            raise NotImplementedError("the TMA decode kernel is not wired to paged caches on the host")
         spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
-        strides = [np.int64(s) for a in (q4, o4) for s in _elem_strides(a)[:3]]
         get_function(spec)(
             (splits, p.hkv, p.batch), (spec.threads,),
-            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, np.uint64(0), np.int64(0),
-             np.int32(0), *strides, *scalars, *tail),
+            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *os_,
+             *scalars, *tail),
             shared_mem=spec.smem_bytes,
         )
     else:
-        main, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
-        strides = [np.int64(s) for a in (q4, k4, v4, o4) for s in _elem_strides(a)[:3]]
+        main, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, t)
         get_function(main)(
             (splits, p.hkv, p.batch), (t.threads,),
-            (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *strides, *scalars, np.int32(p.d), *tail),
+            (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,
+             np.int32(p.d), *tail),
             shared_mem=main.smem_bytes,
         )
     if splits > 1:
-        _, combine, _, _ = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+        combine = combine_spec(p.dtype, p.d)
         get_function(combine)(
             (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
             (part_o, part_lse, o4, lse3, *[np.int64(s) for s in _elem_strides(o4)[:3]],

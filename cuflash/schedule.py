@@ -246,6 +246,14 @@ DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
 }
 
 
+# With at least one (sequence, K/V head) block per SM no split is needed, and a deeper ring pays:
+# decode probe on the H200 (evidence-20261129/decode-probe-7366127): 16x4 s3, one wave, 3.5-4.5
+# TB/s vs 3.2-4.2 for s2 at B=64 and Hkv=32; with few blocks s2 and two waves of splits stay best.
+DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 4, 3, 2, "one (sequence, head) block per SM or more: no split, 3-stage rings (2 blocks per SM)"),
+}
+
+
 def decode_tile(d: int) -> tuple[int, DecodeTile]:
     hd = head_dim_bucket(d)
     return hd, DECODE_TILES[hd]
