@@ -9,9 +9,14 @@ cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT}"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE \
+# PART=tests or PART=bench splits the check over two device calls (each under 10 minutes).
+PART=${PART:-all}
+if [ "$PART" != bench ]; then
+timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE -n 2 \
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
-echo "tests rc=$?"; tail -8 "$OUT/tests.log"
+echo "tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -3 "$OUT/tests.log"
+fi
+[ "$PART" = tests ] && exit 0
 tmp=$(mktemp -d)
 timeout 170 python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,2048,4096,16384 --max-seconds 150 \
     --out "$tmp/fwd.json" > "$tmp/fwd.log" 2>&1; echo "fwd bench rc=$?"
@@ -19,6 +24,7 @@ timeout 90 python3 benchmarks/peers.py --ops bwd --d 64,128 --n 4096,16384 --imp
     --max-seconds 75 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
 timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
     --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
+timeout 70 python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1; echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
 cat "$tmp"/fwd.log "$tmp"/bwd.log "$tmp"/decode.log > "$OUT/bench.log"
 python3 - "$tmp" "$OUT/bench.json" <<'PY'
 import json, sys, pathlib
