@@ -9,6 +9,8 @@
 //   attn_bwd_dq   : deterministic dQ: one block per query tile, a fixed-order loop over key tiles
 //                   (the forward's shape), no atomics. Costs S and dP a second time.
 //   attn_bwd_dq_convert : dQ = scale * accumulator, rounded to the input dtype.
+//   attn_bwd_kv_band, attn_bwd_dq_band : the same under a sliding window and/or over packed
+//                   sequences (see BwdBand); prep and convert serve packed arrays as one batch entry.
 // Nothing N x N touches device memory: dS lives in one shared-memory tile per block.
 #include "common.cuh"
 #include "tile_load.cuh"
@@ -66,15 +68,51 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-            float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
-            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-            i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-            int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+// Band and packed sequences (the *_band kernels), as in attn_fwd.cu: query i of a sequence sees key
+// j iff i + lo <= j <= i + hi; hi (causal_off) and lo come relative to the diagonal, `align` adds
+// the sequence's nk - nq, an open side (+-INT_MAX) clamps to nk / -nq. cu_q / cu_k (int32, B + 1;
+// null for a uniform batch) give each z-block its rows of the packed arrays, which are then batch
+// 0 with nq (nk) their total rows, for lse, D and the dQ accumulator too.
+struct BwdBand {
+    int lo_off, align;
+    const int* cu_q;
+    const int* cu_k;
+};
+
+// This block's sequence: its batch index (0 when packed), first q / k rows, lengths and bounds.
+struct BandSeq {
+    int b, q_row0, k_row0, nq, nk, hi, lo;
+};
+
+template <bool BAND>
+__device__ __forceinline__ BandSeq band_sequence(const BwdBand& band, int b, int nq, int nk, int causal_off) {
+    BandSeq sq{b, 0, 0, nq, nk, causal_off, 0};
+    if constexpr (BAND) {
+        if (band.cu_q != nullptr) {
+            sq.b = 0;
+            sq.q_row0 = band.cu_q[b];
+            sq.k_row0 = band.cu_k[b];
+            sq.nq = band.cu_q[b + 1] - sq.q_row0;
+            sq.nk = band.cu_k[b + 1] - sq.k_row0;
+        }
+        const i64 shift = band.align ? (i64)sq.nk - sq.nq : 0;
+        sq.hi = (int)min((i64)causal_off + shift, (i64)sq.nk);
+        sq.lo = (int)max((i64)band.lo_off + shift, -(i64)sq.nq);
+    }
+    return sq;
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ,
+          bool BAND>
+__device__ __forceinline__ void
+attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                 float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                 i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                 i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                 int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdBand band) {
     using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D>;
+    constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     constexpr int kMmaM = Tr::kMmaM, kNQ = Tr::kNTilesQ, kND = Tr::kNTilesD;
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(128) u16 smem[];
@@ -86,33 +124,39 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     float* sL = reinterpret_cast<float*>(sdS + BLOCK_N * BLOCK_M);  // 2 x BLOCK_M: lse * log2(e)
     float* sD = sL + 2 * BLOCK_M;                                     // 2 x BLOCK_M: D
 
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n_block = blockIdx.x, hk = blockIdx.y;
     const int n0 = n_block * BLOCK_N;
-    const int keys_valid = min(BLOCK_N, nk - n0);
+    const BandSeq sq = band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
+    const int b = sq.b;
+    if (BAND && n0 >= sq.nk) return;  // the grid covers the longest sequence
+    const int keys_valid = min(BLOCK_N, sq.nk - n0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wn = warp % Tr::kWarpsN, wd = warp / Tr::kWarpsN;
     const int key_row0 = wn * Tr::kRowsPerWarp;  // warp's first key row within the block
     const int col0 = wd * Tr::kDSlice;           // warp's first dK/dV column
 
-    // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + off.
-    const int m_tiles = (nq + BLOCK_M - 1) / BLOCK_M;
+    // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + hi (and,
+    // under a band, i + lo <= j): i in [n0 - hi, n0 + keys_valid - 1 - lo].
+    int m_tiles = (sq.nq + BLOCK_M - 1) / BLOCK_M;
     int m_begin = 0;
-    if constexpr (CAUSAL) m_begin = max(0, n0 - causal_off) / BLOCK_M;
+    if constexpr (kHi) m_begin = max(0, n0 - sq.hi) / BLOCK_M;
+    if constexpr (BAND) m_tiles = min(m_tiles, (max(0, n0 + keys_valid - sq.lo) + BLOCK_M - 1) / BLOCK_M);
     const int per_head = max(0, m_tiles - m_begin);
     const int n_steps = per_head * group;  // (head, query tile) pairs, head-major
 
-    const u16* gK = k + b * k_sb + hk * k_sh + n0 * k_sn;
-    const u16* gV = v + b * v_sb + hk * v_sh + n0 * v_sn;
+    const u16* gK = k + b * k_sb + hk * k_sh + (i64)(sq.k_row0 + n0) * k_sn;
+    const u16* gV = v + b * v_sb + hk * v_sh + (i64)(sq.k_row0 + n0) * v_sn;
     load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK, gK, k_sn, keys_valid, d, threadIdx.x);
     load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV, gV, v_sn, keys_valid, d, threadIdx.x);
 
     auto load_step = [&](int step, int buf) {
         const int h = hk * group + step / per_head;
         const int m0 = (m_begin + step % per_head) * BLOCK_M;
-        const int rows = min(BLOCK_M, nq - m0);
-        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, threadIdx.x);
-        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, threadIdx.x);
-        const i64 stat = ((i64)b * hq + h) * nq + m0;
+        const int rows = min(BLOCK_M, sq.nq - m0);
+        const i64 row0 = sq.q_row0 + m0;
+        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + row0 * q_sn, q_sn, rows, d, threadIdx.x);
+        load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + row0 * do_sn, do_sn, rows, d, threadIdx.x);
+        const i64 stat = ((i64)b * hq + h) * nq + row0;
         for (int i = threadIdx.x; i < BLOCK_M; i += Tr::kThreads) {
             // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
             const float l = i < rows ? lse[stat + i] : -INFINITY;
@@ -193,8 +237,8 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
         // P^T = exp2(S^T * scale * log2e - lse * log2e) with invisible pairs forced to 0;
         // dS^T = P^T * (dP^T - D).
-        const bool need_mask = (n0 + BLOCK_N > nk) || (m0 + BLOCK_M > nq) ||
-                               (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_off);
+        bool need_mask = (n0 + BLOCK_N > sq.nk) || (m0 + BLOCK_M > sq.nq) || (kHi && n0 + BLOCK_N - 1 > m0 + sq.hi);
+        if constexpr (BAND) need_mask = need_mask || n0 < m0 + BLOCK_M - 1 + sq.lo;
 #pragma unroll
         for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
@@ -208,7 +252,8 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
                         float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -tL[qc]));
                         if (need_mask) {
                             const int qi = m0 + qc;
-                            const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
+                            const bool vis = key < sq.nk && qi < sq.nq && (!kHi || key <= qi + sq.hi) &&
+                                             (!BAND || key >= qi + sq.lo);
                             p = vis ? p : 0.f;
                         }
                         s[mi][ni][2 * hf + e] = p;
@@ -274,11 +319,11 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
                     mma_16816<T>(acc_q[ni + 1], a, bk[2], bk[3]);
                 }
             }
-            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0) * HEAD_DIM;
+            float* gq = dq_acc + (((i64)b * hq + h) * nq + sq.q_row0 + m0) * HEAD_DIM;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int row = dq_rt * 16 + (lane >> 2) + 8 * hf;
-                if (m0 + row < nq) {
+                if (m0 + row < sq.nq) {
 #pragma unroll
                     for (int ni = 0; ni < kNC; ++ni) {
                         const int col = dq_cs * Tr::kDqCols + ni * 8 + 2 * (lane & 3);
@@ -292,8 +337,8 @@ attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
     // dK carries the softmax scale (S = scale * Q K^T); store both, masked to valid keys and d.
     const float scale = scale_log2 / kLog2e;
-    u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
-    u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
+    u16* gdk = dk + b * dk_sb + hk * dk_sh + (i64)(sq.k_row0 + n0) * dk_sn;
+    u16* gdv = dv + b * dv_sb + hk * dv_sh + (i64)(sq.k_row0 + n0) * dv_sn;
 #pragma unroll
     for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
@@ -497,6 +542,208 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
                 }
             }
         }
+}
+
+// The same with a band and packed sequences (see BwdBand). A kernel of its own, not a flag of
+// attn_bwd_dq: sharing one body changed the plain kernel's code (+7 registers at d = 128).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                 float* __restrict__ dq_acc,
+                 i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                 i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                 int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    using Tr = DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+    constexpr int kMmaM = Tr::kMmaM, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8 / DQ_SPLIT;
+    static_assert(kNO % 2 == 0, "dQ column slices are pairs of 8-column tiles");
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sdO = sQ + Tr::kTileQ;
+    u16* sK = sdO + Tr::kTileQ;  // 2 buffers
+    u16* sV = sK + 2 * Tr::kTileKV;  // 2 buffers
+
+    const int split = blockIdx.x % DQ_SPLIT;  // which slice of dQ's columns
+    const int m_block = gridDim.x / DQ_SPLIT - 1 - blockIdx.x / DQ_SPLIT;
+    const int h = blockIdx.y, hk = h / group, hq = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = m_block * BLOCK_M;
+    const BandSeq sq = band_sequence<true>(BwdBand{lo_off, align, cu_q, cu_k}, blockIdx.z, nq, nk, hi_off);
+    const int b = sq.b;
+    if (m0 >= sq.nq) return;  // the grid covers the longest sequence
+    const int rows_valid = min(BLOCK_M, sq.nq - m0);
+    // Key tiles from the first row's lowest visible key to the last row's highest.
+    const int n_end = max(0, min(sq.nk, m0 + rows_valid + sq.hi));
+    const int n_begin = max(0, m0 + sq.lo);
+    const int j0 = n_begin / BLOCK_N;
+    const int n_tiles = n_begin < n_end ? (n_end + BLOCK_N - 1) / BLOCK_N - j0 : 0;
+
+    const u16* gK = k + b * k_sb + hk * k_sh + (i64)sq.k_row0 * k_sn;
+    const u16* gV = v + b * v_sb + hk * v_sh + (i64)sq.k_row0 * v_sn;
+    const i64 qrow = sq.q_row0 + m0;
+    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, q + b * q_sb + h * q_sh + qrow * q_sn, q_sn, rows_valid, d, threadIdx.x);
+    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO, dout + b * do_sb + h * do_sh + qrow * do_sn, do_sn, rows_valid, d, threadIdx.x);
+    if (n_tiles > 0) {
+        const int nn = j0 * BLOCK_N;
+        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK, gK + nn * k_sn, k_sn, sq.nk - nn, d, threadIdx.x);
+        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV, gV + nn * v_sn, v_sn, sq.nk - nn, d, threadIdx.x);
+    }
+    cp_async_commit();
+
+    const int warp_row0 = warp * Tr::kRowsPerWarp;
+    // Per-row statistics of this thread's rows (g and g+8 of each mma tile).
+    float lse2[2 * kMmaM], dsv[2 * kMmaM];
+    const i64 stat = ((i64)b * hq + h) * nq + sq.q_row0;
+#pragma unroll
+    for (int r = 0; r < 2 * kMmaM; ++r) {
+        const int row = m0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+        const float l = row < sq.nq ? lse[stat + row] : -INFINITY;
+        lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+        dsv[r] = row < sq.nq ? dsum[stat + row] : 0.f;
+    }
+    float acc[kMmaM][kNO][4];
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNO; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+
+    const u32 sbase = smem_addr(smem);
+    constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
+    const LaneAddr<HEAD_DIM> aQ(sbase, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> adO(sbase + odO, warp_row0 + (lane & 15), lane >> 4);
+    const LaneAddr<HEAD_DIM> bK(sbase + oK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bV(sbase + oV, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> bKt(sbase + oK, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int buf = j & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_tiles) {
+            const int nn = (j0 + j + 1) * BLOCK_N;
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + (buf ^ 1) * Tr::kTileKV, gK + nn * k_sn, k_sn, sq.nk - nn, d, threadIdx.x);
+            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + (buf ^ 1) * Tr::kTileKV, gV + nn * v_sn, v_sn, sq.nk - nn, d, threadIdx.x);
+        }
+        cp_async_commit();
+        const u32 koff = buf * Tr::kTileKV * 2;
+
+        float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 aq[kMmaM][4], ao[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                ldmatrix_x4(aq[mi], aQ.at(mi * 16, kk * 2));
+                ldmatrix_x4(ao[mi], adO.at(mi * 16, kk * 2));
+            }
+#pragma unroll
+            for (int ni = 0; ni < kNS; ni += 2) {
+                u32 bk[4], bv[4];
+                ldmatrix_x4(bk, bK.at(ni * 8, kk * 2) + koff);
+                ldmatrix_x4(bv, bV.at(ni * 8, kk * 2) + koff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(s[mi][ni], aq[mi], bk[0], bk[1]);
+                    mma_16816<T>(s[mi][ni + 1], aq[mi], bk[2], bk[3]);
+                    mma_16816<T>(dp[mi][ni], ao[mi], bv[0], bv[1]);
+                    mma_16816<T>(dp[mi][ni + 1], ao[mi], bv[2], bv[3]);
+                }
+            }
+        }
+        const int n0 = (j0 + j) * BLOCK_N;
+        const bool need_mask = (n0 + BLOCK_N > sq.nk) || (n0 + BLOCK_N - 1 > m0 + warp_row0 + sq.hi) ||
+                               n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + sq.lo;
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = 2 * mi + hf;
+                const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+                const int limit = min(sq.nk, row + sq.hi + 1), first = row + sq.lo;
+#pragma unroll
+                for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -lse2[r]));
+                        const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
+                        if (need_mask && (col >= limit || col < first)) p = 0.f;
+                        dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - dsv[r]);
+                    }
+            }
+        // dQ += dS K.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 a[kMmaM][4];
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) acc_to_a<T>(a[mi], dp[mi], kk);
+#pragma unroll
+            for (int di = 0; di < kNO; di += 2) {  // (mma_acc_times_bt's loop; inlined here it spills)
+                u32 bk[4];
+                ldmatrix_x4_trans(bk, bKt.at(kk * 16, split * kNO + di) + koff);
+#pragma unroll
+                for (int mi = 0; mi < kMmaM; ++mi) {
+                    mma_16816<T>(acc[mi][di], a[mi], bk[0], bk[1]);
+                    mma_16816<T>(acc[mi][di + 1], a[mi], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    float* gq = dq_acc + (stat + m0) * HEAD_DIM;
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+            if (row < rows_valid) {
+#pragma unroll
+                for (int ni = 0; ni < kNO; ++ni) {
+                    const int col = (split * kNO + ni) * 8 + 2 * (lane & 3);
+                    *reinterpret_cast<float2*>(gq + (i64)row * HEAD_DIM + col) = make_float2(acc[mi][ni][2 * hf], acc[mi][ni][2 * hf + 1]);
+                }
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The launchable kernels: the plain ones keep their arguments (BAND = false compiles the band code
+// away); the *_band ones take the band and the packed-sequence offsets.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_kv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+            float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+            i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+            int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_bwd_kv_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D, CAUSAL, VEC, ATOMIC_DQ, false>(
+        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
+        BwdBand{0, 0, nullptr, nullptr});
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool VEC, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_kv_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                 float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                 i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                 i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                 int hq, int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                 int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    attn_bwd_kv_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D, true, VEC, ATOMIC_DQ, true>(
+        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, hi_off, scale_log2,
+        BwdBand{lo_off, align, cu_q, cu_k});
 }
 
 // ---------------------------------------------------------------------------------------------

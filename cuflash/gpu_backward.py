@@ -19,21 +19,27 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None):
+def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None, band: bool = False):
     """({role: KernelSpec}, head-dim bucket, BackwardTile) of every kernel one backward launches.
 
-    CI compiles exactly these; `tile` overrides the table (schedule search)."""
+    ``band``: the sliding-window / packed-sequence kernels attn_bwd_kv_band and attn_bwd_dq_band
+    (``causal`` is then ignored: the bounds are run-time arguments). CI compiles exactly these;
+    `tile` overrides the table (schedule search)."""
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
         raise NotImplementedError("cuflash: the float32 GPU backward is not implemented yet (use float16/bfloat16, or NumPy inputs)")
     tag = _TAG[dtype]
     hd, t = schedule.backward_tile(d)
     t = tile or t
+    kv_head = f"{tag}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.warps_d}"
+    dq_head = f"{tag}, {hd}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, {t.dq_split}"
+    mask = "" if band else f"{_b(causal)}, "
+    suffix = "_band" if band else ""
     specs = {
         "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}>", 32 * _PREP_WARPS, 0),
         "kv": KernelSpec(
             "attn_bwd.cu",
-            f"attn_bwd_kv<{tag}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.warps_d}, {_b(causal)}, {_b(vec)}, {_b(not deterministic)}>",
+            f"attn_bwd_kv{suffix}<{kv_head}, {mask}{_b(vec)}, {_b(not deterministic)}>",
             t.threads,
             t.smem_bytes(hd),
         ),
@@ -42,7 +48,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     if deterministic:
         specs["dq"] = KernelSpec(
             "attn_bwd.cu",
-            f"attn_bwd_dq<{tag}, {hd}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, {t.dq_split}, {_b(causal)}, {_b(vec)}>",
+            f"attn_bwd_dq{suffix}<{dq_head}, {mask}{_b(vec)}>",
             32 * t.dq_warps,
             t.dq_smem_bytes(hd),
         )
@@ -57,6 +63,8 @@ def all_backward_specs():
                 for vec in (False, True):
                     for det in (False, True):
                         specs.extend(backward_specs(dtype, hd, causal, vec, det)[0].values())
+                        if causal:  # the band kernels, once per (vec, det)
+                            specs.extend(backward_specs(dtype, hd, True, vec, det, band=True)[0].values())
     return list(dict.fromkeys(specs))
 
 
@@ -74,40 +82,61 @@ def workspace_bytes(p) -> int:
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
              cu_seqlens=None, max_seqlens=None):
     """hopper_tile (a schedule.HopperBwdTile, schedule search): the wgmma K/V kernel's tile; only
-    where gpu_hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile."""
+    where gpu_hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile.
+
+    A window (p.window) or packed sequences (``cu_seqlens=(cu_q, cu_k)``, device int32 offsets;
+    the arrays are then (1, H, total, d) views of the packed ones, lse3 (1, Hq, total_q), and
+    ``max_seqlens=(longest q, longest k)`` host ints size the grids) run the band kernels, one
+    launch each for all sequences."""
     import cupy
 
     from . import gpu_hopper
     from .gpu import _unit_d, _vector_ok
 
-    if p.window is not None or cu_seqlens is not None:
-        raise NotImplementedError("cuflash: window= and cu_seqlens_q= / cu_seqlens_k= are not implemented in the GPU "
-                                  "backward yet (issue #5); the GPU forward runs them")
+    band = p.window is not None or cu_seqlens is not None
+    if band and cu_seqlens is not None and max_seqlens is None:
+        raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
     if p.batch == 0 or p.hq == 0:
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
     hopper_kv = None
     if hopper_tile is not None:
-        if not gpu_hopper.backward_applies(p, vec):
+        if band or not gpu_hopper.backward_applies(p, vec):
             raise ValueError("hopper_tile: the wgmma backward K/V kernel does not run for this problem here (it needs "
                              "sm_90, float16/bfloat16 with 16-byte-aligned rows, a head dim of HOPPER_BACKWARD_TILES "
                              f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {gpu_hopper.ENV}=auto)")
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic, tile=hopper_tile)
-    elif tile is None and gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
+    elif tile is None and not band and gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
         from .tune import pick_hopper_backward_tile  # its autotuned tile when CUFLASH_TUNE asks
 
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=pick_hopper_backward_tile(p, deterministic))
-    if tile is None and vec and hopper_kv is None:  # autotuned winner when CUFLASH_TUNE asks, else the table
+    if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
         tile = pick_backward_tile(p, deterministic=deterministic)
-    specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile)
+    specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile, band=band)
     kv_block_n = t.block_n
     if hopper_kv is not None:
         specs["kv"], kv_block_n = hopper_kv[0], hopper_kv[1].block_n
     off = np.int32(p.causal_offset if p.causal is not None else 0)
+    band_args = ()
+    if band:
+        from .gpu import band_offsets
+
+        hi, lo, align = band_offsets(p)
+        off, band_args = np.int32(hi), (np.int32(lo), np.int32(align))
+    # Grid z: batch entries, or the packed sequences (each block reads its rows from the offsets).
+    n_rows_q, n_rows_k = (p.nq, p.nk) if cu_seqlens is None else (int(x) for x in max_seqlens)
+
+    def z_chunks(b0, b1):
+        """(grid z, offsets passed to the band kernels) per launch of the batch chunk [b0, b1)."""
+        if cu_seqlens is None:
+            return [(b1 - b0, (np.uint64(0), np.uint64(0)))]
+        n_seq = cu_seqlens[0].shape[0] - 1
+        return [(min(n_seq, s0 + _MAX_GRID_YZ) - s0, (cu_seqlens[0][s0:], cu_seqlens[1][s0:]))
+                for s0 in range(0, n_seq, _MAX_GRID_YZ)]
     scale_log2 = np.float32(p.scale * _LOG2E)
     lse3 = cupy.ascontiguousarray(lse3)
 
@@ -124,22 +153,25 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                 (o4[sl], do4[sl], dsum[sl], *_strides3(o4), *_strides3(do4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d)),
             )
         common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
-        n_blocks = -(-p.nk // kv_block_n)
-        if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
-            get_function(specs["kv"])(
-                (n_blocks, p.hkv, nb), (specs["kv"].threads,),
-                (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
-                 *common, *_strides3(dk4), *_strides3(dv4),
-                 np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2),
-                shared_mem=specs["kv"].smem_bytes,
-            )
-        if deterministic and p.nq > 0:
-            get_function(specs["dq"])(
-                (-(-p.nq // t.dq_block_m) * t.dq_split, p.hq, nb), (32 * t.dq_warps,),
-                (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], *common,
-                 np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2),
-                shared_mem=specs["dq"].smem_bytes,
-            )
+        n_blocks = -(-n_rows_k // kv_block_n)
+        for nz, cu in z_chunks(b0, b1):
+            extra = (*band_args, *cu) if band else ()
+            if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
+                get_function(specs["kv"])(
+                    (n_blocks, p.hkv, nz), (specs["kv"].threads,),
+                    (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
+                     *common, *_strides3(dk4), *_strides3(dv4),
+                     np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2,
+                     *extra),
+                    shared_mem=specs["kv"].smem_bytes,
+                )
+            if deterministic and n_rows_q > 0:
+                get_function(specs["dq"])(
+                    (-(-n_rows_q // t.dq_block_m) * t.dq_split, p.hq, nz), (32 * t.dq_warps,),
+                    (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], *common,
+                     np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2, *extra),
+                    shared_mem=specs["dq"].smem_bytes,
+                )
         per_batch = p.hq * p.nq * p.d
         if per_batch > 0:
             get_function(specs["convert"])(

@@ -577,3 +577,17 @@ def test_float32_band_kernel_is_not_implemented():
         for hd in schedule.HEAD_DIM_BUCKETS:
             for vec in (False, True):
                 assert gpu.forward_spec(dtype, hd, True, vec, band=True)[0].expression in names
+
+
+def test_backward_band_kernels_are_compiled_in_ci():
+    from cuflash import gpu_backward
+
+    names = {s.expression for s in gpu_backward.all_backward_specs()}
+    for dtype in (np.float16, BFLOAT16):
+        for hd in schedule.HEAD_DIM_BUCKETS:
+            for vec in (False, True):
+                for det in (False, True):
+                    specs = gpu_backward.backward_specs(dtype, hd, True, vec, det, band=True)[0]
+                    assert specs["kv"].expression.startswith("attn_bwd_kv_band<")
+                    assert not det or specs["dq"].expression.startswith("attn_bwd_dq_band<")
+                    assert {s.expression for s in specs.values()} <= names

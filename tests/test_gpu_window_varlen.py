@@ -1,0 +1,389 @@
+"""Sliding window and packed variable-length sequences on the GPU (issue #5): the band kernels.
+
+The oracle is the float64 reference with a mask this file builds pair by pair from the documented
+definition (_brute_mask), never cuflash.masks: a windowed problem is held to
+``mask=brute_visible(...)``, a packed batch to the block-diagonal mask of its sequences (one big
+problem over the packed arrays, so the varlen launch is not part of its own oracle). The rule is
+cuflash.testing's: at most 2x (forward; 3x backward) the error of the naive formula in the input
+dtype plus one rounding. Outputs are NaN-poisoned before every launch, so an element a kernel
+forgets shows up; rows that see no key must give o = 0 and lse = -inf exactly, keys no query sees
+dk = dv = 0 exactly, and the inputs must come back unchanged bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _problem, gpu, gpu_backward
+from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.testing import (
+    assert_backward_within_naive_error,
+    assert_forward_within_naive_error,
+    random_array,
+    random_inputs,
+    to_numpy,
+)
+
+from _brute_mask import brute_visible
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+DTYPES = [pytest.param(FLOAT16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
+CAUSAL = [pytest.param(False, id="full"), pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")]
+
+_UINT = {2: np.uint16, 4: np.uint32}
+_NAN_BITS = {2: 0x7E00, 4: 0x7FC00000}  # float16 NaN (also a NaN as bfloat16), float32 NaN
+
+
+def window_id(w):
+    return "nowin" if w is None else f"w{w[0]}_{w[1]}"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def raw(a):
+    return a.view(_UINT[a.dtype.itemsize])
+
+
+def to_device(a):
+    a = np.ascontiguousarray(a)
+    return cupy.asarray(raw(a)).view(a.dtype)
+
+
+def to_host(a):
+    return np.asarray(to_numpy(raw(cupy.ascontiguousarray(a)))).view(a.dtype)
+
+
+def poisoned(shape, dtype):
+    a = cupy.empty(shape, dtype=dtype)
+    raw(a).fill(_NAN_BITS[np.dtype(dtype).itemsize])
+    return a
+
+
+def bits(arrays):
+    return [to_host(raw(a)).copy() for a in arrays]
+
+
+def assert_unchanged(arrays, before):
+    for a, b in zip(arrays, before):
+        assert np.array_equal(to_host(raw(a)), b), "an input was modified"
+
+
+def assert_hidden_rows(o, lse, vis, rows_axis):
+    """Rows that see no key: o exactly 0 and lse -inf; the others a finite lse."""
+    hidden = ~vis.any(axis=1)
+    o32 = np.moveaxis(o.astype(np.float32), rows_axis, 0)
+    assert np.all(o32[hidden] == 0), "rows that see no key must give o = 0"
+    lse_rows = np.moveaxis(lse, -1, 0)
+    assert np.all(lse_rows[hidden] == -np.inf), "rows that see no key must give lse = -inf"
+    assert np.isfinite(lse_rows[~hidden]).all()
+
+
+def record_launches(monkeypatch):
+    """The expressions of every kernel that cuflash's GPU modules fetch, in order."""
+    launched = []
+    for mod in (gpu, gpu_backward):
+        real = mod.get_function
+
+        def recording(spec, real=real):
+            launched.append(spec.expression)
+            return real(spec)
+
+        monkeypatch.setattr(mod, "get_function", recording)
+    return launched
+
+
+def window_forward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window, *, layout="bhsd", out=False):
+    """Forward with a window into poisoned outputs, checked against the brute-force mask."""
+    sq, skv = ((b, hq, nq, d), (b, hkv, nk, d)) if layout == "bhsd" else ((b, nq, hq, d), (b, nk, hkv, d))
+    qh, kh, vh = random_inputs(rng, sq, skv, dtype)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    before = bits((q, k, v))
+    o_arg = poisoned(q.shape, dtype) if out else None
+    o, lse = cuflash.attention(q, k, v, causal=causal, window=window, layout=layout, return_lse=True, out=o_arg)
+    assert o_arg is None or o is o_arg
+    assert_unchanged((q, k, v), before)
+    oh, lh = to_host(o), to_host(lse)
+    vis = brute_visible(causal, window, nq, nk)
+    assert_forward_within_naive_error(oh, lh, qh, kh, vh, causal=False, layout=layout, mask=vis)
+    assert_hidden_rows(oh, lh, vis, -2 if layout == "bhsd" else -3)
+    return (qh, kh, vh), (q, k, v), (o, lse), vis
+
+
+# ----------------------------------------------------------------------------- window: forward
+
+# Both sides bounded and cutting 128 x 64 tiles mid-way, zero-width, one-sided (right only, left
+# only), and a right side reaching past the end.
+WINDOWS = [(70, 20), (0, 0), (-1, 5), (130, -1), (3, 200)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("window", WINDOWS, ids=window_id)
+@pytest.mark.parametrize("nq, nk", [(200, 333), (333, 200)])
+def test_window_forward(rng, dtype, causal, window, nq, nk):
+    # Nq != Nk either way, lengths not multiples of any tile; with Nq > Nk bottom-right, or a
+    # zero-width window, some rows see no key. GQA 4:2; d = 64 and 128 (the table's two shapes).
+    window_forward(rng, dtype, 2, 4, 2, nq, nk, 64 if nq < nk else 128, causal, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 40, 111, 192, 256])
+def test_window_forward_head_dims(rng, dtype, d):
+    # Every other head-dim bucket, the zero-filled padding (40) and the scalar-load kernel (111,
+    # d % 8 != 0); d = 192 runs the band kernel's 32-key tile.
+    window_forward(rng, dtype, 1, 2, 1, 150, 170, d, "bottom_right", (37, 5), layout="bshd" if d == 40 else "bhsd")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal, window", [(True, (100, 0)), (False, (150, 150)), ("top_left", (0, -1))])
+def test_window_forward_long(rng, dtype, causal, window):
+    # Many query and key tiles: tiles left of the band are skipped, tiles inside need no mask.
+    window_forward(rng, dtype, 1, 2, 2, 700, 700, 64, causal, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_window_forward_out(rng, dtype, layout):
+    window_forward(rng, dtype, 2, 4, 4, 129, 131, 64, True, (20, 0), layout=layout, out=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_forward_strided_out(rng, dtype):
+    # out= a slice of a larger poisoned array: the kernel writes through its strides, and nothing
+    # outside the view.
+    qh, kh, vh = random_inputs(rng, (2, 3, 90, 64), (2, 3, 100, 64), dtype)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    big = poisoned((2, 4, 95, 72), dtype)
+    out = big[:, 1:, 2:92, 4:68]
+    o, lse = cuflash.attention(q, k, v, window=(9, 9), return_lse=True, out=out)
+    assert o is out
+    vis = brute_visible(False, (9, 9), 90, 100)
+    assert_forward_within_naive_error(to_host(o), to_host(lse), qh, kh, vh, mask=vis)
+    rest = to_host(raw(big)).copy()
+    rest[:, 1:, 2:92, 4:68] = _NAN_BITS[2]
+    assert np.all(rest == _NAN_BITS[2]), "the forward wrote outside out="
+
+
+@pytest.mark.parametrize("kernels_param", ["auto", "mma_sync"])
+def test_window_runs_the_band_kernel_not_decode_or_wgmma(rng, monkeypatch, kernels_param):
+    # A decode-shaped problem (few queries, long cache, 16-byte rows) and a Hopper-shaped one
+    # (d = 64 / 128, aligned): with a window both must launch attn_fwd_band, whatever
+    # CUFLASH_KERNELS says.
+    from cuflash import gpu_hopper
+
+    monkeypatch.setenv(gpu_hopper.ENV, kernels_param)
+    launched = record_launches(monkeypatch)
+    window_forward(rng, FLOAT16, 2, 8, 2, 4, 1000, 128, True, (300, 0))
+    window_forward(rng, BFLOAT16, 1, 2, 2, 256, 256, 64, False, (32, 32))
+    assert launched and all(e.startswith("attn_fwd_band<") for e in launched), launched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_with_kv_lens(rng, dtype):
+    # kv_lens and a window: each sequence over its first kv_lens[b] keys, window aligned to it;
+    # the decode kernel must not take it (it has no band), even for one query over a long cache.
+    qh, kh, vh = random_inputs(rng, (3, 4, 2, 64), (3, 2, 600, 64), dtype)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    lens = np.array([0, 300, 600], dtype=np.int32)
+    o, lse = cuflash.attention(q, k, v, causal=True, window=(40, 0), kv_lens=cupy.asarray(lens), return_lse=True)
+    oh, lh = to_host(o), to_host(lse)
+    for b, n in enumerate(lens.tolist()):
+        sl = slice(b, b + 1)
+        assert_forward_within_naive_error(oh[sl], lh[sl], qh[sl], kh[sl, :, :n], vh[sl, :, :n],
+                                          mask=brute_visible(True, (40, 0), 2, n))
+    assert np.all(oh[0].astype(np.float32) == 0) and np.all(lh[0] == -np.inf)
+
+
+# ----------------------------------------------------------------------------- window: backward
+
+
+def window_backward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window, *, deterministic=False, layout="bhsd"):
+    (qh, kh, vh), (q, k, v), (o, lse), vis = window_forward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window,
+                                                            layout=layout)
+    doh = random_array(rng, qh.shape, dtype)
+    do = to_device(doh)
+    before = bits((do, q, k, v, o, lse))
+    outs = tuple(poisoned(a.shape, dtype) for a in (q, k, v))
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, layout=layout,
+                                       deterministic=deterministic, out=outs)
+    assert all(g is w for g, w in zip(grads, outs))
+    assert_unchanged((do, q, k, v, o, lse), before)
+    gh = tuple(to_host(g) for g in grads)
+    assert_backward_within_naive_error(gh, doh, qh, kh, vh, layout=layout, mask=vis)
+    seq = -2 if layout == "bhsd" else -3
+    unseen = ~vis.any(axis=0)
+    for g in gh[1:]:
+        assert np.all(np.moveaxis(g.astype(np.float32), seq, 0)[unseen] == 0), "keys no query sees: dk = dv = 0"
+    hidden = ~vis.any(axis=1)
+    assert np.all(np.moveaxis(gh[0].astype(np.float32), seq, 0)[hidden] == 0), "rows that see no key: dq = 0"
+    return (do, q, k, v, o, lse), gh
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("window", [(70, 20), (0, 0), (-1, 5), (130, -1)], ids=window_id)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_window_backward(rng, dtype, causal, window, deterministic):
+    nq, nk = (150, 260) if deterministic else (260, 150)
+    window_backward(rng, dtype, 2, 4, 2, nq, nk, 64, causal, window, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 111, 128, 192, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_window_backward_head_dims(rng, dtype, d, deterministic):
+    window_backward(rng, dtype, 1, 2, 1, 140, 150, d, "top_left", (25, 7), deterministic=deterministic,
+                    layout="bshd" if d == 111 else "bhsd")
+
+
+def test_window_backward_long_and_runs_band_kernels(rng, monkeypatch):
+    launched = record_launches(monkeypatch)
+    window_backward(rng, BFLOAT16, 1, 2, 2, 600, 640, 128, True, (90, 0))
+    bwd = [e for e in launched if not e.startswith("attn_fwd")]
+    assert any(e.startswith("attn_bwd_kv_band<") for e in bwd), bwd
+    assert not any("wgmma" in e for e in launched), launched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_backward_deterministic_bitwise(rng, dtype):
+    (do, q, k, v, o, lse), first = window_backward(rng, dtype, 2, 4, 2, 300, 310, 64, True, (50, 0),
+                                                   deterministic=True)
+    for _ in range(20):
+        again = cuflash.attention_backward(do, q, k, v, o, lse, causal=True, window=(50, 0), deterministic=True)
+        for a, b in zip(first, again):
+            assert np.array_equal(raw(a), to_host(raw(b)))
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+
+def packed(rng, dtype, nqs, nks, hq, hkv, d):
+    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(nks)]).astype(np.int32)
+    q, k, v = random_inputs(rng, (int(cq[-1]), hq, d), (int(ck[-1]), hkv, d), dtype)
+    return q, k, v, cq, ck
+
+
+def block_diagonal_mask(causal, window, cq, ck):
+    """The packed problem's mask: sequence b's rows see only its own keys, by brute force."""
+    vis = np.zeros((int(cq[-1]), int(ck[-1])), dtype=bool)
+    for b in range(len(cq) - 1):
+        vis[cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = brute_visible(causal, window, int(cq[b + 1] - cq[b]),
+                                                              int(ck[b + 1] - ck[b]))
+    return vis
+
+
+def varlen_run(rng, dtype, nqs, nks, causal, window, *, hq=4, hkv=2, d=64, deterministic=False, out=False):
+    """Packed forward and backward into poisoned outputs, held to the block-diagonal mask."""
+    qh, kh, vh, cq, ck = packed(rng, dtype, nqs, nks, hq, hkv, d)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    cq_d, ck_d = cupy.asarray(cq), cupy.asarray(ck)
+    kw = dict(causal=causal, window=window, cu_seqlens_q=cq_d, cu_seqlens_k=ck_d)
+    before = bits((q, k, v, cq_d, ck_d))
+    o_arg = poisoned(q.shape, dtype) if out else None
+    o, lse = cuflash.attention(q, k, v, return_lse=True, out=o_arg, **kw)
+    assert o_arg is None or o is o_arg
+    assert o.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == np.float32
+    oh, lh = to_host(o), to_host(lse)
+    vis = block_diagonal_mask(causal, window, cq, ck)
+    assert_forward_within_naive_error(oh, lh, qh, kh, vh, layout="bshd", mask=vis)
+    assert_hidden_rows(oh, lh, vis, 0)
+    doh = random_array(rng, qh.shape, dtype)
+    do = to_device(doh)
+    outs = tuple(poisoned(a.shape, dtype) for a in (q, k, v)) if out else None
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=deterministic, out=outs, **kw)
+    assert outs is None or all(g is w for g, w in zip(grads, outs))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    gh = tuple(to_host(g) for g in grads)
+    assert_backward_within_naive_error(gh, doh, qh, kh, vh, layout="bshd", mask=vis)
+    unseen = ~vis.any(axis=0)
+    assert np.all(gh[1][unseen].astype(np.float32) == 0) and np.all(gh[2][unseen].astype(np.float32) == 0)
+    assert np.all(gh[0][~vis.any(axis=1)].astype(np.float32) == 0)
+    assert_unchanged((q, k, v, cq_d, ck_d), before)
+    return (do, q, k, v, o, lse, kw), gh
+
+
+# Nq in {1, 2, 7, 16} per sequence, empty sequences on either side and both, Nq > Nk and Nq < Nk,
+# and sequences of more than two 128-row (and 64-/128-key) tiles.
+BATCHES = [
+    pytest.param([1, 0, 2, 7, 16, 0, 300], [9, 4, 0, 3, 40, 0, 290], id="mixed"),
+    pytest.param([16, 1, 2, 7, 270], [16, 30, 1, 7, 400], id="no-empty"),
+    pytest.param([0, 7, 0], [0, 20, 5], id="leading-empty"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("window", [None, (3, 0), (2, 2), (-1, 1), (50, -1)], ids=window_id)
+@pytest.mark.parametrize("nqs, nks", BATCHES)
+def test_varlen(rng, dtype, causal, window, nqs, nks):
+    varlen_run(rng, dtype, nqs, nks, causal, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_deterministic_out_and_bitwise(rng, dtype, causal):
+    (do, q, k, v, o, lse, kw), first = varlen_run(rng, dtype, [5, 0, 200, 16], [7, 3, 180, 300], causal, (40, 10),
+                                                  deterministic=True, out=True)
+    for _ in range(10):
+        again = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+        for a, b in zip(first, again):
+            assert np.array_equal(raw(a), to_host(raw(b)))
+
+
+@pytest.mark.parametrize("d, hq, hkv", [(32, 8, 1), (111, 2, 2), (128, 8, 2), (192, 4, 4), (256, 2, 1)])
+def test_varlen_head_dims_and_groups(rng, d, hq, hkv):
+    varlen_run(rng, BFLOAT16, [3, 150, 0, 16], [40, 140, 9, 16], True, None, hq=hq, hkv=hkv, d=d)
+
+
+def test_varlen_is_one_launch_per_kernel(rng, monkeypatch):
+    # Packed sequences run in one launch of each kernel, not one per sequence.
+    launched = record_launches(monkeypatch)
+    varlen_run(rng, FLOAT16, [1, 2, 7, 16, 130], [5, 2, 20, 16, 140], "bottom_right", None)
+    fwd = [e for e in launched if e.startswith("attn_fwd")]
+    kv = [e for e in launched if e.startswith("attn_bwd_kv")]
+    assert len(fwd) == 1 and fwd[0].startswith("attn_fwd_band<"), launched
+    assert len(kv) == 1 and kv[0].startswith("attn_bwd_kv_band<"), launched
+
+
+def test_varlen_strided_out(rng):
+    # out= a slice of a larger array, for o and the three gradients.
+    qh, kh, vh, cq, ck = packed(rng, FLOAT16, [9, 130], [20, 100], 2, 2, 64)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    kw = dict(causal=True, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
+    big_o = poisoned((q.shape[0], 3, 80), FLOAT16)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, out=big_o[:, 1:, 8:72], **kw)
+    vis = block_diagonal_mask(True, None, cq, ck)
+    assert_forward_within_naive_error(to_host(o), to_host(lse), qh, kh, vh, layout="bshd", mask=vis)
+    doh = random_array(rng, qh.shape, FLOAT16)
+    bigs = [poisoned((a.shape[0], 3, 80), FLOAT16) for a in (q, k, v)]
+    grads = cuflash.attention_backward(to_device(doh), q, k, v, o, lse, out=tuple(b[:, 1:, 8:72] for b in bigs),
+                                       **kw)
+    assert_backward_within_naive_error(tuple(to_host(g) for g in grads), doh, qh, kh, vh, layout="bshd", mask=vis)
+    for big in [big_o] + bigs:
+        rest = to_host(raw(big)).copy()
+        rest[:, 1:, 8:72] = _NAN_BITS[2]
+        assert np.all(rest == _NAN_BITS[2]), "a kernel wrote outside out="
+
+
+def test_varlen_float32_is_not_implemented(rng):
+    qh, kh, vh, cq, ck = packed(rng, np.float32, [3, 4], [5, 6], 2, 2, 32)
+    q, k, v = (cupy.asarray(a) for a in (qh, kh, vh))
+    with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
+        cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
+    with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
+        cuflash.attention(q[None], k[None], v[None], window=(3, 3), layout="bshd")
+
+
+def test_varlen_bad_offsets_still_name_the_argument(rng):
+    qh, kh, vh, cq, ck = packed(rng, FLOAT16, [3, 4], [5, 6], 2, 2, 32)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: offsets must be non-decreasing"):
+        cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(np.array([0, 7, 6], dtype=np.int32)))
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype int32"):
+        cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq.astype(np.int64)), cu_seqlens_k=cupy.asarray(ck))
