@@ -16,7 +16,8 @@ flushed = Timer(warmup=3, repeats=40, seconds_per_impl=0.3)
 warm = Timer(warmup=3, repeats=40, seconds_per_impl=0.3)
 warm.flush = lambda: warm.spin(warm.SPIN_CYCLES) if warm.spin else None
 tile = schedule.DecodeTile(16, 4, 2, 2, "fixed")
-for splits in (5, 1, 2, 10):
+import os
+for splits in [int(x) for x in os.environ.get("SPLITS", "5,1,2,10").split(",")]:
     for L in (1024, 2048, 4096, 8192, 16384):
         B, hq, hkv, d = 8, 32, 8, 128
         q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
