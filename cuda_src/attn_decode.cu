@@ -6,8 +6,8 @@
 // group times the Nq new tokens - are packed into the rows of one mma tile, so the cache is read
 // once per K/V head, not once per query head (with a block table, the cache is paged). Warps merge
 // their (max, sum, O) in shared memory;
-// with several splits each block writes a normalized partial O and its log-sum-exp, and the last
-// split block of a (sequence, K/V head) to finish merges them with the log-sum-exp rule.
+// with several splits each block writes a normalized partial O and its log-sum-exp, and
+// attn_decode_combine merges the splits with the log-sum-exp rule.
 #include "common.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
@@ -31,8 +31,7 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int S
 __global__ void __launch_bounds__(WARPS * 32)
 attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
             u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o, float* __restrict__ part_lse,
-            int* __restrict__ split_counts, const int* __restrict__ kv_lens, const int* __restrict__ block_table,
-            i64 bt_sb, int page_shift,
+            const int* __restrict__ kv_lens, const int* __restrict__ block_table, i64 bt_sb, int page_shift,
             i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
             i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
             int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
@@ -109,5 +108,33 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
     decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
         softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
-        part_lse, split_counts, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+        part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+}
+
+// Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).
+// Partial O rows are d floats apart (no head-dim padding in the workspace).
+template <typename T, int HEAD_DIM>
+__global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                                    u16* __restrict__ o, float* __restrict__ lse,
+                                    i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int nq, int group, int d, int n_splits) {
+    const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int rows = group * nq;
+    const i64 base = (((i64)b * hkv + hk) * n_splits) * rows + r;
+    float mx = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * rows]);
+    float wsum = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float l = part_lse[base + (i64)s * rows];
+        if (l != -INFINITY) wsum += __expf(l - mx);
+    }
+    const int h = hk * group + r / nq, tok = r % nq;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float l = part_lse[base + (i64)s * rows];
+            if (l != -INFINITY) acc += __expf(l - mx) * part_o[(base + (i64)s * rows) * d + c];
+        }
+        o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(wsum > 0.f ? acc / wsum : 0.f);
+    }
+    if (threadIdx.x == 0) lse[((i64)b * hq + h) * nq + tok] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
 }

@@ -38,8 +38,7 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int CWARPS, int STAGES, bool 
 __global__ void __launch_bounds__((CWARPS + 1) * 32)
 attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v,
                 const u16* __restrict__ q, u16* __restrict__ o, float* __restrict__ lse,
-                float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_counts,
-                const int* __restrict__ kv_lens,
+                float* __restrict__ part_o, float* __restrict__ part_lse, const int* __restrict__ kv_lens,
                 const int* __restrict__ block_table, i64 bt_sb, int page_shift,
                 i64 q_sb, i64 q_sh, i64 q_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                 int hq, int nq, int nk, int group, int bottom_right, int chunk, float scale_log2) {
@@ -135,5 +134,5 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
     // Every box issued has been waited for by the consumers, so the ring is idle: sO reuses it.
     decode_merge_store<T, HEAD_DIM, ROW_TILES, CWARPS, Tr::kThreads>(
         softmax, acc_o, warp < CWARPS, s_stat, reinterpret_cast<float*>(gbase), warp, lane, o, lse, part_o, part_lse,
-        split_counts, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, HEAD_DIM, group, scale_log2);
+        o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, HEAD_DIM, group, scale_log2);
 }

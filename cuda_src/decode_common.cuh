@@ -128,46 +128,6 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
 }
 
-// The split blocks of one (sequence, K/V head) count themselves in split_counts[b * hkv + hk];
-// the last to arrive merges the partials, O = sum_s w_s O_s / sum_s w_s with w_s = exp(lse_s -
-// max), in split order, and resets the count to 0 for the next launch on the stream. This saves
-// a second kernel (its launch and its wave) and keeps the sum deterministic.
-template <typename T, int THREADS>
-__device__ __forceinline__ void decode_combine_if_last(const float* part_o, const float* part_lse, int* split_counts,
-                                                       u16* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk,
-                                                       int hkv, int n_splits, int hq, int nq, int d, int group) {
-    __shared__ int s_last;
-    __threadfence();  // this block's partials are visible device-wide before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int done = atomicAdd(&split_counts[b * hkv + hk], 1);
-        s_last = done == n_splits - 1;
-        if (s_last) split_counts[b * hkv + hk] = 0;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int rows = group * nq;
-    const i64 base = ((i64)b * hkv + hk) * n_splits * rows;
-    for (int i = threadIdx.x; i < rows * d; i += THREADS) {
-        const int r = i / d, c = i % d;
-        float mx = -INFINITY;
-        for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, __ldcg(&part_lse[base + (i64)s * rows + r]));
-        float wsum = 0.f, acc = 0.f;
-        for (int s = 0; s < n_splits; ++s) {
-            const float l = __ldcg(&part_lse[base + (i64)s * rows + r]);
-            if (l != -INFINITY) {
-                const float w = __expf(l - mx);
-                wsum += w;
-                acc += w * __ldcg(&part_o[(base + (i64)s * rows + r) * d + c]);
-            }
-        }
-        const int h = hk * group + r / nq, tok = r % nq;
-        o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(wsum > 0.f ? acc / wsum : 0.f);
-        if (c == 0) lse[((i64)b * hq + h) * nq + tok] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
-    }
-}
-
 // Each computing warp publishes (max, sum) per packed row in s_stat [WARPS][rows16][2]; every warp
 // rescales its O to the common max and adds it, in warp order, into sO (float, rows16 x HEAD_DIM),
 // which reuses shared memory that is idle by now. `computes` is false for a warp with no statistics (a TMA
@@ -176,8 +136,7 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
 __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
-                                                   float* part_o, float* part_lse, int* split_counts,
-                                                   i64 o_sb, i64 o_sh, i64 o_sn,
+                                                   float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
                                                    int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
                                                    int d, int group, float scale_log2) {
     constexpr int kRows = 16 * ROW_TILES, kNO = HEAD_DIM / 8;
@@ -246,6 +205,4 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
             if (c == 0) part_lse[prow] = row_lse;
         }
     }
-    if (n_splits > 1) decode_combine_if_last<T, THREADS>(part_o, part_lse, split_counts, o, lse, o_sb, o_sh, o_sn, b, hk,
-                                                         hkv, n_splits, hq, nq, d, group);
 }

@@ -464,7 +464,7 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
     rt, t, splits, _ = gpu_decode.plan(p, H200_SM_COUNT)
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
-    main, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True, t)
+    main, _, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True, t)
     return SimpleNamespace(splits=splits, keys=keys, source=main.short_name, smem=main.smem_bytes,
                            threads=main.threads, rows=16 * rt, block_n=t.block_n)
 
@@ -793,7 +793,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "K", bhkv * dec.keys * d, 0, s, "once per K/V head (GQA rows packed into one tile)"),
             IOEntry(p + "V", bhkv * dec.keys * d, 0, s, "once per K/V head"),
             IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
-                    f"float32, {dec.splits} splits: written by the splits, read by the last split block of each head"),
+                    f"float32, {dec.splits} splits: written by the splits, read by the combine"),
             IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
             IOEntry(p + "O", 0, qe, s, "written once"),
             IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),

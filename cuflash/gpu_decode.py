@@ -17,6 +17,7 @@ from ._build import KernelSpec, get_function
 
 _TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 _LOG2E = 1.4426950408889634
+_COMBINE_THREADS = 128
 MIN_KEYS = 256  # below this a single prefill tile loop is as good
 
 
@@ -57,7 +58,12 @@ def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
         t.threads,
         t.smem_bytes(hd, row_tiles),
     )
-    return main, hd, t
+    return main, combine_spec(dtype, d), hd, t
+
+
+def combine_spec(dtype, d):
+    hd, _ = schedule.decode_tile(d)
+    return KernelSpec("attn_decode.cu", f"attn_decode_combine<{_TAG[np.dtype(dtype)]}, {hd}>", _COMBINE_THREADS, 0)
 
 
 def tma_spec(dtype, d, row_tiles, causal, tile=None):
@@ -74,7 +80,8 @@ def all_decode_specs():
         for hd, t in schedule.DECODE_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
-                    specs.append(decode_specs(dtype, hd, rt, causal, True)[0])
+                    main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True)
+                    specs += [main, combine]
         for hd, t in schedule.DECODE_TILES_MANY_BLOCKS.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -150,7 +157,7 @@ def plan(p, sm_count: int, splits=None, tile=None, waves=None):
     if isinstance(tile, schedule.DecodeTmaTile):
         t, waves = tile, waves or tile.waves
     else:
-        _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
+        _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
     splits = splits or num_splits(p, t, sm_count, waves)
     chunk = -(-max(p.nk, 1) // splits)
     step = t.stage_keys if isinstance(t, schedule.DecodeTmaTile) else t.block_n
@@ -159,8 +166,7 @@ def plan(p, sm_count: int, splits=None, tile=None, waves=None):
 
 
 def workspace_bytes(p, splits: int) -> int:
-    """Partial O (float32, d per row) and LSE per split; nothing with one split. (Not per call:
-    the split counters, 4 KiB or one int32 per (sequence, K/V head), allocated once per stream.)"""
+    """Partial O (float32, d per row) and LSE per split; nothing with one split."""
     if splits <= 1:
         return 0
     rows = p.batch * p.hkv * splits * p.group * p.nq
@@ -173,23 +179,6 @@ def _sm_count(device_id: int) -> int:
     import cupy
 
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
-
-
-_COUNTS: dict = {}
-
-
-def _split_counts(n: int):
-    """Zeroed int32 counters, one per (sequence, K/V head), for the split blocks to find the last
-    of them; each launch leaves them zero again. One array per (device, stream): launches on one
-    stream are ordered, so they can share it; other streams get their own."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    buf = _COUNTS.get(key)
-    if buf is None or buf.size < n:
-        buf = cupy.zeros(max(n, 1024), dtype=np.int32)
-        _COUNTS[key] = buf
-    return buf
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None):
@@ -209,7 +198,6 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
         part_lse = cupy.empty((p.batch, p.hkv, splits, rows), dtype=np.float32)
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)
-    counts = _split_counts(p.batch * p.hkv) if splits > 1 else np.uint64(0)
     lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
     if paged is not None:
         table, bs = paged
@@ -228,16 +216,22 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
         spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
         get_function(spec)(
             (splits, p.hkv, p.batch), (spec.threads,),
-            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, counts, lens_ptr, *pages, *qs, *os_,
+            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *os_,
              *scalars, *tail),
             shared_mem=spec.smem_bytes,
         )
     else:
-        main, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, t)
+        main, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, t)
         get_function(main)(
             (splits, p.hkv, p.batch), (t.threads,),
-            (q4, k4, v4, o4, lse3, part_o, part_lse, counts, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,
+            (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,
              np.int32(p.d), *tail),
             shared_mem=main.smem_bytes,
         )
-
+    if splits > 1:
+        combine = combine_spec(p.dtype, p.d)
+        get_function(combine)(
+            (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
+            (part_o, part_lse, o4, lse3, *[np.int64(s) for s in _elem_strides(o4)[:3]],
+             np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group), np.int32(p.d), np.int32(splits)),
+        )

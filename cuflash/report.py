@@ -18,7 +18,7 @@ from . import accounting, schedule
 from .accounting import format_table
 
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
-KERNEL_REGEX = "regex:attn_(fwd|decode)"  # the prefill kernel, or split-KV decode (its last split block merges the splits)
+KERNEL_REGEX = "regex:attn_(fwd|decode)"  # the prefill kernel, or split-KV decode and its combine
 _UNIT_SCALE = {
     "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
     "KB": 1e3, "MB": 1e6, "GB": 1e9,

@@ -496,7 +496,7 @@ def test_ncu_csv_parsing_and_command():
     assert cmd[:3] == ["/usr/bin/ncu", "--clock-control", "none"]
     assert ",".join(report.NCU_METRICS) in cmd and report.KERNEL_REGEX in cmd
     pattern = report.KERNEL_REGEX.removeprefix("regex:")
-    assert all(re.search(pattern, k) for k in ("attn_fwd", "attn_decode", "attn_decode_tma"))
+    assert all(re.search(pattern, k) for k in ("attn_fwd", "attn_decode", "attn_decode_combine"))
     assert not re.search(pattern, "attn_bwd_kv")
     assert "--launch-only" in cmd and "--causal" in cmd and cmd[cmd.index("--decode") + 1] == "512"
 
