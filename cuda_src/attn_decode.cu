@@ -48,12 +48,6 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     const int s0 = span.s0, s1 = span.s1, off = span.off;
     const int n_tiles = (max(0, s1 - s0) + BLOCK_N - 1) / BLOCK_N;
 
-    // Q rows, packed and zero-padded, then into registers (reused for every key tile).
-    decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-    __syncthreads();
-    const u32 sbase = smem_addr(smem);
-    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
-
     const u16* gK = k + b * k_sb + hk * k_sh;
     const u16* gV = v + b * v_sb + hk * v_sh;
     // Warp w takes tiles w, w + WARPS, ... of this split.
@@ -86,6 +80,12 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         if (s < my_tiles) load(s, s);
         cp_async_commit();
     }
+    // Q rows, packed and zero-padded, then into registers (reused for every key tile). After the
+    // first K/V copies are issued, so that Q's load latency overlaps theirs.
+    decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+    __syncthreads();
+    const u32 sbase = smem_addr(smem);
+    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
     const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
     const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
     const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
