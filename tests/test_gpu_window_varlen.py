@@ -391,3 +391,22 @@ def test_varlen_bad_offsets_still_name_the_argument(rng):
         cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(np.array([0, 7, 6], dtype=np.int32)))
     with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype int32"):
         cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq.astype(np.int64)), cu_seqlens_k=cupy.asarray(ck))
+
+
+def test_varlen_more_sequences_than_grid_z(rng):
+    # 70000 packed sequences (more than the 65535 blocks grid z takes in one launch), each 1 query
+    # and 2 keys: the same problem as a uniform batch of 70000, which the oracle computes instead
+    # of a 70000 x 140000 block-diagonal mask.
+    n, hq, hkv, d = 70000, 2, 1, 32
+    qh, kh, vh, cq, ck = packed(rng, BFLOAT16, [1] * n, [2] * n, hq, hkv, d)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    kw = dict(causal=True, window=(1, 0), cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
+    o, lse = cuflash.attention(q, k, v, return_lse=True, out=poisoned(q.shape, BFLOAT16), **kw)
+    uq, uk, uv = qh.reshape(n, 1, hq, d), kh.reshape(n, 2, hkv, d), vh.reshape(n, 2, hkv, d)
+    lh = to_host(lse)  # (Hq, total_q): as the uniform problem's (B, Hq, 1)
+    assert_forward_within_naive_error(to_host(o).reshape(uq.shape), lh.T.reshape(n, hq, 1), uq, uk, uv,
+                                      causal=True, layout="bshd")
+    doh = random_array(rng, qh.shape, BFLOAT16)
+    grads = cuflash.attention_backward(to_device(doh), q, k, v, o, lse, **kw)
+    gh = [to_host(g).reshape(s) for g, s in zip(grads, (uq.shape, uk.shape, uv.shape))]
+    assert_backward_within_naive_error(gh, doh.reshape(uq.shape), uq, uk, uv, causal=True, layout="bshd")
