@@ -42,6 +42,7 @@ def applies(p, k4, v4) -> bool:
     return p.nq <= 16 and p.nk >= MIN_KEYS and row_tiles_for(p) is not None and _vector_ok((k4, v4), p.d)
 
 
+@functools.lru_cache(maxsize=None)  # asked on every decode call: keep the host path short
 def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
     hd, t = schedule.decode_tile(d)
     t = tile or t

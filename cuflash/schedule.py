@@ -199,7 +199,7 @@ class DecodeTile:
 DECODE_TILES: dict[int, DecodeTile] = {
     32: DecodeTile(64, 4, 2, 4, "short rows: 64-key tiles keep 32 KiB per block in flight"),
     64: DecodeTile(32, 4, 2, 4, "32-key tiles: 32 KiB per block in flight; up to 64 packed rows"),
-    128: DecodeTile(16, 4, 2, 2, "16-key tiles: 70 KiB of shared memory lets 3 blocks share an SM; measured best with 2 waves of splits (decode sweep, 3.1-4.2 TB/s vs 2.3-4.0 with 32-key tiles)"),
+    128: DecodeTile(16, 4, 2, 2, "16-key tiles: 70 KiB of shared memory lets 3 blocks share an SM; with few (sequence, head) blocks, best with 2 waves of splits (decode probes: 2.9-4.4 TB/s after the in-order warp merge, vs 2.3-4.0 with 32-key tiles)"),
     192: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
     256: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
 }
