@@ -112,27 +112,30 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 }
 
 // Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).
-// Partial O rows are d floats apart (no head-dim padding in the workspace).
+// Partial O rows are d floats apart (no head-dim padding in the workspace). The split LSEs are
+// staged in shared memory (n_splits floats of dynamic shared memory) and the partial-O loads carry
+// no branch, so they are issued back to back: the kernel is a few dependent L2 round trips long.
 template <typename T, int HEAD_DIM>
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                     u16* __restrict__ o, float* __restrict__ lse,
                                     i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int nq, int group, int d, int n_splits) {
+    extern __shared__ float s_lse[];
     const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int rows = group * nq;
     const i64 base = (((i64)b * hkv + hk) * n_splits) * rows + r;
-    float mx = -INFINITY;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * rows]);
-    float wsum = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-        const float l = part_lse[base + (i64)s * rows];
-        if (l != -INFINITY) wsum += __expf(l - mx);
-    }
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) s_lse[s] = part_lse[base + (i64)s * rows];
+    __syncthreads();
+    float mx = -INFINITY, wsum = 0.f;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, s_lse[s]);
+    for (int s = 0; s < n_splits; ++s) wsum += s_lse[s] != -INFINITY ? __expf(s_lse[s] - mx) : 0.f;
     const int h = hk * group + r / nq, tok = r % nq;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float acc = 0.f;
+#pragma unroll 8
         for (int s = 0; s < n_splits; ++s) {
-            const float l = part_lse[base + (i64)s * rows];
-            if (l != -INFINITY) acc += __expf(l - mx) * part_o[(base + (i64)s * rows) * d + c];
+            // Every split wrote its row (zeros when it saw no key), so the load needs no guard.
+            const float part = part_o[(base + (i64)s * rows) * d + c];
+            acc += s_lse[s] != -INFINITY ? __expf(s_lse[s] - mx) * part : 0.f;
         }
         o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(wsum > 0.f ? acc / wsum : 0.f);
     }

@@ -235,4 +235,5 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
             (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
             (part_o, part_lse, o4, lse3, *[np.int64(s) for s in _elem_strides(o4)[:3]],
              np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group), np.int32(p.d), np.int32(splits)),
+            shared_mem=4 * splits,
         )
