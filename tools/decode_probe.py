@@ -30,6 +30,9 @@ if quick:
     CELLS, TMA_CANDS = CELLS[:3], TMA_CANDS[:3]
 if "--default-only" in sys.argv:  # the API's own choice against the peers, every cell
     CANDS, TMA_CANDS = [], []
+if "--split-cells" in sys.argv:  # the cells with few (sequence, head) blocks: split count sweep
+    CELLS = [c for c in CELLS if c[1] * c[2] < 132]
+    CANDS, WAVES, TMA_CANDS = [(16, 4, 2), (16, 4, 3)], (1, 2, 3, 4, 6), []
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
