@@ -40,13 +40,26 @@ struct HopperFwdTraits {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>
-__global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), 1)
-attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-               u16* __restrict__ o, float* __restrict__ lse,
-               i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-               i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-               int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+// Band and packed sequences (attn_fwd_wgmma_band), the conventions of attn_fwd_band
+// (attn_fwd.cu): query i of a sequence sees key j iff i + lo <= j <= i + hi; the host passes hi
+// (causal_off) and lo relative to the diagonal, `align` adds the sequence's nk - nq (bottom-right),
+// an open side (+-INT_MAX) is clamped here to nk / -nq. cu_q / cu_k (int32, B + 1; null for a
+// uniform batch) give each z-block its own rows of the packed (total, H, d) arrays; lse and the
+// batch strides then index the packed arrays as batch 0.
+struct WgmmaBand {
+    int lo_off, align;
+    const int* cu_q;
+    const int* cu_k;
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND>
+__device__ __forceinline__ void
+attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    u16* __restrict__ o, float* __restrict__ lse,
+                    i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                    i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                    int nq, int nk, int d, int group, int causal_off, float scale_log2, WgmmaBand band) {
+    constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -65,27 +78,60 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
     const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, hk = h / group;
+    int b = blockIdx.z;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int m0 = m_block * kBM;
-    const int rows_valid = min(kBM, nq - m0);
-    const u16* gQ = q + b * q_sb + h * q_sh + m0 * q_sn;
-    const u16* gK = k + b * k_sb + hk * k_sh;
-    const u16* gV = v + b * v_sb + hk * v_sh;
+    // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the
+    // plain kernel keeps nk and causal_off (its hi) as the parameters they are.
+    int nq_b = nq, nk_b = nk, hi = causal_off, lo = 0;
+    int q_row0 = 0, k_row0 = 0;
+    if constexpr (BAND) {
+        if (band.cu_q != nullptr) {
+            q_row0 = band.cu_q[b];
+            k_row0 = band.cu_k[b];
+            nq_b = band.cu_q[b + 1] - q_row0;
+            nk_b = band.cu_k[b + 1] - k_row0;
+            b = 0;  // packed arrays: one batch entry, rows picked by the offsets
+        }
+        if (m0 >= nq_b) return;  // the grid covers the longest sequence (before any barrier)
+        const i64 shift = band.align ? (i64)nk_b - nq_b : 0;
+        hi = (int)min((i64)causal_off + shift, (i64)nk_b);
+        lo = (int)max((i64)band.lo_off + shift, -(i64)nq_b);
+    }
+    const int rows_valid = min(kBM, nq_b - m0);
+    const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
+    const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
+    const u16* gV = v + b * v_sb + hk * v_sh + (i64)k_row0 * v_sn;
 
-    int n_end = nk;
-    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    // Key tiles this block can see: up to the last valid row's upper limit and, under a band,
+    // from the first row's lower limit (tiles outside are never loaded).
+    int n_end = nk_b;
+    if constexpr (kHi) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
+    int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (BAND) {
+        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
+        const int j0 = n_begin / BLOCK_N;
+        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
+        // From here on keys count from key tile j0 and rows from m0 (the K/V pointers, the key
+        // count and the bounds move), so the loop keeps as few values live as the plain kernel's.
+        const int kb = j0 * BLOCK_N;
+        gK += (i64)kb * k_sn;
+        gV += (i64)kb * v_sn;
+        nk_b -= kb;
+        hi += m0 - kb;
+        lo += m0 - kb;
+    }
 
     // ltid: this thread's index among the loading threads (all of them, or the producer's, whose
     // loops stay rolled to fit its registers).
     auto load_k = [&](int j, int ltid) {
         const int n0 = j * BLOCK_N;
-        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sK + (j % STAGES) * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk - n0, d, ltid);
+        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sK + (j % STAGES) * TileKV::kBytes, gK + n0 * k_sn, k_sn, nk_b - n0, d, ltid);
     };
     auto load_v = [&](int j, int ltid) {
         const int n0 = j * BLOCK_N;
-        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sV + (j % STAGES) * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk - n0, d, ltid);
+        load_sw128<HEAD_DIM, BLOCK_N, kLoad, !PRODUCER>(sV + (j % STAGES) * TileKV::kBytes, gV + n0 * v_sn, v_sn, nk_b - n0, d, ltid);
     };
     // The math warpgroups' part: everything after the tiles start arriving.
     auto math = [&]() {
@@ -121,21 +167,28 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             for (int kk = 0; kk < BLOCK_N / 16; ++kk)
                 Wgmma<T, HEAD_DIM>::rs(acc_o[0], p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, TileKV::kBlockBytes, 1024), 1);
         };
-        // Keys past the end and, under causality, after each row's diagonal get -inf. Only tiles
-        // that straddle a boundary for this warp's rows pay for it.
+        // Keys past the end and, under causality, after each row's diagonal (and, under a band,
+        // before its lower limit) get -inf. Only tiles that straddle a boundary for this warp's
+        // rows pay for it. (Under a band, rows and keys count from m0 and key tile j0.)
         auto mask = [&](int j) {
             const int n0 = j * BLOCK_N;
-            const int warp_first = m0 + 64 * wg + 16 * warp;
-            if ((n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > warp_first + causal_off)) {
+            const int m_base = BAND ? 0 : m0;
+            const int warp_first = m_base + 64 * wg + 16 * warp;
+            bool need_mask = (n0 + BLOCK_N > nk_b) || (kHi && n0 + BLOCK_N - 1 > warp_first + hi);
+            if constexpr (BAND) need_mask = need_mask || n0 < warp_first + 15 + lo;
+            if (need_mask) {
     #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + row0 + 8 * hf;
-                    const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
+                    const int row = m_base + row0 + 8 * hf;
+                    const int limit = kHi ? min(nk_b, row + hi + 1) : nk_b;
+                    const int first = BAND ? row + lo : 0;
     #pragma unroll
                     for (int ni = 0; ni < kNS; ++ni)
     #pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[0][ni][2 * hf + e] = -INFINITY;
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
+                            if (col >= limit || (BAND && col < first)) acc_s[0][ni][2 * hf + e] = -INFINITY;
+                        }
                 }
             }
         };
@@ -230,7 +283,10 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             }
         if constexpr (PRODUCER) named_barrier(1, kMath);
         else __syncthreads();
-        u16* gO = o + b * o_sb + h * o_sh + m0 * o_sn;
+        if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
+            if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
+        }
+        u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
     #pragma unroll
         for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
             const int i = it * kMath + tid;
@@ -244,7 +300,7 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             }
         }
         if ((lane & 3) == 0) {
-            float* gL = lse + ((i64)b * gridDim.y + h) * nq + m0;
+            float* gL = lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0);
     #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
                 if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
@@ -296,4 +352,33 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         }
         math();
     }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), 1)
+attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+               u16* __restrict__ o, float* __restrict__ lse,
+               i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+               i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+               int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, PRODUCER, false>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, causal_off, scale_log2, WgmmaBand{0, 0, nullptr, nullptr});
+}
+
+// Sliding window and/or packed sequences (the arguments of attn_fwd_band): both bounds at run time
+// (an open side clamps away) and per-sequence lengths. A kernel of its own so the plain kernels'
+// code stays as it was. At d = 64 two blocks share an SM (the plain kernel fits 128 registers
+// on its own; the band's bounds need the hint).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), HEAD_DIM <= 64 && !PRODUCER ? 2 : 1)
+attn_fwd_wgmma_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    u16* __restrict__ o, float* __restrict__ lse,
+                    i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                    i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                    int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                    int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, true, PRODUCER, true>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, hi_off, scale_log2, WgmmaBand{lo_off, align, cu_q, cu_k});
 }

@@ -62,8 +62,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         copy; the values (start at 0, non-decreasing, last = total) are read on the host and
         always checked: the CPU backend loops over them, and the GPU's single launch needs the
         longest sequence for its grid, so CuPy offsets cost one device-to-host copy even with
-        validate=False. On the GPU, window and cu_seqlens_* run the mma.sync band kernel
-        (float16/bfloat16; float32 GPU inputs raise NotImplementedError).
+        validate=False. On the GPU, window and cu_seqlens_* run the band kernels (float16/bfloat16:
+        the forward on wgmma on sm_90 where it applies, else mma.sync; the backward on mma.sync;
+        float32 GPU inputs raise NotImplementedError).
     block_table : optional int32 (B, max_blocks): k and v are then a paged KV cache, each
         (num_blocks, block_size, Hkv, d) with block_size a power of two >= 16, and sequence b's
         key j is row j % block_size of page block_table[b, j // block_size]; Nk = max_blocks *

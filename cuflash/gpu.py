@@ -109,7 +109,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     `tile` overrides the table's TileConfig (schedule search and benchmarks)."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
-    if p.window is not None:  # the band kernel; neither the decode nor the wgmma kernels mask a band
+    if p.window is not None:  # the band kernels (wgmma on sm_90); the decode kernel masks no band
         forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
         return
     q4, k4, v4 = _unit_d(q4), _unit_d(k4), _unit_d(v4)
@@ -158,7 +158,8 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3):
 
 
 def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):
-    """Sliding window and/or packed sequences on attn_fwd_band (every GPU, 16-bit inputs).
+    """Sliding window and/or packed sequences on attn_fwd_band (every GPU, 16-bit inputs), or on
+    sm_90 where gpu_hopper.applies (and no ``tile`` is given) on attn_fwd_wgmma_band.
 
     Uniform batch: as :func:`forward`. Packed (``cu_seqlens=(cu_q, cu_k)``, device int32 arrays
     of B + 1 offsets): q4, k4, v4, o4 are (1, H, total, d) views of the packed arrays, lse3 is
@@ -172,7 +173,12 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
-    spec, t = forward_spec(p.dtype, p.d, True, vec, tile, band=True)
+    from . import gpu_hopper
+
+    if tile is None and gpu_hopper.applies(p, vec):  # same arguments, grid and lse layout
+        spec, t = gpu_hopper.forward_band_spec(p.dtype, p.d)
+    else:
+        spec, t = forward_spec(p.dtype, p.d, True, vec, tile, band=True)
     fn = get_function(spec)
     hi, lo, align = band_offsets(p)
     strides = []

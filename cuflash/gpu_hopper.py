@@ -4,7 +4,9 @@
 They cover 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
 vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES / HOPPER_BACKWARD_TILES
 entry; everything else, and every other GPU, runs the mma.sync kernels of cuflash.gpu and
-cuflash.gpu_backward. ``CUFLASH_KERNELS=mma_sync`` turns
+cuflash.gpu_backward. Sliding windows and packed sequences run the forward's band instantiation
+(attn_fwd_wgmma_band) here too; their backward stays on the mma.sync band kernels.
+``CUFLASH_KERNELS=mma_sync`` turns
 the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
 """
 
@@ -37,25 +39,31 @@ def _is_hopper(device_id: int) -> bool:
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
-def _applies(p, vec: bool, table) -> bool:
-    if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
-        return False
-    if p.window is not None:  # no band mask here: the mma.sync band kernels take windows (and packed sequences)
-        return False
-    if schedule.head_dim_bucket(p.d) not in table or not enabled():
-        return False
+def _on_hopper() -> bool:
     import cupy
 
     return _is_hopper(cupy.cuda.Device().id)
 
 
+def _applies(p, vec: bool, table) -> bool:
+    if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
+        return False
+    if schedule.head_dim_bucket(p.d) not in table or not enabled():
+        return False
+    return _on_hopper()
+
+
 def applies(p, vec: bool) -> bool:
-    """Whether the current device runs this problem's forward on the wgmma kernel."""
+    """Whether the current device runs this problem's forward on the wgmma kernel (a window or
+    packed sequences: its band instantiation, see forward_band_spec)."""
     return _applies(p, vec, schedule.HOPPER_FORWARD_TILES)
 
 
 def backward_applies(p, vec: bool) -> bool:
-    """Whether the current device runs this problem's backward K/V kernel on wgmma."""
+    """Whether the current device runs this problem's backward K/V kernel on wgmma (never with a
+    window: the mma.sync band kernels take windows and packed sequences)."""
+    if p.window is not None:
+        return False
     return _applies(p, vec, schedule.HOPPER_BACKWARD_TILES)
 
 
@@ -70,6 +78,18 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
+def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
+    the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
+    hd = schedule.head_dim_bucket(d)
+    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
+    expr = (
+        f"attn_fwd_wgmma_band<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}"
+        f"{', true' if t.producer else ''}>"
+    )
+    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
 def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
     """The table tile with a producer warpgroup (at most 2 math warpgroups: the producer's
     registers come out of theirs). Measured slower at d >= 128 with cp.async loads (notes/PERF.md);
@@ -79,14 +99,16 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
 
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    table's tiles and their warp-specialized variants)."""
-    return [
+    table's tiles and their warp-specialized variants, and the table's band instantiations)."""
+    plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
         for tile in (t, warp_specialized(t))
         for causal in (False, True)
     ]
+    band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
+    return plain + band
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, tile=None):

@@ -109,6 +109,22 @@ def test_instantiation_compiles_without_spills(spec, enumeration_error):
     )
 
 
+_WGMMA_SERIALIZED = re.compile(r"C75(14|15|08)\b[^\n]*")
+
+
+@pytest.mark.parametrize(("spec", "enumeration_error"),
+                         [p for p in _PARAMS if p.values[0] is not None and p.values[0].source == "attn_fwd_wgmma.cu"])
+def test_wgmma_forward_is_not_serialized(spec, enumeration_error):
+    # ptxas warns (C7514/C7515, C7508) when a branch around a wgmma or its wait, or a group in
+    # flight across a back edge, makes it serialize every wgmma of the kernel (notes/HOPPER.md):
+    # the code still runs, only slower, so the spill check above would not notice. Specs of one
+    # source share an NVRTC program (and its log): a warning anywhere in it fails them all.
+    _nvrtc_or_skip()
+    found = _WGMMA_SERIALIZED.findall(_report(spec).log)
+    assert not found, f"{spec.short_name}: ptxas serialized wgmma:\n" + "\n".join(
+        m.group(0) for m in _WGMMA_SERIALIZED.finditer(_report(spec).log))
+
+
 # ---- header inlining: the text CuPy hashes for its cache must change with every header ----
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

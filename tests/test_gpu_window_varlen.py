@@ -1,5 +1,9 @@
 """Sliding window and packed variable-length sequences on the GPU (issue #5): the band kernels.
 
+The forward runs attn_fwd_wgmma_band on sm_90 (CUFLASH_KERNELS=auto, 16-bit aligned rows, a head
+dim of HOPPER_FORWARD_TILES) and attn_fwd_band elsewhere; the forward tests take the ``kernels``
+fixture so that on an H200 both run. The backward is the mma.sync band kernels everywhere.
+
 The oracle is the float64 reference with a mask this file builds pair by pair from the documented
 definition (_brute_mask), never cuflash.masks: a windowed problem is held to
 ``mask=brute_visible(...)``, a packed batch to the block-diagonal mask of its sequences (one big
@@ -100,6 +104,13 @@ def record_launches(monkeypatch):
     return launched
 
 
+def forward_band_kernel(kernels="auto"):
+    """The prefix of the forward kernel a window / packed batch must launch here (aligned 16-bit
+    rows, d = 64 or 128): the wgmma band kernel on sm_90 unless CUFLASH_KERNELS=mma_sync."""
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    return "attn_fwd_wgmma_band<" if hopper and kernels == "auto" else "attn_fwd_band<"
+
+
 def window_forward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window, *, layout="bhsd", out=False):
     """Forward with a window into poisoned outputs, checked against the brute-force mask."""
     sq, skv = ((b, hq, nq, d), (b, hkv, nk, d)) if layout == "bhsd" else ((b, nq, hq, d), (b, nk, hkv, d))
@@ -128,35 +139,36 @@ WINDOWS = [(70, 20), (0, 0), (-1, 5), (130, -1), (3, 200)]
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("window", WINDOWS, ids=window_id)
 @pytest.mark.parametrize("nq, nk", [(200, 333), (333, 200)])
-def test_window_forward(rng, dtype, causal, window, nq, nk):
+def test_window_forward(rng, kernels, dtype, causal, window, nq, nk):
     # Nq != Nk either way, lengths not multiples of any tile; with Nq > Nk bottom-right, or a
     # zero-width window, some rows see no key. GQA 4:2; d = 64 and 128 (the table's two shapes).
     window_forward(rng, dtype, 2, 4, 2, nq, nk, 64 if nq < nk else 128, causal, window)
 
 
 @pytest.mark.parametrize("d", [32, 40, 111, 192, 256])
-def test_window_forward_head_dims(rng, d):
+def test_window_forward_head_dims(rng, kernels, d):
     # Every other head-dim bucket, the zero-filled padding (40) and the scalar-load kernel (111,
     # d % 8 != 0); d = 192 runs the band kernel's 32-key tile. bfloat16 only: each case compiles
     # its own kernel, and float16 runs the same code (the grid above covers both at d = 64, 128).
+    # On sm_90 d = 192 and 256 also run the wgmma band kernel ("auto").
     window_forward(rng, BFLOAT16, 1, 2, 1, 150, 170, d, "bottom_right", (37, 5), layout="bshd" if d == 40 else "bhsd")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal, window", [(True, (100, 0)), (False, (150, 150)), ("top_left", (0, -1))])
-def test_window_forward_long(rng, dtype, causal, window):
+def test_window_forward_long(rng, kernels, dtype, causal, window):
     # Many query and key tiles: tiles left of the band are skipped, tiles inside need no mask.
     window_forward(rng, dtype, 1, 2, 2, 700, 700, 64, causal, window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_window_forward_out(rng, dtype, layout):
+def test_window_forward_out(rng, kernels, dtype, layout):
     window_forward(rng, dtype, 2, 4, 4, 129, 131, 64, True, (20, 0), layout=layout, out=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_window_forward_strided_out(rng, dtype):
+def test_window_forward_strided_out(rng, kernels, dtype):
     # out= a slice of a larger poisoned array: the kernel writes through its strides, and nothing
     # outside the view.
     qh, kh, vh = random_inputs(rng, (2, 3, 90, 64), (2, 3, 100, 64), dtype)
@@ -172,22 +184,20 @@ def test_window_forward_strided_out(rng, dtype):
     assert np.all(rest == _NAN_BITS[2]), "the forward wrote outside out="
 
 
-@pytest.mark.parametrize("kernels_param", ["auto", "mma_sync"])
-def test_window_runs_the_band_kernel_not_decode_or_wgmma(rng, monkeypatch, kernels_param):
+def test_window_runs_a_band_kernel_not_decode(rng, monkeypatch, kernels):
     # A decode-shaped problem (few queries, long cache, 16-byte rows) and a Hopper-shaped one
-    # (d = 64 / 128, aligned): with a window both must launch attn_fwd_band, whatever
-    # CUFLASH_KERNELS says.
-    from cuflash import gpu_hopper
-
-    monkeypatch.setenv(gpu_hopper.ENV, kernels_param)
+    # (d = 64 / 128, aligned): with a window both must launch a band kernel, never the decode or
+    # the plain kernels: on sm_90 attn_fwd_wgmma_band, with CUFLASH_KERNELS=mma_sync (and on
+    # other GPUs) attn_fwd_band.
     launched = record_launches(monkeypatch)
     window_forward(rng, FLOAT16, 2, 8, 2, 4, 1000, 128, True, (300, 0))
     window_forward(rng, BFLOAT16, 1, 2, 2, 256, 256, 64, False, (32, 32))
-    assert len(launched) == 2 and all(e.startswith("attn_fwd_band<") for e in launched), launched
+    want = forward_band_kernel(kernels)
+    assert len(launched) == 2 and all(e.startswith(want) for e in launched), launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_window_with_kv_lens(rng, dtype):
+def test_window_with_kv_lens(rng, kernels, dtype):
     # kv_lens and a window: each sequence over its first kv_lens[b] keys, window aligned to it;
     # the decode kernel must not take it (it has no band), even for one query over a long cache.
     qh, kh, vh = random_inputs(rng, (3, 4, 2, 64), (3, 2, 600, 64), dtype)
@@ -245,12 +255,14 @@ def test_window_backward_head_dims(rng, d, deterministic):
 
 
 def test_window_backward_long_and_runs_band_kernels(rng, monkeypatch):
+    # The forward: the band kernel of this GPU (wgmma on sm_90); the backward: the mma.sync band
+    # kernels, never a wgmma one (they mask no band).
     launched = record_launches(monkeypatch)
     window_backward(rng, BFLOAT16, 1, 2, 2, 600, 640, 128, True, (90, 0))
-    assert launched[0].startswith("attn_fwd_band<"), launched
+    assert launched[0].startswith(forward_band_kernel()), launched
     bwd = launched[1:]
     assert any(e.startswith("attn_bwd_kv_band<") for e in bwd), bwd
-    assert not any("wgmma" in e for e in launched), launched
+    assert not any("wgmma" in e for e in bwd), launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -325,7 +337,7 @@ BATCHES = [
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("window", [None, (3, 0), (2, 2), (-1, 1), (50, -1)], ids=window_id)
 @pytest.mark.parametrize("nqs, nks", BATCHES)
-def test_varlen(rng, dtype, causal, window, nqs, nks):
+def test_varlen(rng, kernels, dtype, causal, window, nqs, nks):
     varlen_run(rng, dtype, nqs, nks, causal, window)
 
 
@@ -341,21 +353,22 @@ def test_varlen_deterministic_out_and_bitwise(rng, dtype, causal):
 
 
 @pytest.mark.parametrize("d, hq, hkv", [(32, 8, 1), (111, 2, 2), (128, 8, 2), (192, 4, 4), (256, 2, 1)])
-def test_varlen_head_dims_and_groups(rng, d, hq, hkv):
+def test_varlen_head_dims_and_groups(rng, kernels, d, hq, hkv):
     varlen_run(rng, BFLOAT16, [3, 150, 0, 16], [40, 140, 9, 16], True, None, hq=hq, hkv=hkv, d=d)
 
 
-def test_varlen_is_one_launch_per_kernel(rng, monkeypatch):
-    # Packed sequences run in one launch of each kernel, not one per sequence.
+def test_varlen_is_one_launch_per_kernel(rng, monkeypatch, kernels):
+    # Packed sequences run in one launch of each kernel, not one per sequence: the forward's band
+    # kernel of this GPU (attn_fwd_wgmma_band on sm_90 unless mma_sync), the mma.sync backward.
     launched = record_launches(monkeypatch)
     varlen_run(rng, FLOAT16, [1, 2, 7, 16, 130], [5, 2, 20, 16, 140], "bottom_right", None)
     fwd = [e for e in launched if e.startswith("attn_fwd")]
     kv = [e for e in launched if e.startswith("attn_bwd_kv")]
-    assert len(fwd) == 1 and fwd[0].startswith("attn_fwd_band<"), launched
+    assert len(fwd) == 1 and fwd[0].startswith(forward_band_kernel(kernels)), launched
     assert len(kv) == 1 and kv[0].startswith("attn_bwd_kv_band<"), launched
 
 
-def test_varlen_strided_out(rng):
+def test_varlen_strided_out(rng, kernels):
     # out= a slice of a larger array, for o and the three gradients.
     qh, kh, vh, cq, ck = packed(rng, FLOAT16, [9, 130], [20, 100], 2, 2, 64)
     q, k, v = (to_device(a) for a in (qh, kh, vh))

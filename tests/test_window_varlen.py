@@ -556,14 +556,93 @@ def test_band_kernel_offsets_match_brute_force(causal, window):
             assert np.array_equal(got, brute_visible(causal, window, nq, nk)), (nq, nk)
 
 
-def test_window_problems_never_take_the_hopper_kernels(rng):
-    # The wgmma kernels mask no band: applies() must refuse a windowed problem before it asks for a
-    # device (so this runs without a GPU). The GPU tests check which kernels actually launch.
+def test_window_problems_take_the_hopper_forward_but_not_the_hopper_backward(rng, monkeypatch):
+    # The wgmma forward has a band instantiation (attn_fwd_wgmma_band), so on sm_90 applies()
+    # takes a windowed problem; the wgmma backward masks no band: backward_applies() refuses it
+    # before it asks for a device. CUFLASH_KERNELS=mma_sync turns the forward's off as well.
     from cuflash import gpu_hopper
 
     q, k, v = random_inputs(rng, (1, 2, 8, 64), (1, 2, 300, 64), np.float16)
     p = _problem.validate_forward(q, k, v, causal=True, window=(16, 0))
-    assert gpu_hopper.applies(p, True) is False and gpu_hopper.backward_applies(p, True) is False
+    assert gpu_hopper.backward_applies(p, True) is False  # no device asked
+    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: True)
+    monkeypatch.delenv(gpu_hopper.ENV, raising=False)
+    assert gpu_hopper.applies(p, True) is True and gpu_hopper.backward_applies(p, True) is False
+    assert gpu_hopper.applies(p, False) is False  # unaligned rows: the mma.sync band kernel's scalar path
+    monkeypatch.setenv(gpu_hopper.ENV, "mma_sync")
+    assert gpu_hopper.applies(p, True) is False
+    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: False)
+    monkeypatch.setenv(gpu_hopper.ENV, "auto")
+    assert gpu_hopper.applies(p, True) is False
+
+
+class _Arr:
+    """What gpu.forward_band reads of a CuPy array before a launch: shape, strides, alignment,
+    and slicing (returned unchanged)."""
+
+    def __init__(self, shape, itemsize=2):
+        self.shape, self.itemsize = shape, itemsize
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+        self.data = types.SimpleNamespace(ptr=1 << 20)
+
+    def __getitem__(self, key):
+        return self
+
+
+@pytest.mark.parametrize("hopper", [False, True], ids=["other", "sm90"])
+@pytest.mark.parametrize("mode", ["auto", "mma_sync"])
+@pytest.mark.parametrize("d", [64, 128, 111])
+def test_forward_band_dispatch(rng, monkeypatch, hopper, mode, d):
+    # gpu.forward_band with CuPy and the launches stubbed: on sm_90 (CUFLASH_KERNELS=auto, 16-bit
+    # aligned rows, a head dim of HOPPER_FORWARD_TILES) the window and the packed batch launch
+    # attn_fwd_wgmma_band, with the mma.sync band kernel's arguments and grid (64 x warpgroups rows
+    # per block); otherwise attn_fwd_band. An explicit tile= (schedule search) keeps mma.sync.
+    from cuflash import gpu, gpu_hopper
+
+    fake = types.ModuleType("cupy")
+    fake.ascontiguousarray = lambda a: a
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    made = []
+
+    def get_function(spec):
+        def launch(grid, block, args, shared_mem=0):
+            made.append((spec.expression, grid, block[0], shared_mem, args))
+        return launch
+
+    monkeypatch.setattr(gpu, "get_function", get_function)
+    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: hopper)
+    monkeypatch.setenv(gpu_hopper.ENV, mode)
+    nq, nk = 300, 333
+    q, k, v = random_inputs(rng, (2, 4, nq, d), (2, 2, nk, d), np.float16)
+    p = _problem.validate_forward(q, k, v, causal=True, window=(70, 20))
+    q4, k4, o4, lse3 = _Arr((2, 4, nq, d)), _Arr((2, 2, nk, d)), _Arr((2, 4, nq, d)), _Arr((2, 4, nq), 4)
+    gpu.forward_band(p, q4, k4, k4, o4, lse3)
+    cu = (_Arr((6,), 4), _Arr((6,), 4))
+    gpu.forward_band(p, q4, k4, k4, o4, lse3, cu_seqlens=cu, max_seqlen_q=200)
+    wgmma = hopper and mode == "auto" and d in (64, 128)
+    if wgmma:
+        spec, t = gpu_hopper.forward_band_spec(np.float16, d)
+        assert spec.expression.startswith("attn_fwd_wgmma_band<")
+    else:
+        spec, t = gpu.forward_spec(np.float16, d, True, d % 8 == 0, band=True)
+        assert spec.expression.startswith("attn_fwd_band<")
+    assert [m[:4] for m in made] == [(spec.expression, (-(-nq // t.block_m), 4, 2), spec.threads, spec.smem_bytes),
+                                     (spec.expression, (-(-200 // t.block_m), 4, 5), spec.threads, spec.smem_bytes)]
+    hi, lo, align = gpu.band_offsets(p)
+    assert made[0][4][-6:-2] == (hi, np.float32(p.scale * gpu._LOG2E), lo, align)
+    assert made[0][4][-2:] == (0, 0) and made[1][4][-2:] == cu
+    made.clear()
+    gpu.forward_band(p, q4, k4, k4, o4, lse3, tile=schedule.forward_tile(d, d % 8 == 0)[1])
+    assert len(made) == 1 and made[0][0].startswith("attn_fwd_band<")
+
+
+def test_hopper_band_kernels_are_compiled_in_ci():
+    from cuflash import gpu_hopper
+
+    names = {s.expression for s in gpu_hopper.all_hopper_forward_specs()}
+    for dtype in (np.float16, BFLOAT16):
+        for hd in schedule.HOPPER_FORWARD_TILES:
+            assert gpu_hopper.forward_band_spec(dtype, hd)[0].expression in names
 
 
 def test_float32_band_kernel_is_not_implemented():
