@@ -64,10 +64,6 @@ struct BwdTraits {
     static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
 };
 
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 // Band and packed sequences (the *_band kernels), as in attn_fwd.cu: query i of a sequence sees key
 // j iff i + lo <= j <= i + hi; hi (causal_off) and lo come relative to the diagonal, `align` adds
 // the sequence's nk - nq, an open side (+-INT_MAX) clamps to nk / -nq. cu_q / cu_k (int32, B + 1;

@@ -39,10 +39,6 @@ struct HopperBwdTraits {
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPGROUPS * 128, 1)
 attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,

@@ -187,3 +187,8 @@ __device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], con
         }
     }
 }
+
+// Vector atomic add of two adjacent floats, no return value: the backward kernels' dQ accumulation.
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
