@@ -217,7 +217,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
         const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
         const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
-        float acc_q[kDqN / 8][4];
+        float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
         wgmma_fence();
         if constexpr (ATOMIC_DQ) {
             // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
