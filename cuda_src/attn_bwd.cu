@@ -164,12 +164,7 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     cp_async_commit();
 
     float acc_dk[kMmaM][kND][4], acc_dv[kMmaM][kND][4];
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kND; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dk[mi][ni][e] = acc_dv[mi][ni][e] = 0.f;
+    zero_acc(acc_dk, acc_dv);
 
     // Lane address generators (see common.cuh): A operands from K/V rows (non-transposed),
     // B operands from Q/dO rows (non-transposed for S^T and dP^T, transposed for dV and dK).
@@ -202,12 +197,7 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
         // S^T = K Q^T and dP^T = V dO^T for this warp's key rows.
         float s[kMmaM][kNQ][4], dp[kMmaM][kNQ][4];
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNQ; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+        zero_acc(s, dp);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             u32 ak[kMmaM][4], av[kMmaM][4];
@@ -431,12 +421,7 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         dsv[r] = row < nq ? dsum[stat + row] : 0.f;
     }
     float acc[kMmaM][kNO][4];
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+    zero_acc(acc);
 
     const u32 sbase = smem_addr(smem);
     constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
@@ -459,12 +444,7 @@ attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         const u32 koff = buf * Tr::kTileKV * 2;
 
         float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+        zero_acc(s, dp);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             u32 aq[kMmaM][4], ao[kMmaM][4];
@@ -599,12 +579,7 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         dsv[r] = row < sq.nq ? dsum[stat + row] : 0.f;
     }
     float acc[kMmaM][kNO][4];
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+    zero_acc(acc);
 
     const u32 sbase = smem_addr(smem);
     constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
@@ -627,12 +602,7 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         const u32 koff = buf * Tr::kTileKV * 2;
 
         float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mi][ni][e] = dp[mi][ni][e] = 0.f;
+        zero_acc(s, dp);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             u32 aq[kMmaM][4], ao[kMmaM][4];

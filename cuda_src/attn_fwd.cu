@@ -117,12 +117,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     }
 
     float acc_o[kMmaM][kNO][4];
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNO; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mi][ni][e] = 0.f;
+    zero_acc(acc_o);
     OnlineSoftmax<2 * kMmaM> softmax;
 
     constexpr int kKStepsQK = HEAD_DIM / 16;
@@ -159,12 +154,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
 
         // S = Q K^T for this warp's rows.
         float acc_s[kMmaM][kNS][4];
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] = 0.f;
+        zero_acc(acc_s);
 #pragma unroll
         for (int kk = 0; kk < kKStepsQK; ++kk) {
             u32 a[kMmaM][4];

@@ -192,3 +192,25 @@ __device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], con
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
+
+// Zero an array of mma accumulator fragments (unrolled: the array stays in registers).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void zero_acc(float (&acc)[ROWS][COLS][4]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+// Two arrays of one shape in one loop (as the kernels wrote it: zeroing them one after the other
+// changed the d = 256 backward kernel's code).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void zero_acc(float (&a)[ROWS][COLS][4], float (&b)[ROWS][COLS][4]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[i][j][e] = b[i][j][e] = 0.f;
+}

@@ -45,16 +45,6 @@ struct DecodeSpan {
     }
 };
 
-template <int ROWS, int COLS>
-__device__ __forceinline__ void zero_acc(float (&acc)[ROWS][COLS][4]) {
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-        for (int j = 0; j < COLS; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-}
-
 // The packed Q tile's A fragments: kept in registers when they are few, else re-read from sQ
 // (at shared byte address sq) for every key tile.
 template <int HEAD_DIM, int ROW_TILES>
