@@ -153,12 +153,7 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ + buf * Tr::kTileQ, q + b * q_sb + h * q_sh + row0 * q_sn, q_sn, rows, d, threadIdx.x);
         load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO + buf * Tr::kTileQ, dout + b * do_sb + h * do_sh + row0 * do_sn, do_sn, rows, d, threadIdx.x);
         const i64 stat = ((i64)b * hq + h) * nq + row0;
-        for (int i = threadIdx.x; i < BLOCK_M; i += Tr::kThreads) {
-            // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
-            const float l = i < rows ? lse[stat + i] : -INFINITY;
-            sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
-            sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
-        }
+        load_row_stats<BLOCK_M, Tr::kThreads>(sL, sD, buf, lse, dsum, stat, rows, threadIdx.x);
     };
     if (n_steps > 0) load_step(0, 0);
     cp_async_commit();

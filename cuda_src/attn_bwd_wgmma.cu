@@ -84,13 +84,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const int rows = min(BLOCK_M, nq - m0);
         load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
         load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
-        const i64 stat = ((i64)b * hq + h) * nq + m0;
-        for (int i = tid; i < BLOCK_M; i += kThreads) {
-            // Rows past nq or with no visible key (lse = -inf) must give p = 0: store +inf.
-            const float l = i < rows ? lse[stat + i] : -INFINITY;
-            sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
-            sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
-        }
+        load_row_stats<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
     };
     if (n_steps > 0) load_step(0, 0);
     cp_async_commit();

@@ -214,3 +214,18 @@ __device__ __forceinline__ void zero_acc(float (&a)[ROWS][COLS][4], float (&b)[R
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[i][j][e] = b[i][j][e] = 0.f;
 }
+
+// The backward kernels' per-row statistics of one query tile into buffer `buf` of sL and sD (ROWS
+// floats each): lse * log2(e) and D of the rows from index stat on. Rows past `rows` or with no
+// visible key (lse = -inf) must give p = 0: they store +inf. (Indexed as buf * ROWS + i: the form
+// the kernels had inline, so their code is unchanged.)
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_row_stats(float* sL, float* sD, int buf, const float* __restrict__ lse,
+                                               const float* __restrict__ dsum, i64 stat, int rows, int tid) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    for (int i = tid; i < ROWS; i += THREADS) {
+        const float l = i < rows ? lse[stat + i] : -INFINITY;
+        sL[buf * ROWS + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+        sD[buf * ROWS + i] = i < rows ? dsum[stat + i] : 0.f;
+    }
+}
