@@ -367,167 +367,18 @@ struct DqTraits {
     static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-            float* __restrict__ dq_acc,
-            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-            i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    using Tr = DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
-    constexpr int kMmaM = Tr::kMmaM, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8 / DQ_SPLIT;
-    static_assert(kNO % 2 == 0, "dQ column slices are pairs of 8-column tiles");
-    constexpr float kLog2e = 1.4426950408889634f;
-    extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;
-    u16* sdO = sQ + Tr::kTileQ;
-    u16* sK = sdO + Tr::kTileQ;  // 2 buffers
-    u16* sV = sK + 2 * Tr::kTileKV;  // 2 buffers
-
-    const int split = blockIdx.x % DQ_SPLIT;  // which slice of dQ's columns
-    const int m_block = gridDim.x / DQ_SPLIT - 1 - blockIdx.x / DQ_SPLIT;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group, hq = gridDim.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int m0 = m_block * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, nq - m0);
-    int n_end = nk;
-    if constexpr (CAUSAL) n_end = max(0, min(nk, m0 + rows_valid + causal_off));
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-
-    const u16* gK = k + b * k_sb + hk * k_sh;
-    const u16* gV = v + b * v_sb + hk * v_sh;
-    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, d, threadIdx.x);
-    load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows_valid, d, threadIdx.x);
-    if (n_tiles > 0) {
-        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK, gK, k_sn, nk, d, threadIdx.x);
-        load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV, gV, v_sn, nk, d, threadIdx.x);
-    }
-    cp_async_commit();
-
-    const int warp_row0 = warp * Tr::kRowsPerWarp;
-    // Per-row statistics of this thread's rows (g and g+8 of each mma tile).
-    float lse2[2 * kMmaM], dsv[2 * kMmaM];
-    const i64 stat = ((i64)b * hq + h) * nq;
-#pragma unroll
-    for (int r = 0; r < 2 * kMmaM; ++r) {
-        const int row = m0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-        const float l = row < nq ? lse[stat + row] : -INFINITY;
-        lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
-        dsv[r] = row < nq ? dsum[stat + row] : 0.f;
-    }
-    float acc[kMmaM][kNO][4];
-    zero_acc(acc);
-
-    const u32 sbase = smem_addr(smem);
-    constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
-    const LaneAddr<HEAD_DIM> aQ(sbase, warp_row0 + (lane & 15), lane >> 4);
-    const LaneAddr<HEAD_DIM> adO(sbase + odO, warp_row0 + (lane & 15), lane >> 4);
-    const LaneAddr<HEAD_DIM> bK(sbase + oK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-    const LaneAddr<HEAD_DIM> bV(sbase + oV, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-    const LaneAddr<HEAD_DIM> bKt(sbase + oK, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-
-    for (int j = 0; j < n_tiles; ++j) {
-        const int buf = j & 1;
-        cp_async_wait<0>();
-        __syncthreads();
-        if (j + 1 < n_tiles) {
-            const int nn = (j + 1) * BLOCK_N;
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + (buf ^ 1) * Tr::kTileKV, gK + nn * k_sn, k_sn, nk - nn, d, threadIdx.x);
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + (buf ^ 1) * Tr::kTileKV, gV + nn * v_sn, v_sn, nk - nn, d, threadIdx.x);
-        }
-        cp_async_commit();
-        const u32 koff = buf * Tr::kTileKV * 2;
-
-        float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
-        zero_acc(s, dp);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            u32 aq[kMmaM][4], ao[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                ldmatrix_x4(aq[mi], aQ.at(mi * 16, kk * 2));
-                ldmatrix_x4(ao[mi], adO.at(mi * 16, kk * 2));
-            }
-#pragma unroll
-            for (int ni = 0; ni < kNS; ni += 2) {
-                u32 bk[4], bv[4];
-                ldmatrix_x4(bk, bK.at(ni * 8, kk * 2) + koff);
-                ldmatrix_x4(bv, bV.at(ni * 8, kk * 2) + koff);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(s[mi][ni], aq[mi], bk[0], bk[1]);
-                    mma_16816<T>(s[mi][ni + 1], aq[mi], bk[2], bk[3]);
-                    mma_16816<T>(dp[mi][ni], ao[mi], bv[0], bv[1]);
-                    mma_16816<T>(dp[mi][ni + 1], ao[mi], bv[2], bv[3]);
-                }
-            }
-        }
-        const int n0 = j * BLOCK_N;
-        const bool need_mask = (n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + causal_off);
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = 2 * mi + hf;
-                const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-                const int limit = CAUSAL ? min(nk, row + causal_off + 1) : nk;
-#pragma unroll
-                for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -lse2[r]));
-                        if (need_mask && n0 + ni * 8 + 2 * (lane & 3) + e >= limit) p = 0.f;
-                        dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - dsv[r]);
-                    }
-            }
-        // dQ += dS K.
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) acc_to_a<T>(a[mi], dp[mi], kk);
-#pragma unroll
-            for (int di = 0; di < kNO; di += 2) {  // (mma_acc_times_bt's loop; inlined here it spills)
-                u32 bk[4];
-                ldmatrix_x4_trans(bk, bKt.at(kk * 16, split * kNO + di) + koff);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(acc[mi][di], a[mi], bk[0], bk[1]);
-                    mma_16816<T>(acc[mi][di + 1], a[mi], bk[2], bk[3]);
-                }
-            }
-        }
-    }
-    cp_async_wait<0>();
-    float* gq = dq_acc + (stat + m0) * HEAD_DIM;
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int row = warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-            if (row < rows_valid) {
-#pragma unroll
-                for (int ni = 0; ni < kNO; ++ni) {
-                    const int col = (split * kNO + ni) * 8 + 2 * (lane & 3);
-                    *reinterpret_cast<float2*>(gq + (i64)row * HEAD_DIM + col) = make_float2(acc[mi][ni][2 * hf], acc[mi][ni][2 * hf + 1]);
-                }
-            }
-        }
-}
-
-// The same with a band and packed sequences (see BwdBand). A kernel of its own, not a flag of
-// attn_bwd_dq: sharing one body changed the plain kernel's code (+7 registers at d = 128).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool VEC>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC, bool BAND>
+__device__ __forceinline__ void
+attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                  float* __restrict__ dq_acc,
                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-                 i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int hi_off, float scale_log2,
-                 int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+                 i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2,
+                 BwdBand band) {
     using Tr = DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
     constexpr int kMmaM = Tr::kMmaM, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8 / DQ_SPLIT;
     static_assert(kNO % 2 == 0, "dQ column slices are pairs of 8-column tiles");
+    constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
@@ -540,15 +391,19 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int h = blockIdx.y, hk = h / group, hq = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = m_block * BLOCK_M;
-    const BandSeq sq = band_sequence<true>(BwdBand{lo_off, align, cu_q, cu_k}, blockIdx.z, nq, nk, hi_off);
+    const BandSeq sq = band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
     const int b = sq.b;
-    if (m0 >= sq.nq) return;  // the grid covers the longest sequence
+    if (BAND && m0 >= sq.nq) return;  // the grid covers the longest sequence
     const int rows_valid = min(BLOCK_M, sq.nq - m0);
     // Key tiles from the first row's lowest visible key to the last row's highest.
-    const int n_end = max(0, min(sq.nk, m0 + rows_valid + sq.hi));
-    const int n_begin = max(0, m0 + sq.lo);
-    const int j0 = n_begin / BLOCK_N;
-    const int n_tiles = n_begin < n_end ? (n_end + BLOCK_N - 1) / BLOCK_N - j0 : 0;
+    int n_end = sq.nk;
+    if constexpr (kHi) n_end = max(0, min(sq.nk, m0 + rows_valid + sq.hi));
+    int j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (BAND) {
+        const int n_begin = max(0, m0 + sq.lo);
+        j0 = n_begin / BLOCK_N;
+        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
+    }
 
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)sq.k_row0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + (i64)sq.k_row0 * v_sn;
@@ -621,22 +476,22 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             }
         }
         const int n0 = (j0 + j) * BLOCK_N;
-        const bool need_mask = (n0 + BLOCK_N > sq.nk) || (n0 + BLOCK_N - 1 > m0 + warp_row0 + sq.hi) ||
-                               n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + sq.lo;
+        bool need_mask = (n0 + BLOCK_N > sq.nk) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + sq.hi);
+        if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + sq.lo;
 #pragma unroll
         for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = 2 * mi + hf;
                 const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-                const int limit = min(sq.nk, row + sq.hi + 1), first = row + sq.lo;
+                const int limit = kHi ? min(sq.nk, row + sq.hi + 1) : sq.nk, first = row + sq.lo;
 #pragma unroll
                 for (int ni = 0; ni < kNS; ++ni)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -lse2[r]));
                         const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
-                        if (need_mask && (col >= limit || col < first)) p = 0.f;
+                        if (need_mask && (col >= limit || (BAND && col < first))) p = 0.f;
                         dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - dsv[r]);
                     }
             }
@@ -673,6 +528,33 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 }
             }
         }
+}
+
+// The launchable dQ kernels, one body: BAND = false compiles the band code away.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+            float* __restrict__ dq_acc,
+            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+            i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_bwd_dq_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, DQ_SPLIT, CAUSAL, VEC, false>(
+        q, k, v, dout, lse, dsum, dq_acc, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
+        nq, nk, d, group, causal_off, scale_log2, BwdBand{0, 0, nullptr, nullptr});
+}
+
+// The same with a band and packed sequences (see BwdBand).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                 float* __restrict__ dq_acc,
+                 i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                 i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                 int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    attn_bwd_dq_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, DQ_SPLIT, true, VEC, true>(
+        q, k, v, dout, lse, dsum, dq_acc, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
+        nq, nk, d, group, hi_off, scale_log2, BwdBand{lo_off, align, cu_q, cu_k});
 }
 
 // ---------------------------------------------------------------------------------------------
