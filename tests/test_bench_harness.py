@@ -152,7 +152,9 @@ def test_asv_suites_skip_without_a_gpu():
         pytest.skip("a GPU is present: the suites would run rather than skip")
     for suite, params in ((bench.CuflashForward, (1024, 64, False, "bfloat16")),
                           (bench.CuflashBackward, (1024, 64, True, "float16")),
-                          (bench.CuflashDecode, (4096, "8x32x8"))):
+                          (bench.CuflashDecode, (4096, "8x32x8")),
+                          (bench.CuflashPagedDecode, (4096, "8x32x8", 64)),
+                          (bench.CuflashWindowForward, (4096, 128, "bfloat16"))):
         with pytest.raises(NotImplementedError):
             suite().setup(*params)
     # The reference skips where S and P would not fit, before it looks for a GPU.

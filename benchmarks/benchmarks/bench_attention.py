@@ -241,3 +241,54 @@ class ReferenceDecode(_Decode):
     def time_decode(self, cache_len, b_hq_hkv):
         self._run()
 
+
+
+class CuflashPagedDecode(_Decode):
+    """The decode grid over a paged cache (pages shuffled): compare with CuflashDecode's times."""
+
+    params = _Decode.params + ([16, 64, 256],)
+    param_names = _Decode.param_names + ["block_size"]
+
+    def setup(self, cache_len, b_hq_hkv, block_size):
+        self.make_inputs(cache_len, b_hq_hkv)
+        import cuflash
+
+        cp = self.cp
+        b, hkv, n, d = self.k.shape
+        per = n // block_size
+        table = cp.asarray(np.random.default_rng(block_size).permutation(b * per).astype(np.int32)).reshape(b, per)
+
+        def paged(a):
+            pages = cp.empty((b * per, block_size, hkv, d), dtype=a.dtype)
+            pages[table.reshape(-1)] = a.reshape(b, hkv, per, block_size, d).transpose(0, 2, 3, 1, 4).reshape(
+                b * per, block_size, hkv, d)
+            return pages
+
+        self.kc, self.vc, self.table = paged(self.k), paged(self.v), table
+        del self.k, self.v
+        self.op = lambda: cuflash.attention(self.q, self.kc, self.vc, block_table=self.table, validate=False)
+        self._run()
+
+    def time_decode(self, cache_len, b_hq_hkv, block_size):
+        self._run()
+
+
+class CuflashWindowForward(_Suite):
+    """Sliding-window prefill (causal, each query sees its last `window` keys): the band kernels."""
+
+    params = ([4096, 16384], [128, 1024], ["bfloat16"])
+    param_names = ["n", "window", "dtype"]
+
+    def setup(self, n, window, dtype):
+        self.cp = cp = _cupy()
+        d = 128
+        b, h = TOKENS // n, MODEL_WIDTH // d
+        seed = stable_seed(n, window, dtype)
+        self.q, self.k, self.v = (random_normal(cp, (b, h, n, d), dtype, seed + i) for i in range(3))
+        import cuflash
+
+        self.op = lambda: cuflash.attention(self.q, self.k, self.v, causal=True, window=(window - 1, 0))
+        self._run()
+
+    def time_forward(self, n, window, dtype):
+        self._run()
