@@ -6,6 +6,7 @@
 // the softmax is online, in base 2, and O is normalized once at the end. Nothing N x N is written:
 // the only outputs are O and the float32 log-sum-exp (natural log) per query row.
 #include "common.cuh"
+#include "band.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
 
@@ -37,18 +38,6 @@ struct FwdTraits {
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
 
-// Band and packed sequences (attn_fwd_band): query i of a sequence sees key j iff
-// i + lo <= j <= i + hi (cuflash.masks.row_bounds). The host passes hi (causal_off) and lo relative
-// to the diagonal; `align` adds the sequence's nk - nq (bottom-right). An open side is INT_MAX / -INT_MAX,
-// clamped here to nk / -nq (equivalent, and no overflow later). cu_q / cu_k (int32, B + 1; null
-// for a uniform batch) give each z-block its own rows of the packed (total, H, d) arrays; lse and
-// the batch strides then index the packed arrays as batch 0.
-struct FwdBand {
-    int lo_off, align;
-    const int* cu_q;
-    const int* cu_k;
-};
-
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool LAZY_RESCALE, bool BAND>
 __device__ __forceinline__ void
@@ -72,21 +61,13 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = m_block * BLOCK_M;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b).
-    int nq_b = nq, nk_b = nk, hi = causal_off, lo = 0;
-    int q_row0 = 0, k_row0 = 0;
+    BandSeq seq = band_sequence<BAND>(band, b, nq, nk, causal_off);
     if constexpr (BAND) {
-        if (band.cu_q != nullptr) {
-            q_row0 = band.cu_q[b];
-            k_row0 = band.cu_k[b];
-            nq_b = band.cu_q[b + 1] - q_row0;
-            nk_b = band.cu_k[b + 1] - k_row0;
-            b = 0;  // packed arrays: one batch entry, rows picked by the offsets
-        }
-        if (m0 >= nq_b) return;  // the grid covers the longest sequence
-        const i64 shift = band.align ? (i64)nk_b - nq_b : 0;
-        hi = (int)min((i64)causal_off + shift, (i64)nk_b);
-        lo = (int)max((i64)band.lo_off + shift, -(i64)nq_b);
+        if (m0 >= seq.nq_b) return;  // the grid covers the longest sequence
+        band_bounds<BAND>(band, seq, causal_off);
     }
+    int nq_b = seq.nq_b, nk_b = seq.nk_b, hi = seq.hi, lo = seq.lo;
+    int q_row0 = seq.q_row0, k_row0 = seq.k_row0;
     const int rows_valid = min(BLOCK_M, nq_b - m0);
 
     const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;

@@ -13,6 +13,7 @@
 // (setmaxnreg), handing tiles over through mbarriers; the math warpgroups never wait for each
 // other and get the registers the producer gave up.
 #include "common.cuh"
+#include "band.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
@@ -40,25 +41,13 @@ struct HopperFwdTraits {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
-// Band and packed sequences (attn_fwd_wgmma_band), the conventions of attn_fwd_band
-// (attn_fwd.cu): query i of a sequence sees key j iff i + lo <= j <= i + hi; the host passes hi
-// (causal_off) and lo relative to the diagonal, `align` adds the sequence's nk - nq (bottom-right),
-// an open side (+-INT_MAX) is clamped here to nk / -nq. cu_q / cu_k (int32, B + 1; null for a
-// uniform batch) give each z-block its own rows of the packed (total, H, d) arrays; lse and the
-// batch strides then index the packed arrays as batch 0.
-struct WgmmaBand {
-    int lo_off, align;
-    const int* cu_q;
-    const int* cu_k;
-};
-
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                    int nq, int nk, int d, int group, int causal_off, float scale_log2, WgmmaBand band) {
+                    int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER>;
     using TileQ = typename Tr::TileQ;
@@ -84,21 +73,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int m0 = m_block * kBM;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the
     // plain kernel keeps nk and causal_off (its hi) as the parameters they are.
-    int nq_b = nq, nk_b = nk, hi = causal_off, lo = 0;
-    int q_row0 = 0, k_row0 = 0;
+    BandSeq seq = band_sequence<BAND>(band, b, nq, nk, causal_off);
     if constexpr (BAND) {
-        if (band.cu_q != nullptr) {
-            q_row0 = band.cu_q[b];
-            k_row0 = band.cu_k[b];
-            nq_b = band.cu_q[b + 1] - q_row0;
-            nk_b = band.cu_k[b + 1] - k_row0;
-            b = 0;  // packed arrays: one batch entry, rows picked by the offsets
-        }
-        if (m0 >= nq_b) return;  // the grid covers the longest sequence (before any barrier)
-        const i64 shift = band.align ? (i64)nk_b - nq_b : 0;
-        hi = (int)min((i64)causal_off + shift, (i64)nk_b);
-        lo = (int)max((i64)band.lo_off + shift, -(i64)nq_b);
+        if (m0 >= seq.nq_b) return;  // the grid covers the longest sequence (before any barrier)
+        band_bounds<BAND>(band, seq, causal_off);
     }
+    int nq_b = seq.nq_b, nk_b = seq.nk_b, hi = seq.hi, lo = seq.lo;
+    int q_row0 = seq.q_row0, k_row0 = seq.k_row0;
     const int rows_valid = min(kBM, nq_b - m0);
     const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
@@ -363,7 +344,7 @@ attn_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
                int nq, int nk, int d, int group, int causal_off, float scale_log2) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, PRODUCER, false>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
-        nq, nk, d, group, causal_off, scale_log2, WgmmaBand{0, 0, nullptr, nullptr});
+        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr});
 }
 
 // Sliding window and/or packed sequences (the arguments of attn_fwd_band): both bounds at run time
@@ -380,5 +361,5 @@ attn_fwd_wgmma_band(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, true, PRODUCER, true>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
-        nq, nk, d, group, hi_off, scale_log2, WgmmaBand{lo_off, align, cu_q, cu_k});
+        nq, nk, d, group, hi_off, scale_log2, FwdBand{lo_off, align, cu_q, cu_k});
 }
