@@ -8,6 +8,7 @@ causal="top_left" and i + nk - nq otherwise (bottom-right, FlashAttention's alig
 import numpy as np
 
 from cuflash import masks
+from cuflash.testing import random_inputs
 
 
 def brute_visible(causal, window, nq, nk):
@@ -27,4 +28,22 @@ def brute_visible(causal, window, nq, nk):
                 if right >= 0:
                     ok = ok and j <= diag + right
             vis[i, j] = ok
+    return vis
+
+
+def packed_batch(rng, dtype, nqs, nks, hq=4, hkv=2, d=16):
+    """Random packed q (total_q, hq, d), k, v (total_k, hkv, d) and the int32 offsets of
+    sequences with nqs[b] queries and nks[b] keys."""
+    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(nks)]).astype(np.int32)
+    q, k, v = random_inputs(rng, (int(cq[-1]), hq, d), (int(ck[-1]), hkv, d), dtype)
+    return q, k, v, cq, ck
+
+
+def block_diagonal_mask(causal, window, cq, ck):
+    """The packed problem's mask: sequence b's rows see only its own keys, by brute force."""
+    vis = np.zeros((int(cq[-1]), int(ck[-1])), dtype=bool)
+    for b in range(len(cq) - 1):
+        vis[cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = brute_visible(causal, window, int(cq[b + 1] - cq[b]),
+                                                              int(ck[b + 1] - ck[b]))
     return vis

@@ -30,7 +30,7 @@ from cuflash.testing import (
     to_numpy,
 )
 
-from _brute_mask import brute_visible
+from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -278,25 +278,9 @@ def test_window_backward_deterministic_bitwise(rng, dtype):
 # ----------------------------------------------------------------------------- packed sequences
 
 
-def packed(rng, dtype, nqs, nks, hq, hkv, d):
-    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(nks)]).astype(np.int32)
-    q, k, v = random_inputs(rng, (int(cq[-1]), hq, d), (int(ck[-1]), hkv, d), dtype)
-    return q, k, v, cq, ck
-
-
-def block_diagonal_mask(causal, window, cq, ck):
-    """The packed problem's mask: sequence b's rows see only its own keys, by brute force."""
-    vis = np.zeros((int(cq[-1]), int(ck[-1])), dtype=bool)
-    for b in range(len(cq) - 1):
-        vis[cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = brute_visible(causal, window, int(cq[b + 1] - cq[b]),
-                                                              int(ck[b + 1] - ck[b]))
-    return vis
-
-
 def varlen_run(rng, dtype, nqs, nks, causal, window, *, hq=4, hkv=2, d=64, deterministic=False, out=False):
     """Packed forward and backward into poisoned outputs, held to the block-diagonal mask."""
-    qh, kh, vh, cq, ck = packed(rng, dtype, nqs, nks, hq, hkv, d)
+    qh, kh, vh, cq, ck = packed_batch(rng, dtype, nqs, nks, hq, hkv, d)
     q, k, v = (to_device(a) for a in (qh, kh, vh))
     cq_d, ck_d = cupy.asarray(cq), cupy.asarray(ck)
     kw = dict(causal=causal, window=window, cu_seqlens_q=cq_d, cu_seqlens_k=ck_d)
@@ -370,7 +354,7 @@ def test_varlen_is_one_launch_per_kernel(rng, monkeypatch, kernels):
 
 def test_varlen_strided_out(rng, kernels):
     # out= a slice of a larger array, for o and the three gradients.
-    qh, kh, vh, cq, ck = packed(rng, FLOAT16, [9, 130], [20, 100], 2, 2, 64)
+    qh, kh, vh, cq, ck = packed_batch(rng, FLOAT16, [9, 130], [20, 100], 2, 2, 64)
     q, k, v = (to_device(a) for a in (qh, kh, vh))
     kw = dict(causal=True, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
     big_o = poisoned((q.shape[0], 3, 80), FLOAT16)
@@ -389,7 +373,7 @@ def test_varlen_strided_out(rng, kernels):
 
 
 def test_varlen_float32_is_not_implemented(rng):
-    qh, kh, vh, cq, ck = packed(rng, np.float32, [3, 4], [5, 6], 2, 2, 32)
+    qh, kh, vh, cq, ck = packed_batch(rng, np.float32, [3, 4], [5, 6], 2, 2, 32)
     q, k, v = (cupy.asarray(a) for a in (qh, kh, vh))
     with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
         cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
@@ -398,7 +382,7 @@ def test_varlen_float32_is_not_implemented(rng):
 
 
 def test_varlen_bad_offsets_still_name_the_argument(rng):
-    qh, kh, vh, cq, ck = packed(rng, FLOAT16, [3, 4], [5, 6], 2, 2, 32)
+    qh, kh, vh, cq, ck = packed_batch(rng, FLOAT16, [3, 4], [5, 6], 2, 2, 32)
     q, k, v = (to_device(a) for a in (qh, kh, vh))
     with pytest.raises(ValueError, match=r"^cu_seqlens_k: offsets must be non-decreasing"):
         cuflash.attention(q, k, v, cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(np.array([0, 7, 6], dtype=np.int32)))
@@ -411,7 +395,7 @@ def test_varlen_more_sequences_than_grid_z(rng):
     # and 2 keys: the same problem as a uniform batch of 70000, which the oracle computes instead
     # of a 70000 x 140000 block-diagonal mask.
     n, hq, hkv, d = 70000, 2, 1, 32
-    qh, kh, vh, cq, ck = packed(rng, BFLOAT16, [1] * n, [2] * n, hq, hkv, d)
+    qh, kh, vh, cq, ck = packed_batch(rng, BFLOAT16, [1] * n, [2] * n, hq, hkv, d)
     q, k, v = (to_device(a) for a in (qh, kh, vh))
     kw = dict(causal=True, window=(1, 0), cu_seqlens_q=cupy.asarray(cq), cu_seqlens_k=cupy.asarray(ck))
     o, lse = cuflash.attention(q, k, v, return_lse=True, out=poisoned(q.shape, BFLOAT16), **kw)

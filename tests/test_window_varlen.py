@@ -28,7 +28,7 @@ from cuflash.testing import (
     reference64_backward,
 )
 
-from _brute_mask import brute_visible
+from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
 DTYPES = [pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16"), pytest.param(np.float32, id="f32")]
 CAUSAL = [pytest.param(False, id="full"), pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")]
@@ -251,22 +251,6 @@ def test_only_band_tiles_are_computed(rng, monkeypatch, causal, window):
 
 
 # ----------------------------------------------------------------------------- packed sequences
-
-
-def packed_batch(rng, dtype, nqs, nks, hq=4, hkv=2, d=16):
-    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(nks)]).astype(np.int32)
-    q, k, v = random_inputs(rng, (int(cq[-1]), hq, d), (int(ck[-1]), hkv, d), dtype)
-    return q, k, v, cq, ck
-
-
-def block_diagonal_mask(causal, window, cq, ck):
-    """The packed problem's mask: sequence b's rows see only its own keys, by brute force."""
-    vis = np.zeros((int(cq[-1]), int(ck[-1])), dtype=bool)
-    for b in range(len(cq) - 1):
-        vis[cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = brute_visible(causal, window, int(cq[b + 1] - cq[b]),
-                                                              int(ck[b + 1] - ck[b]))
-    return vis
 
 
 # Nq in {1, 2, 7, 16} per sequence, empty sequences on either side and both, Nq > Nk and Nq < Nk.
