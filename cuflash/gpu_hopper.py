@@ -67,27 +67,23 @@ def backward_applies(p, vec: bool) -> bool:
     return _applies(p, vec, schedule.HOPPER_BACKWARD_TILES)
 
 
-def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices."""
+def _forward_spec(kernel, dtype, d, flags, tile):
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    expr = (
-        f"attn_fwd_wgmma<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
-        f"{'true' if causal else 'false'}{', true' if t.producer else ''}>"
-    )
+    expr = (f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}"
+            f"{flags}{', true' if t.producer else ''}>")
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices."""
+    return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
 
 
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
     the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
-    hd = schedule.head_dim_bucket(d)
-    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    expr = (
-        f"attn_fwd_wgmma_band<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}"
-        f"{', true' if t.producer else ''}>"
-    )
-    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+    return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile)
 
 
 def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
