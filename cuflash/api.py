@@ -128,9 +128,8 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
     xp = p.xp
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
-    if lens_dev is None:
+    if lens_dev is None:  # every sequence holds Nk keys: the decode kernel needs no lengths array
         lens_host = np.full(p.batch, p.nk, dtype=np.int64)
-        lens_dev = xp.asarray(lens_host.astype(np.int32))
     table_host = None
     if validate or xp is np:
         table_host = _problem.check_block_table(block_table, lens_host, bs, k_cache.shape[0])

@@ -94,22 +94,19 @@ def all_decode_specs():
     return list(dict.fromkeys(specs))
 
 
-def tma_tile_for(p, k4, v4):
-    """The TMA decode tile if this problem runs attn_decode_tma: an sm_90 device with
-    cuda-bindings, d of 64 or 128, unit-stride rows whose base and strides TMA can address."""
+def tma_applicable(p, k4, v4, tile) -> bool:
+    """Whether attn_decode_tma can run this problem with this tile: an sm_90 device with
+    cuda-bindings, d of 64 or 128, few enough packed rows, unit-stride rows whose base and
+    strides TMA can address."""
     from . import gpu_hopper, tma
 
-    t = schedule.DECODE_TMA_TILES.get(p.d)
-    if t is None or row_tiles_for(p) > t.max_row_tiles or not gpu_hopper.enabled():
-        return None
+    if p.d not in schedule.DECODE_TMA_TILES or row_tiles_for(p) > tile.max_row_tiles:
+        return False
     import cupy
 
     if not gpu_hopper._is_hopper(cupy.cuda.Device().id) or not tma.available():
-        return None
-    for a in (k4, v4):
-        if a.strides[-1] != a.itemsize or not tma.encodable(a.data.ptr, _map_strides(a)):
-            return None
-    return t
+        return False
+    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, _map_strides(a)) for a in (k4, v4))
 
 
 def _map_strides(a4):
@@ -184,7 +181,7 @@ def _sm_count(device_id: int) -> int:
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
-    kernel (sm_90, d 64/128, see tma_tile_for): measured no faster than the cp.async kernel on
+    kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d)."""
     import cupy
@@ -214,6 +211,9 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     if tma_tile is not None:
         if paged is not None:
             raise NotImplementedError("the TMA decode kernel is not wired to paged caches on the host")
+        if not tma_applicable(p, k4, v4, tma_tile):
+            raise ValueError("tma_tile: attn_decode_tma needs sm_90, cuda-bindings, d 64 or 128 and "
+                             "TMA-addressable (16-byte aligned) K/V rows")
         spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
         get_function(spec)(
             (splits, p.hkv, p.batch), (spec.threads,),

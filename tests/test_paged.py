@@ -38,14 +38,18 @@ def paged_cache(rng, k, v, lens, bs, spare=3):
 
 
 def run_paged(xp, rng, dtype, b, hq, hkv, nq, n, d, bs, lens, causal, layout="bhsd"):
+    """lens=None: no kv_lens argument, every sequence holds all of its table's keys (n must then
+    be a multiple of bs)."""
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, n, d), dtype)
+    given = lens is not None
+    lens = lens if given else np.full(b, n, dtype=np.int32)
     kc, vc, table = paged_cache(rng, k, v, lens, bs)
     qx = q if layout == "bhsd" else np.ascontiguousarray(q.transpose(0, 2, 1, 3))
     args = [xp.asarray(a) for a in (qx, kc, vc, table, lens)]
     before = [a.copy() for a in args]
     out = xp.full(qx.shape, np.nan, dtype=dtype)  # poisoned: every element must be written
-    o, lse = cuflash.attention(args[0], args[1], args[2], block_table=args[3], kv_lens=args[4], causal=causal,
-                               layout=layout, return_lse=True, out=out)
+    o, lse = cuflash.attention(args[0], args[1], args[2], block_table=args[3], kv_lens=args[4] if given else None,
+                               causal=causal, layout=layout, return_lse=True, out=out)
     for a, a0 in zip(args, before):
         assert bool((a.view(np.uint8) == a0.view(np.uint8)).all()), "an input was modified"
     o = o.get() if hasattr(o, "get") else o
@@ -66,12 +70,7 @@ def test_paged_cpu(dtype, causal, bs, nq):
 
 
 def test_paged_cpu_bshd_without_kv_lens():
-    rng = np.random.default_rng(5)
-    q, k, v = random_inputs(rng, (2, 4, 3, 16), (2, 1, 64, 16), FLOAT32)
-    kc, vc, table = paged_cache(rng, k, v, [64, 64], 32)
-    o = cuflash.attention(q.transpose(0, 2, 1, 3), kc, vc, block_table=table, layout="bshd")
-    ref = cuflash.attention(q, k, v)
-    assert np.allclose(o.transpose(0, 2, 1, 3), ref, atol=1e-6)
+    run_paged(np, np.random.default_rng(5), BFLOAT16, 2, 4, 1, 3, 64, 16, 32, None, "top_left", layout="bshd")
 
 
 def _valid(rng=None):
@@ -131,6 +130,7 @@ def test_paged_gpu_prefill_fallback_and_layouts(rng, layout):
     lens = np.array([3, 300, 64], dtype=np.int32)
     run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 40, 300, 128, 32, lens, "bottom_right", layout=layout)
     run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 1, 300, 128, 32, lens, False, layout=layout)
+    run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 1, 320, 128, 32, None, "bottom_right", layout=layout)  # no kv_lens
 
 
 @pytest.mark.gpu

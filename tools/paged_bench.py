@@ -5,9 +5,9 @@ import sys
 
 sys.path.insert(0, ".")
 import cupy as cp
-import numpy as np
 
 import cuflash
+from benchmarks.benchmarks.bench_attention import shuffled_pages
 from benchmarks.peers import Timer
 
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
@@ -25,13 +25,7 @@ for L in (4096, 16384, 65536):
         row["contiguous_ms"] = ms
         ref = cuflash.attention(q, k, v)
         for bs in (16, 64, 256):
-            per = L // bs
-            perm = cp.asarray(np.random.default_rng(bs).permutation(B * per).astype(np.int32))
-            table = perm.reshape(B, per)
-            kc = cp.empty((B * per, bs, hkv, d), dtype=k.dtype)
-            vc = cp.empty_like(kc)
-            kc[table.reshape(-1)] = k.reshape(B, hkv, per, bs, d).transpose(0, 2, 3, 1, 4).reshape(B * per, bs, hkv, d)
-            vc[table.reshape(-1)] = v.reshape(B, hkv, per, bs, d).transpose(0, 2, 3, 1, 4).reshape(B * per, bs, hkv, d)
+            kc, vc, table = shuffled_pages(cp, k, v, bs, seed=bs)
             f = lambda: cuflash.attention(q, kc, vc, block_table=table, validate=False)
             err = float(cp.abs(f().astype(cp.float32) - ref.astype(cp.float32)).max())
             ms, _ = timer(f)

@@ -243,6 +243,23 @@ class ReferenceDecode(_Decode):
 
 
 
+def shuffled_pages(cp, k, v, block_size, seed):
+    """A paged copy of (B, Hkv, L, d) caches (L a multiple of block_size): pages
+    (B * L / block_size, block_size, Hkv, d) in a random order, and the int32 (B, L / block_size)
+    table that finds them. Shared with tools/paged_bench.py."""
+    b, hkv, n, d = k.shape
+    per = n // block_size
+    table = cp.asarray(np.random.default_rng(seed).permutation(b * per).astype(np.int32)).reshape(b, per)
+
+    def paged(a):
+        pages = cp.empty((b * per, block_size, hkv, d), dtype=a.dtype)
+        pages[table.reshape(-1)] = a.reshape(b, hkv, per, block_size, d).transpose(0, 2, 3, 1, 4).reshape(
+            b * per, block_size, hkv, d)
+        return pages
+
+    return paged(k), paged(v), table
+
+
 class CuflashPagedDecode(_Decode):
     """The decode grid over a paged cache (pages shuffled): compare with CuflashDecode's times."""
 
@@ -253,18 +270,7 @@ class CuflashPagedDecode(_Decode):
         self.make_inputs(cache_len, b_hq_hkv)
         import cuflash
 
-        cp = self.cp
-        b, hkv, n, d = self.k.shape
-        per = n // block_size
-        table = cp.asarray(np.random.default_rng(block_size).permutation(b * per).astype(np.int32)).reshape(b, per)
-
-        def paged(a):
-            pages = cp.empty((b * per, block_size, hkv, d), dtype=a.dtype)
-            pages[table.reshape(-1)] = a.reshape(b, hkv, per, block_size, d).transpose(0, 2, 3, 1, 4).reshape(
-                b * per, block_size, hkv, d)
-            return pages
-
-        self.kc, self.vc, self.table = paged(self.k), paged(self.v), table
+        self.kc, self.vc, self.table = shuffled_pages(self.cp, self.k, self.v, block_size, seed=block_size)
         del self.k, self.v
         self.op = lambda: cuflash.attention(self.q, self.kc, self.vc, block_table=self.table, validate=False)
         self._run()
