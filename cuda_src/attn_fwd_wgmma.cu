@@ -12,12 +12,23 @@
 // PRODUCER = true (warp specialization): one more warpgroup only loads, with few registers
 // (setmaxnreg), handing tiles over through mbarriers; the math warpgroups never wait for each
 // other and get the registers the producer gave up.
+// TMA = true (attn_fwd_wgmma_tma): the producer is one thread issuing bulk tensor copies (64-column
+// boxes that land in exactly the Sw128Tile layout) completing on the "full" mbarriers; rows and
+// columns past the tensor are zero-filled by the copy engine, keys past nk masked as always.
 #include "common.cuh"
 #include "band.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
+#include "tma.cuh"
 
-template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER>
+// The tensor maps of attn_fwd_wgmma_tma (parameter space), null for the cp.async kernels.
+struct FwdMaps {
+    const TmaDesc* q;
+    const TmaDesc* k;
+    const TmaDesc* v;
+};
+
+template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER, bool TMA = false>
 struct HopperFwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 .. 256)
     static constexpr int kBlockN = BLOCK_N;       // keys per K/V tile
@@ -25,8 +36,9 @@ struct HopperFwdTraits {
     static constexpr int kMathThreads = 128 * WARPGROUPS;
     static constexpr int kThreads = kMathThreads + (PRODUCER ? 128 : 0);
     static constexpr int kLoadThreads = PRODUCER ? 128 : kThreads;
-    // Registers after setmaxnreg: the producer keeps 40, the math warpgroups share the rest.
-    static constexpr int kProducerRegs = 40;
+    // Registers after setmaxnreg: the producer keeps 40 (24 when one thread only issues TMA
+    // copies), the math warpgroups share the rest.
+    static constexpr int kProducerRegs = TMA ? 24 : 40;
     static constexpr int kMathRegs = ((65536 / 128 - kProducerRegs) / WARPGROUPS) / 8 * 8 > 240
                                          ? 240 : ((65536 / 128 - kProducerRegs) / WARPGROUPS) / 8 * 8;
     static constexpr int kBlockM = 64 * WARPGROUPS;  // wgmma's M is 64 rows per warpgroup
@@ -38,18 +50,22 @@ struct HopperFwdTraits {
     // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
     static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 8 * kBarriers + 1024;
     static_assert(STAGES >= 2, "a K (and a V) tile in use while the next one loads");
+    static_assert(!TMA || PRODUCER, "TMA copies are issued by a producer warpgroup");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
+          bool TMA = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                    int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band) {
+                    int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
+                    FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
-    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER>;
+    static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
+    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
@@ -185,8 +201,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             } else {
                 cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
             }
-            // The copies were written through the generic proxy; wgmma reads through the async one.
-            fence_proxy_async();
+            // cp.async copies were written through the generic proxy; wgmma reads through the async one.
+            if constexpr (!TMA) fence_proxy_async();
             if constexpr (!PRODUCER) __syncthreads();
             wgmma_fence();
             issue_qk(0);
@@ -205,7 +221,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if constexpr (PRODUCER) {  // K_{j+1} and V_j have landed
                 if (kNext) mbar_wait(full_k((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
                 mbar_wait(full_v(j % STAGES), (j / STAGES) & 1);
-                fence_proxy_async();
+                if constexpr (!TMA) fence_proxy_async();  // TMA writes through the async proxy
             } else {
                 // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
                 // Q K^T retired last iteration) and V_{j-1}, whose slots the next loads reuse.
@@ -289,17 +305,45 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     };
     if constexpr (PRODUCER) {
         if (tid == 0) {
-            mbar_init(full_q, kLoad);
+            // "full": every loading thread's cp.async arrival, or the one TMA thread's expect_tx.
+            constexpr int kFull = TMA ? 1 : kLoad;
+            mbar_init(full_q, kFull);
             for (int s = 0; s < STAGES; ++s) {
-                mbar_init(full_k(s), kLoad);
-                mbar_init(full_v(s), kLoad);
+                mbar_init(full_k(s), kFull);
+                mbar_init(full_v(s), kFull);
                 mbar_init(empty_k(s), kMath);
                 mbar_init(empty_v(s), kMath);
             }
+            if constexpr (TMA) fence_mbar_init();
         }
         __syncthreads();  // the last block-wide barrier: the roles split here
         // One if/else per role, so that ptxas applies each branch's setmaxnreg to its code.
-        if (wg == WARPGROUPS) {
+        if (TMA && wg == WARPGROUPS) {
+            // One thread issues every copy, in the order the math warpgroups consume them (Q and
+            // K_0, then K_{j+1} before V_j). Each tile is HEAD_DIM/64 boxes of 64 columns.
+            setmaxnreg_dec<Tr::kProducerRegs>();
+            if (tid == kMath) {
+                auto issue = [&](u32 dst, const TmaDesc* map, int rows, int row0, int head, u32 bar) {
+                    mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * rows * 128);
+    #pragma unroll
+                    for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
+                        tma_load_4d(dst + cb * rows * 128, map, 64 * cb, row0, head, b, bar);
+                };
+                auto issue_k = [&](int j) {
+                    const int s = j % STAGES;
+                    mbar_wait(empty_k(s), ((j / STAGES) & 1) ^ 1);
+                    issue(sK + s * TileKV::kBytes, maps.k, BLOCK_N, j * BLOCK_N, hk, full_k(s));
+                };
+                issue(sQ, maps.q, kBM, m0, h, full_q);
+                if (n_tiles > 0) issue_k(0);
+                for (int j = 0; j < n_tiles; ++j) {
+                    if (j + 1 < n_tiles) issue_k(j + 1);
+                    const int s = j % STAGES;
+                    mbar_wait(empty_v(s), ((j / STAGES) & 1) ^ 1);
+                    issue(sV + s * TileKV::kBytes, maps.v, BLOCK_N, j * BLOCK_N, hk, full_v(s));
+                }
+            }
+        } else if (!TMA && wg == WARPGROUPS) {
             // Producer: fill slot j % STAGES once the math warpgroups released its previous tile
             // (the n-th refill waits for phase n-1 of "empty"; a fresh barrier passes parity 1).
             setmaxnreg_dec<Tr::kProducerRegs>();
@@ -333,6 +377,23 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
         math();
     }
+}
+
+// The same kernel fed by the bulk tensor copy engine: Q, K and V as rank-4 tensor maps (d, rows,
+// heads, batch) with 64 x rows boxes (Q: kBlockM rows, K/V: BLOCK_N); the pointers and strides
+// of Q, K and V are the plain kernel's (unused but for a uniform launch).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
+                   const __grid_constant__ TmaDesc tmap_v,
+                   const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                   u16* __restrict__ o, float* __restrict__ lse,
+                   i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                   int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v});
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>

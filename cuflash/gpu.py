@@ -138,8 +138,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     launch_forward(spec, tile.block_m, p, q4, k4, v4, o4, lse3)
 
 
-def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3):
-    """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch)."""
+def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None):
+    """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch).
+    `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     scale_log2 = np.float32(p.scale * _LOG2E)
@@ -152,7 +153,7 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3):
         for a in (qs, ks, vs, os_):
             sb, sh, sn, _ = _elem_strides(a)
             strides += [np.int64(sb), np.int64(sh), np.int64(sn)]
-        args = (qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
+        args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
         fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 

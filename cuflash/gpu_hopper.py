@@ -70,8 +70,11 @@ def backward_applies(p, vec: bool) -> bool:
 def _forward_spec(kernel, dtype, d, flags, tile):
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    expr = (f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}"
-            f"{flags}{', true' if t.producer else ''}>")
+    if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
+        kernel, producer = kernel + "_tma", ""
+    else:
+        producer = ", true" if t.producer else ""
+    expr = f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
@@ -83,6 +86,8 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
     the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
+    if tile is not None and tile.tma:
+        raise ValueError("tile: the band kernel has no TMA variant (packed sequences share one tensor)")
     return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile)
 
 
@@ -93,14 +98,31 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
     return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "warp-specialized " + t.reason, True)
 
 
+def tma_fed(t: schedule.HopperTile) -> schedule.HopperTile:
+    """The table tile fed by TMA: a producer warpgroup whose one thread issues bulk tensor copies
+    (attn_fwd_wgmma_tma; at most 2 math warpgroups, as warp_specialized)."""
+    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "TMA-fed " + t.reason, False, True)
+
+
+def tma_ok(q4, k4, v4) -> bool:
+    """Whether Q, K and V can be read through tensor maps: cuda-bindings present, unit-stride rows,
+    16-byte aligned bases and strides (TMA's rule)."""
+    from . import tma
+
+    if not tma.available():
+        return False
+    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a)) for a in (q4, k4, v4))
+
+
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    table's tiles and their warp-specialized variants, and the table's band instantiations)."""
+    table's tiles, their warp-specialized and TMA-fed variants, and the table's band
+    instantiations)."""
     plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
-        for tile in (t, warp_specialized(t))
+        for tile in (t, warp_specialized(t), tma_fed(t))
         for causal in (False, True)
     ]
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
@@ -112,7 +134,16 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     from .gpu import launch_forward
 
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3)
+    maps = None
+    if t.tma:
+        from . import tma
+
+        if not tma_ok(q4, k4, v4):
+            raise ValueError("tile: the TMA-fed kernel needs cuda-bindings and 16-byte aligned rows and strides")
+
+        def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
+            return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps)
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

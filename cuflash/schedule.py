@@ -63,19 +63,24 @@ class HopperTile:
     stages: int  # slots in each of the K and V cp.async rings (K runs one tile ahead of V); >= 2
     reason: str
     producer: bool = False  # warp specialization: one more warpgroup only loads (mbarrier handoff)
+    tma: bool = False  # the producer is one thread issuing TMA copies (attn_fwd_wgmma_tma)
 
     @property
     def block_m(self) -> int:
         return 64 * self.warpgroups
 
     @property
+    def specialized(self) -> bool:
+        return self.producer or self.tma
+
+    @property
     def threads(self) -> int:
-        return 128 * (self.warpgroups + self.producer)
+        return 128 * (self.warpgroups + self.specialized)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Q tile + `stages` K and V tiles (+ the producer's mbarriers), + 1 KiB to align the base
         to the 128-byte swizzle."""
-        barriers = 8 * (1 + 4 * self.stages) if self.producer else 0
+        barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 1024
 
 

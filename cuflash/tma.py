@@ -66,3 +66,19 @@ def tiled_map(dtype, ptr: int, dims, strides_bytes, box):
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return arg
+
+
+def bhsd_strides(a4):
+    """Byte strides of (row, head, batch) of a (B, H, N, d) view; an axis of extent 1 gets a
+    nominal stride (TMA wants every stride a positive multiple of 16; that axis is never stepped)."""
+    out = []
+    for n, s in zip((a4.shape[2], a4.shape[1], a4.shape[0]), (a4.strides[2], a4.strides[1], a4.strides[0])):
+        out.append(s if n > 1 else 16 * max(1, a4.shape[3] * a4.itemsize // 16))
+    return out
+
+
+def bhsd_map(a4, box_rows: int):
+    """Rank-4 map (d, rows, heads, batch) of a (B, H, N, d) CuPy view with 64-column x box_rows
+    boxes: one box is one 64-column block of a cuda_src Sw128Tile."""
+    b, h, n, d = a4.shape
+    return tiled_map(a4.dtype, a4.data.ptr, (d, n, h, b), bhsd_strides(a4), (64, box_rows, 1, 1))

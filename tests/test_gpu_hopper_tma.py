@@ -1,0 +1,120 @@
+"""The TMA-fed wgmma forward (attn_fwd_wgmma_tma) vs the float64 reference, by the naive-error rule.
+
+The tile is forced through gpu_hopper.forward, so these run whether or not the table picks the TMA
+kernel. What TMA changes is where tiles come from: rank-4 tensor maps over (d, rows, heads, batch)
+whose boxes past the tensor are zero-filled by the copy engine. So the cases are the ones that
+stress addressing: lengths that end mid-box, Nq != Nk, padded head dims (d < the tile's), GQA
+(K/V head = h / group), several batch entries, the bshd layout (row stride = H * d), rows that
+see no key, and a misaligned view (falls back with a clear ValueError, not a wrong answer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash import _problem, gpu_hopper, schedule
+from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
+from cuflash._layout import to_bhsd
+from test_gpu_forward import (
+    assert_unchanged,
+    check_rows,
+    device_inputs,
+    poisoned,
+    raw,
+    shapes,
+)
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _hopper_with_tma():
+    from cuflash import tma
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("not a Hopper GPU: attn_fwd_wgmma_tma needs sm_90")
+    if not tma.available():
+        pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
+
+
+def tma_tile(d, block_n=None, stages=None):
+    t = gpu_hopper.tma_fed(schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)])
+    if block_n is None and stages is None:
+        return t
+    return schedule.HopperTile(block_n or t.block_n, t.warpgroups, stages or t.stages, "test", False, True)
+
+
+def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd"):
+    before = [raw(a).copy() for a in (q, k, v)]
+    p = _problem.validate_forward(q, k, v, causal=causal, layout=layout)
+    o = poisoned(p.q_shape(), p.dtype)
+    lse = poisoned(p.lse_shape(), FLOAT32)
+    o4, lse3 = to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq))
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile)
+    assert_unchanged((q, k, v), before)
+    return o, lse
+
+
+def run_and_check(rng, dtype, batch, hq, hkv, nq, nk, d, *, causal, tile=None, layout="bhsd"):
+    sq, skv = shapes(layout, batch, hq, hkv, nq, nk, d)
+    q, k, v = device_inputs(rng, sq, skv, dtype)
+    o, lse = forward_tma(q, k, v, tile or tma_tile(d), causal=causal, layout=layout)
+    check_rows(o, lse, q, k, v, causal=causal, layout=layout, rng=rng)
+
+
+DTYPES = [pytest.param(FLOAT16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
+CAUSAL = [pytest.param(False, id="full"), pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 72, 96, 128, 192, 256])
+def test_head_dims_and_ragged_lengths(rng, dtype, causal, d):
+    run_and_check(rng, dtype, (2,), 3, 3, 131, 333, d, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("nq,nk", [(1, 1), (7, 300), (300, 7), (128, 128), (257, 1000), (1000, 257)])
+def test_rectangular(rng, dtype, causal, nq, nk):
+    run_and_check(rng, dtype, (1,), 2, 2, nq, nk, 128, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gqa_batch_and_layouts(rng, dtype, layout, d):
+    run_and_check(rng, dtype, (3,), 8, 2, 200, 190, d, causal="bottom_right", layout=layout)
+
+
+@pytest.mark.parametrize("d,block_n,stages", [(64, 128, 3), (64, 64, 4), (128, 128, 2), (128, 64, 4)])
+def test_other_tiles(rng, d, block_n, stages):
+    run_and_check(rng, BFLOAT16, (2,), 2, 1, 515, 700, d, causal=False, tile=tma_tile(d, block_n, stages))
+    run_and_check(rng, BFLOAT16, (1,), 2, 1, 700, 515, d, causal="top_left", tile=tma_tile(d, block_n, stages))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_that_see_no_key(rng, dtype):
+    # top_left with nq > nk: rows past nk see all keys; bottom_right with nq > nk: the first
+    # nq - nk rows see none (o = 0, lse = -inf), which check_rows' reference holds them to.
+    run_and_check(rng, dtype, (1,), 2, 2, 300, 100, 128, causal="bottom_right")
+
+
+def test_long_sequence_windows(rng):
+    run_and_check(rng, BFLOAT16, (1,), 2, 2, 4099, 4099, 128, causal="bottom_right")
+
+
+def test_unaligned_rows_raise(rng):
+    # A view whose rows are not 16-byte aligned cannot be a tensor map: ValueError, no launch.
+    q, k, v = device_inputs(rng, (1, 2, 64, 129), (1, 2, 64, 129), BFLOAT16)
+    q, k, v = (a[..., 1:] for a in (q, k, v))
+    p = _problem.validate_forward(q, k, v)
+    o = poisoned(p.q_shape(), p.dtype)
+    lse = poisoned(p.lse_shape(), FLOAT32)
+    with pytest.raises(ValueError, match="tile"):
+        gpu_hopper.forward(p, to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk),
+                           to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq)), tile=tma_tile(128))
+    assert bool(cupy.isnan(lse.astype(np.float32)).all()), "nothing may be launched"
