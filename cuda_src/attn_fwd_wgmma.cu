@@ -15,6 +15,9 @@
 // TMA = true (attn_fwd_wgmma_tma): the producer is one thread issuing bulk tensor copies (64-column
 // boxes that land in exactly the Sw128Tile layout) completing on the "full" mbarriers; rows and
 // columns past the tensor are zero-filled by the copy engine, keys past nk masked as always.
+// PINGPONG (two math warpgroups): the warpgroups take turns issuing their GEMMs (named barriers 2
+// and 3), so one's softmax runs while the other's Q K^T and P V keep the tensor cores busy
+// (FlashAttention-3's inter-warpgroup schedule).
 #include "common.cuh"
 #include "band.cuh"
 #include "softmax.cuh"
@@ -55,7 +58,7 @@ struct HopperFwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false>
+          bool TMA = false, bool PINGPONG = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
@@ -65,6 +68,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
+    static_assert(!PINGPONG || (WARPGROUPS == 2 && PRODUCER), "ping-pong is between two math warpgroups");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -189,6 +193,16 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 }
             }
         };
+        // Ping-pong turns: warpgroup w waits on barrier 2 + w for its turn to issue GEMMs and passes
+        // it on through the other's. Warpgroup 1 opens with a pass (warpgroup 0 goes first) and
+        // skips its last one, so every bar.sync meets exactly one bar.arrive.
+        auto turn_wait = [&]() { named_barrier(2 + wg, kMath); };
+        auto turn_pass = [&](bool last) {
+            if (!(last && wg == 1)) named_barrier_arrive(3 - wg, kMath);
+        };
+        if constexpr (PINGPONG) {
+            if (wg == 1 && n_tiles > 0) named_barrier_arrive(2, kMath);
+        }
         auto to_p = [&]() {
     #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
@@ -204,9 +218,11 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             // cp.async copies were written through the generic proxy; wgmma reads through the async one.
             if constexpr (!TMA) fence_proxy_async();
             if constexpr (!PRODUCER) __syncthreads();
+            if constexpr (PINGPONG) turn_wait();
             wgmma_fence();
             issue_qk(0);
             wgmma_commit();
+            if constexpr (PINGPONG) turn_pass(false);
             wgmma_wait<0>();
             fence_regs(acc_s[0]);
             if constexpr (PRODUCER) mbar_arrive(empty_k(0));
@@ -233,6 +249,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 cp_async_commit();
             }
 
+            if constexpr (PINGPONG) turn_wait();
             wgmma_fence();
             if (kNext) {
                 issue_qk(j + 1);
@@ -240,6 +257,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
             issue_pv(j);
             wgmma_commit();
+            if constexpr (PINGPONG) turn_pass(!kNext);
             if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
                 wgmma_wait<1>();
                 fence_regs(acc_s[0]);
@@ -382,7 +400,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 // The same kernel fed by the bulk tensor copy engine: Q, K and V as rank-4 tensor maps (d, rows,
 // heads, batch) with 64 x rows boxes (Q: kBlockM rows, K/V: BLOCK_N); the pointers and strides
 // of Q, K and V are the plain kernel's (unused but for a uniform launch).
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
                    const __grid_constant__ TmaDesc tmap_v,
@@ -391,7 +409,7 @@ attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant
                    i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                    i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                    int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true>(
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v});
 }

@@ -71,7 +71,7 @@ def _forward_spec(kernel, dtype, d, flags, tile):
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
-        kernel, producer = kernel + "_tma", ""
+        kernel, producer = kernel + "_tma", f", {'true' if t.pingpong else 'false'}"
     else:
         producer = ", true" if t.producer else ""
     expr = f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
@@ -101,7 +101,7 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
 def tma_fed(t: schedule.HopperTile) -> schedule.HopperTile:
     """The table tile fed by TMA: a producer warpgroup whose one thread issues bulk tensor copies
     (attn_fwd_wgmma_tma; at most 2 math warpgroups, as warp_specialized)."""
-    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "TMA-fed " + t.reason, False, True)
+    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "TMA-fed " + t.reason, False, True, t.pingpong)
 
 
 def tma_ok(q4, k4, v4) -> bool:

@@ -39,11 +39,12 @@ def _hopper_with_tma():
         pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
 
 
-def tma_tile(d, block_n=None, stages=None):
+def tma_tile(d, block_n=None, stages=None, pingpong=None):
     t = gpu_hopper.tma_fed(schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)])
-    if block_n is None and stages is None:
+    if block_n is None and stages is None and pingpong is None:
         return t
-    return schedule.HopperTile(block_n or t.block_n, t.warpgroups, stages or t.stages, "test", False, True)
+    pp = t.pingpong if pingpong is None else pingpong
+    return schedule.HopperTile(block_n or t.block_n, t.warpgroups, stages or t.stages, "test", False, True, pp)
 
 
 def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd"):
@@ -94,6 +95,17 @@ def test_gqa_batch_and_layouts(rng, dtype, layout, d):
 def test_other_tiles(rng, d, block_n, stages):
     run_and_check(rng, BFLOAT16, (2,), 2, 1, 515, 700, d, causal=False, tile=tma_tile(d, block_n, stages))
     run_and_check(rng, BFLOAT16, (1,), 2, 1, 700, 515, d, causal="top_left", tile=tma_tile(d, block_n, stages))
+
+
+@pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_warpgroup_schedules(rng, pingpong, causal, d):
+    # Both schedules of the two math warpgroups, with key-tile counts 0 (bottom_right rows before
+    # the diagonal's first key), 1 and many per block.
+    tile = tma_tile(d, pingpong=pingpong)
+    for nq, nk in ((200, 70), (129, 129), (77, 1000)):
+        run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

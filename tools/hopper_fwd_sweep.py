@@ -30,19 +30,19 @@ from cuflash.testing import assert_forward_within_naive_error  # noqa: E402
 
 
 def T(bn, wg, st, kind=""):
-    return HopperTile(bn, wg, st, kind or "cp.async", kind == "ws", kind == "tma")
+    return HopperTile(bn, wg, st, kind or "cp.async", kind == "ws", kind in ("tma", "pp"), kind == "pp")
 
 
 CANDIDATES = {
-    64: [T(64, 2, 2), T(64, 2, 2, "tma"), T(128, 2, 2, "tma"), T(128, 2, 3, "tma"), T(64, 2, 4, "tma")],
-    128: [T(128, 2, 3), T(128, 2, 3, "tma"), T(128, 2, 2, "tma"), T(160, 2, 2, "tma"), T(64, 2, 4, "tma")],
-    192: [T(64, 2, 2), T(64, 2, 2, "tma"), T(96, 2, 2, "tma")],
-    256: [T(64, 2, 2), T(64, 2, 2, "tma")],
+    64: [T(64, 2, 2), T(128, 2, 2, "tma"), T(128, 2, 2, "pp"), T(128, 2, 3, "pp"), T(64, 2, 4, "pp"), T(192, 2, 2, "pp")],
+    128: [T(128, 2, 3), T(128, 2, 2, "tma"), T(128, 2, 2, "pp"), T(128, 2, 3, "pp"), T(160, 2, 2, "pp")],
+    192: [T(64, 2, 2), T(64, 2, 2, "tma"), T(64, 2, 2, "pp"), T(96, 2, 2, "pp")],
+    256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(64, 2, 2, "pp")],
 }
 
 
 def name(t):
-    kind = "T" if t.tma else ("P" if t.producer else "")
+    kind = ("PP" if t.pingpong else "T") if t.tma else ("P" if t.producer else "")
     return f"{t.block_m}x{t.block_n}wg{t.warpgroups}s{t.stages}{kind}"
 
 

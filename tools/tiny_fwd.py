@@ -1,7 +1,8 @@
-"""Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma]
+"""Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma|pp]
 
-ws / tma: use the warp-specialized (cp.async producer) / TMA-fed variant of the Hopper table tile
-for this head dim."""
+ws / tma / pp: use the warp-specialized (cp.async producer) / TMA-fed / TMA-fed ping-pong variant of
+the Hopper table tile for this head dim."""
+import dataclasses
 import sys
 
 import cupy as cp
@@ -14,10 +15,11 @@ from cuflash import gpu_hopper, schedule
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
-if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma"):
+if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp"):
     hd = schedule.head_dim_bucket(d)
     variant = gpu_hopper.warp_specialized if sys.argv[7] == "ws" else gpu_hopper.tma_fed
-    schedule.HOPPER_FORWARD_TILES[hd] = variant(schedule.HOPPER_FORWARD_TILES[hd])
+    t = variant(schedule.HOPPER_FORWARD_TILES[hd])
+    schedule.HOPPER_FORWARD_TILES[hd] = dataclasses.replace(t, pingpong=sys.argv[7] == "pp")
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
