@@ -203,17 +203,6 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         if constexpr (PINGPONG) {
             if (wg == 1 && n_tiles > 0) named_barrier_arrive(2, kMath);
         }
-        // Hand a K or V slot back to the producer once this thread's wgmmas reading it retired.
-        // TMA: one arrival per warp (the slot's wgmma is the warpgroup's, so it retired for all of
-        // the warp's lanes), 8x fewer shared-memory arrivals than one per thread.
-        auto release = [&](u32 bar) {
-            if constexpr (TMA) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(bar);
-            } else {
-                mbar_arrive(bar);
-            }
-        };
         auto to_p = [&]() {
     #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
@@ -236,7 +225,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if constexpr (PINGPONG) turn_pass(false);
             wgmma_wait<0>();
             fence_regs(acc_s[0]);
-            if constexpr (PRODUCER) release(empty_k(0));
+            if constexpr (PRODUCER) mbar_arrive(empty_k(0));
             mask(0);
             softmax.probs(acc_s, scale_log2, alpha);
             to_p();
@@ -272,14 +261,14 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
                 wgmma_wait<1>();
                 fence_regs(acc_s[0]);
-                if constexpr (PRODUCER) release(empty_k((j + 1) % STAGES));
+                if constexpr (PRODUCER) mbar_arrive(empty_k((j + 1) % STAGES));
                 mask(j + 1);
                 softmax.probs(acc_s, scale_log2, alpha);
             }
             wgmma_wait<0>();
             fence_regs(acc_o[0]);
             fence_regs(p_frag);
-            if constexpr (PRODUCER) release(empty_v(j % STAGES));
+            if constexpr (PRODUCER) mbar_arrive(empty_v(j % STAGES));
             if (kNext) {
                 softmax.rescale(acc_o, alpha);
                 to_p();
@@ -340,8 +329,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int s = 0; s < STAGES; ++s) {
                 mbar_init(full_k(s), kFull);
                 mbar_init(full_v(s), kFull);
-                mbar_init(empty_k(s), TMA ? kMath / 32 : kMath);  // see release()
-                mbar_init(empty_v(s), TMA ? kMath / 32 : kMath);
+                mbar_init(empty_k(s), kMath);
+                mbar_init(empty_v(s), kMath);
             }
             if constexpr (TMA) fence_mbar_init();
         }
