@@ -128,7 +128,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
         if gpu_hopper.applies(p, vec):  # sm_90: the wgmma kernel (its autotuned tile when CUFLASH_TUNE asks)
             from .tune import pick_hopper_forward_tile
 
-            gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=pick_hopper_forward_tile(p))
+            tuned = pick_hopper_forward_tile(p)
+            if tuned is not None and tuned.tma and not gpu_hopper.tma_ok(q4, k4, v4):
+                tuned = None  # a TMA winner, rows TMA cannot address: the cp.async kernel's tile
+            gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tuned)
             return
     if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
         from .tune import pick_forward_tile

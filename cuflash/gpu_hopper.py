@@ -88,7 +88,12 @@ def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
     if tile is not None and tile.tma:
         raise ValueError("tile: the band kernel has no TMA variant (packed sequences share one tensor)")
-    return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile)
+    return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile or cp_async_tile(d))
+
+
+def cp_async_tile(d: int) -> schedule.HopperTile:
+    """The cp.async kernel's tile (band problems, and rows TMA cannot address)."""
+    return schedule.HOPPER_FORWARD_CP_ASYNC_TILES[schedule.head_dim_bucket(d)]
 
 
 def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
@@ -96,12 +101,6 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
     registers come out of theirs). Measured slower at d >= 128 with cp.async loads (notes/PERF.md);
     kept selectable and compiled in CI as the base of a TMA producer."""
     return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "warp-specialized " + t.reason, True)
-
-
-def tma_fed(t: schedule.HopperTile) -> schedule.HopperTile:
-    """The table tile fed by TMA: a producer warpgroup whose one thread issues bulk tensor copies
-    (attn_fwd_wgmma_tma; at most 2 math warpgroups, as warp_specialized)."""
-    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "TMA-fed " + t.reason, False, True, t.pingpong)
 
 
 def tma_ok(q4, k4, v4) -> bool:
@@ -116,13 +115,13 @@ def tma_ok(q4, k4, v4) -> bool:
 
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    table's tiles, their warp-specialized and TMA-fed variants, and the table's band
+    TMA table's tiles, the cp.async tiles and their warp-specialized variants, and the band
     instantiations)."""
     plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
-        for tile in (t, warp_specialized(t), tma_fed(t))
+        for tile in (t, cp_async_tile(hd), warp_specialized(cp_async_tile(hd)))
         for causal in (False, True)
     ]
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
@@ -130,9 +129,13 @@ def all_hopper_forward_specs():
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
-    """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward."""
+    """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward.
+    Without a tile: the TMA table's where tma_ok, else the cp.async kernel's. A forced TMA tile
+    on rows TMA cannot address raises ValueError."""
     from .gpu import launch_forward
 
+    if tile is None and not tma_ok(q4, k4, v4):
+        tile = cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
     maps = None
     if t.tma:

@@ -49,8 +49,9 @@ def test_space_buckets_and_names():
     assert len(cands) == 6 * 3 * 4
     assert len({c.name for c in cands}) == len(cands)
     table = [c for c in cands if tune_mod.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
-    assert [c.name for c in table] == ["128x64wg2s2"]
-    assert table[0].threads == 256 and table[0].area == 128 * 64
+    assert [c.name for c in table] == ["192x128wg3s2"]
+    # The TMA table tile: 3 math warpgroups and the producer warpgroup; 192 query rows x 128 keys.
+    assert table[0].threads == 512 and table[0].area == 192 * 128
     with pytest.raises(ValueError, match="bucket"):
         candidates("fwd_wgmma", 32)  # gpu_hopper never launches the wgmma kernel there
 
@@ -74,7 +75,7 @@ def test_table_tiles_are_legal():
 
 def test_shared_memory_by_hand():
     # (64 x warpgroups + 2 x stages x block_n) rows x d x 2 B + 1024 B of alignment slack.
-    assert hop(128, 2, 3).smem_bytes == (128 + 768) * 128 * 2 + 1024 == 230400  # the d=128 table: fits
+    assert hop(128, 2, 3).smem_bytes == (128 + 768) * 128 * 2 + 1024 == 230400  # the d=128 cp.async tile: fits
     assert hop(128, 3, 3, 64).smem_bytes == (192 + 768) * 64 * 2 + 1024 == 123904
     assert hop(96, 1, 5, 128).smem_bytes == (64 + 960) * 256 + 1024 == 263168  # > 232448: illegal
     assert violations(hop(96, 1, 5, 128), H200) and not violations(hop(96, 1, 4, 128), H200)  # 214016
@@ -377,8 +378,9 @@ def test_schedules_cli_shows_both_forward_kernels_on_h200(capsys):
     out = capsys.readouterr().out
     assert out.index("forward (mma.sync)") < out.index("forward, Hopper wgmma kernel")
     assert "gpu.forward runs the wgmma kernel for this bucket" in out
-    line = next(ln for ln in out.splitlines() if ln.startswith("128x128wg2s3 "))
-    assert "table" in line and "230,400" in line
+    # The d=128 table tile (TMA): Q + 2 x 2 tiles of 128 keys + 9 mbarriers + 1 KiB alignment slack.
+    line = next(ln for ln in out.splitlines() if ln.startswith("128x128wg2s2 "))
+    assert "table" in line and f"{(128 + 512) * 256 + 72 + 1024:,}" == "164,936" and "164,936" in line
     assert " 1 " in line  # one block per SM by shared memory (no compile: registers unknown)
     assert "--ops fwd_wgmma" in out
     # Only the Hopper kernel; and a head dim it does not run for is refused.

@@ -1,7 +1,7 @@
 """Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma|pp]
 
-ws / tma / pp: use the warp-specialized (cp.async producer) / TMA-fed / TMA-fed ping-pong variant of
-the Hopper table tile for this head dim."""
+ws / tma / pp: the warp-specialized cp.async tile / the TMA table tile / its 2-warpgroup ping-pong
+variant, for this head dim (default: what the dispatch picks)."""
 import dataclasses
 import sys
 
@@ -17,9 +17,12 @@ dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
 if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp"):
     hd = schedule.head_dim_bucket(d)
-    variant = gpu_hopper.warp_specialized if sys.argv[7] == "ws" else gpu_hopper.tma_fed
-    t = variant(schedule.HOPPER_FORWARD_TILES[hd])
-    schedule.HOPPER_FORWARD_TILES[hd] = dataclasses.replace(t, pingpong=sys.argv[7] == "pp")
+    t = schedule.HOPPER_FORWARD_TILES[hd]  # the TMA table tile
+    if sys.argv[7] == "ws":
+        t = gpu_hopper.warp_specialized(gpu_hopper.cp_async_tile(d))
+    elif sys.argv[7] == "pp":
+        t = dataclasses.replace(t, warpgroups=2, pingpong=True)
+    schedule.HOPPER_FORWARD_TILES[hd] = t
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
