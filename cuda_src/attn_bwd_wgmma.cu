@@ -16,10 +16,20 @@
 //   keys    (otherwise): all queries and columns over its own 64 keys (one atomic per warpgroup).
 // attn_bwd_prep (D) and attn_bwd_dq_convert come from attn_bwd.cu; deterministic mode runs
 // attn_bwd_dq there and this kernel with ATOMIC_DQ = false.
+// attn_bwd_kv_wgmma_tma: the same kernel with each step's Q and dO tiles fetched by the bulk tensor
+// copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
+// one mbarrier per buffer) instead of every thread issuing cp.async copies.
 #include "common.cuh"
 #include "wgmma.cuh"
+#include "tma.cuh"
 
-template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS>
+// The Q and dO tensor maps of attn_bwd_kv_wgmma_tma (parameter space); null for cp.async loads.
+struct BwdMaps {
+    const TmaDesc* q;
+    const TmaDesc* dout;
+};
+
+template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
@@ -33,21 +43,22 @@ struct HopperBwdTraits {
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
+    // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer.
     static constexpr int kSmemBytes =
-        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + 1024;
+        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + (TMA ? 16 : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
-attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-                  float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
-                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-                  int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS>;
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA>
+__device__ __forceinline__ void
+attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                       const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                       float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                       i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                       i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                       int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps) {
+    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -62,6 +73,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const u32 sdS = sdO + 2 * TileQ::kBytes;
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
     float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
+    const u32 sBar = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * kBN;
@@ -76,14 +88,34 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int per_head = max(0, m_tiles - m_begin);
     const int n_steps = per_head * group;  // (head, query tile) pairs, head-major
 
+    if constexpr (TMA) {
+        if (tid == 0) {
+            mbar_init(sBar, 1);
+            mbar_init(sBar + 8, 1);
+            fence_mbar_init();
+        }
+        __syncthreads();  // initialized before anyone waits on them
+    }
     load_sw128<HEAD_DIM, kBN, kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
     load_sw128<HEAD_DIM, kBN, kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
     auto load_step = [&](int step, int buf) {
         const int h = hk * group + step / per_head;
         const int m0 = (m_begin + step % per_head) * BLOCK_M;
         const int rows = min(BLOCK_M, nq - m0);
-        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
-        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
+        if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
+            if (tid == 0) {
+                const u32 bar = sBar + 8 * buf;
+                mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+#pragma unroll
+                for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                    tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
+                    tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+                }
+            }
+        } else {
+            load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
+            load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
+        }
         load_row_stats<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
     };
     if (n_steps > 0) load_step(0, 0);
@@ -100,6 +132,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const int buf = step & 1;
         // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
         cp_async_wait<0>();
+        if constexpr (TMA) mbar_wait(sBar + 8 * buf, (step >> 1) & 1);  // buffer buf's (step/2)-th fill
         fence_proxy_async();
         __syncthreads();
         if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
@@ -270,4 +303,35 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             }
         }
     }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                  float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                  int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, false>(
+        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
+        BwdMaps{nullptr, nullptr});
+}
+
+// Q and dO through tensor maps (d, queries, heads, batch) with 64 x BLOCK_M boxes; the other
+// arguments are attn_bwd_kv_wgmma's (the Q and dO pointers and strides unused but for one launch).
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do,
+                      const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                      const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                      float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                      i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                      i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                      int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true>(
+        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
+        BwdMaps{&tmap_q, &tmap_do});
 }

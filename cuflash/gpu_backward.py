@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import schedule
@@ -112,6 +114,11 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
 
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=pick_hopper_backward_tile(p, deterministic))
+    if hopper_kv is not None and hopper_kv[1].tma and not gpu_hopper.tma_ok(q4, do4):
+        if hopper_tile is not None:
+            raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
+        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
+                                                tile=dataclasses.replace(hopper_kv[1], tma=False))
     if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
@@ -157,9 +164,14 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         for nz, cu in z_chunks(b0, b1):
             extra = (*band_args, *cu) if band else ()
             if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
+                maps = ()
+                if hopper_kv is not None and hopper_kv[1].tma:  # Q and dO boxes of block_m rows
+                    from . import tma
+
+                    maps = (tma.bhsd_map(q4[sl], hopper_kv[1].block_m), tma.bhsd_map(do4[sl], hopper_kv[1].block_m))
                 get_function(specs["kv"])(
                     (n_blocks, p.hkv, nz), (specs["kv"].threads,),
-                    (q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
+                    (*maps, q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
                      *common, *_strides3(dk4), *_strides3(dv4),
                      np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2,
                      *extra),

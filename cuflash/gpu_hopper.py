@@ -12,6 +12,7 @@ the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import lru_cache
 
@@ -103,14 +104,14 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
     return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "warp-specialized " + t.reason, True)
 
 
-def tma_ok(q4, k4, v4) -> bool:
-    """Whether Q, K and V can be read through tensor maps: cuda-bindings present, unit-stride rows,
-    16-byte aligned bases and strides (TMA's rule)."""
+def tma_ok(*arrays) -> bool:
+    """Whether these (B, H, N, d) views can be read through tensor maps: cuda-bindings present,
+    unit-stride rows, 16-byte aligned bases and strides (TMA's rule)."""
     from . import tma
 
     if not tma.available():
         return False
-    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a)) for a in (q4, k4, v4))
+    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a)) for a in arrays)
 
 
 def all_hopper_forward_specs():
@@ -154,17 +155,23 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_BACKWARD_TILES[hd]
     expr = (
-        f"attn_bwd_kv_wgmma<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
+        f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
         f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
     )
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
+def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
+    """The tile with Q and dO fetched by TMA (attn_bwd_kv_wgmma_tma)."""
+    return dataclasses.replace(t, tma=True, reason="TMA-fed " + t.reason)
+
+
 def all_hopper_backward_specs():
     return [
-        backward_kv_spec(dtype, hd, causal, det)[0]
+        backward_kv_spec(dtype, hd, causal, det, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
-        for hd in schedule.HOPPER_BACKWARD_TILES
+        for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
+        for tile in (t, backward_tma(t))
         for causal in (False, True)
         for det in (False, True)
     ]

@@ -114,6 +114,7 @@ class HopperBwdTile:
     block_m: int  # queries per step: 64, or 64 x warpgroups (dQ then split by query rows)
     warpgroups: int
     reason: str
+    tma: bool = False  # Q and dO tiles by TMA (attn_bwd_kv_wgmma_tma), issued by one thread
 
     @property
     def block_n(self) -> int:
@@ -124,8 +125,10 @@ class HopperBwdTile:
         return 128 * self.warpgroups
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, + 1 KiB alignment."""
-        return (2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m + 1024
+        """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
+        + 1 KiB alignment."""
+        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
+                + 16 * self.tma + 1024)
 
 
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head

@@ -1,0 +1,78 @@
+"""The backward K/V kernel with Q and dO fetched by TMA (attn_bwd_kv_wgmma_tma), through the public
+API with the Hopper table patched to its TMA variant, against the float64 reference by the
+naive-error rule (test_gpu_backward's _run: inputs unchanged, dq/dk/dv within the bound).
+
+What TMA changes is addressing: boxes of block_m query rows per (head, batch) over rank-4 maps,
+zero-filled past nq and past d. So: ragged lengths, padded head dims, GQA (query heads of a group
+stepped by the kernel), batches, bshd strides, rows that see no key, both dQ modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash import gpu_hopper, schedule
+from cuflash._arrays import BFLOAT16, FLOAT16
+from test_gpu_backward import _run
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def tma_backward(monkeypatch):
+    from cuflash import tma
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("not a Hopper GPU: attn_bwd_kv_wgmma_tma needs sm_90")
+    if not tma.available():
+        pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
+    monkeypatch.setenv("CUFLASH_KERNELS", "auto")
+    launched = []
+    real = gpu_hopper.backward_kv_spec
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        launched.append(out[0].expression)
+        return out
+
+    monkeypatch.setattr(gpu_hopper, "backward_kv_spec", recording)
+    for hd, t in list(schedule.HOPPER_BACKWARD_TILES.items()):
+        monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, gpu_hopper.backward_tma(t) if not t.tma else t)
+    yield launched
+    assert launched and all("attn_bwd_kv_wgmma_tma<" in e for e in launched), launched
+
+
+DTYPES = [pytest.param(FLOAT16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
+CAUSAL = [False, "bottom_right", "top_left"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "br", "tl"])
+def test_head_dims(dtype, d, causal):
+    rng = np.random.default_rng([d, len(str(causal)), dtype.itemsize, 23])
+    _run(rng, 2, 2, 2, 97, 130, d, dtype, causal)
+
+
+@pytest.mark.parametrize("nq,nk", [(113, 203), (203, 113), (257, 255), (255, 257), (1000, 300)])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "br", "tl"])
+def test_lengths(nq, nk, causal):
+    rng = np.random.default_rng([nq, nk, len(str(causal)), 5])
+    _run(rng, 2, 2, 2, nq, nk, 64, BFLOAT16, causal)
+    _run(rng, 1, 2, 1, nq, nk, 128, BFLOAT16, causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_and_deterministic(hq, hkv, deterministic, d):
+    rng = np.random.default_rng([hq, hkv, int(deterministic), d])
+    _run(rng, 2, hq, hkv, 150, 170, d, BFLOAT16, True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bshd_and_fully_masked_rows(d):
+    rng = np.random.default_rng(d + 1)
+    dq, dk, dv = _run(rng, 2, 4, 2, 150, 60, d, BFLOAT16, "bottom_right", layout="bshd")
+    assert np.all(dq[:, :90].astype(np.float32) == 0)
