@@ -163,7 +163,7 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
 
 def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
     """The tile with Q and dO fetched by TMA (attn_bwd_kv_wgmma_tma)."""
-    return dataclasses.replace(t, tma=True, reason="TMA-fed " + t.reason)
+    return t if t.tma else dataclasses.replace(t, tma=True, reason="TMA-fed " + t.reason)
 
 
 def all_hopper_backward_specs():
@@ -171,7 +171,7 @@ def all_hopper_backward_specs():
         backward_kv_spec(dtype, hd, causal, det, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in (t, backward_tma(t))
+        for tile in (dataclasses.replace(t, tma=False), backward_tma(t))
         for causal in (False, True)
         for det in (False, True)
     ]

@@ -200,10 +200,11 @@ def test_memory_tiled_backward_hand_computed():
     assert {n for n, e in by.items() if e.category == accounting.INPUT} == {"Q", "K", "V", "O", "dO"}
     assert {n for n, e in by.items() if e.category == accounting.OUTPUT} == {"dQ", "dK", "dV"}
     assert by["dQ accumulator"].bytes == 1 * 4 * 300 * 128 * 4
-    # The H200's wgmma K/V kernel: K, V, 2 Q and 2 dO tiles, dS^T, 2 x (lse, D) rows, 1 KiB slack.
+    # The H200's wgmma K/V kernel (TMA): K, V, 2 Q and 2 dO tiles, dS^T, 2 x (lse, D) rows, two
+    # mbarriers, 1 KiB slack.
     bt = schedule.HOPPER_BACKWARD_TILES[128]
-    assert (bt.block_m, bt.block_n) == (64, 128)
-    assert by["shared memory / block (bwd)"].bytes == (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 16 * 64 + 1024
+    assert (bt.block_m, bt.block_n, bt.tma) == (64, 128, True)
+    assert by["shared memory / block (bwd)"].bytes == (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 16 * 64 + 16 + 1024
     assert by["shared memory / block (bwd)"].category == accounting.ON_CHIP
     assert by["D"].bytes == 1 * 4 * 300 * 4
     assert r.device_bytes == 8 * (1 * 4 * 300 * 128 * 2) + 1 * 4 * 300 * 4 + 1 * 4 * 300 * 128 * 4 + 1 * 4 * 300 * 4
