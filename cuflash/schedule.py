@@ -88,12 +88,12 @@ class HopperTile:
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: the TMA-fed wgmma kernel
 # (attn_fwd_wgmma_tma). Keyed by the padded head dim; other head dims and scalar-load inputs use
 # FORWARD_TILES' mma.sync kernels. Chosen by tools/hopper_fwd_sweep.py next to cuDNN on the H200
-# (bf16, N 1k/4k/16k, causal and not; commits a3d53d4 and d94cf01, notes/PERF.md).
+# (bf16, N 1k/4k/16k, causal and not; commits a3d53d4, d94cf01, 8e248d9; notes/PERF.md).
 HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
     64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32): 0.96-1.04x cuDNN at N >= 4k non-causal, where 2-warpgroup tiles reach 0.88-0.93x (ping-pong) or 0.79x", tma=True),
     128: HopperTile(128, 2, 2, "128x128, 240 regs per math thread; 2 stages (3 measured no faster): 0.88-1.08x cuDNN; ping-pong within noise of it, 160-key tiles no faster", tma=True),
     192: HopperTile(96, 2, 2, "96-key tiles fit 2 stages in 193 KiB: 0.90-1.12x cuDNN, 64-key tiles 0.87-1.00x; ping-pong ~1% ahead", tma=True, pingpong=True),
-    256: HopperTile(64, 2, 2, "O is 128 regs: 64-key tiles keep S at 32; 2 stages = 193 KiB (96 keys do not fit): 0.89-1.06x cuDNN", tma=True),
+    256: HopperTile(80, 2, 2, "O is 128 regs + S 40 + P 20; 80-key tiles, 2 stages = 225 KiB (96 do not fit): 0.90-1.14x cuDNN, 64-key tiles 0.88-1.06x (8e248d9)", tma=True),
 }
 
 # The cp.async wgmma kernel (attn_fwd_wgmma): its band instantiation (windows, packed sequences,
