@@ -7,7 +7,9 @@
 // once per K/V head, not once per query head (with a block table, the cache is paged). Warps merge
 // their (max, sum, O) in shared memory;
 // with several splits each block writes a normalized partial O and its log-sum-exp, and
-// attn_decode_combine merges the splits with the log-sum-exp rule.
+// attn_decode_combine merges the splits with the log-sum-exp rule - or, with 2, 4 or 8 splits on
+// sm_90, attn_decode_cluster runs the splits of one (K/V head, sequence) as one thread-block
+// cluster that merges them through distributed shared memory (no workspace, no second kernel).
 #include "common.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
@@ -27,14 +29,18 @@ struct DecodeTraits {
     static_assert(kRows * HEAD_DIM * 4 <= WARPS * kRingElems * 2, "the O merge buffer reuses the rings");
 };
 
-template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-            u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o, float* __restrict__ part_lse,
-            const int* __restrict__ kv_lens, const int* __restrict__ block_table, i64 bt_sb, int page_shift,
-            i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-            i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-            int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
+// One block of the split-KV launch: its split's keys, then the block's end - decode_merge_store
+// (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
+// (CLUSTER splits form one cluster; part_o / part_lse unused).
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          int CLUSTER>
+__device__ __forceinline__ void
+attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
+                  float* __restrict__ part_lse, const int* __restrict__ kv_lens, const int* __restrict__ block_table,
+                  i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                  i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                  int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
     extern __shared__ __align__(128) u16 smem[];
@@ -106,10 +112,53 @@ attn_decode(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     }
     cp_async_wait<0>();
 
-    decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
-        softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
-        part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+    if constexpr (CLUSTER == 0) {
+        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
+            softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
+            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+    } else {
+#if __CUDA_ARCH__ >= 900
+        float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings
+        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS>(softmax, acc_o, true, s_stat, sO, warp, lane, scale_log2);
+        decode_cluster_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, CLUSTER>(
+            s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
+#endif
+    }
 }
+
+#define DECODE_PARAMS                                                                                               \
+    const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v, u16 *__restrict__ o,           \
+        float *__restrict__ lse
+#define DECODE_TAIL_PARAMS                                                                                          \
+    const int *__restrict__ kv_lens, const int *__restrict__ block_table, i64 bt_sb, int page_shift, i64 q_sb,      \
+        i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh,         \
+        i64 o_sn, int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2
+#define DECODE_TAIL_ARGS                                                                                            \
+    kv_lens, block_table, bt_sb, page_shift, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,      \
+        o_sn, hq, nq, nk, d, group, bottom_right, chunk, scale_log2
+
+// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next.
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS) {
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0>(q, k, v, o, lse, part_o, part_lse,
+                                                                                    DECODE_TAIL_ARGS);
+}
+
+#if __CUDA_ARCH__ >= 900
+// Grid (CLUSTER, Hkv, B), the cluster size fixed at compile time (a plain launch then forms the
+// clusters): the CLUSTER splits of one (K/V head, sequence) merge in distributed shared memory.
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          int CLUSTER>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
+attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER>(q, k, v, o, lse, nullptr,
+                                                                                          nullptr, DECODE_TAIL_ARGS);
+}
+#endif
+#undef DECODE_PARAMS
+#undef DECODE_TAIL_PARAMS
+#undef DECODE_TAIL_ARGS
 
 // Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).
 // Partial O rows are d floats apart (no head-dim padding in the workspace). The split LSEs are

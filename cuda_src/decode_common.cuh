@@ -120,18 +120,15 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
 
 // Each computing warp publishes (max, sum) per packed row in s_stat [WARPS][rows16][2]; every warp
 // rescales its O to the common max and adds it, in warp order, into sO (float, rows16 x HEAD_DIM),
-// which reuses shared memory that is idle by now. `computes` is false for a warp with no statistics (a TMA
-// producer). All THREADS threads of the block must call this.
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
-__device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
+// which reuses shared memory that is idle by now. sO is left un-normalized: row r is the block's
+// sum of exp2((s - m) * scale_log2) v over its keys, m the row's max over the warps (see
+// decode_row_stat). `computes` is false for a warp with no statistics (a TMA producer). All
+// threads of the block must call this; it ends with a block barrier.
+template <int HEAD_DIM, int ROW_TILES, int WARPS>
+__device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
-                                                   float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
-                                                   float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
-                                                   int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
-                                                   int d, int group, float scale_log2) {
+                                                   float* s_stat, float* sO, int warp, int lane, float scale_log2) {
     constexpr int kRows = 16 * ROW_TILES, kNO = HEAD_DIM / 8;
-    constexpr float kLn2 = 0.6931471805599453f;
-    const int rows = group * nq;
     if (computes) {
 #pragma unroll
         for (int r2 = 0; r2 < 2 * ROW_TILES; ++r2) {
@@ -173,16 +170,37 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
         }
         __syncthreads();
     }
+}
+
+// Row r's statistics over the block's warps (s_stat as decode_merge_warps left it): the max raw
+// score mx (-inf when no warp saw a visible key) and the sum of exp2((s - mx) * scale_log2).
+template <int ROW_TILES, int WARPS>
+__device__ __forceinline__ void decode_row_stat(const float* s_stat, int r, float scale_log2, float& mx, float& sum) {
+    constexpr int kRows = 16 * ROW_TILES;
+    mx = -INFINITY;
+    sum = 0.f;
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, s_stat[(w * kRows + r) * 2]);
+    if (mx != -INFINITY)
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = s_stat[(w * kRows + r) * 2];
+            if (mw != -INFINITY) sum += s_stat[(w * kRows + r) * 2 + 1] * fast_exp2((mw - mx) * scale_log2);
+        }
+}
+
+// The block's result after decode_merge_warps: O and LSE (one split) or the split's normalized
+// partial O and its log-sum-exp (several splits; attn_decode_combine merges them).
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
+__device__ __forceinline__ void decode_store(const float* s_stat, const float* sO, u16* o, float* lse, float* part_o,
+                                             float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv,
+                                             int split, int n_splits, int hq, int nq, int d, int group,
+                                             float scale_log2) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    const int rows = group * nq;
     for (int i = threadIdx.x; i < rows * HEAD_DIM; i += THREADS) {
         const int r = i / HEAD_DIM, c = i % HEAD_DIM;
         if (c >= d) continue;
-        float mx = -INFINITY, sum = 0.f;
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, s_stat[(w * kRows + r) * 2]);
-        if (mx != -INFINITY)
-            for (int w = 0; w < WARPS; ++w) {
-                const float mw = s_stat[(w * kRows + r) * 2];
-                if (mw != -INFINITY) sum += s_stat[(w * kRows + r) * 2 + 1] * fast_exp2((mw - mx) * scale_log2);
-            }
+        float mx, sum;
+        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
         const float val = sum > 0.f ? sO[i] / sum : 0.f;
         const float row_lse = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
         const int h = hk * group + r / nq, tok = r % nq;
@@ -196,3 +214,105 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
         }
     }
 }
+
+// decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel merges.
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
+__device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
+                                                   const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
+                                                   float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
+                                                   float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
+                                                   int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
+                                                   int d, int group, float scale_log2) {
+    decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS>(softmax, acc_o, computes, s_stat, sO, warp, lane, scale_log2);
+    decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b, hk,
+                                                         hkv, split, n_splits, hq, nq, d, group, scale_log2);
+}
+
+#if __CUDA_ARCH__ >= 900
+// ---- Thread-block clusters (sm_90): the splits of one (K/V head, sequence) as one cluster ----
+
+// Every thread of every block of the cluster arrives; shared-memory writes before it are visible
+// to the whole cluster after it (release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The same shared-memory offset in block `rank` of this cluster (a shared::cluster address).
+__device__ __forceinline__ u32 cluster_map(u32 smem, int rank) {
+    u32 out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(smem), "r"(rank));
+    return out;
+}
+
+__device__ __forceinline__ float2 ld_cluster_f2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// The end of a block whose CLUSTER splits form one thread-block cluster (rank = split), after
+// decode_merge_warps: no workspace and no combine kernel. Each block reduces its warps' row
+// statistics to (m, l) in warp 0's slots of s_stat; after a cluster barrier, rank `rank` merges
+// columns [rank, rank + 1) * HEAD_DIM / CLUSTER of every row from all blocks' sO and (m, l)
+// through distributed shared memory with the log-sum-exp rule
+//     O = sum_s w_s sO_s / sum_s w_s l_s,  w_s = exp2((m_s - max_s m_s) * scale_log2)
+// (a block that saw no key of a row has m = -inf: weight 0), and writes O and LSE. A second
+// cluster barrier keeps every block's shared memory alive until all reads are done. Every thread
+// of every block must call this (blocks without keys included).
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int CLUSTER>
+__device__ __forceinline__ void decode_cluster_store(float* s_stat, const float* sO, int rank, u16* o, float* lse,
+                                                     i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hq, int nq,
+                                                     int d, int group, float scale_log2) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    constexpr int kCols = HEAD_DIM / CLUSTER, kQuads = kCols / 4;
+    static_assert(kCols % 4 == 0, "each rank merges whole 4-column groups");
+    const int rows = group * nq;
+    // Row r's slot in warp 0 is read and rewritten by thread r alone; other threads read other rows.
+    for (int r = threadIdx.x; r < rows; r += THREADS) {
+        float mx, sum;
+        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
+        *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(mx, sum);
+    }
+    cluster_sync();  // every block's sO and (m, l) are final and visible to the cluster
+    const u32 stat0 = smem_addr(s_stat), o0 = smem_addr(sO);
+    for (int i = threadIdx.x; i < rows * kQuads; i += THREADS) {
+        const int r = i / kQuads, c = rank * kCols + (i % kQuads) * 4;
+        float2 st[CLUSTER];
+        float4 part[CLUSTER];
+#pragma unroll
+        for (int s = 0; s < CLUSTER; ++s) {  // independent loads, issued back to back
+            st[s] = ld_cluster_f2(cluster_map(stat0 + 8 * r, s));
+            part[s] = ld_cluster_f4(cluster_map(o0 + 4 * (r * HEAD_DIM + c), s));
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < CLUSTER; ++s) mx = fmaxf(mx, st[s].x);
+        float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < CLUSTER; ++s) {  // rank order: a fixed summation order
+            const float w = st[s].x == -INFINITY ? 0.f : fast_exp2((st[s].x - mx) * scale_log2);
+            sum += w * st[s].y;
+            acc[0] += w * part[s].x;
+            acc[1] += w * part[s].y;
+            acc[2] += w * part[s].z;
+            acc[3] += w * part[s].w;
+        }
+        const int h = hk * group + r / nq, tok = r % nq;
+        u16* dst = o + b * o_sb + h * o_sh + tok * o_sn + c;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (c + e < d) dst[e] = from_float<T>(sum > 0.f ? acc[e] / sum : 0.f);
+        if (c == 0) lse[((i64)b * hq + h) * nq + tok] = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+    }
+    cluster_sync();  // no block exits (freeing its shared memory) while another may still read it
+}
+#endif

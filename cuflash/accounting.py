@@ -451,8 +451,9 @@ def forward_launch(dtype, d, causal=False, config=None):
 H200_SM_COUNT = 132
 
 
-def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
-    """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None."""
+def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
+    """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None.
+    cluster=False: the launch whose splits a combine kernel merges (gpu_decode.launch_plan)."""
     try:
         from . import gpu_decode
     except _NO_KERNEL:
@@ -461,12 +462,13 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk):
                         causal=masks.normalize_causal(causal))
     if not (nq <= 16 and nk >= gpu_decode.MIN_KEYS and gpu_decode.row_tiles_for(p) is not None):
         return None
-    rt, t, splits, _ = gpu_decode.plan(p, H200_SM_COUNT)
+    lp = gpu_decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
-    main, _, _, t = gpu_decode.decode_specs(dtype, d, rt, p.causal is not None, True, t)
-    return SimpleNamespace(splits=splits, keys=keys, source=main.short_name, smem=main.smem_bytes,
-                           threads=main.threads, rows=16 * rt, block_n=t.block_n)
+    main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)
+    # cluster: the splits merge in the cluster's distributed shared memory (no partials in memory)
+    return SimpleNamespace(splits=lp.splits, cluster=lp.cluster, keys=keys, source=main.short_name,
+                           smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n)
 
 
 def backward_launch(dtype, d, causal=False, deterministic=False):
@@ -507,7 +509,8 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     Categories: inputs (Q, K, V; the backward also reads O and dO), outputs (O; dQ, dK, dV), saved
     state (the float32 log-sum-exp, B*Hq*Nq*4 bytes), workspace (the backward's float32 dQ
     accumulator, its rows padded to the head-dim bucket as allocated, and D = rowsum(dO * O);
-    split-KV partial results when ``splits`` > 1 or the config has ``splits``), intermediates
+    split-KV partial results when ``splits`` > 1 or the config has ``splits``; by default those the
+    decode launch allocates, none when its splits merge inside a thread-block cluster), intermediates
     (reference only), and on-chip storage per thread block (shared memory of the launched kernels,
     see :func:`forward_launch` / :func:`backward_launch`; registers of the forward when
     ``registers`` per thread is given) which is not device memory and is never added to the
@@ -525,9 +528,12 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     # memory, and by default the splits it picks on the modelled H200 (132 SMs).
     dec = None
     if method == "tiled" and config is None and pass_ in ("fwd", "fwd+bwd"):
-        dec = _decode_launch(p.dtype, p.d, causal, p.batch, p.hq, p.hkv, p.nq, p.nk)
+        # an explicit split count models the launch with partials in memory (the combine kernel's)
+        dec = _decode_launch(p.dtype, p.d, causal, p.batch, p.hq, p.hkv, p.nq, p.nk,
+                             cluster=None if splits is None else False)
     if splits is None:
-        splits = getattr(config, "splits", None) or getattr(config, "num_splits", None) or (dec.splits if dec else 1)
+        splits = (getattr(config, "splits", None) or getattr(config, "num_splits", None)
+                  or (dec.splits if dec and not dec.cluster else 1))
     splits = _check_int("splits", splits, minimum=1)
     if registers is not None:
         registers = _check_int("registers", registers, minimum=1)
@@ -565,9 +571,10 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                   MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
         if fwd and dec is not None:
             f = dec
+            merge = f", {dec.splits} splits merged in a thread-block cluster" if dec.cluster else ""
             E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, dec.smem,
                                  f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
-                                 f"per warp, head dim padded to {hd}; {dec.source}"))
+                                 f"per warp, head dim padded to {hd}{merge}; {dec.source}"))
         elif fwd:
             f = forward_launch(p.dtype, p.d, causal, config)
             E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
@@ -787,19 +794,23 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     if fwd and dec is not None:
         # Split-KV decode: all query rows of a K/V head share one pass over its cache.
         p = prefix("fwd")
-        part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 else 0
+        # partials go through memory only when a combine kernel merges them (not in a cluster)
+        part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 and not dec.cluster else 0
         entries += [
             IOEntry(p + "Q", qe, 0, s, "read once"),
             IOEntry(p + "K", bhkv * dec.keys * d, 0, s, "once per K/V head (GQA rows packed into one tile)"),
             IOEntry(p + "V", bhkv * dec.keys * d, 0, s, "once per K/V head"),
             IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
-                    f"float32, {dec.splits} splits: written by the splits, read by the combine"),
+                    f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
+                    else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
             IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
             IOEntry(p + "O", 0, qe, s, "written once"),
             IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
         ]
         assumptions.append(f"split-KV decode kernel ({dec.source}), {dec.splits} splits for "
-                           f"{H200_SM_COUNT} SMs (the H200's; the launch reads the device's count)")
+                           f"{H200_SM_COUNT} SMs (the H200's; the launch reads the device's count)"
+                           + ("; the splits merge in a thread-block cluster (distributed shared memory)"
+                              if dec.cluster else ""))
         computed = bh * masks.pair_count(causal, nq, nk)
         fwd = False  # the prefill model below does not apply
     if fwd:

@@ -2,12 +2,18 @@
 
 Used for 16-bit inputs when all query rows that share a K/V head (GQA group x new tokens) fit in
 the decode tile's packed rows. Everything else takes the prefill kernel.
+
+With several splits the blocks' partial results are merged either by a second kernel
+(attn_decode_combine, through a float32 workspace) or, with 2, 4 or 8 splits on sm_90, inside the
+kernel: the splits of one (K/V head, sequence) form a thread-block cluster and merge through
+distributed shared memory (attn_decode_cluster; no workspace, one launch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,24 +48,52 @@ def applies(p, k4, v4) -> bool:
     return p.nq <= 16 and p.nk >= MIN_KEYS and row_tiles_for(p) is not None and _vector_ok((k4, v4), p.d)
 
 
-@functools.lru_cache(maxsize=None)  # asked on every decode call: keep the host path short
-def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
-    hd, t = schedule.decode_tile(d)
-    t = tile or t
-    # More packed rows mean a taller S tile: shrink the key tile to keep S's registers constant.
-    # (a power of two, at least one 16-key mma step)
+def _launch_tile(t, row_tiles):
+    """More packed rows mean a taller S tile: shrink the key tile to keep S's registers constant
+    (a power of two, at least one 16-key mma step). Applied once, to a table or caller's tile."""
     bn = t.block_n
     while bn > 16 and bn * row_tiles > 2 * t.block_n:
         bn //= 2
-    t = dataclasses.replace(t, block_n=bn)
-    tag = _TAG[np.dtype(dtype)]
-    main = KernelSpec(
-        "attn_decode.cu",
-        f"attn_decode<{tag}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}>",
-        t.threads,
-        t.smem_bytes(hd, row_tiles),
-    )
-    return main, combine_spec(dtype, d), hd, t
+    return dataclasses.replace(t, block_n=bn)
+
+
+CLUSTER_SIZES = (2, 4, 8)  # cluster sizes attn_decode_cluster is instantiated for (8: the portable limit)
+
+
+@functools.lru_cache(maxsize=None)  # a few dozen keys: tiles and cluster sizes, not lengths
+def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0):
+    """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch tile t."""
+    params = f"{_TAG[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
+    if cluster:
+        if cluster not in CLUSTER_SIZES:
+            raise ValueError(f"cluster size {cluster}: attn_decode_cluster is instantiated for {CLUSTER_SIZES}")
+        expr = f"attn_decode_cluster<{params}, {cluster}>"
+    else:
+        expr = f"attn_decode<{params}>"
+    return KernelSpec("attn_decode.cu", expr, t.threads, t.smem_bytes(hd, row_tiles))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every decode call: keep the host path short
+def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
+    """(attn_decode, attn_decode_combine, head-dim bucket, launch tile) for the table's tile or
+    `tile`, its key tile shrunk for row_tiles (pass a launch_plan tile to launch_spec instead)."""
+    hd, t = schedule.decode_tile(d)
+    t = _launch_tile(tile or t, row_tiles)
+    return _kernel_spec(dtype, hd, row_tiles, t, causal, vec), combine_spec(dtype, d), hd, t
+
+
+@functools.lru_cache(maxsize=None)
+def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None):
+    """attn_decode_cluster: decode_specs' main kernel with `size` splits per thread-block cluster."""
+    hd, t = schedule.decode_tile(d)
+    return _kernel_spec(dtype, hd, row_tiles, _launch_tile(tile or t, row_tiles), causal, vec, size)
+
+
+def launch_spec(dtype, d, causal, plan):
+    """The cp.async kernel a DecodePlan launches: attn_decode, or attn_decode_cluster when its
+    splits merge in a cluster (plan.tile is the launch tile already: no second shrink)."""
+    hd, _ = schedule.decode_tile(d)
+    return _kernel_spec(dtype, hd, plan.row_tiles, plan.tile, causal, True, plan.splits if plan.cluster else 0)
 
 
 def combine_spec(dtype, d):
@@ -83,6 +117,7 @@ def all_decode_specs():
                 for causal in (False, True):
                     main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True)
                     specs += [main, combine]
+                    specs += [cluster_spec(dtype, hd, rt, causal, True, size) for size in CLUSTER_SIZES]
         for hd, t in schedule.DECODE_TILES_MANY_BLOCKS.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -146,26 +181,73 @@ def default_tile(p, sm_count: int, waves=None):
     return t, waves
 
 
-def plan(p, sm_count: int, splits=None, tile=None, waves=None):
-    """(row_tiles, tile, splits, chunk): the launch's geometry. Each split covers `chunk` keys, a
-    whole number of key tiles; the accounting reads the split count from here too."""
+class DecodePlan(NamedTuple):
+    row_tiles: int
+    tile: object  # schedule.DecodeTile (block_n as launched) or schedule.DecodeTmaTile
+    splits: int  # blocks along the keys (grid x)
+    chunk: int  # keys per split, a whole number of key tiles
+    cluster: bool  # the splits form one thread-block cluster and merge in it (no workspace, no combine)
+
+
+def _cluster_size(nk, n, min_chunk, explicit, cluster):
+    """The cluster size for n wanted splits (0: the combine kernel merges them). Auto (cluster is
+    None) clusters 2 <= n <= 8 splits, rounded up to an instantiated size while every split keeps
+    min_chunk keys, else down; an explicit split count clusters only if it is a size."""
+    if cluster is False:
+        return 0
+    if explicit:
+        if n in CLUSTER_SIZES:
+            return n
+        if cluster:
+            raise ValueError(f"splits={n}: the cluster merge runs {', '.join(map(str, CLUSTER_SIZES))} splits")
+        return 0
+    if cluster is None and not CLUSTER_SIZES[0] <= n <= CLUSTER_SIZES[-1]:
+        return 0
+    up = next((s for s in CLUSTER_SIZES if s >= n), None)
+    down = max((s for s in CLUSTER_SIZES if s <= n), default=0)
+    if up is not None and (up == n or -(-nk // up) >= min_chunk or not down):
+        return up
+    return down
+
+
+def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True) -> DecodePlan:
+    """The launch's geometry. `cluster`: None picks (the cluster merge for 2-8 splits), False
+    forces the combine kernel, True the cluster merge (ValueError where it cannot run);
+    `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
+    split count and the merge from here too."""
     rt = row_tiles_for(p)
     if tile is None:
         tile, waves = default_tile(p, sm_count, waves)
-    if isinstance(tile, schedule.DecodeTmaTile):
+    tma = isinstance(tile, schedule.DecodeTmaTile)
+    if tma:
         t, waves = tile, waves or tile.waves
     else:
         _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
-    splits = splits or num_splits(p, t, sm_count, waves)
-    chunk = -(-max(p.nk, 1) // splits)
-    step = t.stage_keys if isinstance(t, schedule.DecodeTmaTile) else t.block_n
+    step = t.stage_keys if tma else t.block_n
+    n = splits or num_splits(p, t, sm_count, waves)
+    if cluster and (tma or not clusters):
+        raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
+                         "(not tma_tile)")
+    size = 0 if tma or not clusters else _cluster_size(p.nk, n, t.warps * t.block_n * 4, splits is not None, cluster)
+    if size:
+        # Exactly `size` blocks per cluster: trailing splits past the keys run empty and merge as -inf.
+        chunk = -(-max(p.nk, 1) // size)
+        return DecodePlan(rt, t, size, -(-chunk // step) * step, True)
+    chunk = -(-max(p.nk, 1) // n)
     chunk = -(-chunk // step) * step
-    return rt, t, -(-max(p.nk, 1) // chunk), chunk
+    return DecodePlan(rt, t, -(-max(p.nk, 1) // chunk), chunk, False)
 
 
-def workspace_bytes(p, splits: int) -> int:
-    """Partial O (float32, d per row) and LSE per split; nothing with one split."""
-    if splits <= 1:
+def plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True):
+    """(row_tiles, tile, splits, chunk) of launch_plan: each split covers `chunk` keys, a whole
+    number of key tiles."""
+    return tuple(launch_plan(p, sm_count, splits, tile, waves, cluster, clusters)[:4])
+
+
+def workspace_bytes(p, splits: int, cluster: bool = False) -> int:
+    """Partial O (float32, d per row) and LSE per split; nothing with one split or when the
+    splits merge in a cluster (launch_plan's `cluster`)."""
+    if splits <= 1 or cluster:
         return 0
     rows = p.batch * p.hkv * splits * p.group * p.nq
     return rows * p.d * 4 + rows * 4
@@ -179,19 +261,33 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
-def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None):
+@functools.lru_cache(maxsize=None)
+def _runs_clusters(device_id: int) -> bool:
+    """Thread-block clusters need compute capability 9.0 or newer."""
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrComputeCapabilityMajor, device_id) >= 9
+
+
+def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
+            cluster=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
     kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
-    block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d)."""
+    block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
+    splits merge (see launch_plan): None picks, False forces the combine kernel, True the cluster
+    merge (ValueError where it cannot run)."""
     import cupy
 
     from .gpu import _elem_strides
 
-    sm = _sm_count(cupy.cuda.Device().id)
-    rt, t, splits, chunk = plan(p, sm, splits, tma_tile or tile, waves)
+    dev = cupy.cuda.Device().id
+    lp = launch_plan(p, _sm_count(dev), splits, tma_tile or tile, waves, cluster, _runs_clusters(dev))
+    rt, t, splits, chunk = lp[:4]
     rows = p.group * p.nq
-    if splits > 1:
+    if lp.cluster:
+        part_o = part_lse = None  # the cluster merges in shared memory: no workspace
+    elif splits > 1:
         part_o = cupy.empty((p.batch, p.hkv, splits, rows, p.d), dtype=np.float32)
         part_lse = cupy.empty((p.batch, p.hkv, splits, rows), dtype=np.float32)
     else:
@@ -221,10 +317,18 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
              *scalars, *tail),
             shared_mem=spec.smem_bytes,
         )
+    elif lp.cluster:
+        spec = launch_spec(p.dtype, p.d, p.causal is not None, lp)
+        get_function(spec)(
+            (splits, p.hkv, p.batch), (spec.threads,),
+            (q4, k4, v4, o4, lse3, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars, np.int32(p.d), *tail),
+            shared_mem=spec.smem_bytes,
+        )
+        return
     else:
-        main, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, t)
+        main = launch_spec(p.dtype, p.d, p.causal is not None, lp)
         get_function(main)(
-            (splits, p.hkv, p.batch), (t.threads,),
+            (splits, p.hkv, p.batch), (main.threads,),
             (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,
              np.int32(p.d), *tail),
             shared_mem=main.smem_bytes,

@@ -3,6 +3,9 @@ depths and split waves on the peers' decode grid, timed like benchmarks/peers.py
 launch hidden behind a GPU spin), plus the host time of one cuflash.attention call.
 
     python tools/decode_probe.py out.json [--quick]
+    python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
+        cluster (cluster2/4/8) vs the combine kernel (combine = its own split count, combine2/4/8),
+        every cell; "api" is the planner's choice (row["plan"])
 """
 import json
 import sys
@@ -33,6 +36,11 @@ if "--default-only" in sys.argv:  # the API's own choice against the peers, ever
 if "--split-cells" in sys.argv:  # the cells with few (sequence, head) blocks: split count sweep
     CELLS = [c for c in CELLS if c[1] * c[2] < 132]
     CANDS, WAVES, TMA_CANDS = [(16, 4, 2), (16, 4, 3)], (1, 2, 3, 4, 6), []
+MERGES = []  # (key, forward keywords): the split merge, cluster vs combine kernel, default tile
+if "--cluster" in sys.argv:
+    CANDS, TMA_CANDS = [], []
+    MERGES = [("combine", dict(cluster=False))]
+    MERGES += [(f"{name}{s}", dict(cluster=name == "cluster", splits=s)) for s in (2, 4, 8) for name in ("cluster", "combine")]
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
@@ -67,14 +75,18 @@ for L, B, hkv in CELLS:
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
         print(buf.getvalue()[:6000], flush=True)
     p = validate_forward(qc, kc, vc)
+    dev = cp.cuda.Device()
+    lp = gpu_decode.launch_plan(p, dev.attributes["MultiProcessorCount"], clusters=int(dev.compute_capability) >= 90)
+    row["plan"] = {"splits": lp.splits, "cluster": lp.cluster, "chunk": lp.chunk, "stages": lp.tile.stages}
     o4 = cp.empty_like(qc)
     lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
     ref = cp.empty_like(qc)
-    gpu_decode.forward(p, qc, kc, vc, ref, lse3, tile=schedule.DecodeTile(16, 4, 2, 2, "reference"))
+    gpu_decode.forward(p, qc, kc, vc, ref, lse3, tile=schedule.DecodeTile(16, 4, 2, 2, "reference"), cluster=False)
     variants = [(f"{bn}x{w}s{st}v{wv}", dict(tile=schedule.DecodeTile(bn, w, st, 2, "probe"), waves=wv))
                 for bn, w, st in CANDS for wv in WAVES]
     variants += [(f"tma{cw}s{st}v{wv}", dict(tma_tile=schedule.DecodeTmaTile(cw, st, 2, "probe"), waves=wv))
                  for cw, st in TMA_CANDS for wv in TMA_WAVES]
+    variants += MERGES
     for key, kw in variants:
             try:
                 f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, **kw)
@@ -89,6 +101,9 @@ for L, B, hkv in CELLS:
     best = sorted(((v_, k_) for k_, v_ in row["tbps"].items() if isinstance(v_, float) and k_ not in ("cudnn", "flash")), reverse=True)[:6]
     print("DECODE", L, B, hkv, "cudnn %.2f flash %.2f api %.2f host %.0fus" % (row["tbps"]["cudnn"], row["tbps"]["flash"], row["tbps"]["api"], row["host_us_per_call"]),
           [(k_, round(v_, 2)) for v_, k_ in best], flush=True)
+    if MERGES:  # microseconds, so the fixed cost shows: cuDNN, the planner's choice, each merge
+        us = {k_: t_ if isinstance(t_, str) else round(row["ms"][k_] * 1e3, 1) for k_, t_ in row["tbps"].items()}
+        print("MERGE", L, B, hkv, "plan", row["plan"], "us", us, flush=True)
     out.append(row)
     del q, k, v, qc, kc, vc
 json.dump(out, open(sys.argv[1], "w"), indent=1)

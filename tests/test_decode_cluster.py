@@ -1,0 +1,278 @@
+"""Split-KV decode: the splits merged inside a thread-block cluster (attn_decode_cluster) and by
+the combine kernel, forced either way, against the float64 reference (naive-error rule).
+
+CPU: the planner's choice of merge and cluster size, the workspace it implies, and that what it
+launches is in all_decode_specs (compiled by test_compile). GPU: both merges for 2, 4 and 8 splits
+with kv_lens 0 and 1 and lengths that leave splits empty, causal bottom_right, GQA groups, a
+head dim below its bucket, paged caches; outputs poisoned with NaN before each launch.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+from cuflash import gpu_decode, schedule
+from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.testing import random_inputs
+
+from _kvlens_check import check_per_sequence
+
+H200_SMS = 132
+
+
+def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16):
+    return types.SimpleNamespace(dtype=np.dtype(dtype), d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv,
+                                 batch=batch, causal=causal)
+
+
+# ---- CPU: the planner ----
+
+@pytest.mark.parametrize("nk", [4096, 16384, 65536])
+def test_few_block_cells_merge_in_a_cluster(nk):
+    # B=8, Hkv=8: 64 (sequence, head) blocks want 5 splits for two waves; 8 splits keep >= 256 keys
+    # each (a warp's 4 tiles), so the planner rounds up to the 8-block cluster.
+    p = _problem(8, 32, 8, 1, nk, 128)
+    assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == 5
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.cluster and lp.splits == 8
+    assert lp.chunk % lp.tile.block_n == 0 and lp.chunk * 8 >= nk and lp.chunk * 7 < nk
+    assert gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) == 0
+    # forced combine: the 5 splits as before, with their float32 partials
+    rt, t, splits, chunk, cluster = gpu_decode.launch_plan(p, H200_SMS, cluster=False)
+    assert not cluster and splits == 5 and gpu_decode.workspace_bytes(p, splits) == 8 * 8 * 5 * 4 * (128 + 1) * 4
+    assert gpu_decode.plan(p, H200_SMS, cluster=False) == (rt, t, splits, chunk)
+
+
+def test_two_splits_cluster_and_no_split_has_neither():
+    p = _problem(8, 32, 8, 1, 500, 128)  # 500 keys: two splits of >= 256 keys at most
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.cluster and lp.splits == 2 and lp.chunk == 256
+    for b, hkv in ((64, 8), (8, 32)):  # a (sequence, head) block per SM: no split, nothing to merge
+        p = _problem(b, 32, hkv, 1, 4096, 128)
+        lp = gpu_decode.launch_plan(p, H200_SMS)
+        assert not lp.cluster and lp.splits == 1 and gpu_decode.workspace_bytes(p, 1) == 0
+
+
+def test_many_splits_take_the_combine_kernel():
+    p = _problem(2, 32, 8, 1, 16384, 128)  # 16 blocks want 17 splits: more than a cluster holds
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert not lp.cluster and lp.splits == 17 and gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) > 0
+    forced = gpu_decode.launch_plan(p, H200_SMS, cluster=True)
+    assert forced.cluster and forced.splits == 8
+
+
+def test_rounding_down_keeps_each_split_long_enough():
+    # 88 blocks want 3 splits; 4 splits of an 800-key cache would hold 200 < 256 keys: round down.
+    short = gpu_decode.launch_plan(_problem(11, 32, 8, 1, 800, 128), H200_SMS)
+    assert short.cluster and short.splits == 2
+    long = gpu_decode.launch_plan(_problem(11, 32, 8, 1, 4096, 128), H200_SMS)
+    assert long.cluster and long.splits == 4
+
+
+def test_explicit_and_forced_choices():
+    p = _problem(8, 32, 8, 1, 4096, 128)
+    assert gpu_decode.launch_plan(p, H200_SMS, splits=4)[2:] == (4, 1024, True)
+    assert gpu_decode.launch_plan(p, H200_SMS, splits=5).cluster is False  # not a cluster size
+    assert gpu_decode.launch_plan(p, H200_SMS, splits=4, cluster=False).cluster is False
+    with pytest.raises(ValueError, match="splits=5"):
+        gpu_decode.launch_plan(p, H200_SMS, splits=5, cluster=True)
+    with pytest.raises(ValueError, match="sm_90"):
+        gpu_decode.launch_plan(p, H200_SMS, cluster=True, clusters=False)
+    assert not gpu_decode.launch_plan(p, H200_SMS, clusters=False).cluster  # pre-Hopper: combine
+    tma = schedule.DECODE_TMA_TILES[128]
+    assert not gpu_decode.launch_plan(p, H200_SMS, tile=tma).cluster
+    with pytest.raises(ValueError, match="tma_tile"):
+        gpu_decode.launch_plan(p, H200_SMS, tile=tma, cluster=True)
+    # one wanted split, forced into a cluster: the smallest cluster
+    one = gpu_decode.launch_plan(_problem(64, 32, 8, 1, 4096, 128), H200_SMS, cluster=True)
+    assert one.cluster and one.splits == 2
+    with pytest.raises(ValueError, match="cluster size"):
+        gpu_decode.cluster_spec(BFLOAT16, 128, 1, False, True, 3)
+
+
+def test_trailing_splits_may_be_empty():
+    # 300 keys in 8 splits of 48 keys (whole 16-key tiles): the 8th split starts past the cache.
+    lp = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 300, 128), H200_SMS, splits=8)
+    assert lp.cluster and lp.splits == 8 and lp.chunk == 48 and 7 * lp.chunk > 300
+
+
+_FEW_BLOCKS = [(8, 32, 8, 1, 4096, 128), (4, 32, 8, 1, 8192, 128), (8, 16, 8, 7, 4096, 128),
+               (8, 8, 2, 16, 4096, 64), (8, 4, 4, 16, 4096, 256), (2, 40, 1, 1, 4096, 32), (2, 64, 1, 1, 4096, 32),
+               (8, 8, 2, 7, 4096, 40), (8, 32, 8, 1, 500, 128)]
+_MANY_BLOCKS = [(8, 32, 32, 1, 4096, 128), (64, 32, 8, 1, 4096, 128)]  # no split (forcing a cluster there is a probe's experiment)
+
+
+@pytest.mark.parametrize("shape,cluster", [(s, c) for s in _FEW_BLOCKS for c in (None, False, True)]
+                         + [(s, c) for s in _MANY_BLOCKS for c in (None, False)])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_what_is_launched_is_compiled_by_the_cpu_test(shape, causal, cluster):
+    # The kernel a plan launches must be one of all_decode_specs (test_compile checks those for
+    # spills on sm_90a); d=32 with 3-4 row tiles once launched a 16-key tile that list lacked.
+    p = _problem(*shape, causal=causal)
+    lp = gpu_decode.launch_plan(p, H200_SMS, cluster=cluster)
+    spec = gpu_decode.launch_spec(p.dtype, p.d, causal is not None, lp)
+    assert spec.short_name in {s.short_name for s in gpu_decode.all_decode_specs()}
+    assert ("attn_decode_cluster<" in spec.expression) == lp.cluster
+    if lp.cluster:
+        assert spec.expression.endswith(f", {lp.splits}>")
+
+
+def test_all_decode_specs_lists_every_cluster_size():
+    names = {s.short_name for s in gpu_decode.all_decode_specs()}
+    for dtype in (FLOAT16, BFLOAT16):
+        for hd, t in schedule.DECODE_TILES.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    main = gpu_decode.decode_specs(dtype, hd, rt, causal, True)[0]
+                    for size in gpu_decode.CLUSTER_SIZES:
+                        spec = gpu_decode.cluster_spec(dtype, hd, rt, causal, True, size)
+                        assert spec.short_name in names
+                        assert (spec.threads, spec.smem_bytes) == (main.threads, main.smem_bytes)
+
+
+# ---- GPU: both merges against the float64 reference ----
+
+def _launch(monkeypatch):
+    """Record the expressions gpu_decode fetches (which kernels ran)."""
+    launched = []
+    real = gpu_decode.get_function
+    monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
+    return launched
+
+
+def _check_kernels(launched, cluster, splits):
+    if cluster:
+        assert launched and all(e.startswith("attn_decode_cluster<") and e.endswith(f", {splits}>") for e in launched), launched
+    else:
+        assert launched[0].startswith("attn_decode<") and launched[-1].startswith("attn_decode_combine<"), launched
+
+
+def _poisoned(shape, dtype):
+    """A device array of NaNs (through raw bits: CuPy's bfloat16 support is storage-level)."""
+    import cupy
+
+    a = cupy.empty(shape, dtype=dtype)
+    a.view(np.uint16).fill({np.dtype(FLOAT16): 0x7E00, np.dtype(BFLOAT16): 0x7FC0}[np.dtype(dtype)])
+    return a
+
+
+def _lens(rng, nk, splits, block_n=16):
+    """0 and 1 keys, a length inside the first split (the others empty), one that ends inside a
+    later split, and the whole cache."""
+    chunk = -(-(-(-nk // splits)) // block_n) * block_n
+    return np.array([0, 1, int(rng.integers(2, min(chunk, nk))), int(rng.integers(chunk, nk)), nk], dtype=np.int32)
+
+
+_SHAPES = [(hq, hkv, nq, d) for hq, hkv, d in ((32, 8, 128), (16, 8, 128), (8, 2, 40), (4, 4, 256)) for nq in (1, 7, 16)
+           if (hq // hkv) * nq <= 16 * schedule.DECODE_TILES[schedule.head_dim_bucket(d)].max_row_tiles]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
+@pytest.mark.parametrize("hq,hkv,nq,d", _SHAPES)
+def test_merge_kv_lens(rng, monkeypatch, cluster, splits, causal, hq, hkv, nq, d):
+    import cupy
+
+    from cuflash._problem import validate_forward
+
+    dtype = FLOAT16 if d == 40 else BFLOAT16
+    nk = 1500
+    lens = _lens(rng, nk, splits)
+    q, k, v = random_inputs(rng, (len(lens), hq, nq, d), (len(lens), hkv, nk, d), dtype)
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    p = validate_forward(qg, kg, vg, causal=causal)
+    o4 = _poisoned(qg.shape, qg.dtype)  # every element must be written
+    lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
+    launched = _launch(monkeypatch)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=cluster)
+    _check_kernels(launched, cluster, splits)
+    check_per_sequence(o4, lse3, q, k, v, lens, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
+def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, cluster, causal):
+    # 300 keys over 8 splits of 48: the cluster's 8th block has no key at all.
+    import cupy
+
+    from cuflash._problem import validate_forward
+
+    b, hq, hkv, nq, nk, d = 3, 32, 8, 1, 300, 128
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    p = validate_forward(qg, kg, vg, causal=causal)
+    o4 = _poisoned(qg.shape, qg.dtype)
+    lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+    launched = _launch(monkeypatch)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=8, cluster=cluster)
+    _check_kernels(launched, cluster, 8)
+    check_per_sequence(o4, lse3, q, k, v, [nk] * b, causal, BFLOAT16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("hq,hkv,nq,d,causal", [(32, 8, 1, 128, False), (8, 2, 7, 64, "bottom_right")])
+def test_merge_paged(rng, monkeypatch, cluster, splits, bs, hq, hkv, nq, d, causal):
+    import cupy
+
+    from cuflash._layout import to_bhsd
+    from cuflash._problem import validate_paged
+    from test_paged import paged_cache  # shuffled pages, NaN in every unused page
+
+    nk = 1300
+    lens = _lens(rng, nk, splits)
+    q, k, v = random_inputs(rng, (len(lens), hq, nq, d), (len(lens), hkv, nk, d), BFLOAT16)
+    kc, vc, table = paged_cache(rng, k, v, lens, bs)
+    qg, kcg, vcg, tg, lg = (cupy.asarray(a) for a in (q, kc, vc, table, lens))
+    p, block = validate_paged(qg, kcg, vcg, tg, causal=causal)
+    assert gpu_decode.applies(p, kcg, vcg)
+    o4 = _poisoned(qg.shape, qg.dtype)
+    lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
+    launched = _launch(monkeypatch)
+    gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, kv_lens=lg, paged=(tg, block), splits=splits,
+                       cluster=cluster)
+    _check_kernels(launched, cluster, splits)
+    check_per_sequence(o4, lse3, q, k, v, lens, causal, BFLOAT16)
+
+
+@pytest.mark.gpu
+def test_api_default_takes_the_cluster_on_a_few_block_cell(rng, monkeypatch):
+    # B=8, Hkv=8, Hq=32 at 4k keys: on sm_90 the API's own choice is one cluster launch.
+    import cupy
+
+    import cuflash
+
+    q, k, v = random_inputs(rng, (8, 32, 1, 128), (8, 8, 4096, 128), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    dev = cupy.cuda.Device()
+    lp = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 4096, 128), dev.attributes["MultiProcessorCount"],
+                                clusters=int(dev.compute_capability) >= 90)
+    assert lp.cluster == (int(dev.compute_capability) >= 90)
+    launched = _launch(monkeypatch)
+    o, lse = cuflash.attention(qg, kg, vg, return_lse=True, out=_poisoned(qg.shape, qg.dtype))
+    _check_kernels(launched, lp.cluster, lp.splits)
+    check_per_sequence(o, lse, q, k, v, [4096] * 8, False, BFLOAT16)
+
+
+@pytest.mark.gpu
+def test_cluster_path_allocates_no_workspace():
+    # What memory_report predicts for the default launch (a cluster on sm_90: no partials) is
+    # what the call allocates: O and LSE only.
+    import cupy
+
+    import cuflash
+    from test_gpu_accounting import _inputs, _predicted, _recorded
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("the report models the H200's launch, a cluster (sm_90)")
+    q, k, v = _inputs((8, 32, 1, 128), (8, 8, 4096, 128), 11)
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, return_lse=True))
+    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd")
+    assert not any(e.category == "workspace" for e in rep.entries)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state"}) == 8 * 32 * 128 * 2 + 8 * 32 * 4, (sizes, rep.table())
