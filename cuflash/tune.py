@@ -84,7 +84,7 @@ DQ_SPACE = dict(dq_block_m=(64, 128), dq_block_n=(16, 32, 64), dq_warps=(4, 8), 
 # block_n values need a generated wgmma wrapper (tools/gen_wgmma.py SHAPES); a value without one
 # is illegal, not a compile failure. 256 is kept although it spills at d 64/128 (so the tables
 # show where the register file ends). Stages: slots of each of the K and V rings, >= 2.
-WGMMA_SPACE = dict(block_n=(64, 96, 128, 160, 192, 256), warpgroups=(1, 2, 3), stages=(2, 3, 4, 5))
+WGMMA_SPACE = dict(block_n=(64, 80, 96, 128, 160, 176, 192, 256), warpgroups=(1, 2, 3), stages=(2, 3, 4, 5))
 # Hopper backward K/V kernel: keys owned = 64 x warpgroups; queries per step 64 or 64 x warpgroups.
 BWD_WGMMA_SPACE = dict(block_m=(64, 128, 192), warpgroups=(1, 2, 3))
 _SPACES = {"fwd": FWD_SPACE, "bwd": BWD_SPACE, "bwd_dq": DQ_SPACE, "fwd_wgmma": WGMMA_SPACE,

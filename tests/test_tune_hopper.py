@@ -46,7 +46,7 @@ def hop(bn, wg, st, hd=128):
 def test_space_buckets_and_names():
     assert tune_mod.op_buckets("fwd_wgmma") == tuple(schedule.HOPPER_FORWARD_TILES) == (64, 128, 192, 256)
     cands = candidates("fwd_wgmma", 64)
-    assert len(cands) == 6 * 3 * 4
+    assert len(cands) == 8 * 3 * 4
     assert len({c.name for c in cands}) == len(cands)
     table = [c for c in cands if tune_mod.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
     assert [c.name for c in table] == ["192x128wg3s2"]
@@ -82,12 +82,16 @@ def test_shared_memory_by_hand():
     assert hop(64, 3, 5).smem_bytes == (192 + 640) * 256 + 1024 == 214016
 
 
-# d=128: 64 x wg + 2 x s x bn <= (232448 - 1024) / 256 = 904 rows, worked out per block_n by hand:
-# 2 stages: up to 160 keys any wg, 192 keys wg <= 2; 3 stages and more: 64 keys every (wg, s);
-# 96 keys: s=3 any wg, s=4 wg <= 2; 128 keys: s=3, wg <= 2; 160+: none.
+# d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
+# (232448 - 1024 - 8 - 32 s) / 256 = 903 rows (904 before; no tile sits exactly there), worked
+# out per block_n by hand: 2 stages: up to 176 keys any wg, 192 keys wg <= 2; 3 stages and more:
+# 64 and 80 keys every (wg, s) but 80 keys s=5 (wg 1 only); 96 keys: s=3 any wg, s=4 wg <= 2;
+# 128 keys: s=3, wg <= 2; 160+: none.
 LEGAL_D128 = sorted(
-    [f"{64 * wg}x{bn}wg{wg}s2" for wg in (1, 2, 3) for bn in (64, 96, 128, 160)] + ["64x192wg1s2", "128x192wg2s2"]
-    + [f"{64 * wg}x64wg{wg}s{s}" for wg in (1, 2, 3) for s in (3, 4, 5)]
+    [f"{64 * wg}x{bn}wg{wg}s2" for wg in (1, 2, 3) for bn in (64, 80, 96, 128, 160, 176)]
+    + ["64x192wg1s2", "128x192wg2s2"]
+    + [f"{64 * wg}x{bn}wg{wg}s{s}" for wg in (1, 2, 3) for s in (3, 4, 5) for bn in (64, 80) if (bn, s) != (80, 5)]
+    + ["64x80wg1s5"]
     + [f"{64 * wg}x96wg{wg}s3" for wg in (1, 2, 3)] + ["64x96wg1s4", "128x96wg2s4"]
     + ["64x128wg1s3", "128x128wg2s3"])
 
@@ -99,7 +103,7 @@ def test_legal_set_at_d128_by_hand():
 @pytest.mark.parametrize("cand,why", [
     (hop(128, 2, 4), "shared memory 295936"),  # (128 + 1024) * 256 + 1024
     (hop(128, 2, 1), "stages < 2"),
-    (hop(80, 2, 3), "no wgmma wrapper m64n80k16"),  # a multiple of 16, but not generated
+    (hop(112, 2, 3), "no wgmma wrapper m64n112k16"),  # a multiple of 16, but not generated
     (hop(72, 1, 3), "not a multiple of 16"),
     (Candidate("fwd_wgmma", 32, HopperTile(64, 1, 3, "t")), "multiple of 64 columns"),
     (hop(256, 3, 3, 64), None),  # 222208 B: legal statically (the compile then finds it spills)
