@@ -266,7 +266,7 @@ def _runs_clusters(device_id: int) -> bool:
     """Thread-block clusters need compute capability 9.0 or newer."""
     import cupy
 
-    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrComputeCapabilityMajor, device_id) >= 9
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 90
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
