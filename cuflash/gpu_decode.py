@@ -189,29 +189,42 @@ class DecodePlan(NamedTuple):
     cluster: bool  # the splits form one thread-block cluster and merge in it (no workspace, no combine)
 
 
-def _cluster_size(nk, n, min_chunk, explicit, cluster):
-    """The cluster size for n wanted splits (0: the combine kernel merges them). Auto (cluster is
-    None) clusters 2 <= n <= 8 splits, rounded up to an instantiated size while every split keeps
-    min_chunk keys, else down; an explicit split count clusters only if it is a size."""
+# The automatic merge for a few (sequence, head) blocks (H200, B=8 Hkv=8 Hq=32 d=128, decode probe
+# of c9371b7, us against cuDNN's 41.6 / 130.1 / 482.2 at L = 4k / 16k / 64k): 4 splits beat the
+# 5 that two waves ask for either way (combine 45.1 / 133.8 / 490.9 vs 46.5 / 136.4 / 495.0); a
+# cluster of 4 helps while splits are short (42.9 / 134.3 / 505.3) and 8-block clusters are slow
+# (52.8 / 159.6 / 581.4). So: 3-8 wanted splits become 4 (2 stay 2), merged in a cluster up to
+# CLUSTER_MAX_CHUNK keys per split, by the combine kernel beyond.
+CLUSTER_MAX_CHUNK = 4096
+
+
+def _merge_plan(nk, n, min_chunk, explicit, cluster):
+    """(splits, merged in a cluster) for n wanted splits. An explicit split count is kept (a
+    cluster when it is an instantiated size, unless cluster is False); cluster=True rounds to an
+    instantiated size (up while every split keeps min_chunk keys, else down); auto follows the
+    measurements above."""
     if cluster is False:
-        return 0
+        return n, False
     if explicit:
         if n in CLUSTER_SIZES:
-            return n
+            return n, True
         if cluster:
             raise ValueError(f"splits={n}: the cluster merge runs {', '.join(map(str, CLUSTER_SIZES))} splits")
-        return 0
-    if cluster is None and not CLUSTER_SIZES[0] <= n <= CLUSTER_SIZES[-1]:
-        return 0
-    up = next((s for s in CLUSTER_SIZES if s >= n), None)
-    down = max((s for s in CLUSTER_SIZES if s <= n), default=0)
-    if up is not None and (up == n or -(-nk // up) >= min_chunk or not down):
-        return up
-    return down
+        return n, False
+    if cluster:
+        up = next((s for s in CLUSTER_SIZES if s >= n), None)
+        down = max((s for s in CLUSTER_SIZES if s <= n), default=0)
+        if up is not None and (up == n or -(-nk // up) >= min_chunk or not down):
+            return up, True
+        return down, True
+    if not CLUSTER_SIZES[0] <= n <= CLUSTER_SIZES[-1]:
+        return n, False
+    size = 4 if n >= 3 and -(-nk // 4) >= min_chunk else 2
+    return size, -(-nk // size) <= CLUSTER_MAX_CHUNK
 
 
 def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True) -> DecodePlan:
-    """The launch's geometry. `cluster`: None picks (the cluster merge for 2-8 splits), False
+    """The launch's geometry. `cluster`: None picks (see _merge_plan), False
     forces the combine kernel, True the cluster merge (ValueError where it cannot run);
     `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
     split count and the merge from here too."""
@@ -228,11 +241,12 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     if cluster and (tma or not clusters):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile)")
-    size = 0 if tma or not clusters else _cluster_size(p.nk, n, t.warps * t.block_n * 4, splits is not None, cluster)
-    if size:
-        # Exactly `size` blocks per cluster: trailing splits past the keys run empty and merge as -inf.
-        chunk = -(-max(p.nk, 1) // size)
-        return DecodePlan(rt, t, size, -(-chunk // step) * step, True)
+    if not tma and clusters:
+        n, in_cluster = _merge_plan(p.nk, n, t.warps * t.block_n * 4, splits is not None, cluster)
+        if in_cluster:
+            # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
+            chunk = -(-max(p.nk, 1) // n)
+            return DecodePlan(rt, t, n, -(-chunk // step) * step, True)
     chunk = -(-max(p.nk, 1) // n)
     chunk = -(-chunk // step) * step
     return DecodePlan(rt, t, -(-max(p.nk, 1) // chunk), chunk, False)

@@ -30,14 +30,15 @@ def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16):
 
 @pytest.mark.parametrize("nk", [4096, 16384, 65536])
 def test_few_block_cells_merge_in_a_cluster(nk):
-    # B=8, Hkv=8: 64 (sequence, head) blocks want 5 splits for two waves; 8 splits keep >= 256 keys
-    # each (a warp's 4 tiles), so the planner rounds up to the 8-block cluster.
+    # B=8, Hkv=8: 64 (sequence, head) blocks want 5 splits for two waves; the planner takes 4 (the
+    # decode probe's fastest either way), merged in a 4-block cluster while a split holds at most
+    # CLUSTER_MAX_CHUNK keys (4k, 16k), by the combine kernel beyond (64k).
     p = _problem(8, 32, 8, 1, nk, 128)
     assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == 5
     lp = gpu_decode.launch_plan(p, H200_SMS)
-    assert lp.cluster and lp.splits == 8
-    assert lp.chunk % lp.tile.block_n == 0 and lp.chunk * 8 >= nk and lp.chunk * 7 < nk
-    assert gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) == 0
+    assert lp.splits == 4 and lp.cluster == (nk // 4 <= gpu_decode.CLUSTER_MAX_CHUNK) == (nk <= 16384)
+    assert lp.chunk % lp.tile.block_n == 0 and lp.chunk * 4 >= nk and lp.chunk * 3 < nk
+    assert gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) == (0 if lp.cluster else 8 * 8 * 4 * 4 * (128 + 1) * 4)
     # forced combine: the 5 splits as before, with their float32 partials
     rt, t, splits, chunk, cluster = gpu_decode.launch_plan(p, H200_SMS, cluster=False)
     assert not cluster and splits == 5 and gpu_decode.workspace_bytes(p, splits) == 8 * 8 * 5 * 4 * (128 + 1) * 4
