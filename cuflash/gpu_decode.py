@@ -133,31 +133,20 @@ def tma_applicable(p, k4, v4, tile) -> bool:
     """Whether attn_decode_tma can run this problem with this tile: an sm_90 device with
     cuda-bindings, d of 64 or 128, few enough packed rows, unit-stride rows whose base and
     strides TMA can address."""
-    from . import gpu_hopper, tma
+    from . import gpu_hopper
 
     if p.d not in schedule.DECODE_TMA_TILES or row_tiles_for(p) > tile.max_row_tiles:
         return False
     import cupy
 
-    if not gpu_hopper._is_hopper(cupy.cuda.Device().id) or not tma.available():
-        return False
-    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, _map_strides(a)) for a in (k4, v4))
-
-
-def _map_strides(a4):
-    """Byte strides of (key, head, batch) of a (B, H, N, d) view; an axis of extent 1 gets a
-    nominal stride (TMA wants every stride a positive multiple of 16; that axis is never stepped)."""
-    out = []
-    for n, s in zip((a4.shape[2], a4.shape[1], a4.shape[0]), (a4.strides[2], a4.strides[1], a4.strides[0])):
-        out.append(s if n > 1 else 16 * max(1, a4.shape[3] * a4.itemsize // 16))
-    return out
+    return gpu_hopper._is_hopper(cupy.cuda.Device().id) and gpu_hopper.tma_ok(k4, v4)
 
 
 def _tma_maps(a4):
+    """16-key boxes of a (B, H, N, d) K or V view (attn_decode_tma's ring stages)."""
     from . import tma
 
-    b, h, n, d = a4.shape
-    return tma.tiled_map(a4.dtype, a4.data.ptr, (d, n, h, b), _map_strides(a4), (64, 16, 1, 1))
+    return tma.bhsd_map(a4, 16)
 
 
 WAVES = 2  # blocks per SM the split count aims for
