@@ -106,12 +106,14 @@ def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
 
 def tma_ok(*arrays) -> bool:
     """Whether these (B, H, N, d) views can be read through tensor maps: cuda-bindings present,
-    unit-stride rows, 16-byte aligned bases and strides (TMA's rule)."""
+    no empty axis (a map's extents are >= 1; e.g. an empty cache), unit-stride rows, 16-byte
+    aligned bases and strides (TMA's rule)."""
     from . import tma
 
     if not tma.available():
         return False
-    return all(a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a)) for a in arrays)
+    return all(min(a.shape) > 0 and a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a))
+               for a in arrays)
 
 
 def all_hopper_forward_specs():
