@@ -3,11 +3,14 @@ depths and split waves on the peers' decode grid, timed like benchmarks/peers.py
 launch hidden behind a GPU spin), plus the host time of one cuflash.attention call.
 
     python tools/decode_probe.py out.json [--quick]
+    DECODE_CANDS="16,4,4;32,4,3" python tools/decode_probe.py out.json --many-cells   # other tiles on
+        the cells without splits (block_n, warps, stages; DECODE_WAVES, default 1)
     python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
         cluster (cluster2/4/8) vs the combine kernel (combine = its own split count, combine2/4/8),
         every cell; "api" is the planner's choice (row["plan"])
 """
 import json
+import os
 import sys
 import time
 
@@ -36,6 +39,12 @@ if "--default-only" in sys.argv:  # the API's own choice against the peers, ever
 if "--split-cells" in sys.argv:  # the cells with few (sequence, head) blocks: split count sweep
     CELLS = [c for c in CELLS if c[1] * c[2] < 132]
     CANDS, WAVES, TMA_CANDS = [(16, 4, 2), (16, 4, 3)], (1, 2, 3, 4, 6), []
+if "--many-cells" in sys.argv:  # the cells with a (sequence, head) block per SM (no split)
+    CELLS = [c for c in CELLS if c[1] * c[2] >= 132]
+    TMA_CANDS = []
+if os.environ.get("DECODE_CANDS"):  # "block_n,warps,stages;..." (e.g. deeper rings), with DECODE_WAVES
+    CANDS = [tuple(int(x) for x in c.split(",")) for c in os.environ["DECODE_CANDS"].split(";")]
+    WAVES = tuple(int(x) for x in os.environ.get("DECODE_WAVES", "1").split(","))
 MERGES = []  # (key, forward keywords): the split merge, cluster vs combine kernel, default tile
 if "--cluster" in sys.argv:
     CANDS, TMA_CANDS = [], []
