@@ -15,9 +15,9 @@
 // TMA = true (attn_fwd_wgmma_tma): the producer is one thread issuing bulk tensor copies (64-column
 // boxes that land in exactly the Sw128Tile layout) completing on the "full" mbarriers; rows and
 // columns past the tensor are zero-filled by the copy engine, keys past nk masked as always.
-// PINGPONG (two math warpgroups): the warpgroups take turns issuing their GEMMs (named barriers 2
-// and 3), so one's softmax runs while the other's Q K^T and P V keep the tensor cores busy
-// (FlashAttention-3's inter-warpgroup schedule).
+// PINGPONG (two or three math warpgroups): the warpgroups take turns, round robin, issuing their
+// GEMMs (named barriers 2 .. 1 + WARPGROUPS), so one's softmax runs while another's Q K^T and P V
+// keep the tensor cores busy (FlashAttention-3's inter-warpgroup schedule).
 #include "common.cuh"
 #include "band.cuh"
 #include "softmax.cuh"
@@ -68,7 +68,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
-    static_assert(!PINGPONG || (WARPGROUPS == 2 && PRODUCER), "ping-pong is between two math warpgroups");
+    static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -194,14 +194,19 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         };
         // Ping-pong turns: warpgroup w waits on barrier 2 + w for its turn to issue GEMMs and passes
-        // it on through the other's. Warpgroup 1 opens with a pass (warpgroup 0 goes first) and
-        // skips its last one, so every bar.sync meets exactly one bar.arrive.
-        auto turn_wait = [&]() { named_barrier(2 + wg, kMath); };
+        // it to the next one (round robin) through that one's barrier; each turn is a bar.sync of
+        // the waiting warpgroup met by a bar.arrive of the previous one (2 x 128 threads). The last
+        // warpgroup opens with a pass (warpgroup 0 goes first) and skips its last one, so every
+        // bar.sync meets exactly one bar.arrive.
+        constexpr int kTurnThreads = 2 * 128;
+        auto turn_wait = [&]() { named_barrier(2 + wg, kTurnThreads); };
         auto turn_pass = [&](bool last) {
-            if (!(last && wg == 1)) named_barrier_arrive(3 - wg, kMath);
+            // (3 - wg for two: the spelling of the kernel measured on the H200, same SASS as before)
+            const int next = WARPGROUPS == 2 ? 3 - wg : 2 + (wg + 1) % WARPGROUPS;
+            if (!(last && wg == WARPGROUPS - 1)) named_barrier_arrive(next, kTurnThreads);
         };
         if constexpr (PINGPONG) {
-            if (wg == 1 && n_tiles > 0) named_barrier_arrive(2, kMath);
+            if (wg == WARPGROUPS - 1 && n_tiles > 0) named_barrier_arrive(2, kTurnThreads);
         }
         auto to_p = [&]() {
     #pragma unroll

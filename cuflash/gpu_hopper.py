@@ -118,15 +118,17 @@ def tma_ok(*arrays) -> bool:
 
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    TMA table's tiles, the cp.async tiles and their warp-specialized variants, and the band
-    instantiations)."""
+    TMA table's tiles and their ping-pong variants, the cp.async tiles and their warp-specialized
+    variants, and the band instantiations)."""
     plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
-        for tile in (t, cp_async_tile(hd), warp_specialized(cp_async_tile(hd)))
+        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, reason=""), cp_async_tile(hd),
+                                   warp_specialized(cp_async_tile(hd))))
         for causal in (False, True)
     ]
+    plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
     return plain + band
 

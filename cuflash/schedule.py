@@ -64,7 +64,7 @@ class HopperTile:
     reason: str
     producer: bool = False  # warp specialization: one more warpgroup only loads (mbarrier handoff)
     tma: bool = False  # the producer is one thread issuing TMA copies (attn_fwd_wgmma_tma)
-    pingpong: bool = False  # (TMA, 2 warpgroups) the math warpgroups take turns issuing GEMMs
+    pingpong: bool = False  # (TMA, 2 or 3 warpgroups) the math warpgroups take turns issuing GEMMs
 
     @property
     def block_m(self) -> int:

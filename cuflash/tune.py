@@ -319,8 +319,8 @@ def hopper_forward_violations(hd: int, t: HopperTile) -> list[str]:
         v.append(f"block_n {t.block_n}: no wgmma wrapper m64n{t.block_n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
     if t.stages < 2:
         v.append("stages < 2: a K (and a V) tile in use while the next one loads")
-    if t.pingpong and (not t.tma or t.warpgroups != 2):
-        v.append("ping-pong takes turns between exactly two math warpgroups of the TMA kernel")
+    if t.pingpong and (not t.tma or not 2 <= t.warpgroups <= 3):
+        v.append("ping-pong takes turns between 2 or 3 math warpgroups of the TMA kernel")
     if t.specialized and t.warpgroups > 3:
         v.append("a producer warpgroup and more than 3 math warpgroups exceed 512 threads")
     return v

@@ -100,14 +100,17 @@ def test_other_tiles(rng, d, block_n, stages):
 
 
 @pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])
+@pytest.mark.parametrize("warpgroups", [None, 2], ids=["table-wg", "wg2"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
-def test_warpgroup_schedules(rng, pingpong, causal, d):
+def test_warpgroup_schedules(rng, pingpong, warpgroups, causal, d):
     # Both schedules of the two math warpgroups, with key-tile counts 0 (bottom_right rows before
     # the diagonal's first key), 1 and many per block.
-    tile = tma_tile(d, pingpong=pingpong)
-    if pingpong and tile.warpgroups != 2:
-        tile = dataclasses.replace(tile, warpgroups=2)
+    tile = tma_tile(d, pingpong=pingpong)  # d=64: three math warpgroups (round robin when ping-pong)
+    if warpgroups is not None:
+        if tile.warpgroups == warpgroups:
+            pytest.skip("the table tile already has this many warpgroups")
+        tile = dataclasses.replace(tile, warpgroups=warpgroups)
     for nq, nk in ((200, 70), (129, 129), (77, 1000)):
         run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One device call (about 7 minutes) for the open leads:
-#   1. the TMA forward's GPU tests (test_gpu_hopper_tma.py; with b3c9772 re-applied, the
-#      3-warpgroup round-robin ping-pong's, which have never run);
-#   2. the d=64 forward sweep next to cuDNN (with b3c9772: its 192x128 wg3 ping-pong candidate);
+# One device call (about 7 minutes) for the open leads after 54c461c:
+#   1. the GPU tests that have not run yet (3-warpgroup round-robin ping-pong, test_gpu_hopper_tma.py);
+#   2. the d=64 forward sweep next to cuDNN with that variant;
 #   3. ncu of the TMA forward at d=128, N=1k (is the prologue/epilogue exposed? tensor-pipe use,
 #      stall reasons) and of the TMA backward K/V kernel at d=128, N=4k (where its time goes);
 #   4. deeper decode rings on the cells with a block per SM (the last 1-3% to cuDNN).

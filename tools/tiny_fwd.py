@@ -1,6 +1,6 @@
 """Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma|pp]
 
-ws / tma / pp: the warp-specialized cp.async tile / the TMA table tile / its 2-warpgroup ping-pong
+ws / tma / pp: the warp-specialized cp.async tile / the TMA table tile / its ping-pong
 variant, for this head dim (default: what the dispatch picks)."""
 import dataclasses
 import sys
@@ -21,7 +21,7 @@ if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp"):
     if sys.argv[7] == "ws":
         t = gpu_hopper.warp_specialized(gpu_hopper.cp_async_tile(d))
     elif sys.argv[7] == "pp":
-        t = dataclasses.replace(t, warpgroups=2, pingpong=True)
+        t = dataclasses.replace(t, pingpong=True)
     schedule.HOPPER_FORWARD_TILES[hd] = t
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
