@@ -15,6 +15,13 @@
 #include "tile_load.cuh"
 #include "decode_common.cuh"
 
+// The L2 prefetch size of the K/V cache reads (cp_async16). A macro, not a template parameter,
+// so that a probe can compare sizes (CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_L2_PREFETCH=256)
+// without doubling the instantiations.
+#ifndef CUFLASH_DECODE_L2_PREFETCH
+#define CUFLASH_DECODE_L2_PREFETCH 0
+#endif
+
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
 struct DecodeTraits {
     static constexpr int kRows = 16 * ROW_TILES;  // packed (head, token) rows, zero-padded
@@ -63,8 +70,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dk = ring + slot * Tr::kTileKV;
         u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
         if (block_table == nullptr) {
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
         } else {
             // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
             // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
@@ -74,9 +81,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 const int n = n0 + 16 * g;
                 const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
                 const int in_page = n & ((1 << page_shift) - 1);
-                load_tile_rows<HEAD_DIM, 16, 32, VEC>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
+                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
                                                       k_sn, s1 - n, d, lane);
-                load_tile_rows<HEAD_DIM, 16, 32, VEC>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
+                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
                                                       v_sn, s1 - n, d, lane);
             }
         }

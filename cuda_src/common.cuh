@@ -62,10 +62,26 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 
 // ---- asynchronous global -> shared copies (cp.async, sm_80+) ----
 // 16 bytes; when `valid` is false the destination is zero-filled and nothing is read.
+// L2_PREFETCH (0, 64, 128 or 256): let L2 fetch that many bytes around the line from DRAM - a
+// hint for the streaming reads of decoding, where larger DRAM requests may keep more in flight.
+template <int L2_PREFETCH = 0>
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    static_assert(L2_PREFETCH == 0 || L2_PREFETCH == 64 || L2_PREFETCH == 128 || L2_PREFETCH == 256,
+                  "PTX prefetch sizes are 64, 128 or 256 bytes");
     const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-                 "r"(src_bytes));
+    if constexpr (L2_PREFETCH == 0) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                     "r"(src_bytes));
+    } else if constexpr (L2_PREFETCH == 64) {
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                     "r"(src_bytes));
+    } else if constexpr (L2_PREFETCH == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                     "r"(src_bytes));
+    } else {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                     "r"(src_bytes));
+    }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

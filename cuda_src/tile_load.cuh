@@ -7,8 +7,8 @@
 // Rows >= rows_valid and columns >= d are zero-filled: zero K rows get masked to -inf later,
 // zero V rows meet p = 0, and zero columns add nothing to the dot products.
 // VEC: 16-byte cp.async (d % 8 == 0, 16-byte aligned rows), asynchronous; otherwise element
-// loads and one 16-byte shared store per chunk, synchronous.
-template <int COLS, int ROWS, int THREADS, bool VEC>
+// loads and one 16-byte shared store per chunk, synchronous. L2_PREFETCH: cp_async16's hint.
+template <int COLS, int ROWS, int THREADS, bool VEC, int L2_PREFETCH = 0>
 __device__ __forceinline__ void load_tile_rows(u16* smem, const u16* gmem, i64 ld, int rows_valid, int d, int tid) {
     using Swz = Swizzle<COLS>;
     constexpr int kChunks = COLS / 8;
@@ -30,7 +30,7 @@ __device__ __forceinline__ void load_tile_rows(u16* smem, const u16* gmem, i64 l
         u16* dst = smem + Swz::offset(row, col);
         if constexpr (VEC) {
             const bool ok = row < rows_valid && col < d;
-            cp_async16(dst, ok ? gmem + row * ld + col : gmem, ok);
+            cp_async16<L2_PREFETCH>(dst, ok ? gmem + row * ld + col : gmem, ok);
         } else {
             u32 w[4];
 #pragma unroll

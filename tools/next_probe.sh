@@ -4,7 +4,7 @@
 #   2. the d=64 forward sweep next to cuDNN with that variant;
 #   3. ncu of the TMA forward at d=128, N=1k (is the prologue/epilogue exposed? tensor-pipe use,
 #      stall reasons) and of the TMA backward K/V kernel at d=128, N=4k (where its time goes);
-#   4. deeper decode rings on the cells with a block per SM (the last 1-3% to cuDNN).
+#   (decode: tools/decode_l2_probe.sh, its own call)
 #   OUT=dir bash tools/next_probe.sh
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -21,5 +21,3 @@ timeout 100 ncu --clock-control none -k regex:attn_bwd_kv_wgmma --launch-count 1
     python3 tools/prof_one.py 128 4096 0 > "$OUT/ncu_bwd_d128_n4k.txt" 2>&1; echo "ncu bwd rc=$?"
 grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible|Stall|Achieved Occupancy" \
     "$OUT/ncu_fwd_d128_n1k.txt" "$OUT/ncu_bwd_d128_n4k.txt" | head -40
-DECODE_CANDS="16,4,3;16,4,4;32,4,3;16,8,3" timeout 150 python3 tools/decode_probe.py "$OUT/decode_many.json" --many-cells \
-    2>&1 | grep -v Warn | tee "$OUT/decode_many.log" | grep DECODE
