@@ -58,17 +58,18 @@ struct HopperFwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false, bool PINGPONG = false>
+          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
-                    FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}) {
+                    FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
+    static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -78,19 +79,22 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = sQ + TileQ::kBytes;
     const u32 sV = sK + STAGES * TileKV::kBytes;
-    const u32 sBar = sV + STAGES * TileKV::kBytes;
+    // PERSISTENT: O is staged in its own tile, so that the next tile's Q can land during the epilogue.
+    const u32 sO = PERSISTENT ? sV + STAGES * TileKV::kBytes : sQ;
+    const u32 sBar = sV + STAGES * TileKV::kBytes + (PERSISTENT ? TileQ::kBytes : 0);
     const u32 full_q = sBar;
     auto full_k = [&](int s) { return sBar + 8 * (1 + s); };
     auto full_v = [&](int s) { return sBar + 8 * (1 + STAGES + s); };
     auto empty_k = [&](int s) { return sBar + 8 * (1 + 2 * STAGES + s); };
     auto empty_v = [&](int s) { return sBar + 8 * (1 + 3 * STAGES + s); };
+    const u32 empty_q = sBar + 8 * (1 + 4 * STAGES);  // PERSISTENT: Q's last reader is done
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, hk = h / group;
+    int m_block = gridDim.x - 1 - blockIdx.x;
+    int h = blockIdx.y, hk = h / group;
     int b = blockIdx.z;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int m0 = m_block * kBM;
+    int m0 = m_block * kBM;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the
     // plain kernel keeps nk and causal_off (its hi) as the parameters they are.
     BandSeq seq = band_sequence<BAND>(band, b, nq, nk, causal_off);
@@ -100,7 +104,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     }
     int nq_b = seq.nq_b, nk_b = seq.nk_b, hi = seq.hi, lo = seq.lo;
     int q_row0 = seq.q_row0, k_row0 = seq.k_row0;
-    const int rows_valid = min(kBM, nq_b - m0);
+    int rows_valid = min(kBM, nq_b - m0);
     const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + (i64)k_row0 * v_sn;
@@ -123,6 +127,33 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         hi += m0 - kb;
         lo += m0 - kb;
     }
+
+    // PERSISTENT: gridDim.x blocks (one per SM) walk the n_batch x n_heads x query-tile list; block
+    // c's i-th tile is number i * G + c for even i and i * G + G - 1 - c for odd i (a snake, so a
+    // block that drew a heavy tile draws a light one next). A head's tiles are consecutive, from
+    // the last query tile (most key tiles under a causal mask) down, so tiles in flight together
+    // share K and V in L2. The K/V ring and the barriers' phases run on across tiles: kv0 counts
+    // the key tiles of this block's earlier tiles, q_phase their parity.
+    const int m_blocks = (nq + kBM - 1) / kBM;
+    const int n_work = PERSISTENT ? m_blocks * n_heads * n_batch : 1;
+    auto work_item = [&](int i) {
+        const int G = gridDim.x, c = blockIdx.x;
+        return i * G + ((i & 1) ? G - 1 - c : c);
+    };
+    auto set_tile = [&](int t) {
+        m_block = m_blocks - 1 - t % m_blocks;
+        const int bh = t / m_blocks;
+        h = bh % n_heads;
+        hk = h / group;
+        b = bh / n_heads;
+        m0 = m_block * kBM;
+        rows_valid = min(kBM, nq - m0);
+        n_end = nk;
+        if constexpr (kHi) n_end = max(0, min(nk, m0 + rows_valid + hi));
+        n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    };
+    int kv0 = 0;
+    u32 q_phase = 0;
 
     // ltid: this thread's index among the loading threads (all of them, or the producer's, whose
     // loops stay rolled to fit its registers).
@@ -151,7 +182,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
         // S = Q K_j^T: HEAD_DIM/16 k-steps along the 128-byte rows of Q and K (K-major operands).
         auto issue_qk = [&](int j) {
-            const u32 k_tile = sK + (j % STAGES) * TileKV::kBytes;
+            const u32 k_tile = sK + ((kv0 + j) % STAGES) * TileKV::kBytes;
     #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 const u32 step = (kk & 3) * 32;  // 16 elements = 32 bytes into the swizzle atom
@@ -163,7 +194,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // O += P V_j: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart by
         // one block of the tile, 8-row groups 1024 bytes apart).
         auto issue_pv = [&](int j) {
-            const u32 v_tile = sV + (j % STAGES) * TileKV::kBytes;
+            const u32 v_tile = sV + ((kv0 + j) % STAGES) * TileKV::kBytes;
     #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk)
                 Wgmma<T, HEAD_DIM>::rs(acc_o[0], p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, TileKV::kBlockBytes, 1024), 1);
@@ -215,8 +246,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
         if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
             if constexpr (PRODUCER) {
-                mbar_wait(full_q, 0);
-                mbar_wait(full_k(0), 0);
+                mbar_wait(full_q, q_phase);
+                mbar_wait(full_k(kv0 % STAGES), (kv0 / STAGES) & 1);
             } else {
                 cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
             }
@@ -230,7 +261,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if constexpr (PINGPONG) turn_pass(false);
             wgmma_wait<0>();
             fence_regs(acc_s[0]);
-            if constexpr (PRODUCER) mbar_arrive(empty_k(0));
+            if constexpr (PRODUCER) mbar_arrive(empty_k(kv0 % STAGES));
+            if constexpr (PERSISTENT) {
+                if (n_tiles == 1) mbar_arrive(empty_q);  // the tile's last read of Q
+            }
             mask(0);
             softmax.probs(acc_s, scale_log2, alpha);
             to_p();
@@ -239,9 +273,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
         // tile's Q K^T makes ptxas serialize every wgmma).
         auto step = [&](int j, const bool kNext) {
+            const int g = kv0 + j;  // the ring's count (across a persistent block's tiles)
             if constexpr (PRODUCER) {  // K_{j+1} and V_j have landed
-                if (kNext) mbar_wait(full_k((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
-                mbar_wait(full_v(j % STAGES), (j / STAGES) & 1);
+                if (kNext) mbar_wait(full_k((g + 1) % STAGES), ((g + 1) / STAGES) & 1);
+                mbar_wait(full_v(g % STAGES), (g / STAGES) & 1);
                 if constexpr (!TMA) fence_proxy_async();  // TMA writes through the async proxy
             } else {
                 // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
@@ -266,14 +301,17 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
                 wgmma_wait<1>();
                 fence_regs(acc_s[0]);
-                if constexpr (PRODUCER) mbar_arrive(empty_k((j + 1) % STAGES));
+                if constexpr (PRODUCER) mbar_arrive(empty_k((g + 1) % STAGES));
+                if constexpr (PERSISTENT) {
+                    if (j + 2 == n_tiles) mbar_arrive(empty_q);  // the tile's last read of Q
+                }
                 mask(j + 1);
                 softmax.probs(acc_s, scale_log2, alpha);
             }
             wgmma_wait<0>();
             fence_regs(acc_o[0]);
             fence_regs(p_frag);
-            if constexpr (PRODUCER) mbar_arrive(empty_v(j % STAGES));
+            if constexpr (PRODUCER) mbar_arrive(empty_v(g % STAGES));
             if (kNext) {
                 softmax.rescale(acc_o, alpha);
                 to_p();
@@ -283,7 +321,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         if (n_tiles > 0) step(n_tiles - 1, false);
         // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
         if constexpr (PRODUCER) {
-            if (n_tiles == 0) mbar_wait(full_q, 0);  // Q's copies may still be landing in the rows reused below
+            if (n_tiles == 0) {
+                mbar_wait(full_q, q_phase);  // Q's copies may still be landing in the rows reused below
+                if constexpr (PERSISTENT) mbar_arrive(empty_q);
+            }
             named_barrier(1, kMath);
         } else {
             cp_async_wait<0>();
@@ -298,7 +339,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         for (int hf = 0; hf < 2; ++hf)
     #pragma unroll
             for (int di = 0; di < kNO; ++di) {
-                const u32 addr = sQ + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
+                const u32 addr = sO + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
             }
         if constexpr (PRODUCER) named_barrier(1, kMath);
@@ -315,12 +356,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 uint4 val;
                 asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                              : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                             : "r"(sQ + TileQ::offset(row, c)));
+                             : "r"(sO + TileQ::offset(row, c)));
                 *reinterpret_cast<uint4*>(gO + row * o_sn + c * 8) = val;
             }
         }
         if ((lane & 3) == 0) {
-            float* gL = lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0);
+            float* gL = lse + ((i64)b * (PERSISTENT ? (u32)n_heads : gridDim.y) + h) * nq + (q_row0 + m0);
     #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
                 if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
@@ -337,6 +378,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 mbar_init(empty_k(s), kMath);
                 mbar_init(empty_v(s), kMath);
             }
+            if constexpr (PERSISTENT) mbar_init(empty_q, kMath);
             if constexpr (TMA) fence_mbar_init();
         }
         __syncthreads();  // the last block-wide barrier: the roles split here
@@ -353,17 +395,38 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                         tma_load_4d(dst + cb * rows * 128, map, 64 * cb, row0, head, b, bar);
                 };
                 auto issue_k = [&](int j) {
-                    const int s = j % STAGES;
-                    mbar_wait(empty_k(s), ((j / STAGES) & 1) ^ 1);
+                    const int g = kv0 + j, s = g % STAGES;
+                    mbar_wait(empty_k(s), ((g / STAGES) & 1) ^ 1);
                     issue(sK + s * TileKV::kBytes, maps.k, BLOCK_N, j * BLOCK_N, hk, full_k(s));
                 };
-                issue(sQ, maps.q, kBM, m0, h, full_q);
-                if (n_tiles > 0) issue_k(0);
-                for (int j = 0; j < n_tiles; ++j) {
-                    if (j + 1 < n_tiles) issue_k(j + 1);
-                    const int s = j % STAGES;
-                    mbar_wait(empty_v(s), ((j / STAGES) & 1) ^ 1);
-                    issue(sV + s * TileKV::kBytes, maps.v, BLOCK_N, j * BLOCK_N, hk, full_v(s));
+                auto tile_loads = [&]() {
+                    if constexpr (PERSISTENT) {
+                        // K_0 needs only its ring slot; Q waits until the previous tile's last Q K^T retired.
+                        if (n_tiles > 0) issue_k(0);
+                        mbar_wait(empty_q, q_phase ^ 1);
+                        issue(sQ, maps.q, kBM, m0, h, full_q);
+                    } else {
+                        issue(sQ, maps.q, kBM, m0, h, full_q);
+                        if (n_tiles > 0) issue_k(0);
+                    }
+                    for (int j = 0; j < n_tiles; ++j) {
+                        if (j + 1 < n_tiles) issue_k(j + 1);
+                        const int g = kv0 + j, s = g % STAGES;
+                        mbar_wait(empty_v(s), ((g / STAGES) & 1) ^ 1);
+                        issue(sV + s * TileKV::kBytes, maps.v, BLOCK_N, j * BLOCK_N, hk, full_v(s));
+                    }
+                };
+                if constexpr (PERSISTENT) {
+                    for (int i = 0; i * (int)gridDim.x < n_work; ++i) {
+                        const int t = work_item(i);
+                        if (t >= n_work) continue;
+                        set_tile(t);
+                        tile_loads();
+                        kv0 += n_tiles;
+                        q_phase ^= 1;
+                    }
+                } else {
+                    tile_loads();
                 }
             }
         } else if (!TMA && wg == WARPGROUPS) {
@@ -386,7 +449,18 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             cp_async_wait<0>();
         } else {
             setmaxnreg_inc<Tr::kMathRegs>();
-            math();
+            if constexpr (PERSISTENT) {
+                for (int i = 0; i * (int)gridDim.x < n_work; ++i) {
+                    const int t = work_item(i);
+                    if (t >= n_work) continue;
+                    set_tile(t);
+                    math();
+                    kv0 += n_tiles;
+                    q_phase ^= 1;
+                }
+            } else {
+                math();
+            }
         }
     } else {
         // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
@@ -417,6 +491,26 @@ attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v});
+}
+
+// The TMA kernel as a persistent one: gridDim.x blocks, one per SM, each walking its share of the
+// n_batch x n_heads x query-tile list (attn_fwd_wgmma_body's work_item). Its producer fetches the
+// next tile's first K and its Q while the math warpgroups finish this tile (P V and the O store),
+// which a fresh block per tile leaves exposed - at N = 1k a block has only 8 key tiles to hide them.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_persistent(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
+                              const __grid_constant__ TmaDesc tmap_v,
+                              const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                              u16* __restrict__ o, float* __restrict__ lse,
+                              i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                              i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                              int nq, int nk, int d, int group, int causal_off, float scale_log2, int n_heads,
+                              int n_batch) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v},
+        n_heads, n_batch);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>

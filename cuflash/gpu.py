@@ -141,9 +141,11 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     launch_forward(spec, tile.block_m, p, q4, k4, v4, o4, lse3)
 
 
-def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None):
+def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent_blocks=None):
     """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch).
-    `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers."""
+    `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers.
+    `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
+    chunk's query tiles; the head and batch counts follow the other arguments."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     scale_log2 = np.float32(p.scale * _LOG2E)
@@ -158,7 +160,12 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None):
             strides += [np.int64(sb), np.int64(sh), np.int64(sn)]
         args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
-        fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
+        if persistent_blocks:
+            work = m_blocks * p.hq * (b1 - b0)
+            fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
+               shared_mem=spec.smem_bytes)
+        else:
+            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 
 
 def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):

@@ -72,7 +72,8 @@ def _forward_spec(kernel, dtype, d, flags, tile):
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
-        kernel, producer = kernel + "_tma", f", {'true' if t.pingpong else 'false'}"
+        kernel = kernel + ("_tma_persistent" if t.persistent else "_tma")
+        producer = f", {'true' if t.pingpong else 'false'}"
     else:
         producer = ", true" if t.producer else ""
     expr = f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
@@ -116,15 +117,30 @@ def tma_ok(*arrays) -> bool:
                for a in arrays)
 
 
+def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.HopperTile]:
+    """The persistent forms of a TMA tile (own-pace and ping-pong) whose extra O tile still fits
+    a block's shared memory on the H200; none for the others (d = 192, 256)."""
+    from .device_limits import H200
+
+    out = []
+    for pp in (False, True):
+        v = dataclasses.replace(t, pingpong=pp, persistent=True, reason="")
+        if t.tma and v.smem_bytes(head_dim) <= H200.smem_per_block_optin:
+            out.append(v)
+    return out
+
+
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    TMA table's tiles and their ping-pong variants, the cp.async tiles and their warp-specialized
-    variants, and the band instantiations)."""
+    TMA table's tiles, their ping-pong and persistent variants, the cp.async tiles and their
+    warp-specialized variants, and the band instantiations)."""
     plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
-        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, reason=""), cp_async_tile(hd),
+        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, reason=""),
+                                   dataclasses.replace(t, pingpong=False, persistent=False, reason=""),
+                                   *persistent_variants(t, hd), cp_async_tile(hd),
                                    warp_specialized(cp_async_tile(hd))))
         for causal in (False, True)
     ]
@@ -133,10 +149,11 @@ def all_hopper_forward_specs():
     return plain + band
 
 
-def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
     """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward.
     Without a tile: the TMA table's where tma_ok, else the cp.async kernel's. A forced TMA tile
-    on rows TMA cannot address raises ValueError."""
+    on rows TMA cannot address raises ValueError. A persistent tile runs one block per SM, or
+    `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
     from .gpu import launch_forward
 
     if tile is None and not tma_ok(q4, k4, v4):
@@ -151,7 +168,19 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 
         def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
             return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps)
+    blocks = None
+    if t.persistent:
+        import cupy
+
+        blocks = persistent_blocks or _sm_count(cupy.cuda.Device().id)
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

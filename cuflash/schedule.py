@@ -65,6 +65,7 @@ class HopperTile:
     producer: bool = False  # warp specialization: one more warpgroup only loads (mbarrier handoff)
     tma: bool = False  # the producer is one thread issuing TMA copies (attn_fwd_wgmma_tma)
     pingpong: bool = False  # (TMA, 2 or 3 warpgroups) the math warpgroups take turns issuing GEMMs
+    persistent: bool = False  # (TMA) one block per SM walks the query tiles (attn_fwd_wgmma_tma_persistent)
 
     @property
     def block_m(self) -> int:
@@ -79,9 +80,11 @@ class HopperTile:
         return 128 * (self.warpgroups + self.specialized)
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + `stages` K and V tiles (+ the producer's mbarriers), + 1 KiB to align the base
-        to the 128-byte swizzle."""
+        """Q tile + `stages` K and V tiles (+ the producer's mbarriers; persistent: + an O tile and
+        one more mbarrier), + 1 KiB to align the base to the 128-byte swizzle."""
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
+        if self.persistent:  # + O's own staging tile and the "Q empty" barrier
+            return (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 8 + 1024
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 1024
 
 

@@ -49,22 +49,23 @@ def tma_tile(d, block_n=None, stages=None, pingpong=None):
     return schedule.HopperTile(block_n or t.block_n, t.warpgroups, stages or t.stages, "test", False, True, pp)
 
 
-def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd"):
+def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd", persistent_blocks=None):
     before = [raw(a).copy() for a in (q, k, v)]
     p = _problem.validate_forward(q, k, v, causal=causal, layout=layout)
     o = poisoned(p.q_shape(), p.dtype)
     lse = poisoned(p.lse_shape(), FLOAT32)
     o4, lse3 = to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq))
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile)
+    gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile, persistent_blocks=persistent_blocks)
     assert_unchanged((q, k, v), before)
     return o, lse
 
 
-def run_and_check(rng, dtype, batch, hq, hkv, nq, nk, d, *, causal, tile=None, layout="bhsd"):
+def run_and_check(rng, dtype, batch, hq, hkv, nq, nk, d, *, causal, tile=None, layout="bhsd", persistent_blocks=None):
     sq, skv = shapes(layout, batch, hq, hkv, nq, nk, d)
     q, k, v = device_inputs(rng, sq, skv, dtype)
-    o, lse = forward_tma(q, k, v, tile or tma_tile(d), causal=causal, layout=layout)
+    o, lse = forward_tma(q, k, v, tile or tma_tile(d), causal=causal, layout=layout,
+                         persistent_blocks=persistent_blocks)
     check_rows(o, lse, q, k, v, causal=causal, layout=layout, rng=rng)
 
 
@@ -113,6 +114,27 @@ def test_warpgroup_schedules(rng, pingpong, warpgroups, causal, d):
         tile = dataclasses.replace(tile, warpgroups=warpgroups)
     for nq, nk in ((200, 70), (129, 129), (77, 1000)):
         run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
+
+
+@pytest.mark.parametrize("blocks", [None, 1, 5], ids=["per-SM", "one-block", "five-blocks"])
+@pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_schedule(rng, blocks, pingpong, causal, d):
+    # attn_fwd_wgmma_tma_persistent: a few blocks walk many (batch, head, query-tile) items, the
+    # K/V ring and the barrier phases running on across tiles of different key-tile counts (0
+    # under bottom_right with nq > nk, 1, many; odd counts flip the ring's parity mid-tile), GQA,
+    # a ragged last query tile, and the snake's partial last row (blocks=5 over 3*3*k items).
+    variants = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[d], d)
+    tile = next(t for t in variants if t.pingpong == pingpong)
+    for batch, hq, hkv, nq, nk in ((3, 3, 1, 515, 700), (2, 4, 2, 300, 129), (1, 2, 2, 1000, 257)):
+        run_and_check(rng, FLOAT16, (batch,), hq, hkv, nq, nk, d, causal=causal, tile=tile, persistent_blocks=blocks)
+
+
+def test_persistent_many_tiles_per_sm(rng):
+    # One block per SM with about 4 tiles each (132 SMs on the H200), bshd layout.
+    tile = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]
+    run_and_check(rng, BFLOAT16, (4,), 16, 4, 1031, 1031, 128, causal="bottom_right", tile=tile, layout="bshd")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,8 @@
-"""Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma|pp]
+"""Smallest forward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_fwd.py B H N d [dtype] [causal] [ws|tma|pp|persist|pppersist]
 
 ws / tma / pp: the warp-specialized cp.async tile / the TMA table tile / its ping-pong
-variant, for this head dim (default: what the dispatch picks)."""
+variant, for this head dim (default: what the dispatch picks); persist / pppersist: the table
+tile's persistent kernel (own pace / ping-pong) on 3 blocks, so each walks several tiles."""
 import dataclasses
 import sys
 
@@ -15,13 +16,16 @@ from cuflash import gpu_hopper, schedule
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
-if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp"):
+if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp", "persist", "pppersist"):
     hd = schedule.head_dim_bucket(d)
     t = schedule.HOPPER_FORWARD_TILES[hd]  # the TMA table tile
     if sys.argv[7] == "ws":
         t = gpu_hopper.warp_specialized(gpu_hopper.cp_async_tile(d))
     elif sys.argv[7] == "pp":
         t = dataclasses.replace(t, pingpong=True)
+    elif sys.argv[7] in ("persist", "pppersist"):
+        t = dataclasses.replace(t, persistent=True, pingpong=sys.argv[7] == "pppersist")
+        gpu_hopper._sm_count = lambda device_id: 3
     schedule.HOPPER_FORWARD_TILES[hd] = t
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
