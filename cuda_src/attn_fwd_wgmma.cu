@@ -128,21 +128,25 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         lo += m0 - kb;
     }
 
-    // PERSISTENT: gridDim.x blocks (one per SM) walk the n_batch x n_heads x query-tile list; block
-    // c's i-th tile is number i * G + c for even i and i * G + G - 1 - c for odd i (a snake, so a
-    // block that drew a heavy tile draws a light one next). A head's tiles are consecutive, from
-    // the last query tile (most key tiles under a causal mask) down, so tiles in flight together
-    // share K and V in L2. The K/V ring and the barriers' phases run on across tiles: kv0 counts
-    // the key tiles of this block's earlier tiles, q_phase their parity.
+    // PERSISTENT: gridDim.x blocks (one per SM) walk a list of work units; block c takes units
+    // c, c + G, c + 2G, ... A unit is one query tile, or under a causal mask the pair (m, M-1-m),
+    // heavy one first, so that every unit has about the same number of key tiles (a static
+    // schedule over unequal tiles leaves blocks idle: 0.7x of the per-tile kernel at N = 16k
+    // causal before pairing). A head's units are consecutive, so tiles in flight together share
+    // K and V in L2. The K/V ring and the barriers' phases run on across tiles: kv0 counts the
+    // key tiles of this block's earlier tiles, q_phase their parity.
     const int m_blocks = (nq + kBM - 1) / kBM;
-    const int n_work = PERSISTENT ? m_blocks * n_heads * n_batch : 1;
-    auto work_item = [&](int i) {
-        const int G = gridDim.x, c = blockIdx.x;
-        return i * G + ((i & 1) ? G - 1 - c : c);
+    constexpr int unit_tiles = CAUSAL ? 2 : 1;
+    const int units_per_head = (m_blocks + unit_tiles - 1) / unit_tiles;
+    const int n_units = PERSISTENT ? units_per_head * n_heads * n_batch : 1;
+    // Query tile k (0, 1) of unit u, -1 for none; both roles loop over u = blockIdx.x, + G, ...
+    auto unit_tile = [&](int u, int k) {
+        const int pair = u % units_per_head;
+        if (k == 0) return m_blocks - 1 - pair;
+        return CAUSAL && pair != m_blocks - 1 - pair ? pair : -1;
     };
-    auto set_tile = [&](int t) {
-        m_block = m_blocks - 1 - t % m_blocks;
-        const int bh = t / m_blocks;
+    auto set_tile = [&](int bh, int mb) {
+        m_block = mb;
         h = bh % n_heads;
         hk = h / group;
         b = bh / n_heads;
@@ -417,14 +421,15 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     }
                 };
                 if constexpr (PERSISTENT) {
-                    for (int i = 0; i * (int)gridDim.x < n_work; ++i) {
-                        const int t = work_item(i);
-                        if (t >= n_work) continue;
-                        set_tile(t);
-                        tile_loads();
-                        kv0 += n_tiles;
-                        q_phase ^= 1;
-                    }
+                    for (int u = blockIdx.x; u < n_units; u += gridDim.x)
+                        for (int kt = 0; kt < unit_tiles; ++kt) {
+                            const int mb = unit_tile(u, kt);
+                            if (mb < 0) continue;
+                            set_tile(u / units_per_head, mb);
+                            tile_loads();
+                            kv0 += n_tiles;
+                            q_phase ^= 1;
+                        }
                 } else {
                     tile_loads();
                 }
@@ -450,14 +455,15 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         } else {
             setmaxnreg_inc<Tr::kMathRegs>();
             if constexpr (PERSISTENT) {
-                for (int i = 0; i * (int)gridDim.x < n_work; ++i) {
-                    const int t = work_item(i);
-                    if (t >= n_work) continue;
-                    set_tile(t);
-                    math();
-                    kv0 += n_tiles;
-                    q_phase ^= 1;
-                }
+                for (int u = blockIdx.x; u < n_units; u += gridDim.x)
+                    for (int kt = 0; kt < unit_tiles; ++kt) {
+                        const int mb = unit_tile(u, kt);
+                        if (mb < 0) continue;
+                        set_tile(u / units_per_head, mb);
+                        math();
+                        kv0 += n_tiles;
+                        q_phase ^= 1;
+                    }
             } else {
                 math();
             }

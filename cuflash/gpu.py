@@ -160,8 +160,8 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
             strides += [np.int64(sb), np.int64(sh), np.int64(sn)]
         args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
-        if persistent_blocks:
-            work = m_blocks * p.hq * (b1 - b0)
+        if persistent_blocks:  # work units: query tiles, or under a causal mask pairs of them
+            work = (-(-m_blocks // 2) if p.causal is not None else m_blocks) * p.hq * (b1 - b0)
             fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
                shared_mem=spec.smem_bytes)
         else:

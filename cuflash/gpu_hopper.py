@@ -119,12 +119,13 @@ def tma_ok(*arrays) -> bool:
 
 def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.HopperTile]:
     """The persistent forms of a TMA tile (own-pace and ping-pong) whose extra O tile still fits
-    a block's shared memory on the H200; none for the others (d = 192, 256)."""
+    a block's shared memory on the H200; none for the others (d = 192, 256). At most 2 math
+    warpgroups: with 3 (d = 64), the causal unit loop spills at 160 registers per math thread."""
     from .device_limits import H200
 
     out = []
     for pp in (False, True):
-        v = dataclasses.replace(t, pingpong=pp, persistent=True, reason="")
+        v = dataclasses.replace(t, warpgroups=min(t.warpgroups, 2), pingpong=pp, persistent=True, reason="")
         if t.tma and v.smem_bytes(head_dim) <= H200.smem_per_block_optin:
             out.append(v)
     return out

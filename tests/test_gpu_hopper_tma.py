@@ -124,7 +124,8 @@ def test_persistent_schedule(rng, blocks, pingpong, causal, d):
     # attn_fwd_wgmma_tma_persistent: a few blocks walk many (batch, head, query-tile) items, the
     # K/V ring and the barrier phases running on across tiles of different key-tile counts (0
     # under bottom_right with nq > nk, 1, many; odd counts flip the ring's parity mid-tile), GQA,
-    # a ragged last query tile, and the snake's partial last row (blocks=5 over 3*3*k items).
+    # a ragged last query tile, odd query-tile counts (a causal unit pairs tiles m and M-1-m; the
+    # middle one of an odd count runs alone) and units that do not divide among the blocks.
     variants = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[d], d)
     tile = next(t for t in variants if t.pingpong == pingpong)
     for batch, hq, hkv, nq, nk in ((3, 3, 1, 515, 700), (2, 4, 2, 300, 129), (1, 2, 2, 1000, 257)):
