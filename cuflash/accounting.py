@@ -417,10 +417,11 @@ def _hopper_runs(dtype, hd, table) -> bool:
     return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
 
 
-def forward_launch(dtype, d, causal=False, config=None):
+def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None):
     """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
     on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
-    the mma.sync kernel).
+    the mma.sync kernel). With the sequence lengths (nq, nk), the tile the dispatch picks for
+    them (short sequences: the persistent kernel, gpu_hopper.default_tile), else the table's.
 
     Read from cuflash.gpu(_hopper).forward_spec, the spec the launch and the compile check use, so the
     numbers follow the kernels (the float32 kernel has its own tile table); a ``config`` replaces
@@ -437,7 +438,10 @@ def forward_launch(dtype, d, causal=False, config=None):
 
         is_causal = masks.normalize_causal(causal) is not None
         if _hopper_runs(dtype, hd, schedule.HOPPER_FORWARD_TILES):
-            spec, t = gpu_hopper.forward_spec(dtype, d, is_causal)
+            tile = None
+            if nq is not None and nk is not None:
+                tile = gpu_hopper.default_tile(d, masks.normalize_causal(causal), nq, nk)
+            spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
         else:
             spec, t = forward_spec(dtype, d, is_causal, True)
         return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
@@ -576,7 +580,7 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                                  f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
                                  f"per warp, head dim padded to {hd}{merge}; {dec.source}"))
         elif fwd:
-            f = forward_launch(p.dtype, p.d, causal, config)
+            f = forward_launch(p.dtype, p.d, causal, config, p.nq, p.nk)
             E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
                                  f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
         if fwd and registers is not None:
@@ -777,7 +781,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     s = dt.itemsize
-    fl = forward_launch(dt, d, causal, config)
+    fl = forward_launch(dt, d, causal, config, nq, nk)
     bm, bn, hd = fl.block_m, fl.block_n, fl.hd
     sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else _check_int("sram_bytes", sram_bytes, minimum=1)
     M = max(1, sram // s)

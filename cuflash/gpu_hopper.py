@@ -80,6 +80,21 @@ def _forward_spec(kernel, dtype, d, flags, tile):
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
+def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
+    """The TMA tile the dispatch picks for this shape: HOPPER_FORWARD_PERSISTENT's persistent
+    kernel while a query tile sees few key tiles on average, else the table's. `causal`: None,
+    False or the mask kind (masks.normalize_causal's)."""
+    hd = schedule.head_dim_bucket(d)
+    rule = schedule.HOPPER_FORWARD_PERSISTENT.get(hd)
+    if rule is not None and nq > 0:
+        from . import masks
+
+        pairs = masks.pair_count(masks.normalize_causal(causal), nq, nk)
+        if pairs <= rule.max_key_tiles * rule.tile.block_n * nq:
+            return rule.tile
+    return schedule.HOPPER_FORWARD_TILES[hd]
+
+
 def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices."""
     return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
@@ -142,6 +157,7 @@ def all_hopper_forward_specs():
         for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, reason=""),
                                    dataclasses.replace(t, pingpong=False, persistent=False, reason=""),
                                    *persistent_variants(t, hd), cp_async_tile(hd),
+                                   *([schedule.HOPPER_FORWARD_PERSISTENT[hd].tile] if hd in schedule.HOPPER_FORWARD_PERSISTENT else []),
                                    warp_specialized(cp_async_tile(hd))))
         for causal in (False, True)
     ]
@@ -157,8 +173,8 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
     `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
     from .gpu import launch_forward
 
-    if tile is None and not tma_ok(q4, k4, v4):
-        tile = cp_async_tile(p.d)
+    if tile is None:
+        tile = default_tile(p.d, p.causal, p.nq, p.nk) if tma_ok(q4, k4, v4) else cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
     maps = None
     if t.tma:

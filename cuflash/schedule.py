@@ -93,10 +93,33 @@ class HopperTile:
 # FORWARD_TILES' mma.sync kernels. Chosen by tools/hopper_fwd_sweep.py next to cuDNN on the H200
 # (bf16, N 1k/4k/16k, causal and not; commits a3d53d4, d94cf01, 8e248d9; notes/PERF.md).
 HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
-    64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32): 0.96-1.04x cuDNN at N >= 4k non-causal, where 2-warpgroup tiles reach 0.88-0.93x (ping-pong) or 0.79x", tma=True),
+    64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32) taking turns round robin (ping-pong): 0.88-1.11x cuDNN, own pace 0.71-1.08x, 2-warpgroup tiles 0.88-0.93x (probe ff5a2e2, 9bb0f2d)", tma=True, pingpong=True),
     128: HopperTile(128, 2, 2, "128x128, 240 regs per math thread; 2 stages (3 measured no faster): 0.88-1.08x cuDNN; ping-pong within noise of it, 160-key tiles no faster", tma=True),
     192: HopperTile(96, 2, 2, "96-key tiles fit 2 stages in 193 KiB: 0.90-1.12x cuDNN, 64-key tiles 0.87-1.00x; ping-pong ~1% ahead", tma=True, pingpong=True),
     256: HopperTile(80, 2, 2, "O is 128 regs + S 40 + P 20; 80-key tiles, 2 stages = 225 KiB (96 do not fit): 0.90-1.14x cuDNN, 64-key tiles 0.88-1.06x (8e248d9)", tma=True),
+}
+
+
+@dataclass(frozen=True)
+class PersistentRule:
+    """When the persistent TMA kernel (one block per SM walking the query tiles, the next tile's
+    loads overlapping this one's end) replaces the table tile: while a query tile's mean number of
+    key tiles (visible pairs / rows / block_n) is at most max_key_tiles - short sequences, where
+    a fresh block per tile leaves its prologue and epilogue exposed."""
+
+    tile: HopperTile
+    max_key_tiles: int
+    reason: str
+
+
+# Measured by tools/persistent_probe.sh on the H200 (commit 9bb0f2d, bf16, x = cuDNN ms / ours).
+HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
+    64: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent", tma=True, pingpong=True, persistent=True), 8,
+                       "causal N=1k 0.89x vs 0.74x for the table tile, N=2k and full N=1k ties (0.90 / 0.89 vs 0.88-0.90); "
+                       "beyond, the table tile (0.97-1.11x vs 0.90-0.91x)"),
+    128: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent", tma=True, pingpong=True, persistent=True), 16,
+                        "causal N=1k/2k/4k 1.01/1.01/1.02x vs 0.88/0.94/0.99x, full N=1k/2k 0.93/0.95x vs 0.88/0.94x; "
+                        "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),
 }
 
 # The cp.async wgmma kernel (attn_fwd_wgmma): its band instantiation (windows, packed sequences,

@@ -177,11 +177,18 @@ def test_memory_tiled_forward_hand_computed(monkeypatch, kernels):
     assert by["LSE"].bytes == 2 * 8 * 1000 * 4 and by["LSE"].category == accounting.SAVED
     smem = by["shared memory / block (fwd)"]
     assert smem.category == accounting.ON_CHIP
-    if kernels == "auto":  # TMA kernel: 192-row Q tile + 2 K and 2 V tiles of 128 keys + 9 mbarriers + 1 KiB slack
+    if kernels == "auto":
+        # N = 1000: each query tile sees 8 key tiles of 128, so the persistent TMA kernel: 128-row
+        # Q and O tiles + 2 K and 2 V tiles of 128 keys + 10 mbarriers + 1 KiB alignment slack.
+        assert smem.bytes == (2 * 128 + 512) * 128 + 80 + 1024
+        assert "attn_fwd_wgmma_tma_persistent" in smem.note
+        # N = 4000: the table's tile, 192-row Q tile + 2 K and 2 V tiles + 9 mbarriers + 1 KiB.
+        longer = cuflash.memory_report((2, 8, 4000, 64), (2, 2, 4000, 64), dtype="bfloat16")
+        smem4k = {e.name: e for e in longer.entries}["shared memory / block (fwd)"]
         t = schedule.HOPPER_FORWARD_TILES[64]
-        assert smem.bytes == (64 * t.warpgroups + 2 * t.stages * t.block_n) * 64 * 2 + 8 * (1 + 4 * t.stages) + 1024
-        assert smem.bytes == (192 + 512) * 128 + 72 + 1024
-        assert "attn_fwd_wgmma_tma" in smem.note
+        assert smem4k.bytes == (64 * t.warpgroups + 2 * t.stages * t.block_n) * 64 * 2 + 8 * (1 + 4 * t.stages) + 1024
+        assert smem4k.bytes == (192 + 512) * 128 + 72 + 1024
+        assert "attn_fwd_wgmma_tma<" in smem4k.note
     else:
         _, cfg = schedule.forward_tile(64)
         assert smem.bytes == (cfg.block_m + 2 * cfg.stages * cfg.block_n) * 64 * 2
@@ -337,7 +344,7 @@ def test_io_causal_matches_tile_enumeration(causal, nq, nk):
     B, H, Hkv, d = 2, 4, 2, 64
     full = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv)
     m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv, causal=causal, pass_="fwd+bwd")
-    fwd_tile = accounting.forward_launch("bfloat16", d, causal)  # what the H200 launches
+    fwd_tile = accounting.forward_launch("bfloat16", d, causal, nq=nq, nk=nk)  # what the H200 launches
     assert (m.block_m, m.block_n) == (fwd_tile.block_m, fwd_tile.block_n)
     kv_keys, _, pairs = brute_tile_traffic(causal, nq, nk, m.block_m, m.block_n)
     _, q_rows, bwd_pairs = brute_tile_traffic(causal, nq, nk, m.bwd_block_m, m.bwd_block_n)
