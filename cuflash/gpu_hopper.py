@@ -90,7 +90,7 @@ def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
         from . import masks
 
         pairs = masks.pair_count(masks.normalize_causal(causal), nq, nk)
-        if pairs <= rule.max_key_tiles * rule.tile.block_n * nq:
+        if pairs // nq <= rule.max_key_tiles * rule.tile.block_n:  # mean visible keys per row, whole keys
             return rule.tile
     return schedule.HOPPER_FORWARD_TILES[hd]
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, gpu, gpu_hopper, masks
+from cuflash import _problem, gpu, gpu_hopper, masks, schedule
 from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash._layout import is_view_of, to_bhsd
 from cuflash.testing import (
@@ -282,10 +282,17 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
         return real(spec)
 
     monkeypatch.setattr(gpu, "get_function", recording)
-    q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, 150, d), dtype)
-    o, lse = forward_poisoned(q, k, v)
-    assert launched == [gpu_hopper.forward_spec(dtype, d, False)[0].expression]
-    check_rows(o, lse, q, k, v)
+    # A short key range runs the persistent kernel where HOPPER_FORWARD_PERSISTENT has a rule
+    # (d = 64, 128), a long one the table's tile: both are what gpu_hopper.default_tile names.
+    for nk, persistent in ((150, d in schedule.HOPPER_FORWARD_PERSISTENT), (4000, False)):
+        launched.clear()
+        q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, nk, d), dtype)
+        o, lse = forward_poisoned(q, k, v)
+        tile = gpu_hopper.default_tile(d, None, 130, nk)
+        assert tile.persistent == persistent
+        assert tile == (schedule.HOPPER_FORWARD_PERSISTENT[d].tile if persistent else schedule.HOPPER_FORWARD_TILES[d])
+        assert launched == [gpu_hopper.forward_spec(dtype, d, False, tile)[0].expression]
+        check_rows(o, lse, q, k, v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,12 +1,14 @@
-"""Which (B, H, N, d) views the TMA kernels take (gpu_hopper.tma_ok) and the byte strides their
-tensor maps get (tma.bhsd_strides); no GPU needed (stand-in arrays with CuPy's attributes)."""
+"""Which (B, H, N, d) views the TMA kernels take (gpu_hopper.tma_ok), the byte strides their
+tensor maps get (tma.bhsd_strides), and which TMA tile the dispatch picks for a shape
+(gpu_hopper.default_tile); no GPU needed (stand-in arrays with CuPy's attributes)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cuflash import gpu_hopper, tma
+from cuflash import gpu_hopper, schedule, tma
 
 
 def view(shape, strides_elems, ptr=1 << 20, itemsize=2):
@@ -40,3 +42,38 @@ def test_tma_ok_rules():
     assert not gpu_hopper.tma_ok(contiguous((1, 2, 64, 128), ptr=(1 << 20) + 2))
     # a head dim with stride 2 (not unit)
     assert not gpu_hopper.tma_ok(view((1, 2, 64, 64), (2 * 64 * 128, 64 * 128, 128, 2)))
+
+
+# --------------------------------------------------------------------------- persistent dispatch
+
+
+@pytest.mark.parametrize(
+    "d,causal,n,persistent",
+    [
+        (64, None, 1024, True),  # 8 key tiles of 128 per query tile: the rule's bound
+        (64, None, 1025, False),
+        (64, "bottom_right", 2048, True),  # causal: 8 on average
+        (64, "bottom_right", 4096, False),
+        (128, None, 2048, True),  # 16 key tiles
+        (128, None, 4096, False),
+        (128, "top_left", 4096, True),
+        (128, "top_left", 16384, False),
+        (256, None, 128, False),  # no persistent rule: the O tile does not fit next to 80-key stages
+        (192, "bottom_right", 128, False),
+    ],
+)
+def test_default_tile_follows_the_persistent_rule(d, causal, n, persistent):
+    t = gpu_hopper.default_tile(d, causal, n, n)
+    assert t.persistent == persistent
+    if persistent:
+        rule = schedule.HOPPER_FORWARD_PERSISTENT[d]
+        assert t == rule.tile and t.tma and t.pingpong
+        assert t.smem_bytes(d) <= 232448  # the H200's opt-in shared memory per block
+    else:
+        assert t == schedule.HOPPER_FORWARD_TILES[d]
+
+
+def test_persistent_tile_smem_counts_the_o_tile_and_barrier():
+    t = schedule.HOPPER_FORWARD_PERSISTENT[128].tile
+    per_tile = dataclasses.replace(t, persistent=False)
+    assert t.smem_bytes(128) - per_tile.smem_bytes(128) == 128 * 128 * 2 + 8
