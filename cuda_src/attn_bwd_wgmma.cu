@@ -19,11 +19,6 @@
 // attn_bwd_kv_wgmma_tma: the same kernel with each step's Q and dO tiles fetched by the bulk tensor
 // copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
 // one mbarrier per buffer) instead of every thread issuing cp.async copies.
-// DQ_MODE, how a warpgroup's dQ tile reaches the float32 accumulator (atomic dQ only):
-//   0: a red.global.add.v2 per accumulator pair (every thread, 2 x 8 per 64x64 tile);
-//   1: a red.global.add.v4 per 4 columns, after a lane-pair shuffle (half the reductions);
-//   2: staged in shared memory (padded rows), then one bulk reduce-add per 64-query row issued
-//      by the warpgroup's first warp (the copy engine does the adds; FlashAttention-3's way).
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -34,7 +29,7 @@ struct BwdMaps {
     const TmaDesc* dout;
 };
 
-template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, int DQ_MODE = 0>
+template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
@@ -48,18 +43,14 @@ struct HopperBwdTraits {
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
-    // DQ_MODE 2: each warpgroup's 64 x kDqCols float32 dQ tile, rows padded by 16 bytes (the
-    // fragment stores of 8 rows then hit 8 different bank groups).
-    static constexpr int kDqRowBytes = kDqCols * 4 + 16;
-    static constexpr int kDqStageBytes = DQ_MODE == 2 ? WARPGROUPS * 64 * kDqRowBytes : 0;
     // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer.
     static constexpr int kSmemBytes =
-        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + (TMA ? 16 : 0) + kDqStageBytes + 1024;
+        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + (TMA ? 16 : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, int DQ_MODE = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -67,8 +58,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps) {
-    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, DQ_MODE>;
-    static_assert(DQ_MODE == 0 || (TMA && ATOMIC_DQ), "the dQ variants are the TMA kernel's atomic dQ");
+    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -84,7 +74,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
     float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
     const u32 sBar = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
-    const u32 sDq = sBar + (TMA ? 16 : 0);                   // (DQ_MODE 2) the warpgroups' dQ tiles
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * kBN;
@@ -144,9 +133,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
         cp_async_wait<0>();
         if constexpr (TMA) mbar_wait(sBar + 8 * buf, (step >> 1) & 1);  // buffer buf's (step/2)-th fill
-        if constexpr (DQ_MODE == 2) {
-            if (warp == 0) bulk_wait_read<0>();  // the last step's dQ rows have left shared memory
-        }
         fence_proxy_async();
         __syncthreads();
         if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
@@ -282,54 +268,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             wgmma_wait<1>();  // dV and dQ done; dK in flight
             fence_regs(acc_q);
             float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
-            if constexpr (DQ_MODE == 0) {
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                    if (m0 + dq_q0 + row < nq) {
-#pragma unroll
-                        for (int ni = 0; ni < kDqN / 8; ++ni)
-                            red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
-                    }
-                }
-            } else if constexpr (DQ_MODE == 1) {
-#if __CUDA_ARCH__ >= 900
-                // Lanes 2t and 2t+1 hold columns c, c+1 and c+2, c+3 of rows r and r+8: the even
-                // lane gets row r's four, the odd lane row r+8's.
-                const bool even = (lane & 1) == 0;
-                const int row = 16 * warp + (lane >> 2) + (even ? 0 : 8);
-                const int col = 2 * (lane & 3) - (even ? 0 : 2);
-                const bool ok = m0 + dq_q0 + row < nq;
-#pragma unroll
-                for (int ni = 0; ni < kDqN / 8; ++ni) {
-                    const float rx = __shfl_xor_sync(0xffffffffu, even ? acc_q[ni][2] : acc_q[ni][0], 1);
-                    const float ry = __shfl_xor_sync(0xffffffffu, even ? acc_q[ni][3] : acc_q[ni][1], 1);
-                    float* dst = gq + (i64)row * HEAD_DIM + ni * 8 + col;
-                    if (ok) {
-                        if (even) red_add_v4(dst, acc_q[ni][0], acc_q[ni][1], rx, ry);
-                        else red_add_v4(dst, rx, ry, acc_q[ni][2], acc_q[ni][3]);
-                    }
-                }
-#endif
-            } else {
-                // Stage the tile (the previous step's bulk reads finished before this step's
-                // __syncthreads), publish it to the async proxy, then warp 0 issues a reduce-add per row.
-                const u32 tile = sDq + wg * 64 * Tr::kDqRowBytes;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = 16 * warp + (lane >> 2) + 8 * hf;
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                if (m0 + dq_q0 + row < nq) {
 #pragma unroll
                     for (int ni = 0; ni < kDqN / 8; ++ni)
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(tile + row * Tr::kDqRowBytes + (ni * 8 + 2 * (lane & 3)) * 4),
-                                     "f"(acc_q[ni][2 * hf]), "f"(acc_q[ni][2 * hf + 1]));
-                }
-                fence_proxy_async();
-                named_barrier(3 + wg, 128);
-                if (warp == 0) {
-#pragma unroll
-                    for (int r = lane; r < 64; r += 32)
-                        if (m0 + dq_q0 + r < nq) bulk_reduce_add_f32(gq + (i64)r * HEAD_DIM, tile + r * Tr::kDqRowBytes, kDqN * 4);
-                    bulk_commit();
+                        red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
                 }
             }
         }
@@ -340,9 +285,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         fence_regs(sf);
     }
     cp_async_wait<0>();
-    if constexpr (DQ_MODE == 2) {
-        if (warp == 0) bulk_wait<0>();  // the last reduce-adds have read their rows (shared memory lives on)
-    }
 
     // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
     const float scale = scale_log2 / kLog2e;
@@ -379,7 +321,7 @@ attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 
 // Q and dO through tensor maps (d, queries, heads, batch) with 64 x BLOCK_M boxes; the other
 // arguments are attn_bwd_kv_wgmma's (the Q and dO pointers and strides unused but for one launch).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, int DQ_MODE = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPGROUPS * 128, 1)
 attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do,
                       const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -388,7 +330,7 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
                       i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                       i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                       int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true, DQ_MODE>(
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true>(
         q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
         do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
         BwdMaps{&tmap_q, &tmap_do});

@@ -208,13 +208,6 @@ __device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], con
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
-#if __CUDA_ARCH__ >= 900
-// Four consecutive floats (16-byte aligned) in one reduction (sm_90).
-__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
-                 : "memory");
-}
-#endif
 
 // Zero an array of mma accumulator fragments (unrolled: the array stays in registers).
 template <int ROWS, int COLS>

@@ -206,11 +206,8 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     t = tile or schedule.HOPPER_BACKWARD_TILES[hd]
     expr = (
         f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
-        f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}"
-        f"{f', {t.dq_mode}' if t.dq_mode and t.tma and not deterministic else ''}>"
+        f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
     )
-    # (dq_mode is how the TMA kernel's atomic dQ is added; the cp.async kernel and the
-    # deterministic path, which adds no dQ here, ignore it)
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
@@ -219,26 +216,12 @@ def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
     return t if t.tma else dataclasses.replace(t, tma=True, reason="TMA-fed " + t.reason)
 
 
-def backward_dq_variants(t: schedule.HopperBwdTile) -> list[schedule.HopperBwdTile]:
-    """The TMA tile with its other ways of adding dQ (dq_mode 1: red.v4, 2: bulk reduce-add)."""
-    base = backward_tma(t)
-    return [dataclasses.replace(base, dq_mode=m, reason=f"dq_mode {m}") for m in (0, 1, 2) if m != base.dq_mode]
-
-
 def all_hopper_backward_specs():
-    plain = [
+    return [
         backward_kv_spec(dtype, hd, causal, det, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in (dataclasses.replace(t, tma=False, dq_mode=0), backward_tma(t))
+        for tile in (dataclasses.replace(t, tma=False), backward_tma(t))
         for causal in (False, True)
         for det in (False, True)
     ]
-    variants = [
-        backward_kv_spec(dtype, hd, causal, False, tile)[0]
-        for dtype in (FLOAT16, BFLOAT16)
-        for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in backward_dq_variants(t)
-        for causal in (False, True)
-    ]
-    return plain + variants

@@ -141,19 +141,10 @@ class HopperBwdTile:
     warpgroups: int
     reason: str
     tma: bool = False  # Q and dO tiles by TMA (attn_bwd_kv_wgmma_tma), issued by one thread
-    # (TMA, atomic dQ) how dQ reaches its float32 accumulator: 0 red.v2 per pair, 1 red.v4 after a
-    # lane-pair shuffle, 2 staged in shared memory and bulk reduce-added per row (attn_bwd_wgmma.cu)
-    dq_mode: int = 0
 
     @property
     def block_n(self) -> int:
         return 64 * self.warpgroups
-
-    def dq_cols(self, head_dim: int) -> int:
-        """Columns of one warpgroup's dQ tile (its split: by query rows, by 64-column blocks, by keys)."""
-        if self.block_m == 64 * self.warpgroups:
-            return head_dim
-        return head_dim // self.warpgroups if head_dim % (64 * self.warpgroups) == 0 else head_dim
 
     @property
     def threads(self) -> int:
@@ -161,10 +152,9 @@ class HopperBwdTile:
 
     def smem_bytes(self, head_dim: int) -> int:
         """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
-        (dq_mode 2) each warpgroup's 64-row float32 dQ tile with 16-byte padded rows, + 1 KiB alignment."""
-        stage = self.warpgroups * 64 * (self.dq_cols(head_dim) * 4 + 16) if self.dq_mode == 2 else 0
+        + 1 KiB alignment."""
         return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
-                + 16 * self.tma + stage + 1024)
+                + 16 * self.tma + 1024)
 
 
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head

@@ -169,9 +169,8 @@ def tile_from_dict(op: str, d: dict):
                 raise ValueError(f"tile: field {name} is missing")
             continue
         x, kind = d[name], str(f.type)
-        least = 0 if name == "dq_mode" else 1  # (a mode number; every other int field is a size)
         ok = {"str": isinstance(x, str), "bool": isinstance(x, bool)}.get(
-            kind, isinstance(x, int) and not isinstance(x, bool) and x >= least)
+            kind, isinstance(x, int) and not isinstance(x, bool) and x >= 1)
         if not ok:
             raise ValueError(f"tile: field {name} ({kind}) has the value {x!r}")
     return cls(**d)

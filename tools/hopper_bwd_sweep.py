@@ -30,12 +30,8 @@ from cuflash.testing import assert_backward_within_naive_error, random_inputs, t
 
 
 def variants(hd):
-    t = dataclasses.replace(schedule.HOPPER_BACKWARD_TILES[hd], tma=False, dq_mode=0)
-    tma = gpu_hopper.backward_tma(t)
-    out = {"cp.async": t, "tma": tma}
-    if os.environ.get("DQ_MODES"):  # the TMA tile's other dQ additions (dq_mode 1: red.v4, 2: bulk)
-        out.update({f"tma-dq{m}": dataclasses.replace(tma, dq_mode=int(m)) for m in os.environ["DQ_MODES"].split(",")})
-    return out
+    t = dataclasses.replace(schedule.HOPPER_BACKWARD_TILES[hd], tma=False)
+    return {"cp.async": t, "tma": gpu_hopper.backward_tma(t)}
 
 
 def main():

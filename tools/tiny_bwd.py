@@ -1,8 +1,6 @@
-"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma|dq4|bulk]
+"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma]
 
-tma: the Hopper backward table tile with Q/dO fetched by TMA; dq4 / bulk: that tile with its dQ
-added by red.v4 / by bulk reduce-adds from shared memory (dq_mode 1 / 2)."""
-import dataclasses
+tma: the Hopper backward table tile with Q/dO fetched by TMA."""
 import sys
 
 import cupy as cp
@@ -15,10 +13,9 @@ from cuflash import gpu_hopper, schedule
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
-if len(sys.argv) > 7 and sys.argv[7] in ("tma", "dq4", "bulk"):
+if len(sys.argv) > 7 and sys.argv[7] == "tma":
     hd = schedule.head_dim_bucket(d)
-    t = gpu_hopper.backward_tma(schedule.HOPPER_BACKWARD_TILES[hd])
-    schedule.HOPPER_BACKWARD_TILES[hd] = dataclasses.replace(t, dq_mode={"tma": 0, "dq4": 1, "bulk": 2}[sys.argv[7]])
+    schedule.HOPPER_BACKWARD_TILES[hd] = gpu_hopper.backward_tma(schedule.HOPPER_BACKWARD_TILES[hd])
 rng = np.random.default_rng(0)
 q, k, v, do = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(4))
 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
