@@ -12,7 +12,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 # PART=tests or PART=bench splits the check over two device calls (each under 10 minutes).
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE -n 2 \
+timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE -n "${TEST_WORKERS:-2}" \
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -3 "$OUT/tests.log"
 fi
