@@ -58,7 +58,7 @@ struct HopperFwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false>
+          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
@@ -70,10 +70,6 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
-    // WG_EPILOGUE (persistent): each math warpgroup stages and stores only its own 64 rows of O,
-    // behind warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's
-    // end (under ping-pong their offset carries into the next tile).
-    static_assert(!WG_EPILOGUE || PERSISTENT, "the per-warpgroup epilogue needs O's own tile (persistent)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -333,8 +329,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 mbar_wait(full_q, q_phase);  // Q's copies may still be landing in the rows reused below
                 if constexpr (PERSISTENT) mbar_arrive(empty_q);
             }
-            if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);  // this warpgroup left its O rows
-            else named_barrier(1, kMath);
+            named_barrier(1, kMath);
         } else {
             cp_async_wait<0>();
             __syncthreads();
@@ -351,18 +346,15 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 const u32 addr = sO + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
             }
-        if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);
-        else if constexpr (PRODUCER) named_barrier(1, kMath);
+        if constexpr (PRODUCER) named_barrier(1, kMath);
         else __syncthreads();
         if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
             if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
         }
         u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
-        // (WG_EPILOGUE: this warpgroup's rows, i counts from its first row's first chunk)
-        constexpr int kStoreThreads = WG_EPILOGUE ? 128 : kMath;
     #pragma unroll
         for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
-            const int i = it * kStoreThreads + (WG_EPILOGUE ? 64 * wg * TileQ::kChunks + (tid & 127) : tid);
+            const int i = it * kMath + tid;
             const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
             if (row < rows_valid && c * 8 < d) {
                 uint4 val;
@@ -511,8 +503,7 @@ attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant
 // n_batch x n_heads x query-tile list (attn_fwd_wgmma_body's work_item). Its producer fetches the
 // next tile's first K and its Q while the math warpgroups finish this tile (P V and the O store),
 // which a fresh block per tile leaves exposed - at N = 1k a block has only 8 key tiles to hide them.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
-          bool WG_EPILOGUE = false>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_fwd_wgmma_tma_persistent(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
                               const __grid_constant__ TmaDesc tmap_v,
@@ -522,7 +513,7 @@ attn_fwd_wgmma_tma_persistent(const __grid_constant__ TmaDesc tmap_q, const __gr
                               i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                               int nq, int nk, int d, int group, int causal_off, float scale_log2, int n_heads,
                               int n_batch) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v},
         n_heads, n_batch);
