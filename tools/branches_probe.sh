@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (about 5 minutes) for the branches that wait on a GPU run before they can merge:
+# Device call(s) for the branches that wait on a GPU run before they can merge (all three: about
+# 9 minutes; only the snap-* folders present run, so split them over calls if needed):
 #   next/wg-epilogue      persistent forward with a per-warpgroup epilogue as the rule tiles
 #   next/bwd-async-stats  the wgmma backward's lse/D fetched by cp.async instead of a blocking load
 #   next/bwd-ws           the warp-specialized backward (producer + dQ warp, bulk dQ adds): tests, sweep
