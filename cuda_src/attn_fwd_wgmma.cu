@@ -158,6 +158,18 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     };
     int kv0 = 0;
     u32 q_phase = 0;
+    // The persistent walk, once per role (the producer's loads, the math): a macro, because NVRTC
+    // compiles a generic lambda's templated call operator as host code.
+#define CUFLASH_FOR_EACH_TILE(ROLE_WORK)                             \
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x)            \
+        for (int kt = 0; kt < unit_tiles; ++kt) {                    \
+            const int mb = unit_tile(u, kt);                         \
+            if (mb < 0) continue;                                    \
+            set_tile(u / units_per_head, mb);                        \
+            ROLE_WORK;                                               \
+            kv0 += n_tiles;                                          \
+            q_phase ^= 1;                                            \
+        }
 
     // ltid: this thread's index among the loading threads (all of them, or the producer's, whose
     // loops stay rolled to fit its registers).
@@ -421,15 +433,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     }
                 };
                 if constexpr (PERSISTENT) {
-                    for (int u = blockIdx.x; u < n_units; u += gridDim.x)
-                        for (int kt = 0; kt < unit_tiles; ++kt) {
-                            const int mb = unit_tile(u, kt);
-                            if (mb < 0) continue;
-                            set_tile(u / units_per_head, mb);
-                            tile_loads();
-                            kv0 += n_tiles;
-                            q_phase ^= 1;
-                        }
+                    CUFLASH_FOR_EACH_TILE(tile_loads())
                 } else {
                     tile_loads();
                 }
@@ -455,15 +459,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         } else {
             setmaxnreg_inc<Tr::kMathRegs>();
             if constexpr (PERSISTENT) {
-                for (int u = blockIdx.x; u < n_units; u += gridDim.x)
-                    for (int kt = 0; kt < unit_tiles; ++kt) {
-                        const int mb = unit_tile(u, kt);
-                        if (mb < 0) continue;
-                        set_tile(u / units_per_head, mb);
-                        math();
-                        kv0 += n_tiles;
-                        q_phase ^= 1;
-                    }
+                CUFLASH_FOR_EACH_TILE(math())
             } else {
                 math();
             }
@@ -481,43 +477,39 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         math();
     }
 }
+#undef CUFLASH_FOR_EACH_TILE
 
 // The same kernel fed by the bulk tensor copy engine: Q, K and V as rank-4 tensor maps (d, rows,
 // heads, batch) with 64 x rows boxes (Q: kBlockM rows, K/V: BLOCK_N); the pointers and strides
 // of Q, K and V are the plain kernel's (unused but for a uniform launch).
+#define FWD_TMA_PARAMS                                                                                          \
+    const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,                             \
+        const __grid_constant__ TmaDesc tmap_v, const u16 *__restrict__ q, const u16 *__restrict__ k,           \
+        const u16 *__restrict__ v, u16 *__restrict__ o, float *__restrict__ lse, i64 q_sb, i64 q_sh, i64 q_sn, \
+        i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn, int nq,      \
+        int nk, int d, int group, int causal_off, float scale_log2
+#define FWD_TMA_ARGS                                                                                            \
+    q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, nq, nk, d, group,  \
+        causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v}
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
-                   const __grid_constant__ TmaDesc tmap_v,
-                   const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                   u16* __restrict__ o, float* __restrict__ lse,
-                   i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                   int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
-        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
-        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v});
+attn_fwd_wgmma_tma(FWD_TMA_PARAMS) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(FWD_TMA_ARGS);
 }
 
 // The TMA kernel as a persistent one: gridDim.x blocks, one per SM, each walking its share of the
-// n_batch x n_heads x query-tile list (attn_fwd_wgmma_body's work_item). Its producer fetches the
-// next tile's first K and its Q while the math warpgroups finish this tile (P V and the O store),
-// which a fresh block per tile leaves exposed - at N = 1k a block has only 8 key tiles to hide them.
+// work units (query tiles; causal: pairs of them) of n_batch x n_heads (attn_fwd_wgmma_body's
+// unit_tile). Its producer fetches the next tile's first K and its Q while the math warpgroups
+// finish this tile (P V and the O store), which a fresh block per tile leaves exposed - at N = 1k
+// a block has only 8 key tiles to hide them.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_persistent(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
-                              const __grid_constant__ TmaDesc tmap_v,
-                              const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                              u16* __restrict__ o, float* __restrict__ lse,
-                              i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                              i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                              int nq, int nk, int d, int group, int causal_off, float scale_log2, int n_heads,
-                              int n_batch) {
+attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true>(
-        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
-        nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v},
-        n_heads, n_batch);
+        FWD_TMA_ARGS, n_heads, n_batch);
 }
+#undef FWD_TMA_PARAMS
+#undef FWD_TMA_ARGS
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), 1)
