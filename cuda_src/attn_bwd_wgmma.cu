@@ -305,33 +305,31 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     }
 }
 
+// The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides
+// unused but for one launch).
+#define BWD_KV_PARAMS                                                                                           \
+    const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ v,                            \
+        const u16 *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dsum,            \
+        float *__restrict__ dq_acc, u16 *__restrict__ dk, u16 *__restrict__ dv, i64 q_sb, i64 q_sh, i64 q_sn,   \
+        i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn,            \
+        i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, int hq, int nq, int nk, int d,        \
+        int group, int causal_off, float scale_log2
+#define BWD_KV_ARGS                                                                                             \
+    q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,      \
+        do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPGROUPS * 128, 1)
-attn_bwd_kv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-                  float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
-                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-                  int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, false>(
-        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
-        BwdMaps{nullptr, nullptr});
+attn_bwd_kv_wgmma(BWD_KV_PARAMS) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, false>(BWD_KV_ARGS,
+                                                                                     BwdMaps{nullptr, nullptr});
 }
 
-// Q and dO through tensor maps (d, queries, heads, batch) with 64 x BLOCK_M boxes; the other
-// arguments are attn_bwd_kv_wgmma's (the Q and dO pointers and strides unused but for one launch).
+// Q and dO through tensor maps (d, queries, heads, batch) with 64 x BLOCK_M boxes.
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPGROUPS * 128, 1)
-attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do,
-                      const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                      const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-                      float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
-                      i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
-                      i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-                      int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true>(
-        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, causal_off, scale_log2,
-        BwdMaps{&tmap_q, &tmap_do});
+attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true>(BWD_KV_ARGS,
+                                                                                    BwdMaps{&tmap_q, &tmap_do});
 }
+#undef BWD_KV_PARAMS
+#undef BWD_KV_ARGS

@@ -173,14 +173,15 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
     `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
     from .gpu import launch_forward
 
+    addressable = tma_ok(q4, k4, v4)
     if tile is None:
-        tile = default_tile(p.d, p.causal, p.nq, p.nk) if tma_ok(q4, k4, v4) else cp_async_tile(p.d)
+        tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
     maps = None
     if t.tma:
         from . import tma
 
-        if not tma_ok(q4, k4, v4):
+        if not addressable:
             raise ValueError("tile: the TMA-fed kernel needs cuda-bindings and 16-byte aligned rows and strides")
 
         def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
@@ -189,15 +190,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
     if t.persistent:
         import cupy
 
+        from .gpu_decode import _sm_count
+
         blocks = persistent_blocks or _sm_count(cupy.cuda.Device().id)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash import gpu_hopper, schedule, tma
+from cuflash.device_limits import H200
 
 
 def view(shape, strides_elems, ptr=1 << 20, itemsize=2):
@@ -68,7 +69,7 @@ def test_default_tile_follows_the_persistent_rule(d, causal, n, persistent):
     if persistent:
         rule = schedule.HOPPER_FORWARD_PERSISTENT[d]
         assert t == rule.tile and t.tma and t.pingpong
-        assert t.smem_bytes(d) <= 232448  # the H200's opt-in shared memory per block
+        assert t.smem_bytes(d) <= H200.smem_per_block_optin
     else:
         assert t == schedule.HOPPER_FORWARD_TILES[d]
 

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash import gpu_hopper, schedule
+from cuflash import gpu_decode, gpu_hopper, schedule
 
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
@@ -25,7 +25,7 @@ if len(sys.argv) > 7 and sys.argv[7] in ("ws", "tma", "pp", "persist", "pppersis
         t = dataclasses.replace(t, pingpong=True)
     elif sys.argv[7] in ("persist", "pppersist"):
         t = dataclasses.replace(t, persistent=True, pingpong=sys.argv[7] == "pppersist")
-        gpu_hopper._sm_count = lambda device_id: 3
+        gpu_decode._sm_count = lambda device_id: 3  # (gpu_hopper.forward reads it at call time)
     schedule.HOPPER_FORWARD_TILES[hd] = t
 rng = np.random.default_rng(0)
 q, k, v = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(3))
