@@ -58,7 +58,7 @@ struct HopperFwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false>
+          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
@@ -70,6 +70,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
+    // WG_EPILOGUE (persistent): each math warpgroup stages and stores only its own 64 rows of O,
+    // behind warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's
+    // end (under ping-pong their offset carries into the next tile).
+    static_assert(!WG_EPILOGUE || PERSISTENT, "the per-warpgroup epilogue needs O's own tile (persistent)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -341,7 +345,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 mbar_wait(full_q, q_phase);  // Q's copies may still be landing in the rows reused below
                 if constexpr (PERSISTENT) mbar_arrive(empty_q);
             }
-            named_barrier(1, kMath);
+            if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);  // this warpgroup left its O rows
+            else named_barrier(1, kMath);
         } else {
             cp_async_wait<0>();
             __syncthreads();
@@ -358,15 +363,18 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 const u32 addr = sO + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
             }
-        if constexpr (PRODUCER) named_barrier(1, kMath);
+        if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);
+        else if constexpr (PRODUCER) named_barrier(1, kMath);
         else __syncthreads();
         if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
             if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
         }
         u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
+        // (WG_EPILOGUE: this warpgroup's rows, i counts from its first row's first chunk)
+        constexpr int kStoreThreads = WG_EPILOGUE ? 128 : kMath;
     #pragma unroll
         for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
-            const int i = it * kMath + tid;
+            const int i = it * kStoreThreads + (WG_EPILOGUE ? 64 * wg * TileQ::kChunks + (tid & 127) : tid);
             const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
             if (row < rows_valid && c * 8 < d) {
                 uint4 val;
@@ -502,10 +510,11 @@ attn_fwd_wgmma_tma(FWD_TMA_PARAMS) {
 // unit_tile). Its producer fetches the next tile's first K and its Q while the math warpgroups
 // finish this tile (P V and the O store), which a fresh block per tile leaves exposed - at N = 1k
 // a block has only 8 key tiles to hide them.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true>(
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
         FWD_TMA_ARGS, n_heads, n_batch);
 }
 #undef FWD_TMA_PARAMS

@@ -73,7 +73,7 @@ def _forward_spec(kernel, dtype, d, flags, tile):
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
         kernel = kernel + ("_tma_persistent" if t.persistent else "_tma")
-        producer = f", {'true' if t.pingpong else 'false'}"
+        producer = f", {'true' if t.pingpong else 'false'}" + (", true" if t.persistent and t.wg_epilogue else "")
     else:
         producer = ", true" if t.producer else ""
     expr = f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
@@ -133,16 +133,19 @@ def tma_ok(*arrays) -> bool:
 
 
 def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.HopperTile]:
-    """The persistent forms of a TMA tile (own-pace and ping-pong) whose extra O tile still fits
+    """The persistent forms of a TMA tile (own-pace and ping-pong, block-wide or per-warpgroup
+    epilogue) whose extra O tile still fits
     a block's shared memory on the H200; none for the others (d = 192, 256). At most 2 math
     warpgroups: with 3 (d = 64), the causal unit loop spills at 160 registers per math thread."""
     from .device_limits import H200
 
     out = []
     for pp in (False, True):
-        v = dataclasses.replace(t, warpgroups=min(t.warpgroups, 2), pingpong=pp, persistent=True, reason="")
-        if t.tma and v.smem_bytes(head_dim) <= H200.smem_per_block_optin:
-            out.append(v)
+        for wge in (False, True):
+            v = dataclasses.replace(t, warpgroups=min(t.warpgroups, 2), pingpong=pp, persistent=True, wg_epilogue=wge,
+                                    reason="")
+            if t.tma and v.smem_bytes(head_dim) <= H200.smem_per_block_optin:
+                out.append(v)
     return out
 
 

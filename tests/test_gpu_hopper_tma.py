@@ -116,18 +116,19 @@ def test_warpgroup_schedules(rng, pingpong, warpgroups, causal, d):
         run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
 
 
+@pytest.mark.parametrize("epilogue", [False, True], ids=["block-epilogue", "wg-epilogue"])
 @pytest.mark.parametrize("blocks", [None, 1, 5], ids=["per-SM", "one-block", "five-blocks"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 128])
-def test_persistent_schedule(rng, blocks, pingpong, causal, d):
+def test_persistent_schedule(rng, epilogue, blocks, pingpong, causal, d):
     # attn_fwd_wgmma_tma_persistent: a few blocks walk many (batch, head, query-tile) items, the
     # K/V ring and the barrier phases running on across tiles of different key-tile counts (0
     # under bottom_right with nq > nk, 1, many; odd counts flip the ring's parity mid-tile), GQA,
     # a ragged last query tile, odd query-tile counts (a causal unit pairs tiles m and M-1-m; the
     # middle one of an odd count runs alone) and units that do not divide among the blocks.
     variants = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[d], d)
-    tile = next(t for t in variants if t.pingpong == pingpong)
+    tile = next(t for t in variants if t.pingpong == pingpong and t.wg_epilogue == epilogue)
     for batch, hq, hkv, nq, nk in ((3, 3, 1, 515, 700), (2, 4, 2, 300, 129), (1, 2, 2, 1000, 257)):
         run_and_check(rng, FLOAT16, (batch,), hq, hkv, nq, nk, d, causal=causal, tile=tile, persistent_blocks=blocks)
 

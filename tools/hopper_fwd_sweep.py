@@ -29,17 +29,17 @@ from cuflash.schedule import HopperTile  # noqa: E402
 from cuflash.testing import assert_forward_within_naive_error  # noqa: E402
 
 
-def T(bn, wg, st, kind=""):
+def T(bn, wg, st, kind="", wg_epilogue=False):
     # kinds: "" cp.async, "ws" warp-specialized cp.async, "tma", "pp" (TMA ping-pong), and the
     # persistent TMA kernels "ptma" / "ppp" (one block per SM walking the query tiles)
     return HopperTile(bn, wg, st, kind or "cp.async", kind == "ws", kind in ("tma", "pp", "ptma", "ppp"),
-                      kind in ("pp", "ppp"), kind in ("ptma", "ppp"))
+                      kind in ("pp", "ppp"), kind in ("ptma", "ppp"), wg_epilogue)
 
 
 # The cp.async tile, the TMA table tile (first TMA entry) and alternatives measured against it.
 CANDIDATES = {
-    64: [T(128, 3, 2, "tma"), T(128, 3, 2, "pp"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ptma")],
-    128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ptma"), T(128, 2, 2, "ppp"), T(176, 2, 2, "ptma")],
+    64: [T(128, 3, 2, "pp"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True)],
+    128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 2, 2, "ptma", True)],
     192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma")],
     256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp")],
 }
@@ -48,6 +48,7 @@ CANDIDATES = {
 def name(t):
     kind = ("PP" if t.pingpong else "T") if t.tma else ("P" if t.producer else "")
     kind += "-persist" if t.persistent else ""
+    kind += "-wgepi" if t.wg_epilogue else ""
     return f"{t.block_m}x{t.block_n}wg{t.warpgroups}s{t.stages}{kind}"
 
 
