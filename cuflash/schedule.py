@@ -115,11 +115,14 @@ class PersistentRule:
 
 # Measured by tools/persistent_probe.sh on the H200 (commit 9bb0f2d, bf16, x = cuDNN ms / ours).
 HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
-    64: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent", tma=True, pingpong=True, persistent=True), 8,
+    64: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent, per-warpgroup epilogue", tma=True, pingpong=True,
+                                  persistent=True, wg_epilogue=True), 8,
                        "causal N=1k 0.89x vs 0.74x for the table tile, N=2k and full N=1k ties (0.90 / 0.89 vs 0.88-0.90); "
                        "beyond, the table tile (0.97-1.11x vs 0.90-0.91x)"),
-    128: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent", tma=True, pingpong=True, persistent=True), 16,
+    128: PersistentRule(HopperTile(128, 2, 2, "128x128 own pace, persistent, per-warpgroup epilogue", tma=True,
+                                   persistent=True, wg_epilogue=True), 16,
                         "causal N=1k/2k/4k 1.01/1.01/1.02x vs 0.88/0.94/0.99x, full N=1k/2k 0.93/0.95x vs 0.88/0.94x; "
+                        "per-warpgroup epilogue, own pace (b051d56 sweep): full N=1k/2k 0.97/0.98x, causal 1.03/1.05x; "
                         "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),
 }
 

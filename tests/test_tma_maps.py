@@ -68,7 +68,7 @@ def test_default_tile_follows_the_persistent_rule(d, causal, n, persistent):
     assert t.persistent == persistent
     if persistent:
         rule = schedule.HOPPER_FORWARD_PERSISTENT[d]
-        assert t == rule.tile and t.tma and t.pingpong
+        assert t == rule.tile and t.tma and t.persistent
         assert t.smem_bytes(d) <= H200.smem_per_block_optin
     else:
         assert t == schedule.HOPPER_FORWARD_TILES[d]
