@@ -116,7 +116,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
             load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
         }
-        load_row_stats<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
+        load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
     };
     if (n_steps > 0) load_step(0, 0);
     cp_async_commit();
@@ -133,6 +133,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
         cp_async_wait<0>();
         if constexpr (TMA) mbar_wait(sBar + 8 * buf, (step >> 1) & 1);  // buffer buf's (step/2)-th fill
+        // This thread's row statistics of the step have landed: into their stored form.
+        fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
         fence_proxy_async();
         __syncthreads();
         if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);

@@ -83,6 +83,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                      "r"(src_bytes));
     }
 }
+// 4 bytes (a float of the per-row statistics); cached in L1 (.ca: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -243,5 +247,32 @@ __device__ __forceinline__ void load_row_stats(float* sL, float* sD, int buf, co
         const float l = i < rows ? lse[stat + i] : -INFINITY;
         sL[buf * ROWS + i] = l == -INFINITY ? INFINITY : l * kLog2e;
         sD[buf * ROWS + i] = i < rows ? dsum[stat + i] : 0.f;
+    }
+}
+
+// load_row_stats without the wait: rows < `rows` are copied raw by cp.async (in the caller's next
+// commit group), the others get their final +inf / 0 at once. Once that group has been waited
+// for, the same threads call fix_row_stats (before the barrier that publishes the tile), which
+// turns lse into the stored form. The loads then overlap the step's GEMMs instead of stalling
+// the warps that issue them (a global load's latency per step, and a block barrier behind it).
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_row_stats_async(float* sL, float* sD, int buf, const float* __restrict__ lse,
+                                                     const float* __restrict__ dsum, i64 stat, int rows, int tid) {
+    for (int i = tid; i < ROWS; i += THREADS) {
+        if (i < rows) {
+            cp_async4(sL + buf * ROWS + i, lse + stat + i);
+            cp_async4(sD + buf * ROWS + i, dsum + stat + i);
+        } else {
+            sL[buf * ROWS + i] = INFINITY;
+            sD[buf * ROWS + i] = 0.f;
+        }
+    }
+}
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void fix_row_stats(float* sL, int buf, int rows, int tid) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    for (int i = tid; i < min(rows, ROWS); i += THREADS) {
+        const float l = sL[buf * ROWS + i];
+        sL[buf * ROWS + i] = l == -INFINITY ? INFINITY : l * kLog2e;
     }
 }
