@@ -69,6 +69,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps) {
     using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
     static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
+    // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
+    // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
+    static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -87,7 +90,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
     const u32 sDq = (sBar + 32 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
     // (WS) named barriers: 1 the math warpgroups, 6 + w dQ tile w full, 8 + w dQ tile w free (math
-    // warpgroup w's 128 threads and the dQ warp's 32 meet on each; 1 + w is the keys split's).
+    // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -130,22 +133,21 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     const int m0 = (m_begin + step % per_head) * BLOCK_M;
                     const int rows = min(BLOCK_M, nq - m0);
                     const i64 stat = ((i64)b * hq + h) * nq + m0;
-                    for (int i = lane; i < BLOCK_M; i += 32) {
-                        const float l = i < rows ? lse[stat + i] : -INFINITY;
-                        sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
-                        sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
-                    }
                     const u32 bar = sBar + 8 * buf;
-                    if (lane == 0) {  // arrives after its own stores, then the boxes
-                        mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+                    if (lane == 0) {  // the boxes first (their bytes expected), so the loads below overlap them
+                        mbar_expect_tx(bar, 2 * TileQ::kBytes);
 #pragma unroll
                         for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
                             tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
                             tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
                         }
-                    } else {
-                        mbar_arrive(bar);
                     }
+                    for (int i = lane; i < BLOCK_M; i += 32) {
+                        const float l = i < rows ? lse[stat + i] : -INFINITY;
+                        sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+                        sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
+                    }
+                    mbar_arrive(bar);  // each lane after its own stores (32 arrivals)
                 }
             } else if (pwarp == 1) {
                 constexpr int kDqN = Tr::kDqCols;
@@ -154,20 +156,26 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 for (int step = 0; step < n_steps; ++step) {
                     const int h = hk * group + step / per_head;
                     const int m0 = (m_begin + step % per_head) * BLOCK_M;
-                    for (int w = 0; w < WARPGROUPS; ++w) {
+                    // Both warpgroups' reduce-adds in flight together; tile w is free again once
+                    // its group has been read (wait_group.read 1 - w: the newer one may still run).
+#pragma unroll
+                    for (int w = 0; w < 2; ++w) {
                         named_barrier(6 + w, kDqBarThreads);  // math warpgroup w staged its tile
                         const int rt = (m0 + (Tr::kDqByRows ? 64 * w : 0)) / 64;
                         const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;
                         float* chunk = dq_acc + ((((i64)b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
                         // (a 128-query step's second half can lie wholly past nq: no chunk there)
-                        if (lane == 0 && rt < row_tiles) {
-                            bulk_reduce_add_f32(chunk, sDq + w * Tr::kDqTileBytes, Tr::kDqTileBytes);
-                            bulk_commit();
-                            bulk_wait_read<0>();  // the tile may be overwritten
+                        if (lane == 0) {
+                            if (rt < row_tiles) bulk_reduce_add_f32(chunk, sDq + w * Tr::kDqTileBytes, Tr::kDqTileBytes);
+                            bulk_commit();  // (an empty group when skipped, so the counts below hold)
                         }
-                        __syncwarp();
-                        if (step + 1 < n_steps) named_barrier_arrive(8 + w, kDqBarThreads);
                     }
+                    if (lane == 0) bulk_wait_read<1>();
+                    __syncwarp();
+                    if (step + 1 < n_steps) named_barrier_arrive(8, kDqBarThreads);
+                    if (lane == 0) bulk_wait_read<0>();
+                    __syncwarp();
+                    if (step + 1 < n_steps) named_barrier_arrive(9, kDqBarThreads);
                 }
                 if (lane == 0) bulk_wait<0>();
             }

@@ -76,7 +76,8 @@ def _strides3(a4):
 
 def workspace_bytes(p) -> int:
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
-    padded to the head-dim bucket) and D."""
+    padded to the head-dim bucket) and D. (Not for a forced warp-specialized wgmma tile, whose
+    accumulator pads Nq to 64 rows per head: gpu_hopper.dq_frag_elements.)"""
     hd = schedule.head_dim_bucket(p.d)
     return p.batch * p.hq * p.nq * (hd + 1) * 4
 

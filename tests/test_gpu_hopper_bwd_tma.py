@@ -95,6 +95,7 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal):
     _run(rng, 2, 2, 2, 97, 130, d, dtype, causal)
     _run(rng, 1, 8, 2, 1000, 300, d, dtype, causal)
     _run(rng, 2, 4, 2, 150, 60, d, dtype, causal, layout="bshd")
+    _run(rng, 1, 2, 2, 40, 100, d, dtype, causal)  # one step per head (one fill of the ring)
     assert tma_backward and all("attn_bwd_kv_wgmma_ws<" in e for e in tma_backward), tma_backward
     tma_backward.clear()
     _run(rng, 1, 2, 1, 130, 97, d, dtype, causal, deterministic=True)
