@@ -19,6 +19,13 @@
 // attn_bwd_kv_wgmma_tma: the same kernel with each step's Q and dO tiles fetched by the bulk tensor
 // copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
 // one mbarrier per buffer) instead of every thread issuing cp.async copies.
+// attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout, notes/BWD_FA3.md): one
+// more warpgroup at 24 registers whose warp 0 fills a two-stage ring of Q, dO (TMA) and lse, D
+// (plain loads) on full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its
+// 64 x 64 float32 dQ tile to shared memory in its accumulator fragments' order, and the dQ warp
+// adds the whole 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is
+// therefore in fragment order, 64 x 64 chunks (attn_bwd_dq_convert_frag reorders it). The math
+// warpgroups (240 registers) issue no global load or reduction in the loop.
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -29,7 +36,7 @@ struct BwdMaps {
     const TmaDesc* dout;
 };
 
-template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false>
+template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
@@ -43,14 +50,16 @@ struct HopperBwdTraits {
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
-    // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer.
-    static constexpr int kSmemBytes =
-        2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 + (TMA ? 16 : 0) + 1024;
+    // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
+    // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
+    static constexpr int kDqTileBytes = 64 * 64 * 4;
+    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 +
+                                      (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -58,7 +67,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps) {
-    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA>;
+    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
+    static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
+    // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
+    // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
+    static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -74,6 +87,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
     float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
     const u32 sBar = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
+    const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
+    const u32 sDq = (sBar + 32 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
+    // (WS) named barriers: 1 the math warpgroups, 6 + w dQ tile w full, 8 + w dQ tile w free (math
+    // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
+    constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * kBN;
@@ -90,14 +108,84 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 
     if constexpr (TMA) {
         if (tid == 0) {
-            mbar_init(sBar, 1);
-            mbar_init(sBar + 8, 1);
+            // (WS) "full": the loading warp's 32 lanes (lane 0 with the copies' bytes); "empty":
+            // every math thread.
+            mbar_init(sBar, WS ? 32 : 1);
+            mbar_init(sBar + 8, WS ? 32 : 1);
+            if constexpr (WS) {
+                mbar_init(sEmpty, kMathThreads);
+                mbar_init(sEmpty + 8, kMathThreads);
+            }
             fence_mbar_init();
         }
         __syncthreads();  // initialized before anyone waits on them
     }
-    load_sw128<HEAD_DIM, kBN, kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
-    load_sw128<HEAD_DIM, kBN, kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
+    if constexpr (WS) {
+        if (tid >= kMathThreads) {  // the producer warpgroup: warp 0 loads, warp 1 adds dQ
+            setmaxnreg_dec<24>();
+            const int pwarp = (tid - kMathThreads) >> 5;
+            const int row_tiles = (nq + 63) / 64;
+            if (pwarp == 0) {
+                for (int step = 0; step < n_steps; ++step) {
+                    const int buf = step & 1;
+                    mbar_wait(sEmpty + 8 * buf, ((step >> 1) & 1) ^ 1);
+                    const int h = hk * group + step / per_head;
+                    const int m0 = (m_begin + step % per_head) * BLOCK_M;
+                    const int rows = min(BLOCK_M, nq - m0);
+                    const i64 stat = ((i64)b * hq + h) * nq + m0;
+                    const u32 bar = sBar + 8 * buf;
+                    if (lane == 0) {  // the boxes first (their bytes expected), so the loads below overlap them
+                        mbar_expect_tx(bar, 2 * TileQ::kBytes);
+#pragma unroll
+                        for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                            tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
+                            tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+                        }
+                    }
+                    for (int i = lane; i < BLOCK_M; i += 32) {
+                        const float l = i < rows ? lse[stat + i] : -INFINITY;
+                        sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+                        sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
+                    }
+                    mbar_arrive(bar);  // each lane after its own stores (32 arrivals)
+                }
+            } else if (pwarp == 1) {
+                constexpr int kDqN = Tr::kDqCols;
+                if (n_steps > 0)  // the tiles start free (one arrival per math-side wait in all)
+                    for (int w = 0; w < WARPGROUPS; ++w) named_barrier_arrive(8 + w, kDqBarThreads);
+                for (int step = 0; step < n_steps; ++step) {
+                    const int h = hk * group + step / per_head;
+                    const int m0 = (m_begin + step % per_head) * BLOCK_M;
+                    // Both warpgroups' reduce-adds in flight together; tile w is free again once
+                    // its group has been read (wait_group.read 1 - w: the newer one may still run).
+#pragma unroll
+                    for (int w = 0; w < 2; ++w) {
+                        named_barrier(6 + w, kDqBarThreads);  // math warpgroup w staged its tile
+                        const int rt = (m0 + (Tr::kDqByRows ? 64 * w : 0)) / 64;
+                        const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;
+                        float* chunk = dq_acc + ((((i64)b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
+                        // (a 128-query step's second half can lie wholly past nq: no chunk there)
+                        if (lane == 0) {
+                            if (rt < row_tiles) bulk_reduce_add_f32(chunk, sDq + w * Tr::kDqTileBytes, Tr::kDqTileBytes);
+                            bulk_commit();  // (an empty group when skipped, so the counts below hold)
+                        }
+                    }
+                    if (lane == 0) bulk_wait_read<1>();
+                    __syncwarp();
+                    if (step + 1 < n_steps) named_barrier_arrive(8, kDqBarThreads);
+                    if (lane == 0) bulk_wait_read<0>();
+                    __syncwarp();
+                    if (step + 1 < n_steps) named_barrier_arrive(9, kDqBarThreads);
+                }
+                if (lane == 0) bulk_wait<0>();
+            }
+            return;
+        }
+        setmaxnreg_inc<240>();
+    }
+    constexpr int kLoaders = WS ? kMathThreads : kThreads;  // (== kThreads: the math threads)
+    load_sw128<HEAD_DIM, kBN, kLoaders>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
+    load_sw128<HEAD_DIM, kBN, kLoaders>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
     auto load_step = [&](int step, int buf) {
         const int h = hk * group + step / per_head;
         const int m0 = (m_begin + step % per_head) * BLOCK_M;
@@ -118,7 +206,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         }
         load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
     };
-    if (n_steps > 0) load_step(0, 0);
+    if constexpr (!WS) {
+        if (n_steps > 0) load_step(0, 0);
+    }
     cp_async_commit();
 
     float acc_dk[kND][4], acc_dv[kND][4];
@@ -136,9 +226,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         // This thread's row statistics of the step have landed: into their stored form.
         fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
         fence_proxy_async();
-        __syncthreads();
-        if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
-        cp_async_commit();
+        if constexpr (WS) {
+            named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T
+        } else {
+            __syncthreads();
+            if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
+            cp_async_commit();
+        }
         const int h = hk * group + step / per_head;
         const int m0 = (m_begin + step % per_head) * BLOCK_M;
         const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
@@ -234,7 +328,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         if constexpr (ATOMIC_DQ) {
             fence_proxy_async();
             if constexpr (Tr::kDqBlockSync) {
-                __syncthreads();  // every warpgroup's dS^T rows are in place
+                if constexpr (WS) named_barrier(1, kMathThreads);
+                else __syncthreads();  // every warpgroup's dS^T rows are in place
             } else {
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
             }
@@ -269,14 +364,27 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         if constexpr (ATOMIC_DQ) {
             wgmma_wait<1>();  // dV and dQ done; dK in flight
             fence_regs(acc_q);
-            float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
+            if constexpr (WS) {
+                // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
+                // what attn_bwd_dq_convert_frag undoes. Wait for the dQ warp to free the tile.
+                named_barrier(8 + wg, kDqBarThreads);
+                const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                if (m0 + dq_q0 + row < nq) {
+                for (int ni = 0; ni < kDqN / 8; ++ni)
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
+                                 "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
+                fence_proxy_async();  // the bulk reduce reads it through the async proxy
+                named_barrier_arrive(6 + wg, kDqBarThreads);
+            } else {
+                float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
 #pragma unroll
-                    for (int ni = 0; ni < kDqN / 8; ++ni)
-                        red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                    if (m0 + dq_q0 + row < nq) {
+#pragma unroll
+                        for (int ni = 0; ni < kDqN / 8; ++ni)
+                            red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                    }
                 }
             }
         }
@@ -285,6 +393,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         fence_regs(acc_dk);
         fence_regs(pf);
         fence_regs(sf);
+        if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
     }
     cp_async_wait<0>();
 
@@ -333,5 +442,38 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
     attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, ATOMIC_DQ, true>(BWD_KV_ARGS,
                                                                                     BwdMaps{&tmap_q, &tmap_do});
 }
+
+// Warp-specialized (WS): Q and dO by TMA and lse, D by the producer warpgroup's loading warp; dQ
+// added from shared memory by its dQ warp into a fragment-order accumulator of 64 x 64 float32
+// chunks, (batch, head, 64-query tile, 64-column block) major (attn_bwd_dq_convert_frag). Atomic
+// dQ only (deterministic runs attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true>(BWD_KV_ARGS,
+                                                                                       BwdMaps{&tmap_q, &tmap_do});
+}
 #undef BWD_KV_PARAMS
 #undef BWD_KV_ARGS
+
+// dQ = scale * accumulator from attn_bwd_kv_wgmma_ws's fragment-order chunks: element (row r,
+// column c) of a 64 x 64 chunk sits in thread t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 of the
+// warpgroup, its float4 k = c / 8, entry 2 ((r % 16) / 8) + c % 2, at float (128 k + t) 4 + entry.
+template <typename T, int HEAD_DIM>
+__global__ void attn_bwd_dq_convert_frag(const float* __restrict__ dq_acc, u16* __restrict__ dq,
+                                         i64 sb, i64 sh, i64 sn, int hq, int nq, int d, float scale) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 per_batch = (i64)hq * nq * d;
+    if (idx >= per_batch) return;
+    const int b = blockIdx.y;
+    const int c = (int)(idx % d);
+    const i64 rr = idx / d;  // head * nq + row
+    const int i = (int)(rr % nq), h = (int)(rr / nq);
+    const int row_tiles = (nq + 63) / 64;
+    const i64 chunk = (((i64)b * hq + h) * row_tiles + i / 64) * (HEAD_DIM / 64) + c / 64;
+    const int r = i % 64, cc = c % 64;
+    const int t = 32 * (r / 16) + 4 * (r % 8) + (cc % 8) / 2;
+    const int entry = 2 * ((r % 16) / 8) + (cc % 2);
+    const float val = dq_acc[chunk * 4096 + (128 * (cc / 8) + t) * 4 + entry] * scale;
+    dq[b * sb + h * sh + i * sn + c] = from_float<T>(val);
+}

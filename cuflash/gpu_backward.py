@@ -76,7 +76,8 @@ def _strides3(a4):
 
 def workspace_bytes(p) -> int:
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
-    padded to the head-dim bucket) and D."""
+    padded to the head-dim bucket) and D. (Not for a forced warp-specialized wgmma tile, whose
+    accumulator pads Nq to 64 rows per head: gpu_hopper.dq_frag_elements.)"""
     hd = schedule.head_dim_bucket(p.d)
     return p.batch * p.hq * p.nq * (hd + 1) * 4
 
@@ -118,7 +119,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         if hopper_tile is not None:
             raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
-                                                tile=dataclasses.replace(hopper_kv[1], tma=False))
+                                                tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
     if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
@@ -148,7 +149,12 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     lse3 = cupy.ascontiguousarray(lse3)
 
     dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float32)
-    dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, hd), dtype=np.float32)
+    frag_dq = hopper_kv is not None and hopper_kv[1].ws  # fragment-order dQ accumulator, its own convert
+    if frag_dq:
+        dq_acc = cupy.zeros((p.batch, gpu_hopper.dq_frag_elements(p, hd)), dtype=np.float32)
+        specs["convert"] = gpu_hopper.dq_convert_frag_spec(p.dtype, hd)
+    else:
+        dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, hd), dtype=np.float32)
     for b0 in range(0, p.batch, _MAX_GRID_YZ):
         b1 = min(p.batch, b0 + _MAX_GRID_YZ)
         nb = b1 - b0

@@ -203,11 +203,31 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_BACKWARD_TILES[hd]
+    if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
+        t = dataclasses.replace(t, ws=False)
+    if t.ws:
+        expr = (f"attn_bwd_kv_wgmma_ws<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
+                f"{'true' if causal else 'false'}>")
+        return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = (
         f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
         f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
     )
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
+    """attn_bwd_dq_convert_frag: dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
+    from .gpu_backward import _CONVERT_THREADS
+
+    return KernelSpec("attn_bwd_wgmma.cu", f"attn_bwd_dq_convert_frag<{_TYPE_TAG[np.dtype(dtype)]}, {hd}>",
+                      _CONVERT_THREADS, 0)
+
+
+def dq_frag_elements(p, hd: int) -> int:
+    """Floats per batch entry of the fragment-order dQ accumulator: 64 x 64 chunks per (head,
+    64-query tile, 64-column block)."""
+    return p.hq * (-(-p.nq // 64)) * (hd // 64) * 64 * 64
 
 
 def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
@@ -216,11 +236,14 @@ def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
 
 
 def all_hopper_backward_specs():
-    return [
+    specs = [
         backward_kv_spec(dtype, hd, causal, det, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in (dataclasses.replace(t, tma=False), backward_tma(t))
+        for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
+                     dataclasses.replace(backward_tma(t), ws=True))
         for causal in (False, True)
         for det in (False, True)
     ]
+    specs += [dq_convert_frag_spec(dtype, hd) for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
+    return list(dict.fromkeys(specs))

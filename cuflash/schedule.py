@@ -145,6 +145,9 @@ class HopperBwdTile:
     warpgroups: int
     reason: str
     tma: bool = False  # Q and dO tiles by TMA (attn_bwd_kv_wgmma_tma), issued by one thread
+    # (TMA, atomic dQ) warp-specialized: a producer warpgroup loads and adds dQ by bulk reduce-adds
+    # into a fragment-order accumulator (attn_bwd_kv_wgmma_ws); deterministic runs the TMA kernel
+    ws: bool = False
 
     @property
     def block_n(self) -> int:
@@ -152,13 +155,14 @@ class HopperBwdTile:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.ws)
 
     def smem_bytes(self, head_dim: int) -> int:
         """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
         + 1 KiB alignment."""
+        ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups if self.ws else 0  # + 2 mbarriers, align, dQ tiles
         return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
-                + 16 * self.tma + 1024)
+                + 16 * self.tma + ws + 1024)
 
 
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head

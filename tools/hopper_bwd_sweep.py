@@ -30,8 +30,9 @@ from cuflash.testing import assert_backward_within_naive_error, random_inputs, t
 
 
 def variants(hd):
-    t = dataclasses.replace(schedule.HOPPER_BACKWARD_TILES[hd], tma=False)
-    return {"cp.async": t, "tma": gpu_hopper.backward_tma(t)}
+    t = dataclasses.replace(schedule.HOPPER_BACKWARD_TILES[hd], tma=False, ws=False)
+    tma = gpu_hopper.backward_tma(t)
+    return {"cp.async": t, "tma": tma, "ws": dataclasses.replace(tma, ws=True)}
 
 
 def main():

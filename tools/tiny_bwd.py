@@ -1,6 +1,7 @@
-"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma]
+"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma|ws]
 
-tma: the Hopper backward table tile with Q/dO fetched by TMA."""
+tma: the Hopper backward table tile with Q/dO fetched by TMA; ws: its warp-specialized kernel."""
+import dataclasses
 import sys
 
 import cupy as cp
@@ -13,9 +14,10 @@ from cuflash import gpu_hopper, schedule
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
-if len(sys.argv) > 7 and sys.argv[7] == "tma":
+if len(sys.argv) > 7 and sys.argv[7] in ("tma", "ws"):
     hd = schedule.head_dim_bucket(d)
-    schedule.HOPPER_BACKWARD_TILES[hd] = gpu_hopper.backward_tma(schedule.HOPPER_BACKWARD_TILES[hd])
+    t = gpu_hopper.backward_tma(schedule.HOPPER_BACKWARD_TILES[hd])
+    schedule.HOPPER_BACKWARD_TILES[hd] = dataclasses.replace(t, ws=sys.argv[7] == "ws")
 rng = np.random.default_rng(0)
 q, k, v, do = (cp.asarray(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(4))
 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
