@@ -223,8 +223,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
         cp_async_wait<0>();
         if constexpr (TMA) mbar_wait(sBar + 8 * buf, (step >> 1) & 1);  // buffer buf's (step/2)-th fill
-        // This thread's row statistics of the step have landed: into their stored form.
-        fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
+        // This thread's row statistics of the step have landed: into their stored form (WS: the
+        // loading warp stores them converted).
+        if constexpr (!WS)
+            fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
         fence_proxy_async();
         if constexpr (WS) {
             named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T

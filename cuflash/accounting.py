@@ -417,6 +417,14 @@ def _hopper_runs(dtype, hd, table) -> bool:
     return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
 
 
+def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
+    """Whether the modelled GPU's backward runs the warp-specialized wgmma kernel (whose dQ
+    accumulator is in fragment order); as gpu_backward.backward picks with 16-byte-aligned rows."""
+    if deterministic or not _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES):
+        return False
+    return schedule.hopper_backward_tile(hd, causal is not None).ws
+
+
 def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None):
     """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
     on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
@@ -569,8 +577,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
         hd = schedule.head_dim_bucket(p.d)
         if bwd:
-            E += [MemoryEntry("dQ accumulator", WORKSPACE, rows * hd * ACC_ITEMSIZE,
-                              f"float32 B*Hq*Nq*{hd} (rows padded to the head-dim bucket), summed over K/V tiles",
+            frag = _backward_frag_dq(p.dtype, hd, causal, deterministic)
+            dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, hd, frag)
+            how = (f"float32 B*Hq*ceil(Nq/64)*64*{hd} (the warp-specialized wgmma kernel's 64 x 64 fragment-order "
+                   "chunks)" if frag else f"float32 B*Hq*Nq*{hd} (rows padded to the head-dim bucket)")
+            E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
                               phase="bwd"),
                   MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
         if fwd and dec is not None:
@@ -840,10 +851,11 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             bbm, bbn, src = bl.block_m, bl.block_n, bl.source
         else:
             bbm, bbn, src = bm, bn, f"the forward's tile (no {dtype_name(dt)} GPU backward kernel)"
-        q_rows = bwd_computed = 0  # query rows revisited, summed over K/V tiles
+        q_rows = bwd_computed = visited = 0  # query rows revisited, summed over K/V tiles; tiles with any
         for col0 in range(0, nk, bbn):
             r = _visible_query_rows(causal, nq, nk, col0, bbm)
             q_rows += r
+            visited += r > 0
             bwd_computed += r * (min(nk, col0 + bbn) - col0)
         bwd_computed *= bh
         entries += [
@@ -856,7 +868,14 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "LSE", bh * q_rows, 0, LSE_ITEMSIZE, "float32, reread once per visible K/V tile"),
             IOEntry(p + "D", bh * q_rows, rows, ACC_ITEMSIZE, "float32: written once, reread per visible K/V tile"),
         ]
-        if not deterministic:
+        if not deterministic and config is None and _backward_frag_dq(dt, hd, causal, deterministic):
+            # bulk reduce-adds of whole 64 x 64 chunks: every column of the bucket, rows to a multiple of 64
+            pad = -(-nq // 64) * 64 - nq
+            added = bh * (q_rows + visited * pad) * hd
+            entries.append(IOEntry(p + "dQ accumulator", added + qe, schedule.dq_accumulator_floats(batch, hq, nq, hd, True)
+                                   + added, ACC_ITEMSIZE, f"float32, fragment order: zeroed (Nq padded to 64, {hd} "
+                                   "columns), read+written per visible tile (64 x 64 bulk reduce-adds), read once to convert"))
+        elif not deterministic:
             entries.append(IOEntry(p + "dQ accumulator", bh * q_rows * d + qe, rows * hd + bh * q_rows * d,
                                    ACC_ITEMSIZE, f"float32: zeroed ({hd}-wide rows), read+written per visible "
                                    "tile (atomics), read once to convert"))

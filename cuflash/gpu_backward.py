@@ -74,12 +74,12 @@ def _strides3(a4):
     return [np.int64(s // a4.itemsize) for s in a4.strides[:3]]
 
 
-def workspace_bytes(p) -> int:
+def workspace_bytes(p, frag_dq: bool = False) -> int:
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
-    padded to the head-dim bucket) and D. (Not for a forced warp-specialized wgmma tile, whose
-    accumulator pads Nq to 64 rows per head: gpu_hopper.dq_frag_elements.)"""
+    padded to the head-dim bucket; with frag_dq, the warp-specialized wgmma kernel's, each head's
+    Nq padded to 64) and D."""
     hd = schedule.head_dim_bucket(p.d)
-    return p.batch * p.hq * p.nq * (hd + 1) * 4
+    return (schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, hd, frag_dq) + p.batch * p.hq * p.nq) * 4
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
@@ -151,7 +151,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float32)
     frag_dq = hopper_kv is not None and hopper_kv[1].ws  # fragment-order dQ accumulator, its own convert
     if frag_dq:
-        dq_acc = cupy.zeros((p.batch, gpu_hopper.dq_frag_elements(p, hd)), dtype=np.float32)
+        dq_acc = cupy.zeros((p.batch, schedule.dq_accumulator_floats(1, p.hq, p.nq, hd, True)), dtype=np.float32)
         specs["convert"] = gpu_hopper.dq_convert_frag_spec(p.dtype, hd)
     else:
         dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, hd), dtype=np.float32)

@@ -202,7 +202,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
     """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
     hd = schedule.head_dim_bucket(d)
-    t = tile or schedule.HOPPER_BACKWARD_TILES[hd]
+    t = tile or schedule.hopper_backward_tile(hd, causal)
     if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
         t = dataclasses.replace(t, ws=False)
     if t.ws:
@@ -222,12 +222,6 @@ def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
 
     return KernelSpec("attn_bwd_wgmma.cu", f"attn_bwd_dq_convert_frag<{_TYPE_TAG[np.dtype(dtype)]}, {hd}>",
                       _CONVERT_THREADS, 0)
-
-
-def dq_frag_elements(p, hd: int) -> int:
-    """Floats per batch entry of the fragment-order dQ accumulator: 64 x 64 chunks per (head,
-    64-query tile, 64-column block)."""
-    return p.hq * (-(-p.nq // 64)) * (hd // 64) * 64 * 64
 
 
 def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:

@@ -7,7 +7,7 @@ fully-masked tiles, diagonal tiles that need the mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Head dims are padded on chip to the next of these; the swizzled shared-memory layout needs a
 # row of 32 elements or a multiple of 64 (8 chunks of 16 bytes), and loads zero-fill the padding.
@@ -172,6 +172,38 @@ HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
     64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200, 653d9db)", tma=True),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200, 653d9db)", tma=True),
 }
+
+
+@dataclass(frozen=True)
+class WsRule:
+    """Where the warp-specialized backward (HopperBwdTile.ws) replaces the table tile's TMA kernel."""
+
+    full: bool
+    causal: bool
+    reason: str
+
+
+# Measured by tools/hopper_bwd_sweep.py on the H200 (commit 8d39c6d, bf16, N = 4k / 16k, x = cuDNN
+# ms / ours; evidence-20261130/branches-s2/bwdws_sweep.log).
+HOPPER_BACKWARD_WS: dict[int, WsRule] = {
+    64: WsRule(False, True, "causal 0.77/0.83x vs 0.73/0.74x for the TMA kernel; full loses (0.66/0.72x vs 0.69/0.75x)"),
+    128: WsRule(True, True, "full 0.88/0.93x vs 0.66/0.72x, causal 0.79/0.90x vs 0.67/0.73x"),
+}
+
+
+def hopper_backward_tile(hd: int, causal: bool) -> HopperBwdTile:
+    """The wgmma backward's default tile: the table's, warp-specialized where HOPPER_BACKWARD_WS says."""
+    t = HOPPER_BACKWARD_TILES[hd]
+    rule = HOPPER_BACKWARD_WS.get(hd)
+    use_ws = rule is not None and (rule.causal if causal else rule.full)
+    return replace(t, ws=True) if use_ws else t
+
+
+def dq_accumulator_floats(batch: int, hq: int, nq: int, hd: int, frag: bool) -> int:
+    """Floats of the backward's dQ accumulator: rows x the head-dim bucket; the warp-specialized
+    kernel's (fragment order, 64 x 64 chunks) pads each head's Nq up to a multiple of 64."""
+    rows = -(-nq // 64) * 64 if frag else nq
+    return batch * hq * rows * hd
 
 
 def head_dim_bucket(d: int) -> int:

@@ -206,22 +206,38 @@ def test_memory_tiled_backward_hand_computed():
     by = {e.name: e for e in r.entries}
     assert {n for n, e in by.items() if e.category == accounting.INPUT} == {"Q", "K", "V", "O", "dO"}
     assert {n for n, e in by.items() if e.category == accounting.OUTPUT} == {"dQ", "dK", "dV"}
-    assert by["dQ accumulator"].bytes == 1 * 4 * 300 * 128 * 4
-    # The H200's wgmma K/V kernel (TMA): K, V, 2 Q and 2 dO tiles, dS^T, 2 x (lse, D) rows, two
-    # mbarriers, 1 KiB slack.
+    # The H200 runs the warp-specialized wgmma K/V kernel at d=128: its dQ accumulator holds 64 x 64
+    # chunks, so each head's 300 rows are padded to 320.
+    assert schedule.hopper_backward_tile(128, False).ws
+    assert by["dQ accumulator"].bytes == 1 * 4 * 320 * 128 * 4
+    # K, V, 2 Q and 2 dO tiles, dS^T, 2 x (lse, D) rows, two "landed" mbarriers, (WS) two "free"
+    # mbarriers, alignment to 128 bytes and the two math warpgroups' 16 KiB dQ tiles, 1 KiB slack.
     bt = schedule.HOPPER_BACKWARD_TILES[128]
     assert (bt.block_m, bt.block_n, bt.tma) == (64, 128, True)
-    assert by["shared memory / block (bwd)"].bytes == (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 16 * 64 + 16 + 1024
+    tiles = (2 * 128 + 4 * 64) * 128 * 2 + 128 * 64 * 2 + 16 * 64 + 16
+    assert by["shared memory / block (bwd)"].bytes == tiles + 16 + 96 + 2 * 64 * 64 * 4 + 1024
     assert by["shared memory / block (bwd)"].category == accounting.ON_CHIP
     assert by["D"].bytes == 1 * 4 * 300 * 4
-    assert r.device_bytes == 8 * (1 * 4 * 300 * 128 * 2) + 1 * 4 * 300 * 4 + 1 * 4 * 300 * 128 * 4 + 1 * 4 * 300 * 4
-    assert r.beyond_inputs_outputs == 1 * 4 * 300 * 4 + 1 * 4 * 300 * 128 * 4 + 1 * 4 * 300 * 4
+    assert r.device_bytes == 8 * (1 * 4 * 300 * 128 * 2) + 1 * 4 * 300 * 4 + 1 * 4 * 320 * 128 * 4 + 1 * 4 * 300 * 4
+    assert r.beyond_inputs_outputs == 1 * 4 * 300 * 4 + 1 * 4 * 320 * 128 * 4 + 1 * 4 * 300 * 4
+    # Deterministic: the TMA kernel (the dQ kernel writes a row-major accumulator, no padded rows).
+    det = {e.name: e for e in cuflash.memory_report((B, Hq, N, d), (B, Hkv, N, d), dtype="float16", pass_="bwd",
+                                                    deterministic=True).entries}
+    assert det["dQ accumulator"].bytes == 1 * 4 * 300 * 128 * 4
+    assert det["shared memory / block (bwd)"].bytes == tiles + 1024
 
 
 def test_memory_dq_accumulator_is_padded_to_the_head_dim_bucket():
-    r = cuflash.memory_report((2, 3, 100, 80), (2, 3, 100, 80), pass_="bwd", dtype="bfloat16")
-    by = {e.name: e for e in r.entries}
-    assert by["dQ accumulator"].bytes == 2 * 3 * 100 * 128 * 4  # d=80 runs in the 128 bucket
+    # d=80 runs in the 128 bucket; deterministic rows stay 100, the warp-specialized kernel's pad to 128
+    shapes = (2, 3, 100, 80), (2, 3, 100, 80)
+    for deterministic, rows in ((True, 100), (False, 128)):
+        r = cuflash.memory_report(*shapes, pass_="bwd", dtype="bfloat16", deterministic=deterministic)
+        by = {e.name: e for e in r.entries}
+        assert by["dQ accumulator"].bytes == 2 * 3 * rows * 128 * 4
+    # d=64 without a causal mask runs the TMA kernel (HOPPER_BACKWARD_WS): rows as they are
+    assert not schedule.hopper_backward_tile(64, False).ws
+    by = {e.name: e for e in cuflash.memory_report((2, 3, 100, 64), (2, 3, 100, 64), pass_="bwd").entries}
+    assert by["dQ accumulator"].bytes == 2 * 3 * 100 * 64 * 4
 
 
 def test_memory_reference_forward_and_in_place_variant():
@@ -374,12 +390,26 @@ def test_io_backward_counts():
     n_kv_tiles = math.ceil(N / m.bwd_block_n)
     assert by["Q"].reads == by["dO"].reads == n_kv_tiles * B * H * N * d
     assert by["LSE"].reads == by["D"].reads == n_kv_tiles * B * H * N
-    assert by["dQ accumulator"].reads == (n_kv_tiles + 1) * B * H * N * d
-    assert by["dQ accumulator"].writes == B * H * N * 128 + n_kv_tiles * B * H * N * d
+    # warp-specialized kernel (d=128 bucket): whole 64 x 64 chunks, all 128 columns, per visible tile
+    assert by["dQ accumulator"].reads == n_kv_tiles * B * H * N * 128 + B * H * N * d
+    assert by["dQ accumulator"].writes == B * H * N * 128 + n_kv_tiles * B * H * N * 128
     assert by["dK"].writes == by["dV"].writes == B * H * N * d
     assert by["D"].writes == B * H * N
     # reference backward: S w/r, P w + 2 r, dP w/r, dS w + 2 r; Q 2, dO 3, O 1, dQ 1; K 2, V 1, dK 1, dV 1
     assert m.reference_elements == B * H * (10 * N * N + 7 * N * d + 5 * N * d + 3 * N)
+    # Nq = 200: each visited K/V tile adds rows up to 256 (the chunks' multiple of 64)
+    m = cuflash.io_model((B, H, 200, d), pass_="bwd")
+    by = {e.name: e for e in m.entries}
+    tiles = math.ceil(200 / m.bwd_block_n)
+    assert by["dQ accumulator"].reads == tiles * B * H * 256 * 128 + B * H * 200 * d
+    assert by["dQ accumulator"].writes == B * H * 256 * 128 + tiles * B * H * 256 * 128
+    # d=64, no mask: the TMA kernel's atomics, d columns per row
+    N, d = 256, 64
+    m = cuflash.io_model((B, H, N, d), pass_="bwd")
+    by = {e.name: e for e in m.entries}
+    n_kv_tiles = math.ceil(N / m.bwd_block_n)
+    assert by["dQ accumulator"].reads == (n_kv_tiles + 1) * B * H * N * d
+    assert by["dQ accumulator"].writes == B * H * N * 64 + n_kv_tiles * B * H * N * d
 
 
 def test_io_deterministic_backward_moves_dq_to_its_own_kernel():

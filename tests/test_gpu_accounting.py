@@ -55,12 +55,17 @@ def test_forward_bytes(causal):
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
 
 
-def test_backward_bytes():
-    q, k, v = _inputs((2, 8, 1000, 128), (2, 8, 1000, 128), 2)
-    do = _inputs((2, 8, 1000, 128), (2, 8, 1000, 128), 3)[0]
-    o, lse = cuflash.attention(q, k, v, return_lse=True)
-    sizes = _recorded(lambda: cuflash.attention_backward(do, q, k, v, o, lse))
-    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="bwd")
+# d=128 and d=64 causal: the warp-specialized wgmma kernel on Hopper (dQ accumulator rows padded to
+# 64 per head); d=64 full: the TMA kernel; deterministic: the dQ kernel's row-major accumulator.
+@pytest.mark.parametrize("d,causal,deterministic", [(128, False, False), (64, True, False), (64, False, False),
+                                                    (128, True, True)])
+def test_backward_bytes(d, causal, deterministic):
+    q, k, v = _inputs((2, 8, 1000, d), (2, 8, 1000, d), 2)
+    do = _inputs((2, 8, 1000, d), (2, 8, 1000, d), 3)[0]
+    o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    sizes = _recorded(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                         deterministic=deterministic))
+    rep = cuflash.memory_report(q, k, v, method="tiled", pass_="bwd", causal=causal, deterministic=deterministic)
     assert sum(sizes) == _predicted(rep, {"output", "workspace"}), (sizes, rep.table())
 
 

@@ -102,7 +102,7 @@ def test_backward_deterministic_bitwise(kernels, d):
 
 def test_backward_workspace_is_dq_accumulator_and_d():
     """Every device allocation the backward makes, recorded through CuPy's allocator hook."""
-    from cuflash import gpu_backward
+    from cuflash import gpu_backward, gpu_hopper, schedule
     from cuflash._problem import validate_forward
 
     rng = np.random.default_rng(3)
@@ -126,8 +126,11 @@ def test_backward_workspace_is_dq_accumulator_and_d():
     finally:
         cupy.cuda.set_allocator(pool.malloc)
     grad_bytes = b * h * n * d * 2
-    # dq, dk, dv; the float32 dQ accumulator (rows padded to the head-dim bucket, 128 here) and D.
-    expected = [grad_bytes] * 3 + [b * h * n * 128 * 4, b * h * n * 4]
+    # dq, dk, dv; the float32 dQ accumulator (128-wide rows; on Hopper the warp-specialized kernel's
+    # 64 x 64 chunks pad each head's 1000 rows to 1024) and D.
+    hopper_ws = gpu_hopper.backward_applies(validate_forward(q, k, v), True) and schedule.hopper_backward_tile(128, False).ws
+    acc_rows = 1024 if hopper_ws else n
+    expected = [grad_bytes] * 3 + [b * h * acc_rows * 128 * 4, b * h * n * 4]
     assert sorted(sizes) == sorted(expected), sizes
-    assert gpu_backward.workspace_bytes(validate_forward(q, k, v)) == b * h * n * 128 * 4 + b * h * n * 4
+    assert gpu_backward.workspace_bytes(validate_forward(q, k, v), hopper_ws) == b * h * acc_rows * 128 * 4 + b * h * n * 4
     del grads

@@ -41,6 +41,7 @@ def tma_backward(monkeypatch):
     monkeypatch.setattr(gpu_hopper, "backward_kv_spec", recording)
     for hd, t in list(schedule.HOPPER_BACKWARD_TILES.items()):
         monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, gpu_hopper.backward_tma(t) if not t.tma else t)
+    monkeypatch.setattr(schedule, "HOPPER_BACKWARD_WS", {})  # the TMA kernel itself, not the warp-specialized one
     yield launched
     assert launched and all("attn_bwd_kv_wgmma_tma<" in e for e in launched), launched
 

@@ -44,6 +44,7 @@ def main():
     timer = Timer(warmup=2, repeats=15, seconds_per_impl=1.0)
     rows, bad = [], 0
     table = dict(schedule.HOPPER_BACKWARD_TILES)
+    schedule.HOPPER_BACKWARD_WS = {}  # each variant says itself whether it is warp-specialized
     for d in (int(x) for x in args.d.split(",")):
         vs = variants(d)
         for name, t in list(vs.items()):  # correctness first
