@@ -59,8 +59,7 @@ struct HopperBwdTraits {
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
-          bool HEAVY_FIRST = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -94,17 +93,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
-    // Grid (key tiles, K/V heads, batch); HEAVY_FIRST (causal): one dimension, key tile outermost,
-    // so every head's tiles that see the most queries start first and the last wave holds the
-    // shortest blocks instead of some head's longest one.
-    int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    if constexpr (HEAVY_FIRST) {
-        const int heads_batches = gridDim.x / ((nk + kBN - 1) / kBN);  // hkv x batch entries
-        const int hkv = hq / group;
-        n_block = blockIdx.x / heads_batches;
-        b = (blockIdx.x % heads_batches) / hkv;
-        hk = blockIdx.x % hkv;
-    }
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * kBN;
     const int keys_valid = min(kBN, nk - n0);
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -459,13 +448,12 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
 // Warp-specialized (WS): Q and dO by TMA and lse, D by the producer warpgroup's loading warp; dQ
 // added from shared memory by its dQ warp into a fragment-order accumulator of 64 x 64 float32
 // chunks, (batch, head, 64-query tile, 64-column block) major (attn_bwd_dq_convert_frag). Atomic
-// dQ only (deterministic runs attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma; HEAVY_FIRST
-// (causal) takes a one-dimensional grid of key tiles x K/V heads x batch entries.
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool HEAVY_FIRST>
+// dQ only (deterministic runs attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, HEAVY_FIRST>(
-        BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do});
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true>(BWD_KV_ARGS,
+                                                                                       BwdMaps{&tmap_q, &tmap_do});
 }
 #undef BWD_KV_PARAMS
 #undef BWD_KV_ARGS

@@ -120,10 +120,6 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
             raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
-    if hopper_kv is not None and hopper_kv[1].heavy_first and (
-            -(-p.nk // hopper_kv[1].block_n) * p.hkv * min(p.batch, _MAX_GRID_YZ) >= 2**31):  # grid x's limit
-        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
-                                                tile=dataclasses.replace(hopper_kv[1], heavy_first=False))
     if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
@@ -179,11 +175,8 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                     from . import tma
 
                     maps = (tma.bhsd_map(q4[sl], hopper_kv[1].block_m), tma.bhsd_map(do4[sl], hopper_kv[1].block_m))
-                grid = (n_blocks, p.hkv, nz)
-                if hopper_kv is not None and hopper_kv[1].heavy_first:  # key tile outermost, one dimension
-                    grid = (n_blocks * p.hkv * nz, 1, 1)
                 get_function(specs["kv"])(
-                    grid, (specs["kv"].threads,),
+                    (n_blocks, p.hkv, nz), (specs["kv"].threads,),
                     (*maps, q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
                      *common, *_strides3(dk4), *_strides3(dv4),
                      np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2,

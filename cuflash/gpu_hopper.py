@@ -205,11 +205,9 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     t = tile or schedule.hopper_backward_tile(hd, causal)
     if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
         t = dataclasses.replace(t, ws=False)
-    if t.heavy_first and not (t.ws and causal):  # only the causal warp-specialized kernel reorders
-        t = dataclasses.replace(t, heavy_first=False)
     if t.ws:
         expr = (f"attn_bwd_kv_wgmma_ws<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
-                f"{'true' if causal else 'false'}, {'true' if t.heavy_first else 'false'}>")
+                f"{'true' if causal else 'false'}>")
         return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = (
         f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
@@ -237,8 +235,7 @@ def all_hopper_backward_specs():
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
         for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
-                     dataclasses.replace(backward_tma(t), ws=True),
-                     dataclasses.replace(backward_tma(t), ws=True, heavy_first=True))
+                     dataclasses.replace(backward_tma(t), ws=True))
         for causal in (False, True)
         for det in (False, True)
     ]

@@ -148,9 +148,6 @@ class HopperBwdTile:
     # (TMA, atomic dQ) warp-specialized: a producer warpgroup loads and adds dQ by bulk reduce-adds
     # into a fragment-order accumulator (attn_bwd_kv_wgmma_ws); deterministic runs the TMA kernel
     ws: bool = False
-    # (ws, causal) key tiles that see the most queries first, across all heads and batch entries
-    # (a one-dimensional grid): the last wave then holds short blocks, not some head's longest
-    heavy_first: bool = False
 
     @property
     def block_n(self) -> int:

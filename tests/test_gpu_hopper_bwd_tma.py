@@ -101,20 +101,3 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal):
     tma_backward.clear()
     _run(rng, 1, 2, 1, 130, 97, d, dtype, causal, deterministic=True)
     assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", CAUSAL[1:], ids=["br", "tl"])
-def test_warp_specialized_heavy_first(monkeypatch, tma_backward, d, causal):
-    # The causal warp-specialized kernel over a one-dimensional grid, key tile outermost: the
-    # (key tile, K/V head, batch entry) each block derives must cover every block once, so batches,
-    # GQA groups and ragged tiles, with rows that see no key.
-    t = schedule.HOPPER_BACKWARD_TILES[d]
-    monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
-                        dataclasses.replace(gpu_hopper.backward_tma(t), ws=True, heavy_first=True))
-    rng = np.random.default_rng([d, len(str(causal)), 53])
-    _run(rng, 3, 6, 3, 333, 290, d, BFLOAT16, causal)
-    _run(rng, 2, 4, 2, 150, 60, d, FLOAT16, causal, layout="bshd")
-    _run(rng, 1, 2, 1, 700, 700, d, BFLOAT16, causal)
-    assert tma_backward and all(e.startswith("attn_bwd_kv_wgmma_ws<") and e.endswith("true, true>")
-                                for e in tma_backward), tma_backward
