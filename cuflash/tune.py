@@ -985,8 +985,13 @@ def pick_hopper_forward_tile(p) -> HopperTile | None:
 def pick_hopper_backward_tile(p, deterministic: bool = False) -> HopperBwdTile | None:
     """The wgmma backward K/V kernel's tile for p (the caller checked gpu_hopper.backward_applies),
     or None to use HOPPER_BACKWARD_TILES. The tuner checks and times the atomic-dQ kernel, so the
-    deterministic backward (ATOMIC_DQ = false, an instantiation it never ran) keeps the table."""
-    return None if deterministic else _pick("bwd_wgmma", p)
+    deterministic backward (ATOMIC_DQ = false, an instantiation it never ran) keeps the table.
+    The tuner times the TMA kernel only: a pick with the table tile's fields returns None, so the
+    default (warp-specialized where schedule.HOPPER_BACKWARD_WS says) runs."""
+    t = None if deterministic else _pick("bwd_wgmma", p)
+    if t is not None and same_tile("bwd_wgmma", t, table_tile("bwd_wgmma", schedule.head_dim_bucket(p.d))):
+        return None
+    return t
 
 
 def pick_backward_tile(p, deterministic: bool = False) -> BackwardTile | None:

@@ -166,14 +166,16 @@ def test_pick_tunes_checks_then_reads_the_cache(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
     cands = shortlist(candidates("bwd_wgmma", 64), None, H200, table_tile("bwd_wgmma", 64))
     fake_gpu.fastest, fake_gpu.wrong = cands[1].name, {cands[1].name}  # the fastest is wrong: never picked
-    tile = tune_mod.pick_hopper_backward_tile(_problem(d=64))
+    # None: the table tile won, and its default kernel (warp-specialized per HOPPER_BACKWARD_WS) runs
+    tile = tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64)
     assert isinstance(tile, HopperBwdTile) and Candidate("bwd_wgmma", 64, tile).name != cands[1].name
     assert fake_gpu.made == [("bwd_wgmma", 64)]
     # The deterministic backward runs the ATOMIC_DQ = false instantiation, which was never checked.
     assert tune_mod.pick_hopper_backward_tile(_problem(d=64), deterministic=True) is None
     tune_mod.clear_memo()
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
-    assert tune_mod.same_tile("bwd_wgmma", tune_mod.pick_hopper_backward_tile(_problem(d=64)), tile)
+    assert tune_mod.same_tile("bwd_wgmma", tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64),
+                              tile)
     assert tune_mod.pick_hopper_backward_tile(_problem(d=256)) is None  # no Hopper backward there
     assert tune_mod.pick_backward_tile(_problem(d=64)) is None  # the mma.sync op is separate
     assert fake_gpu.made == [("bwd_wgmma", 64)]
@@ -347,3 +349,13 @@ def test_schedules_cli_shows_the_hopper_backward_on_h200(capsys):
     assert "Hopper wgmma" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["schedules", "--shape", "2,8,4096,128", "--dq", "--wgmma", *args])
+
+
+def test_a_pick_of_the_table_tile_leaves_the_default_kernel(monkeypatch):
+    # The tuner times the TMA kernel; when its winner is the table's tile, the default (on the H200
+    # warp-specialized for d=128) must run, not the TMA kernel the tuner timed.
+    monkeypatch.setattr(tune_mod, "_pick", lambda op, p, base=None: replace(table_tile(op, 128), reason="tuned"))
+    assert tune_mod.pick_hopper_backward_tile(_problem(d=128)) is None
+    other = HopperBwdTile(64, 1, "tuned")
+    monkeypatch.setattr(tune_mod, "_pick", lambda op, p, base=None: other)
+    assert tune_mod.pick_hopper_backward_tile(_problem(d=128)) is other
