@@ -403,6 +403,38 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const float scale = scale_log2 / kLog2e;
     u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
     u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
+    if constexpr (WS) {
+        // Stage dK in the Q buffers and dV in the dO buffers (free: every copy into them was waited
+        // for and every wgmma reading them is done once both math warpgroups pass the barrier), then
+        // store 16 bytes per thread along rows instead of 4-byte stores down the accumulator's rows.
+        static_assert(2 * TileQ::kBytes >= TileKV::kBytes, "dK / dV staging fits the two Q / dO buffers");
+        named_barrier(1, kMathThreads);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int ni = 0; ni < kND; ++ni) {
+                const u32 off = TileKV::offset(key_row + 8 * hf, ni) + 4 * (lane & 3);
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sQ + off),
+                             "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdO + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
+            }
+        named_barrier(1, kMathThreads);
+#pragma unroll
+        for (int it = 0; it < kBN * TileKV::kChunks / kMathThreads; ++it) {
+            const int i = it * kMathThreads + tid;
+            const int row = i / TileKV::kChunks, c = i % TileKV::kChunks;
+            if (row < keys_valid && c * 8 < d) {
+                uint4 vk, vv;
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(vk.x), "=r"(vk.y), "=r"(vk.z), "=r"(vk.w) : "r"(sQ + TileKV::offset(row, c)));
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(sdO + TileKV::offset(row, c)));
+                *reinterpret_cast<uint4*>(gdk + row * dk_sn + c * 8) = vk;
+                *reinterpret_cast<uint4*>(gdv + row * dv_sn + c * 8) = vv;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int row = key_row + 8 * hf;
