@@ -173,10 +173,12 @@ def test_logical_bytes_follow_block_m():
 
 
 def _launched_spec(op, dtype, hd, causal):
-    """What gpu_hopper launches with the table's tile (the backward K/V kernel: atomic dQ)."""
+    """What gpu_hopper launches with the table's tile passed as the tile (the backward K/V kernel:
+    atomic dQ, the TMA kernel; without a tile the default may be the warp-specialized one, which
+    the tuner does not time: pick_hopper_backward_tile then returns None)."""
     if op == "fwd_wgmma":
         return gpu_hopper.forward_spec(dtype, hd, causal)[0]
-    return gpu_hopper.backward_kv_spec(dtype, hd, causal, False)[0]
+    return gpu_hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
 
 
 @pytest.mark.parametrize("op,hd", [("fwd_wgmma", hd) for hd in sorted(schedule.HOPPER_FORWARD_TILES)]
