@@ -403,12 +403,14 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const float scale = scale_log2 / kLog2e;
     u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
     u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
-    if constexpr (WS) {
+    if constexpr (TMA && 2 * TileQ::kBytes >= TileKV::kBytes) {
         // Stage dK in the Q buffers and dV in the dO buffers (free: every copy into them was waited
-        // for and every wgmma reading them is done once both math warpgroups pass the barrier), then
+        // for and every wgmma reading them is done once all math warpgroups pass the barrier), then
         // store 16 bytes per thread along rows instead of 4-byte stores down the accumulator's rows.
-        static_assert(2 * TileQ::kBytes >= TileKV::kBytes, "dK / dV staging fits the two Q / dO buffers");
-        named_barrier(1, kMathThreads);
+        // (Tiles whose K/V block outgrows two Q buffers, and the cp.async kernel, where the staging
+        // spills at d=128, store from registers, below.)
+        if constexpr (WS) named_barrier(1, kMathThreads);
+        else __syncthreads();
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -418,7 +420,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                              "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdO + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
             }
-        named_barrier(1, kMathThreads);
+        if constexpr (WS) named_barrier(1, kMathThreads);
+        else __syncthreads();
 #pragma unroll
         for (int it = 0; it < kBN * TileKV::kChunks / kMathThreads; ++it) {
             const int i = it * kMathThreads + tid;

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # A/B of a backward kernel change in one device call: snapA (before) and snapB (after) each run the
 # warp-specialized tests (snapB) and tools/hopper_bwd_sweep.py; then ncu of snapB's warp-specialized
-# kernel at d=128, N=4k. Prepare: git archive <before> | tar -x -C snapA, same for snapB.
+# kernel at d=128, N=4k (NCU=0 skips it; SAN_VARIANT=tma sanitizes the TMA kernel; AB_TESTS picks the tests). Prepare: git archive <before> | tar -x -C snapA, same for snapB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1
 root=$PWD
 cd "$root/snapB" && export PYTHONPATH=$PWD
-timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_hopper_bwd_tma.py -k warp_specialized tests/test_gpu_backward.py \
+timeout 120 python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_bwd_tma.py -k warp_specialized} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/b_tests.log" 2>&1; echo "snapB tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/b_tests.log" | tail -8
 for s in A B; do
     cd "$root/snap$s" && export PYTHONPATH=$PWD
@@ -16,11 +16,11 @@ for s in A B; do
     echo "snap$s sweep rc=$?"; cat "$OUT/sweep_$s.log"
 done
 cd "$root/snapB" && export PYTHONPATH=$PWD
-timeout 60 compute-sanitizer --tool racecheck python3 tools/tiny_bwd.py 1 2 300 128 bf16 true ws > "$OUT/b_racecheck.log" 2>&1
+timeout 60 compute-sanitizer --tool racecheck python3 tools/tiny_bwd.py 1 2 300 128 bf16 true ${SAN_VARIANT:-ws} > "$OUT/b_racecheck.log" 2>&1
 echo "racecheck rc=$?"; tail -1 "$OUT/b_racecheck.log"
-timeout 60 compute-sanitizer --tool synccheck python3 tools/tiny_bwd.py 2 2 333 64 bf16 true ws > "$OUT/b_synccheck.log" 2>&1
+timeout 60 compute-sanitizer --tool synccheck python3 tools/tiny_bwd.py 2 2 333 64 bf16 true ${SAN_VARIANT:-ws} > "$OUT/b_synccheck.log" 2>&1
 echo "synccheck rc=$?"; tail -1 "$OUT/b_synccheck.log"
-timeout 120 ncu --clock-control none -k regex:attn_bwd_kv_wgmma_ws -c 1 --section SpeedOfLight --section WarpStateStats \
+[ "${NCU:-1}" = 1 ] && timeout 120 ncu --clock-control none -k regex:attn_bwd_kv_wgmma_ws -c 1 --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     python3 tools/prof_one.py 128 4096 0 > "$OUT/ncu_ws_d128_n4k.txt" 2>&1
 echo "ncu rc=$?"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Registers Per|Warp Cycles Per Issued|Achieved Occupancy|Stall" "$OUT/ncu_ws_d128_n4k.txt" | head -20
