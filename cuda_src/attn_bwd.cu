@@ -590,7 +590,11 @@ attn_bwd_kv_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T, int HEAD_DIM>
+// dQ = scale * the float32 accumulator: rows of HEAD_DIM floats, or (FRAG) attn_bwd_kv_wgmma_ws's
+// fragment-order 64 x 64 chunks, (batch, head, 64-query tile, 64-column block) major: element
+// (row r, column c) of a chunk sits in thread t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 of the
+// warpgroup, its float4 k = c / 8, entry 2 ((r % 16) / 8) + c % 2, at float (128 k + t) 4 + entry.
+template <typename T, int HEAD_DIM, bool FRAG = false>
 __global__ void attn_bwd_dq_convert(const float* __restrict__ dq_acc, u16* __restrict__ dq,
                                     i64 sb, i64 sh, i64 sn, int hq, int nq, int d, float scale) {
     // blockIdx.y = batch; x covers (head, row, col) of this batch.
@@ -601,6 +605,15 @@ __global__ void attn_bwd_dq_convert(const float* __restrict__ dq_acc, u16* __res
     const int c = (int)(idx % d);
     const i64 r = idx / d;  // head * nq + row
     const int i = (int)(r % nq), h = (int)(r / nq);
-    const float val = dq_acc[(((i64)b * hq + h) * nq + i) * HEAD_DIM + c] * scale;
-    dq[b * sb + h * sh + i * sn + c] = from_float<T>(val);
+    i64 at;
+    if constexpr (FRAG) {
+        const int row_tiles = (nq + 63) / 64;
+        const i64 chunk = (((i64)b * hq + h) * row_tiles + i / 64) * (HEAD_DIM / 64) + c / 64;
+        const int rr = i % 64, cc = c % 64;
+        const int t = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
+        at = chunk * 4096 + (128 * (cc / 8) + t) * 4 + 2 * ((rr % 16) / 8) + (cc % 2);
+    } else {
+        at = (((i64)b * hq + h) * nq + i) * HEAD_DIM + c;
+    }
+    dq[b * sb + h * sh + i * sn + c] = from_float<T>(dq_acc[at] * scale);
 }

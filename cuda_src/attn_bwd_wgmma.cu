@@ -24,7 +24,7 @@
 // (plain loads) on full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its
 // 64 x 64 float32 dQ tile to shared memory in its accumulator fragments' order, and the dQ warp
 // adds the whole 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is
-// therefore in fragment order, 64 x 64 chunks (attn_bwd_dq_convert_frag reorders it). The math
+// therefore in fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math
 // warpgroups (240 registers) issue no global load or reduction in the loop.
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -368,7 +368,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             fence_regs(acc_q);
             if constexpr (WS) {
                 // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
-                // what attn_bwd_dq_convert_frag undoes. Wait for the dQ warp to free the tile.
+                // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
                 named_barrier(8 + wg, kDqBarThreads);
                 const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
 #pragma unroll
@@ -482,7 +482,7 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
 
 // Warp-specialized (WS): Q and dO by TMA and lse, D by the producer warpgroup's loading warp; dQ
 // added from shared memory by its dQ warp into a fragment-order accumulator of 64 x 64 float32
-// chunks, (batch, head, 64-query tile, 64-column block) major (attn_bwd_dq_convert_frag). Atomic
+// chunks, (batch, head, 64-query tile, 64-column block) major (attn_bwd_dq_convert<..., true>, attn_bwd.cu). Atomic
 // dQ only (deterministic runs attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
@@ -492,25 +492,3 @@ attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_consta
 }
 #undef BWD_KV_PARAMS
 #undef BWD_KV_ARGS
-
-// dQ = scale * accumulator from attn_bwd_kv_wgmma_ws's fragment-order chunks: element (row r,
-// column c) of a 64 x 64 chunk sits in thread t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 of the
-// warpgroup, its float4 k = c / 8, entry 2 ((r % 16) / 8) + c % 2, at float (128 k + t) 4 + entry.
-template <typename T, int HEAD_DIM>
-__global__ void attn_bwd_dq_convert_frag(const float* __restrict__ dq_acc, u16* __restrict__ dq,
-                                         i64 sb, i64 sh, i64 sn, int hq, int nq, int d, float scale) {
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 per_batch = (i64)hq * nq * d;
-    if (idx >= per_batch) return;
-    const int b = blockIdx.y;
-    const int c = (int)(idx % d);
-    const i64 rr = idx / d;  // head * nq + row
-    const int i = (int)(rr % nq), h = (int)(rr / nq);
-    const int row_tiles = (nq + 63) / 64;
-    const i64 chunk = (((i64)b * hq + h) * row_tiles + i / 64) * (HEAD_DIM / 64) + c / 64;
-    const int r = i % 64, cc = c % 64;
-    const int t = 32 * (r / 16) + 4 * (r % 8) + (cc % 8) / 2;
-    const int entry = 2 * ((r % 16) / 8) + (cc % 2);
-    const float val = dq_acc[chunk * 4096 + (128 * (cc / 8) + t) * 4 + entry] * scale;
-    dq[b * sb + h * sh + i * sn + c] = from_float<T>(val);
-}

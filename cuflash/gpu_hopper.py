@@ -217,10 +217,10 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
 
 
 def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
-    """attn_bwd_dq_convert_frag: dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
+    """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
     from .gpu_backward import _CONVERT_THREADS
 
-    return KernelSpec("attn_bwd_wgmma.cu", f"attn_bwd_dq_convert_frag<{_TYPE_TAG[np.dtype(dtype)]}, {hd}>",
+    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, true>",
                       _CONVERT_THREADS, 0)
 
 

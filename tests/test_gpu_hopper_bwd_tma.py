@@ -87,7 +87,7 @@ def test_bshd_and_fully_masked_rows(d):
 def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal):
     # attn_bwd_kv_wgmma_ws: producer warpgroup (TMA Q/dO + lse/D on a 2-stage mbarrier ring), dQ
     # added by its dQ warp from shared memory into fragment-order 64 x 64 chunks, reordered by
-    # attn_bwd_dq_convert_frag. Ragged lengths (padded chunk rows must not leak into dQ), GQA (several
+    # attn_bwd_dq_convert<..., true>. Ragged lengths (padded chunk rows must not leak into dQ), GQA (several
     # heads per block, many steps through the ring), bshd, rows that see no key; deterministic
     # falls back to the TMA kernel.
     t = schedule.HOPPER_BACKWARD_TILES[d]
