@@ -20,12 +20,14 @@
 // copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
 // one mbarrier per buffer) instead of every thread issuing cp.async copies.
 // attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout, notes/BWD_FA3.md): one
-// more warpgroup at 24 registers whose warp 0 fills a two-stage ring of Q, dO (TMA) and lse, D
-// (plain loads) on full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its
-// 64 x 64 float32 dQ tile to shared memory in its accumulator fragments' order, and the dQ warp
-// adds the whole 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is
-// therefore in fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math
-// warpgroups (240 registers) issue no global load or reduction in the loop.
+// more warpgroup at 24 registers whose warp 0 fills a two-stage ring of Q and dO (TMA) on
+// full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its 64 x 64 float32
+// dQ tile to shared memory in its accumulator fragments' order, and the dQ warp adds the whole
+// 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is therefore in
+// fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math warpgroups (240
+// registers) copy each step's lse and D a step ahead (cp.async; the producer has no registers for
+// per-row loads) and issue no other global access in the loop. attn_bwd_kv_wgmma_ws_persistent:
+// the same over work units, at most one block per SM.
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -34,6 +36,14 @@
 struct BwdMaps {
     const TmaDesc* q;
     const TmaDesc* dout;
+    const TmaDesc* k = nullptr;  // (PERSISTENT) K and V, boxes of 64 columns x the block's keys
+    const TmaDesc* v = nullptr;
+};
+
+// (PERSISTENT) the work units, counted on the host: kernel parameters are read from the constant
+// bank where used, so the 24-register producer warps need not keep them (or their quotients) live.
+struct BwdUnits {
+    int kv_tiles = 1, hkv = 1, count = 1;  // key tiles, K/V heads, units = key tiles x K/V heads x batch
 };
 
 template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
@@ -59,19 +69,40 @@ struct HopperBwdTraits {
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false>
+// (WS producer) every step of the block's units in order, with t (the unit), g (the block's steps
+// before this one), h (query head) and m0 (first query row): (head, query tile) pairs head-major,
+// h and mt advanced instead of a division per step, loops rolled (24 registers hold no unrolled
+// copy). The body must not `continue`, and pragmas in it are written _Pragma (a #pragma line in
+// a macro argument is dropped).
+#define BWD_FOR_EACH_STEP(...)                                                                    \
+    {                                                                                             \
+        int g = 0;                                                                                \
+        _Pragma("unroll 1") for (int u = unit0(); u < n_units(); u += unit_stride()) {            \
+            const Unit t = unit_at(u);                                                            \
+            int h = t.hk * group, mt = t.m_begin;                                                 \
+            _Pragma("unroll 1") for (int step = 0; step < t.n_steps; ++step, ++g) {               \
+                const int m0 = mt * BLOCK_M;                                                      \
+                __VA_ARGS__                                                                       \
+                if (++mt * BLOCK_M >= nq) mt = t.m_begin, ++h;                                    \
+            }                                                                                     \
+        }                                                                                         \
+    }
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
+          bool PERSISTENT = false>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                        float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
                        i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-                       int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps) {
+                       int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps,
+                       BwdUnits units = BwdUnits{}) {
     using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
     static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
     // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
     // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
     static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
+    static_assert(!PERSISTENT || WS, "PERSISTENT: the warp-specialized kernel");
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -88,82 +119,92 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
     const u32 sBar = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
     const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
-    const u32 sDq = (sBar + 32 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
+    const u32 sKvFull = sBar + 32;                            // (PERSISTENT) the unit's K and V landed
+    const u32 sDq = (sBar + 40 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
     // (WS) named barriers: 1 the math warpgroups, 6 + w dQ tile w full, 8 + w dQ tile w free (math
     // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int n0 = n_block * kBN;
-    const int keys_valid = min(kBN, nk - n0);
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int key_row = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
 
-    // Query tiles that can see any of this block's keys: query i sees key j iff j <= i + off.
-    const int m_tiles = (nq + BLOCK_M - 1) / BLOCK_M;
-    int m_begin = 0;
-    if constexpr (CAUSAL) m_begin = max(0, n0 - causal_off) / BLOCK_M;
-    const int per_head = max(0, m_tiles - m_begin);
-    const int n_steps = per_head * group;  // (head, query tile) pairs, head-major
+    // Work units: one K/V tile of one K/V head of one batch entry. A block does the unit of its
+    // grid position, or (PERSISTENT) units blockIdx.x, + gridDim.x, ... of key tiles x K/V heads
+    // x n_batch, key tile fastest. Every role walks the same units and counts steps across them,
+    // so the Q/dO ring's buffers and mbarrier phases and the dQ tiles' barriers run on.
+    // (Computed from the kernel's parameters where used: a value live across the role split below
+    // is one the 24-register producer spills.)
+    auto unit0 = [&] { return PERSISTENT ? (int)blockIdx.x : 0; };
+    auto n_units = [&] { return PERSISTENT ? units.count : 1; };
+    auto unit_stride = [&] { return PERSISTENT ? (int)gridDim.x : 1; };
+    struct Unit {
+        int hk, b, n0, m_begin, per_head, n_steps;
+    };
+    auto unit_at = [&](int u) {
+        Unit t;
+        int n_block = blockIdx.x;
+        t.hk = blockIdx.y;
+        t.b = blockIdx.z;
+        if constexpr (PERSISTENT) {
+            n_block = u % units.kv_tiles;
+            const int head_batch = u / units.kv_tiles;
+            t.hk = head_batch % units.hkv;
+            t.b = head_batch / units.hkv;
+        }
+        t.n0 = n_block * kBN;
+        // Query tiles that can see any of the unit's keys: query i sees key j iff j <= i + off.
+        t.m_begin = CAUSAL ? max(0, t.n0 - causal_off) / BLOCK_M : 0;
+        t.per_head = max(0, (nq + BLOCK_M - 1) / BLOCK_M - t.m_begin);
+        t.n_steps = t.per_head * group;  // (head, query tile) pairs, head-major
+        return t;
+    };
 
     if constexpr (TMA) {
         if (tid == 0) {
-            // (WS) "full": the loading warp's 32 lanes (lane 0 with the copies' bytes); "empty":
-            // every math thread.
-            mbar_init(sBar, WS ? 32 : 1);
-            mbar_init(sBar + 8, WS ? 32 : 1);
+            // "full": the thread issuing the copies (with their bytes); (WS) "empty": every math
+            // thread.
+            mbar_init(sBar, 1);
+            mbar_init(sBar + 8, 1);
             if constexpr (WS) {
                 mbar_init(sEmpty, kMathThreads);
                 mbar_init(sEmpty + 8, kMathThreads);
             }
+            if constexpr (PERSISTENT) mbar_init(sKvFull, 1);
             fence_mbar_init();
         }
         __syncthreads();  // initialized before anyone waits on them
     }
     if constexpr (WS) {
-        if (tid >= kMathThreads) {  // the producer warpgroup: warp 0 loads, warp 1 adds dQ
+        if (tid >= kMathThreads) {  // the producer warpgroup: warp 0 Q/dO, warp 1 adds dQ
             setmaxnreg_dec<24>();
             const int pwarp = (tid - kMathThreads) >> 5;
             const int row_tiles = (nq + 63) / 64;
-            if (pwarp == 0) {
-                for (int step = 0; step < n_steps; ++step) {
-                    const int buf = step & 1;
-                    mbar_wait(sEmpty + 8 * buf, ((step >> 1) & 1) ^ 1);
-                    const int h = hk * group + step / per_head;
-                    const int m0 = (m_begin + step % per_head) * BLOCK_M;
-                    const int rows = min(BLOCK_M, nq - m0);
-                    const i64 stat = ((i64)b * hq + h) * nq + m0;
-                    const u32 bar = sBar + 8 * buf;
-                    if (lane == 0) {  // the boxes first (their bytes expected), so the loads below overlap them
-                        mbar_expect_tx(bar, 2 * TileQ::kBytes);
-#pragma unroll
-                        for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                            tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
-                            tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+            if (pwarp == 0) {  // lane 0: the Q/dO boxes
+                if (lane == 0) {
+                    BWD_FOR_EACH_STEP({
+                        const int buf = g & 1;
+                        const u32 bar = sBar + 8 * buf;
+                        mbar_wait(sEmpty + 8 * buf, ((g >> 1) & 1) ^ 1);
+                        mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+                        _Pragma("unroll") for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                            tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, t.b, bar);
+                            tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, t.b, bar);
                         }
-                    }
-                    for (int i = lane; i < BLOCK_M; i += 32) {
-                        const float l = i < rows ? lse[stat + i] : -INFINITY;
-                        sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
-                        sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
-                    }
-                    mbar_arrive(bar);  // each lane after its own stores (32 arrivals)
+                    })
                 }
-            } else if (pwarp == 1) {
+            } else if (pwarp == 1) {  // dQ
                 constexpr int kDqN = Tr::kDqCols;
-                if (n_steps > 0)  // the tiles start free (one arrival per math-side wait in all)
-                    for (int w = 0; w < WARPGROUPS; ++w) named_barrier_arrive(8 + w, kDqBarThreads);
-                for (int step = 0; step < n_steps; ++step) {
-                    const int h = hk * group + step / per_head;
-                    const int m0 = (m_begin + step % per_head) * BLOCK_M;
+                // The tiles start free; then each step frees them again: 1 + steps arrivals, one
+                // per math-side wait (one per step, and one at the end).
+                for (int w = 0; w < WARPGROUPS; ++w) named_barrier_arrive(8 + w, kDqBarThreads);
+                BWD_FOR_EACH_STEP({
                     // Both warpgroups' reduce-adds in flight together; tile w is free again once
                     // its group has been read (wait_group.read 1 - w: the newer one may still run).
-#pragma unroll
-                    for (int w = 0; w < 2; ++w) {
+                    _Pragma("unroll") for (int w = 0; w < 2; ++w) {
                         named_barrier(6 + w, kDqBarThreads);  // math warpgroup w staged its tile
                         const int rt = (m0 + (Tr::kDqByRows ? 64 * w : 0)) / 64;
                         const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;
-                        float* chunk = dq_acc + ((((i64)b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
+                        float* chunk = dq_acc + ((((i64)t.b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
                         // (a 128-query step's second half can lie wholly past nq: no chunk there)
                         if (lane == 0) {
                             if (rt < row_tiles) bulk_reduce_add_f32(chunk, sDq + w * Tr::kDqTileBytes, Tr::kDqTileBytes);
@@ -172,11 +213,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     }
                     if (lane == 0) bulk_wait_read<1>();
                     __syncwarp();
-                    if (step + 1 < n_steps) named_barrier_arrive(8, kDqBarThreads);
+                    named_barrier_arrive(8, kDqBarThreads);
                     if (lane == 0) bulk_wait_read<0>();
                     __syncwarp();
-                    if (step + 1 < n_steps) named_barrier_arrive(9, kDqBarThreads);
-                }
+                    named_barrier_arrive(9, kDqBarThreads);
+                })
                 if (lane == 0) bulk_wait<0>();
             }
             return;
@@ -184,273 +225,313 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         setmaxnreg_inc<240>();
     }
     constexpr int kLoaders = WS ? kMathThreads : kThreads;  // (== kThreads: the math threads)
-    load_sw128<HEAD_DIM, kBN, kLoaders>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
-    load_sw128<HEAD_DIM, kBN, kLoaders>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
-    auto load_step = [&](int step, int buf) {
-        const int h = hk * group + step / per_head;
-        const int m0 = (m_begin + step % per_head) * BLOCK_M;
-        const int rows = min(BLOCK_M, nq - m0);
-        if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
+    int g = 0, units_done = 0;  // steps and units before this one
+    for (int u = unit0(); u < n_units(); u += unit_stride(), ++units_done) {
+        const Unit t = unit_at(u);
+        const int hk = t.hk, b = t.b, n0 = t.n0, m_begin = t.m_begin, per_head = t.per_head, n_steps = t.n_steps;
+        const int keys_valid = min(kBN, nk - n0);
+        if constexpr (PERSISTENT) {
+            // K and V by TMA (keys past nk zero-filled), once the previous unit's dK/dV, staged in
+            // their tiles through the generic proxy, have been stored. (cp.async here would keep each
+            // thread's 16 chunk addresses live through the whole unit: 240 registers do not hold them.)
+            fence_proxy_async();
+            named_barrier(1, kMathThreads);
             if (tid == 0) {
-                const u32 bar = sBar + 8 * buf;
-                mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+                mbar_arrive_expect_tx(sKvFull, 2 * TileKV::kBytes);
 #pragma unroll
                 for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                    tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
-                    tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+                    tma_load_4d(sK + cb * TileKV::kBlockBytes, maps.k, 64 * cb, n0, hk, b, sKvFull);
+                    tma_load_4d(sV + cb * TileKV::kBlockBytes, maps.v, 64 * cb, n0, hk, b, sKvFull);
                 }
             }
+            mbar_wait(sKvFull, units_done & 1);
         } else {
-            load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
-            load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
+            load_sw128<HEAD_DIM, kBN, kLoaders>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
+            load_sw128<HEAD_DIM, kBN, kLoaders>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
         }
-        load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
-    };
-    if constexpr (!WS) {
-        if (n_steps > 0) load_step(0, 0);
-    }
-    cp_async_commit();
-
-    float acc_dk[kND][4], acc_dv[kND][4];
+        auto load_step = [&](int step, int buf) {
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
+            const int rows = min(BLOCK_M, nq - m0);
+            if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
+                if (tid == 0) {
+                    const u32 bar = sBar + 8 * buf;
+                    mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
 #pragma unroll
-    for (int ni = 0; ni < kND; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
+                    for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                        tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
+                        tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+                    }
+                }
+            } else {
+                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
+                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
+            }
+            load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
+        };
+        // (WS) the math threads copy each step's lse and D themselves, a step ahead (cp.async): the
+        // 24-register producer has no room for the per-row loads.
+        auto load_stats = [&](int step, int buf) {
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
+            load_row_stats_async<BLOCK_M, kMathThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0,
+                                                        min(BLOCK_M, nq - m0), tid);
+        };
+        if (n_steps > 0) {
+            if constexpr (WS) load_stats(0, g & 1);
+            else load_step(0, 0);
+        }
+        cp_async_commit();
 
-    const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
-    for (int step = 0; step < n_steps; ++step) {
-        const int buf = step & 1;
-        // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
-        cp_async_wait<0>();
-        if constexpr (TMA) mbar_wait(sBar + 8 * buf, (step >> 1) & 1);  // buffer buf's (step/2)-th fill
-        // This thread's row statistics of the step have landed: into their stored form (WS: the
-        // loading warp stores them converted).
-        if constexpr (!WS)
+        float acc_dk[kND][4], acc_dv[kND][4];
+#pragma unroll
+        for (int ni = 0; ni < kND; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
+
+        const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
+        for (int step = 0; step < n_steps; ++step) {
+            const int gs = g + step, buf = gs & 1;
+            // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
+            cp_async_wait<0>();
+            if constexpr (TMA) mbar_wait(sBar + 8 * buf, (gs >> 1) & 1);  // buffer buf's (gs/2)-th fill
+            // This thread's row statistics of the step have landed: into their stored form.
             fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
-        fence_proxy_async();
-        if constexpr (WS) {
-            named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T
-        } else {
-            __syncthreads();
-            if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
-            cp_async_commit();
-        }
-        const int h = hk * group + step / per_head;
-        const int m0 = (m_begin + step % per_head) * BLOCK_M;
-        const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
-        const float* tL = sL + buf * BLOCK_M;
-        const float* tD = sD + buf * BLOCK_M;
-
-        const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
-        // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
-        // pinned (fence_regs after the final wait) while its dV and dK read them.
-        u32 pf[64 / 16][4], sf[64 / 16][4];
-#pragma unroll
-        for (int hv = 0; hv < Tr::kHalves; ++hv) {
-            const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
-            // S^T = K Q^T and dP^T = V dO^T, two commit groups.
-            float s[8][4], dp[8][4];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
-                Wgmma<T, 64>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
+            fence_proxy_async();
+            if constexpr (WS) {
+                named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T
+                if (step + 1 < n_steps) load_stats(step + 1, buf ^ 1);
+                cp_async_commit();
+            } else {
+                __syncthreads();
+                if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
+                cp_async_commit();
             }
-            wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
-                Wgmma<T, 64>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
-            }
-            wgmma_commit();
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
+            const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
+            const float* tL = sL + buf * BLOCK_M;
+            const float* tD = sD + buf * BLOCK_M;
 
-            // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
-            wgmma_wait<1>();
-            fence_regs(s);
+            const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
+            // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
+            // pinned (fence_regs after the final wait) while its dV and dK read them.
+            u32 pf[64 / 16][4], sf[64 / 16][4];
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int key = n0 + key_row + 8 * hf;
+            for (int hv = 0; hv < Tr::kHalves; ++hv) {
+                const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
+                // S^T = K Q^T and dP^T = V dO^T, two commit groups.
+                float s[8][4], dp[8][4];
+                wgmma_fence();
 #pragma unroll
-                for (int ni = 0; ni < 8; ++ni)
+                for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                    const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+                    const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
+                    Wgmma<T, 64>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + e;  // query within the step
-                        float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
-                        if (need_mask) {
-                            const int qi = m0 + qc;
-                            const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
-                            p = vis ? p : 0.f;
+                for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                    const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+                    const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
+                    Wgmma<T, 64>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+
+                // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
+                wgmma_wait<1>();
+                fence_regs(s);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int key = n0 + key_row + 8 * hf;
+#pragma unroll
+                    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + e;  // query within the step
+                            float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
+                            if (need_mask) {
+                                const int qi = m0 + qc;
+                                const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
+                                p = vis ? p : 0.f;
+                            }
+                            s[ni][2 * hf + e] = p;
                         }
-                        s[ni][2 * hf + e] = p;
-                    }
-            }
+                }
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
-            // dV += P^T dO (dO read N-major: rows are the k steps).
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-            wgmma_commit();
-
-            // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
-            wgmma_wait<1>();
-            fence_regs(dp);
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
-            if constexpr (ATOMIC_DQ) {
-                // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
-                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
-                    }
-            }
-            if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
+                for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
+                // dV += P^T dO (dO read N-major: rows are the k steps).
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                    Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
                 wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(acc_dv);
-                fence_regs(acc_dk);
-                fence_regs(pf);
-                fence_regs(sf);
+
+                // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
+                wgmma_wait<1>();
+                fence_regs(dp);
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
+                if constexpr (ATOMIC_DQ) {
+                    // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
+                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
+                        }
+                }
+                if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+                        Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(acc_dv);
+                    fence_regs(acc_dk);
+                    fence_regs(pf);
+                    fence_regs(sf);
+                }
             }
-        }
-        if constexpr (ATOMIC_DQ) {
-            fence_proxy_async();
-            if constexpr (Tr::kDqBlockSync) {
-                if constexpr (WS) named_barrier(1, kMathThreads);
-                else __syncthreads();  // every warpgroup's dS^T rows are in place
-            } else {
-                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
+            if constexpr (ATOMIC_DQ) {
+                fence_proxy_async();
+                if constexpr (Tr::kDqBlockSync) {
+                    if constexpr (WS) named_barrier(1, kMathThreads);
+                    else __syncthreads();  // every warpgroup's dS^T rows are in place
+                } else {
+                    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
+                }
             }
-        }
-        // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
-        // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
-        // loop's back edge makes ptxas serialize them all).
-        constexpr int kDqN = Tr::kDqCols;
-        const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
-        const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
-        const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
-        float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
-        wgmma_fence();
-        if constexpr (ATOMIC_DQ) {
-            // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
+            // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
+            // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
+            // loop's back edge makes ptxas serialize them all).
+            constexpr int kDqN = Tr::kDqCols;
+            const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
+            const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+            const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
+            float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
+            wgmma_fence();
+            if constexpr (ATOMIC_DQ) {
+                // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
 #pragma unroll
-            for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
-                const u32 rows = (dq_key0 + kk * 16) * 128;
-                Wgmma<T, kDqN>::template ss<1, 1>(
-                    acc_q, sw128_desc(sdS + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
-                    sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
+                for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
+                    const u32 rows = (dq_key0 + kk * 16) * 128;
+                    Wgmma<T, kDqN>::template ss<1, 1>(
+                        acc_q, sw128_desc(sdS + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
+                        sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
+                }
+                wgmma_commit();
             }
-            wgmma_commit();
+            {
+                const u32 q_last = 64 * (Tr::kHalves - 1) * 128;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_last + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                wgmma_commit();
+            }
+            if constexpr (ATOMIC_DQ) {
+                wgmma_wait<1>();  // dV and dQ done; dK in flight
+                fence_regs(acc_q);
+                if constexpr (WS) {
+                    // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
+                    // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
+                    named_barrier(8 + wg, kDqBarThreads);
+                    const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
+#pragma unroll
+                    for (int ni = 0; ni < kDqN / 8; ++ni)
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
+                                     "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
+                    fence_proxy_async();  // the bulk reduce reads it through the async proxy
+                    named_barrier_arrive(6 + wg, kDqBarThreads);
+                } else {
+                    float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                        if (m0 + dq_q0 + row < nq) {
+#pragma unroll
+                            for (int ni = 0; ni < kDqN / 8; ++ni)
+                                red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                        }
+                    }
+                }
+            }
+            wgmma_wait<0>();
+            fence_regs(acc_dv);
+            fence_regs(acc_dk);
+            fence_regs(pf);
+            fence_regs(sf);
+            if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
         }
-        {
-            const u32 q_last = 64 * (Tr::kHalves - 1) * 128;
+        cp_async_wait<0>();
+
+        // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
+        const float scale = scale_log2 / kLog2e;
+        u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
+        u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
+        if constexpr (PERSISTENT || (TMA && 2 * TileQ::kBytes >= TileKV::kBytes)) {
+            // Stage dK in the Q buffers and dV in the dO buffers (free: every copy into them was waited
+            // for and every wgmma reading them is done once all math warpgroups pass the barrier), then
+            // store 16 bytes per thread along rows instead of 4-byte stores down the accumulator's rows.
+            // (Tiles whose K/V block outgrows two Q buffers, and the cp.async kernel, where the staging
+            // spills at d=128, store from registers, below.) PERSISTENT: in K and V's own tiles, since
+            // the producer may already be filling the Q/dO ring with the next unit's tiles.
+            const u32 stage_k = PERSISTENT ? sK : sQ, stage_v = PERSISTENT ? sV : sdO;
+            if constexpr (WS) named_barrier(1, kMathThreads);
+            else __syncthreads();
+            // (WS: the thread index read afresh, so that the compiler cannot compute the staging
+            // addresses before the step loop and keep them live through it: they spilled.)
+            const int etid = WS ? thread_index_volatile() : tid;
+            const int erow = 64 * (etid >> 7) + 16 * ((etid >> 5) & 3) + ((etid & 31) >> 2), equad = etid & 3;
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_last + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-            wgmma_commit();
-        }
-        if constexpr (ATOMIC_DQ) {
-            wgmma_wait<1>();  // dV and dQ done; dK in flight
-            fence_regs(acc_q);
-            if constexpr (WS) {
-                // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
-                // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
-                named_barrier(8 + wg, kDqBarThreads);
-                const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
+            for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-                for (int ni = 0; ni < kDqN / 8; ++ni)
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
-                                 "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
-                fence_proxy_async();  // the bulk reduce reads it through the async proxy
-                named_barrier_arrive(6 + wg, kDqBarThreads);
-            } else {
-                float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
+                for (int ni = 0; ni < kND; ++ni) {
+                    const u32 off = TileKV::offset(erow + 8 * hf, ni) + 4 * equad;
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_k + off),
+                                 "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_v + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
+                }
+            if constexpr (WS) named_barrier(1, kMathThreads);
+            else __syncthreads();
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                    if (m0 + dq_q0 + row < nq) {
+            for (int it = 0; it < kBN * TileKV::kChunks / kMathThreads; ++it) {
+                const int i = it * kMathThreads + etid;
+                const int row = i / TileKV::kChunks, c = i % TileKV::kChunks;
+                if (row < keys_valid && c * 8 < d) {
+                    uint4 vk, vv;
+                    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(vk.x), "=r"(vk.y), "=r"(vk.z), "=r"(vk.w) : "r"(stage_k + TileKV::offset(row, c)));
+                    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(stage_v + TileKV::offset(row, c)));
+                    *reinterpret_cast<uint4*>(gdk + row * dk_sn + c * 8) = vk;
+                    *reinterpret_cast<uint4*>(gdv + row * dv_sn + c * 8) = vv;
+                }
+            }
+        } else {
 #pragma unroll
-                        for (int ni = 0; ni < kDqN / 8; ++ni)
-                            red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = key_row + 8 * hf;
+                if (row >= keys_valid) continue;
+#pragma unroll
+                for (int ni = 0; ni < kND; ++ni) {
+                    const int col = ni * 8 + 2 * (lane & 3);
+                    if (col < d) {
+                        *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale);
+                        *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1]);
                     }
                 }
             }
         }
-        wgmma_wait<0>();
-        fence_regs(acc_dv);
-        fence_regs(acc_dk);
-        fence_regs(pf);
-        fence_regs(sf);
-        if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
-    }
-    cp_async_wait<0>();
-
-    // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
-    const float scale = scale_log2 / kLog2e;
-    u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
-    u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
-    if constexpr (TMA && 2 * TileQ::kBytes >= TileKV::kBytes) {
-        // Stage dK in the Q buffers and dV in the dO buffers (free: every copy into them was waited
-        // for and every wgmma reading them is done once all math warpgroups pass the barrier), then
-        // store 16 bytes per thread along rows instead of 4-byte stores down the accumulator's rows.
-        // (Tiles whose K/V block outgrows two Q buffers, and the cp.async kernel, where the staging
-        // spills at d=128, store from registers, below.)
-        if constexpr (WS) named_barrier(1, kMathThreads);
-        else __syncthreads();
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int ni = 0; ni < kND; ++ni) {
-                const u32 off = TileKV::offset(key_row + 8 * hf, ni) + 4 * (lane & 3);
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sQ + off),
-                             "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdO + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
-            }
-        if constexpr (WS) named_barrier(1, kMathThreads);
-        else __syncthreads();
-#pragma unroll
-        for (int it = 0; it < kBN * TileKV::kChunks / kMathThreads; ++it) {
-            const int i = it * kMathThreads + tid;
-            const int row = i / TileKV::kChunks, c = i % TileKV::kChunks;
-            if (row < keys_valid && c * 8 < d) {
-                uint4 vk, vv;
-                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(vk.x), "=r"(vk.y), "=r"(vk.z), "=r"(vk.w) : "r"(sQ + TileKV::offset(row, c)));
-                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(sdO + TileKV::offset(row, c)));
-                *reinterpret_cast<uint4*>(gdk + row * dk_sn + c * 8) = vk;
-                *reinterpret_cast<uint4*>(gdv + row * dv_sn + c * 8) = vv;
-            }
-        }
-        return;
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int row = key_row + 8 * hf;
-        if (row >= keys_valid) continue;
-#pragma unroll
-        for (int ni = 0; ni < kND; ++ni) {
-            const int col = ni * 8 + 2 * (lane & 3);
-            if (col < d) {
-                *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale);
-                *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1]);
-            }
-        }
-    }
+        g += n_steps;
+    }  // units
+    if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
 }
 
 // The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides
@@ -490,5 +571,21 @@ attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_consta
     attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true>(BWD_KV_ARGS,
                                                                                        BwdMaps{&tmap_q, &tmap_do});
 }
+
+// attn_bwd_kv_wgmma_ws over a grid of at most one block per SM (K and V through tensor maps
+// too), each block walking the units (key tile, K/V head, batch entry) blockIdx.x, + gridDim.x, ...
+// of kv_tiles x hkv x batch = n_units (counted on the host): the producer fills the Q/dO ring with
+// the next unit's first tiles and the dQ warp drains this unit's last adds while the math
+// warpgroups store dK/dV and load the next K/V, so a block's start and end are paid once per SM
+// instead of once per unit.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_bwd_kv_wgmma_ws_persistent(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do,
+                                const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v,
+                                BWD_KV_PARAMS, int kv_tiles, int hkv, int n_units) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, true>(
+        BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do, &tmap_k, &tmap_v}, BwdUnits{kv_tiles, hkv, n_units});
+}
 #undef BWD_KV_PARAMS
 #undef BWD_KV_ARGS
+#undef BWD_FOR_EACH_STEP

@@ -250,6 +250,14 @@ __device__ __forceinline__ void load_row_stats(float* sL, float* sD, int buf, co
     }
 }
 
+// threadIdx.x through a volatile read: code after it cannot be computed ahead of it, where the
+// compiler would otherwise hoist per-thread address arithmetic out of a loop and keep it live.
+__device__ __forceinline__ int thread_index_volatile() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+
 // load_row_stats without the wait: rows < `rows` are copied raw by cp.async (in the caller's next
 // commit group), the others get their final +inf / 0 at once. Once that group has been waited
 // for, the same threads call fix_row_stats (before the barrier that publishes the tile), which

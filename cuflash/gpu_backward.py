@@ -15,6 +15,9 @@ _TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 _PREP_WARPS = 8
 _CONVERT_THREADS = 256
 _MAX_GRID_YZ = 65535
+# Blocks of the persistent backward kernel; None: one per SM (tests set a few, so that each walks
+# many units).
+_PERSISTENT_BLOCKS: int | None = None
 
 
 def _b(x: bool) -> str:
@@ -93,7 +96,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     launch each for all sequences."""
     import cupy
 
-    from . import gpu_hopper
+    from . import gpu_decode, gpu_hopper
     from .gpu import _unit_d, _vector_ok
 
     band = p.window is not None or cu_seqlens is not None
@@ -115,11 +118,16 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
 
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=pick_hopper_backward_tile(p, deterministic))
-    if hopper_kv is not None and hopper_kv[1].tma and not gpu_hopper.tma_ok(q4, do4):
+    if hopper_kv is not None and hopper_kv[1].tma and not gpu_hopper.tma_ok(
+            q4, do4, *((k4, v4) if hopper_kv[1].persistent else ())):
         if hopper_tile is not None:
             raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
+    if hopper_kv is not None and hopper_kv[1].persistent and (
+            -(-p.nk // hopper_kv[1].block_n) * p.hkv * min(p.batch, _MAX_GRID_YZ) >= 2**31):  # int32 unit count
+        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
+                                                tile=dataclasses.replace(hopper_kv[1], persistent=False))
     if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
         from .tune import pick_backward_tile
 
@@ -175,8 +183,15 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                     from . import tma
 
                     maps = (tma.bhsd_map(q4[sl], hopper_kv[1].block_m), tma.bhsd_map(do4[sl], hopper_kv[1].block_m))
+                    if hopper_kv[1].persistent:  # and K, V boxes of the block's keys
+                        maps += (tma.bhsd_map(k4[sl], kv_block_n), tma.bhsd_map(v4[sl], kv_block_n))
+                grid = (n_blocks, p.hkv, nz)
+                if hopper_kv is not None and hopper_kv[1].persistent:  # units walked by <= one block per SM
+                    units = n_blocks * p.hkv * nz
+                    grid = (min(units, _PERSISTENT_BLOCKS or gpu_decode._sm_count(cupy.cuda.Device().id)), 1, 1)
+                    extra = (np.int32(n_blocks), np.int32(p.hkv), np.int32(units))
                 get_function(specs["kv"])(
-                    (n_blocks, p.hkv, nz), (specs["kv"].threads,),
+                    grid, (specs["kv"].threads,),
                     (*maps, q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
                      *common, *_strides3(dk4), *_strides3(dv4),
                      np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2,

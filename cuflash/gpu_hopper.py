@@ -205,9 +205,11 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     t = tile or schedule.hopper_backward_tile(hd, causal)
     if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
         t = dataclasses.replace(t, ws=False)
+    if t.persistent and not t.ws:  # only the warp-specialized kernel walks units
+        t = dataclasses.replace(t, persistent=False)
     if t.ws:
-        expr = (f"attn_bwd_kv_wgmma_ws<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
-                f"{'true' if causal else 'false'}>")
+        expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, "
+                f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}>")
         return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = (
         f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
@@ -235,7 +237,8 @@ def all_hopper_backward_specs():
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
         for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
-                     dataclasses.replace(backward_tma(t), ws=True))
+                     dataclasses.replace(backward_tma(t), ws=True),
+                     dataclasses.replace(backward_tma(t), ws=True, persistent=True))
         for causal in (False, True)
         for det in (False, True)
     ]

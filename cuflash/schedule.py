@@ -148,6 +148,9 @@ class HopperBwdTile:
     # (TMA, atomic dQ) warp-specialized: a producer warpgroup loads and adds dQ by bulk reduce-adds
     # into a fragment-order accumulator (attn_bwd_kv_wgmma_ws); deterministic runs the TMA kernel
     ws: bool = False
+    # (ws) at most one block per SM, each walking (key tile, K/V head, batch entry) units, so a
+    # block's start (K/V load, ring fill) and end (dK/dV store) overlap the next unit's loads
+    persistent: bool = False
 
     @property
     def block_n(self) -> int:

@@ -101,3 +101,28 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal):
     tma_backward.clear()
     _run(rng, 1, 2, 1, 130, 97, d, dtype, causal, deterministic=True)
     assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward
+
+
+@pytest.mark.parametrize("blocks", [3, None], ids=["3blocks", "per_sm"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "br", "tl"])
+def test_warp_specialized_persistent(monkeypatch, tma_backward, blocks, d, causal):
+    # attn_bwd_kv_wgmma_ws_persistent: blocks walk (key tile, K/V head, batch entry) units with the
+    # Q/dO ring, its mbarrier phases and the dQ tiles' barriers running on across units, and dK/dV
+    # staged in K/V's own tiles. 3 blocks: every block walks many units of different lengths
+    # (causal), of several heads and batch entries, some with no step (rows that see no key).
+    from cuflash import gpu_backward
+
+    monkeypatch.setattr(gpu_backward, "_PERSISTENT_BLOCKS", blocks)
+    t = schedule.HOPPER_BACKWARD_TILES[d]
+    monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
+                        dataclasses.replace(gpu_hopper.backward_tma(t), ws=True, persistent=True))
+    rng = np.random.default_rng([d, len(str(causal)), 59])
+    _run(rng, 2, 2, 2, 97, 130, d, BFLOAT16, causal)
+    _run(rng, 3, 6, 3, 333, 290, d, FLOAT16, causal)
+    _run(rng, 2, 4, 2, 150, 60, d, BFLOAT16, causal, layout="bshd")
+    _run(rng, 1, 2, 2, 40, 700, d, BFLOAT16, causal)  # one step per unit, many units
+    assert tma_backward and all(e.startswith("attn_bwd_kv_wgmma_ws_persistent<") for e in tma_backward), tma_backward
+    tma_backward.clear()
+    _run(rng, 1, 2, 1, 130, 97, d, BFLOAT16, causal, deterministic=True)
+    assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward
