@@ -88,7 +88,7 @@ struct HopperBwdTraits {
         }                                                                                         \
     }
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
-          bool PERSISTENT = false>
+          bool PERSISTENT = false, bool MATH_STATS = true>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -103,6 +103,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
     static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
     static_assert(!PERSISTENT || WS, "PERSISTENT: the warp-specialized kernel");
+    // (WS) lse and D by the math threads a step ahead (cp.async), or by the producer's warp 0 with
+    // the Q/dO boxes; PERSISTENT needs the former (the producer spills the per-row loads there).
+    static_assert(MATH_STATS || (WS && !PERSISTENT), "producer-loaded row statistics: the plain WS kernel");
+    constexpr bool kProducerStats = WS && !MATH_STATS;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
@@ -150,6 +154,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const int head_batch = u / units.kv_tiles;
             t.hk = head_batch % units.hkv;
             t.b = head_batch / units.hkv;
+            // Causal: key tiles in reverse order every other head, so that a block's units (a
+            // stride of about one head's worth apart) alternate long and short instead of all
+            // sitting at one end of the diagonal (static round robin: up to 3x the work of others).
+            if (CAUSAL && (head_batch & 1)) n_block = units.kv_tiles - 1 - n_block;
         }
         t.n0 = n_block * kBN;
         // Query tiles that can see any of the unit's keys: query i sees key j iff j <= i + off.
@@ -161,10 +169,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 
     if constexpr (TMA) {
         if (tid == 0) {
-            // "full": the thread issuing the copies (with their bytes); (WS) "empty": every math
-            // thread.
-            mbar_init(sBar, 1);
-            mbar_init(sBar + 8, 1);
+            // "full": the thread issuing the copies (with their bytes), (kProducerStats) and the
+            // other lanes of its warp after their lse/D stores; (WS) "empty": every math thread.
+            mbar_init(sBar, kProducerStats ? 32 : 1);
+            mbar_init(sBar + 8, kProducerStats ? 32 : 1);
             if constexpr (WS) {
                 mbar_init(sEmpty, kMathThreads);
                 mbar_init(sEmpty + 8, kMathThreads);
@@ -179,16 +187,29 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             setmaxnreg_dec<24>();
             const int pwarp = (tid - kMathThreads) >> 5;
             const int row_tiles = (nq + 63) / 64;
-            if (pwarp == 0) {  // lane 0: the Q/dO boxes
-                if (lane == 0) {
+            if (pwarp == 0) {  // lane 0: the Q/dO boxes; (kProducerStats) every lane: lse and D
+                if (kProducerStats || lane == 0) {
                     BWD_FOR_EACH_STEP({
                         const int buf = g & 1;
                         const u32 bar = sBar + 8 * buf;
                         mbar_wait(sEmpty + 8 * buf, ((g >> 1) & 1) ^ 1);
-                        mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
-                        _Pragma("unroll") for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                            tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, t.b, bar);
-                            tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, t.b, bar);
+                        if (lane == 0) {  // the boxes first (their bytes expected), so the loads below overlap them
+                            if constexpr (kProducerStats) mbar_expect_tx(bar, 2 * TileQ::kBytes);
+                            else mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+                            _Pragma("unroll") for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                                tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, t.b, bar);
+                                tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, t.b, bar);
+                            }
+                        }
+                        if constexpr (kProducerStats) {
+                            const int rows = min(BLOCK_M, nq - m0);
+                            const i64 stat = ((i64)t.b * hq + h) * nq + m0;
+                            for (int i = lane; i < BLOCK_M; i += 32) {
+                                const float l = i < rows ? lse[stat + i] : -INFINITY;
+                                sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
+                                sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
+                            }
+                            mbar_arrive(bar);  // each lane after its own stores (32 arrivals)
                         }
                     })
                 }
@@ -278,8 +299,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                                                         min(BLOCK_M, nq - m0), tid);
         };
         if (n_steps > 0) {
-            if constexpr (WS) load_stats(0, g & 1);
-            else load_step(0, 0);
+            if constexpr (WS) {
+                if constexpr (!kProducerStats) load_stats(0, g & 1);
+            } else {
+                load_step(0, 0);
+            }
         }
         cp_async_commit();
 
@@ -295,13 +319,17 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
             cp_async_wait<0>();
             if constexpr (TMA) mbar_wait(sBar + 8 * buf, (gs >> 1) & 1);  // buffer buf's (gs/2)-th fill
-            // This thread's row statistics of the step have landed: into their stored form.
-            fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
+            // This thread's row statistics of the step have landed: into their stored form
+            // (kProducerStats: stored so by the producer).
+            if constexpr (!kProducerStats)
+                fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
             fence_proxy_async();
             if constexpr (WS) {
                 named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T
-                if (step + 1 < n_steps) load_stats(step + 1, buf ^ 1);
-                cp_async_commit();
+                if constexpr (!kProducerStats) {
+                    if (step + 1 < n_steps) load_stats(step + 1, buf ^ 1);
+                    cp_async_commit();
+                }
             } else {
                 __syncthreads();
                 if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
@@ -561,15 +589,16 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
                                                                                     BwdMaps{&tmap_q, &tmap_do});
 }
 
-// Warp-specialized (WS): Q and dO by TMA and lse, D by the producer warpgroup's loading warp; dQ
-// added from shared memory by its dQ warp into a fragment-order accumulator of 64 x 64 float32
-// chunks, (batch, head, 64-query tile, 64-column block) major (attn_bwd_dq_convert<..., true>, attn_bwd.cu). Atomic
-// dQ only (deterministic runs attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL>
+// Warp-specialized (WS): Q and dO by TMA from the producer warpgroup's warp 0, lse and D by the
+// math threads (MATH_STATS) or by that warp; dQ added from shared memory by its dQ warp into a
+// fragment-order accumulator of 64 x 64 float32 chunks, (batch, head, 64-query tile, 64-column
+// block) major (attn_bwd_dq_convert<..., true>, attn_bwd.cu). Atomic dQ only (deterministic runs
+// attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool MATH_STATS>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true>(BWD_KV_ARGS,
-                                                                                       BwdMaps{&tmap_q, &tmap_do});
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS>(
+        BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do});
 }
 
 // attn_bwd_kv_wgmma_ws over a grid of at most one block per SM (K and V through tensor maps

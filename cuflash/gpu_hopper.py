@@ -207,9 +207,14 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
         t = dataclasses.replace(t, ws=False)
     if t.persistent and not t.ws:  # only the warp-specialized kernel walks units
         t = dataclasses.replace(t, persistent=False)
+    if t.persistent and not t.math_stats:  # its producer has no room for them
+        t = dataclasses.replace(t, math_stats=True)
+    if not t.ws and t.math_stats:
+        t = dataclasses.replace(t, math_stats=False)
     if t.ws:
+        tail = "" if t.persistent else f", {'true' if t.math_stats else 'false'}"
         expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, "
-                f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}>")
+                f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}{tail}>")
         return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = (
         f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
@@ -238,6 +243,7 @@ def all_hopper_backward_specs():
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
         for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
                      dataclasses.replace(backward_tma(t), ws=True),
+                     dataclasses.replace(backward_tma(t), ws=True, math_stats=True),
                      dataclasses.replace(backward_tma(t), ws=True, persistent=True))
         for causal in (False, True)
         for det in (False, True)

@@ -151,6 +151,9 @@ class HopperBwdTile:
     # (ws) at most one block per SM, each walking (key tile, K/V head, batch entry) units, so a
     # block's start (K/V load, ring fill) and end (dK/dV store) overlap the next unit's loads
     persistent: bool = False
+    # (ws) lse and D copied by the math warpgroups a step ahead instead of by the producer's warp
+    # (persistent: always)
+    math_stats: bool = False
 
     @property
     def block_n(self) -> int:

@@ -33,6 +33,7 @@ def variants(hd):
     t = dataclasses.replace(schedule.HOPPER_BACKWARD_TILES[hd], tma=False, ws=False)
     tma = gpu_hopper.backward_tma(t)
     return {"tma": tma, "ws": dataclasses.replace(tma, ws=True),  # (the cp.async loads: 3-9% slower than tma)
+            "ws-ms": dataclasses.replace(tma, ws=True, math_stats=True),
             "ws-persist": dataclasses.replace(tma, ws=True, persistent=True)}
 
 
