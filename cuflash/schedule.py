@@ -189,11 +189,13 @@ class WsRule:
     reason: str
 
 
-# Measured by tools/hopper_bwd_sweep.py on the H200 (commit 8d39c6d, bf16, N = 4k / 16k, x = cuDNN
-# ms / ours; evidence-20261130/branches-s2/bwdws_sweep.log).
+# Measured by tools/hopper_bwd_sweep.py on the H200 (commit 0490fd9, bf16, N = 1k / 4k / 16k, x =
+# cuDNN ms / ours; evidence-20261130/probe-bwdp-0490fd9/p2_sweep.log). The producer's rolled loops
+# (BWD_FOR_EACH_STEP) took d=64 full from 0.64/0.67/0.72x (8d39c6d .. a1b1c92) to the figures below.
 HOPPER_BACKWARD_WS: dict[int, WsRule] = {
-    64: WsRule(False, True, "causal 0.77/0.83x vs 0.73/0.74x for the TMA kernel; full loses (0.66/0.72x vs 0.69/0.75x)"),
-    128: WsRule(True, True, "full 0.88/0.93x vs 0.66/0.72x, causal 0.79/0.90x vs 0.67/0.73x"),
+    64: WsRule(True, True, "full 0.77/0.88/0.95x vs 0.71/0.73/0.78x for the TMA kernel, causal 0.71/0.78/0.83x "
+                           "vs 0.74/0.76/0.78x"),
+    128: WsRule(True, True, "full 0.82/0.92/0.96x vs 0.70/0.70/0.76x, causal 0.72/0.84/0.90x vs 0.69/0.70/0.75x"),
 }
 
 

@@ -234,10 +234,10 @@ def test_memory_dq_accumulator_is_padded_to_the_head_dim_bucket():
         r = cuflash.memory_report(*shapes, pass_="bwd", dtype="bfloat16", deterministic=deterministic)
         by = {e.name: e for e in r.entries}
         assert by["dQ accumulator"].bytes == 2 * 3 * rows * 128 * 4
-    # d=64 without a causal mask runs the TMA kernel (HOPPER_BACKWARD_WS): rows as they are
-    assert not schedule.hopper_backward_tile(64, False).ws
-    by = {e.name: e for e in cuflash.memory_report((2, 3, 100, 64), (2, 3, 100, 64), pass_="bwd").entries}
-    assert by["dQ accumulator"].bytes == 2 * 3 * 100 * 64 * 4
+    # d=256 runs the mma.sync backward (no Hopper backward tile there): rows as they are
+    assert 256 not in schedule.HOPPER_BACKWARD_TILES
+    by = {e.name: e for e in cuflash.memory_report((2, 3, 100, 256), (2, 3, 100, 256), pass_="bwd").entries}
+    assert by["dQ accumulator"].bytes == 2 * 3 * 100 * 256 * 4
 
 
 def test_memory_reference_forward_and_in_place_variant():
@@ -403,13 +403,13 @@ def test_io_backward_counts():
     tiles = math.ceil(200 / m.bwd_block_n)
     assert by["dQ accumulator"].reads == tiles * B * H * 256 * 128 + B * H * 200 * d
     assert by["dQ accumulator"].writes == B * H * 256 * 128 + tiles * B * H * 256 * 128
-    # d=64, no mask: the TMA kernel's atomics, d columns per row
-    N, d = 256, 64
+    # d=256: the mma.sync kernel's atomics, d columns per row
+    N, d = 256, 256
     m = cuflash.io_model((B, H, N, d), pass_="bwd")
     by = {e.name: e for e in m.entries}
     n_kv_tiles = math.ceil(N / m.bwd_block_n)
     assert by["dQ accumulator"].reads == (n_kv_tiles + 1) * B * H * N * d
-    assert by["dQ accumulator"].writes == B * H * N * 64 + n_kv_tiles * B * H * N * d
+    assert by["dQ accumulator"].writes == B * H * N * 256 + n_kv_tiles * B * H * N * d
 
 
 def test_io_deterministic_backward_moves_dq_to_its_own_kernel():

@@ -55,9 +55,9 @@ def test_forward_bytes(causal):
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
 
 
-# d=128 and d=64 causal: the warp-specialized wgmma kernel on Hopper (dQ accumulator rows padded to
-# 64 per head); d=64 full: the TMA kernel; deterministic: the dQ kernel's row-major accumulator.
-@pytest.mark.parametrize("d,causal,deterministic", [(128, False, False), (64, True, False), (64, False, False),
+# d=64 and d=128: the warp-specialized wgmma kernel on Hopper (dQ accumulator rows padded to 64 per
+# head); d=256: the mma.sync kernel; deterministic: the dQ kernel's row-major accumulator.
+@pytest.mark.parametrize("d,causal,deterministic", [(128, False, False), (64, True, False), (256, False, False),
                                                     (128, True, True)])
 def test_backward_bytes(d, causal, deterministic):
     q, k, v = _inputs((2, 8, 1000, d), (2, 8, 1000, d), 2)
