@@ -24,9 +24,9 @@
 // full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its 64 x 64 float32
 // dQ tile to shared memory in its accumulator fragments' order, and the dQ warp adds the whole
 // 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is therefore in
-// fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math warpgroups (240
-// registers) copy each step's lse and D a step ahead (cp.async; the producer has no registers for
-// per-row loads) and issue no other global access in the loop. attn_bwd_kv_wgmma_ws_persistent:
+// fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math
+// warpgroups (240 registers) copy each step's lse and D a step ahead (cp.async; the producer has
+// no registers for per-row loads) and issue no other global access in the loop. attn_bwd_kv_wgmma_ws_persistent:
 // the same over work units, at most one block per SM.
 #include "common.cuh"
 #include "wgmma.cuh"
