@@ -63,7 +63,10 @@ struct HopperBwdTraits {
     // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
     // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
     static constexpr int kDqTileBytes = 64 * 64 * 4;
-    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes + 4 * BLOCK_M * 4 +
+    // (WS) dS^T double-buffered: a warpgroup writes step s + 1's while the other may still read
+    // step s's for dQ, so the math warpgroups meet once per step (before dQ), not twice.
+    static constexpr int kDsBuffers = WS ? 2 : 1;
+    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
                                       (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
@@ -118,10 +121,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const u32 sV = sK + TileKV::kBytes;
     const u32 sQ = sV + TileKV::kBytes;       // 2 buffers
     const u32 sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
-    const u32 sdS = sdO + 2 * TileQ::kBytes;
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + TileS::kBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
-    float* sD = sL + 2 * BLOCK_M;                                                                 // 2 x BLOCK_M
-    const u32 sBar = sdS + TileS::kBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
+    const u32 sdS = sdO + 2 * TileQ::kBytes;  // Tr::kDsBuffers buffers
+    constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes;
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + kDsBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
+    float* sD = sL + 2 * BLOCK_M;                                                            // 2 x BLOCK_M
+    const u32 sBar = sdS + kDsBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
     const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
     const u32 sKvFull = sBar + 32;                            // (PERSISTENT) the unit's K and V landed
     const u32 sDq = (sBar + 40 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
@@ -325,7 +329,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
             fence_proxy_async();
             if constexpr (WS) {
-                named_barrier(1, kMathThreads);  // K/V (step 0) landed everywhere; both warpgroups left dS^T
+                // K/V (step 0) landed everywhere; (math stats) the other threads' rows fixed and
+                // buffer buf ^ 1's rows read. dS^T needs no meeting here: its buffer gs & 1 was last
+                // read by step gs - 2's dQ, which both warpgroups finished before step gs - 1's.
+                if (!kProducerStats || step == 0) named_barrier(1, kMathThreads);
                 if constexpr (!kProducerStats) {
                     if (step + 1 < n_steps) load_stats(step + 1, buf ^ 1);
                     cp_async_commit();
@@ -338,6 +345,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const int h = hk * group + step / per_head;
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
             const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
+            const u32 tds = sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
             const float* tL = sL + buf * BLOCK_M;
             const float* tD = sD + buf * BLOCK_M;
 
@@ -411,7 +419,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {
                             const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
-                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
+                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tds + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
                         }
                 }
                 if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
@@ -451,7 +459,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
                     const u32 rows = (dq_key0 + kk * 16) * 128;
                     Wgmma<T, kDqN>::template ss<1, 1>(
-                        acc_q, sw128_desc(sdS + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
+                        acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
                         sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
                 }
                 wgmma_commit();

@@ -166,7 +166,8 @@ class HopperBwdTile:
     def smem_bytes(self, head_dim: int) -> int:
         """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
         + 1 KiB alignment."""
-        ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups if self.ws else 0  # + 2 mbarriers, align, dQ tiles
+        # (ws) + 2 mbarriers, alignment, the dQ tiles and dS^T's second buffer
+        ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + self.block_n * self.block_m * 2 if self.ws else 0
         return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
                 + 16 * self.tma + ws + 1024)
 

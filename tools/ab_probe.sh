@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of a backward kernel change in one device call: snapA (before) and snapB (after) each run the
 # warp-specialized tests (snapB) and tools/hopper_bwd_sweep.py; then ncu of snapB's warp-specialized
-# kernel at d=128, N=4k (NCU=0 skips it; SAN_VARIANT=tma sanitizes the TMA kernel; AB_TESTS picks the tests). Prepare: git archive <before> | tar -x -C snapA, same for snapB.
+# kernel at d=128, N=4k (NCU=0 skips it; SNAPS / SWEEP_VARIANTS below; SAN_VARIANT=tma sanitizes the TMA kernel; AB_TESTS picks the tests). Prepare: git archive <before> | tar -x -C snapA, same for snapB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT}"
@@ -10,10 +10,14 @@ root=$PWD
 cd "$root/snapB" && export PYTHONPATH=$PWD
 timeout 120 python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_bwd_tma.py -k warp_specialized} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/b_tests.log" 2>&1; echo "snapB tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/b_tests.log" | tail -8
-for s in A B; do
-    cd "$root/snap$s" && export PYTHONPATH=$PWD
-    timeout 150 python3 tools/hopper_bwd_sweep.py --n ${SWEEP_N:-1024,4096,16384} --json "$OUT/sweep_$s.json" > "$OUT/sweep_$s.log" 2>&1
-    echo "snap$s sweep rc=$?"; cat "$OUT/sweep_$s.log"
+# SNAPS: the snapshots swept, in order (e.g. "A B A B" alternates them against drift); SWEEP_VARIANTS
+# narrows each sweep to some of hopper_bwd_sweep.py's variants.
+i=0
+for s in ${SNAPS:-A B}; do
+    i=$((i + 1)); cd "$root/snap$s" && export PYTHONPATH=$PWD
+    timeout 150 python3 tools/hopper_bwd_sweep.py --n ${SWEEP_N:-1024,4096,16384} ${SWEEP_VARIANTS:+--variants $SWEEP_VARIANTS} \
+        --json "$OUT/sweep_${s}_$i.json" > "$OUT/sweep_${s}_$i.log" 2>&1
+    echo "snap$s sweep rc=$?"; cat "$OUT/sweep_${s}_$i.log"
 done
 cd "$root/snapB" && export PYTHONPATH=$PWD
 timeout 60 compute-sanitizer --tool racecheck python3 tools/tiny_bwd.py 1 2 300 128 bf16 true ${SAN_VARIANT:-ws} > "$OUT/b_racecheck.log" 2>&1

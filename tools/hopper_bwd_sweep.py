@@ -1,6 +1,6 @@
 """Time the wgmma backward (cp.async vs TMA-fed Q/dO) next to cuDNN's backward, same process.
 
-    python3 tools/hopper_bwd_sweep.py [--d 64,128] [--n 1024,4096,16384] [--json OUT]
+    python3 tools/hopper_bwd_sweep.py [--d 64,128] [--n 1024,4096,16384] [--variants ws,tma] [--json OUT]
 
 Both cuflash variants run through cuflash.attention_backward with the Hopper table patched; each
 is first checked against the float64 reference (naive-error rule) on a small causal problem.
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--n", default="1024,4096,16384")
     ap.add_argument("--json")
+    ap.add_argument("--variants", help="comma list of variants() names (default: all)")
     args = ap.parse_args()
     timer = Timer(warmup=2, repeats=15, seconds_per_impl=1.0)
     rows, bad = [], 0
@@ -49,6 +50,8 @@ def main():
     schedule.HOPPER_BACKWARD_WS = {}  # each variant says itself whether it is warp-specialized
     for d in (int(x) for x in args.d.split(",")):
         vs = variants(d)
+        if args.variants:
+            vs = {name: vs[name] for name in args.variants.split(",")}
         for name, t in list(vs.items()):  # correctness first
             schedule.HOPPER_BACKWARD_TILES[d] = t
             try:
@@ -78,7 +81,7 @@ def main():
                 for name, t in vs.items():
                     schedule.HOPPER_BACKWARD_TILES[d] = t
                     ms, _ = timer(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal))
-                    line.append(f"{name} {ms:.3f} {flops / ms / 1e9:.0f}TF x{ref_ms / ms:.2f}")
+                    line.append(f"{name} {ms:.3f} {flops / ms / 1e9:.0f}TF x{ref_ms / ms:.3f}")
                     rows.append({"d": d, "n": n, "causal": causal, "variant": name, "ms": ms, "cudnn_ms": ref_ms,
                                  "vs_cudnn": ref_ms / ms, "tflops": flops / ms / 1e9})
                 print("  ".join(line), flush=True)
