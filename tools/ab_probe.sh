@@ -20,10 +20,12 @@ for s in ${SNAPS:-A B}; do
     echo "snap$s sweep rc=$?"; cat "$OUT/sweep_${s}_$i.log"
 done
 cd "$root/snapB" && export PYTHONPATH=$PWD
-timeout 60 compute-sanitizer --tool racecheck python3 tools/tiny_bwd.py 1 2 300 128 bf16 true ${SAN_VARIANT:-ws} > "$OUT/b_racecheck.log" 2>&1
-echo "racecheck rc=$?"; tail -1 "$OUT/b_racecheck.log"
-timeout 60 compute-sanitizer --tool synccheck python3 tools/tiny_bwd.py 2 2 333 64 bf16 true ${SAN_VARIANT:-ws} > "$OUT/b_synccheck.log" 2>&1
-echo "synccheck rc=$?"; tail -1 "$OUT/b_synccheck.log"
+for sv in ${SAN_VARIANT:-ws}; do  # (a list: each variant of tools/tiny_bwd.py sanitized in turn)
+    timeout 60 compute-sanitizer --tool racecheck python3 tools/tiny_bwd.py 1 2 300 128 bf16 true $sv > "$OUT/b_racecheck_$sv.log" 2>&1
+    echo "racecheck $sv rc=$?"; tail -1 "$OUT/b_racecheck_$sv.log"
+    timeout 60 compute-sanitizer --tool synccheck python3 tools/tiny_bwd.py 2 2 333 ${SAN_D:-64} bf16 true $sv > "$OUT/b_synccheck_$sv.log" 2>&1
+    echo "synccheck $sv rc=$?"; tail -1 "$OUT/b_synccheck_$sv.log"
+done
 [ "${NCU:-1}" = 1 ] && timeout 120 ncu --clock-control none -k regex:attn_bwd_kv_wgmma_ws -c 1 --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     python3 tools/prof_one.py 128 4096 0 > "$OUT/ncu_ws_d128_n4k.txt" 2>&1
