@@ -46,7 +46,7 @@ struct BwdUnits {
     int kv_tiles = 1, hkv = 1, count = 1;  // key tiles, K/V heads, units = key tiles x K/V heads x batch
 };
 
-template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false, bool DQ_KEYS = false>
+template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
@@ -55,19 +55,19 @@ struct HopperBwdTraits {
     using TileKV = Sw128Tile<HEAD_DIM, kBlockN>;
     using TileS = Sw128Tile<BLOCK_M, kBlockN>;          // dS^T: rows = keys, columns = queries
     static constexpr int kHalves = BLOCK_M / 64;        // 64-query sub-steps of S^T .. dK
-    // DQ_KEYS forces the keys split (WS: no warpgroup waits for another's dS^T, at twice the adds).
-    static constexpr bool kDqByRows = !DQ_KEYS && BLOCK_M == 64 * WARPGROUPS;
-    static constexpr bool kDqByColumns = !DQ_KEYS && !kDqByRows && HEAD_DIM % (64 * WARPGROUPS) == 0;
+    static constexpr bool kDqByRows = BLOCK_M == 64 * WARPGROUPS;
+    static constexpr bool kDqByColumns = !kDqByRows && HEAD_DIM % (64 * WARPGROUPS) == 0;
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
     // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
     // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
-    static constexpr int kDqTileBytes = 64 * kDqCols * 4;
-    // (WS) dS^T double-buffered: a warp writes step s + 1's rows while other warps (of its own or
-    // the other warpgroup) may still read step s's for dQ, so the math warps meet once per step,
-    // before dQ, instead of twice.
-    static constexpr int kDsBuffers = WS ? 2 : 1;
+    static constexpr int kDqTileBytes = 64 * 64 * 4;
+    // (WS, dQ by rows) dS^T double-buffered: a warpgroup writes step s + 1's while the other may
+    // still read step s's for dQ, so the math warpgroups meet once per step (before dQ), not
+    // twice: +1-3.5% at d=64 (H200, ed0f511 probe), but 2.5-5% slower at d=128, N=16k (dQ by
+    // columns), where the second meeting stays.
+    static constexpr int kDsBuffers = WS && kDqByRows ? 2 : 1;
     static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
                                       (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
@@ -93,7 +93,7 @@ struct HopperBwdTraits {
         }                                                                                         \
     }
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
-          bool PERSISTENT = false, bool MATH_STATS = true, bool DQ_KEYS = false>
+          bool PERSISTENT = false, bool MATH_STATS = true>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -102,11 +102,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps,
                        BwdUnits units = BwdUnits{}) {
-    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS, DQ_KEYS>;
-    static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols % 64 == 0), "WS: TMA loads, atomic dQ in 64 x 64 chunks");
-    // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it.
-    static_assert(!WS || WARPGROUPS == 2, "WS: 2 math warpgroups");
-    static_assert(!DQ_KEYS || (WS && !PERSISTENT), "DQ_KEYS: the plain warp-specialized kernel");
+    using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
+    static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
+    // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
+    // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
+    static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
     static_assert(!PERSISTENT || WS, "PERSISTENT: the warp-specialized kernel");
     // (WS) lse and D by the math threads a step ahead (cp.async), or by the producer's warp 0 with
     // the Q/dO boxes; PERSISTENT needs the former (the producer spills the per-row loads there).
@@ -131,8 +131,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
     const u32 sKvFull = sBar + 32;                            // (PERSISTENT) the unit's K and V landed
     const u32 sDq = (sBar + 40 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
-    // (WS) named barriers: 1 the math warpgroups, (DQ_KEYS) 2 + w math warpgroup w alone, 6 + w dQ
-    // tile w full, 8 + w dQ tile w free (math warpgroup w's 128 threads and the dQ warp's 32).
+    // (WS) named barriers: 1 the math warpgroups, 6 + w dQ tile w full, 8 + w dQ tile w free (math
+    // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -230,7 +230,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     _Pragma("unroll") for (int w = 0; w < 2; ++w) {
                         named_barrier(6 + w, kDqBarThreads);  // math warpgroup w staged its tile
                         const int rt = (m0 + (Tr::kDqByRows ? 64 * w : 0)) / 64;
-                        const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;  // (keys split: all HEAD_DIM / 64, contiguous)
+                        const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;
                         float* chunk = dq_acc + ((((i64)t.b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
                         // (a 128-query step's second half can lie wholly past nq: no chunk there)
                         if (lane == 0) {
@@ -332,10 +332,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             fence_proxy_async();
             if constexpr (WS) {
                 // K/V (step 0) landed everywhere; (math stats) the other threads' rows fixed and
-                // buffer buf ^ 1's rows read. dS^T needs no meeting here: its buffer gs & 1 was last
-                // read by step gs - 2's dQ, which every reader finished before the barrier ahead of
-                // step gs - 1's dQ (the math warpgroups', or DQ_KEYS its own warpgroup's).
-                if (!kProducerStats || step == 0) named_barrier(1, kMathThreads);
+                // buffer buf ^ 1's rows read; (one dS^T buffer) both warpgroups left it. Two dS^T
+                // buffers need no meeting for it: buffer gs & 1 was last read by step gs - 2's dQ,
+                // which both warpgroups finished before the barrier ahead of step gs - 1's.
+                if (!kProducerStats || step == 0 || Tr::kDsBuffers == 1) named_barrier(1, kMathThreads);
                 if constexpr (!kProducerStats) {
                     if (step + 1 < n_steps) load_stats(step + 1, buf ^ 1);
                     cp_async_commit();
@@ -444,33 +444,29 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     if constexpr (WS) named_barrier(1, kMathThreads);
                     else __syncthreads();  // every warpgroup's dS^T rows are in place
                 } else {
-                    // only this warpgroup's rows are read (WS: barriers 2, 3; 1 is the math warpgroups')
-                    asm volatile("bar.sync %0, 128;\n" ::"r"((WS ? 2 : 1) + wg));
+                    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
                 }
             }
             // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
             // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
             // loop's back edge makes ptxas serialize them all).
-            // (DQ_KEYS) a warpgroup's dQ share spans every column: in 64-column passes, one accumulator
-            // reused (all at once, 64 more registers, makes ptxas serialize the wgmmas).
-            constexpr int kDqN = DQ_KEYS ? 64 : Tr::kDqCols, kDqPasses = Tr::kDqCols / kDqN;
+            constexpr int kDqN = Tr::kDqCols;
             const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
             const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
             const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
             float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
-            // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
-            auto issue_dq = [&](int pass) {
+            wgmma_fence();
+            if constexpr (ATOMIC_DQ) {
+                // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
 #pragma unroll
                 for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
                     const u32 rows = (dq_key0 + kk * 16) * 128;
                     Wgmma<T, kDqN>::template ss<1, 1>(
                         acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
-                        sw128_desc(sK + (dq_col0 / 64 + pass) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
+                        sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
                 }
                 wgmma_commit();
-            };
-            wgmma_fence();
-            if constexpr (ATOMIC_DQ) issue_dq(0);
+            }
             {
                 const u32 q_last = 64 * (Tr::kHalves - 1) * 128;
 #pragma unroll
@@ -483,27 +479,16 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 fence_regs(acc_q);
                 if constexpr (WS) {
                     // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
-                    // what attn_bwd_dq_convert<..., true> undoes; pass p's 64 columns in the tile's
-                    // p-th 16 KiB. Wait for the dQ warp to free the tile.
+                    // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
                     named_barrier(8 + wg, kDqBarThreads);
                     const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
 #pragma unroll
-                    for (int pass = 0; pass < kDqPasses; ++pass) {
-                        if (pass > 0) {  // (after dK: groups retire in order)
-                            wgmma_fence();
-                            issue_dq(pass);
-                            wgmma_wait<0>();
-                            fence_regs(acc_q);
-                        }
-#pragma unroll
-                        for (int ni = 0; ni < kDqN / 8; ++ni)
-                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + (pass * kDqN / 8 + ni) * 128 * 16),
-                                         "f"(acc_q[ni][0]), "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
-                    }
+                    for (int ni = 0; ni < kDqN / 8; ++ni)
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
+                                     "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
                     fence_proxy_async();  // the bulk reduce reads it through the async proxy
                     named_barrier_arrive(6 + wg, kDqBarThreads);
                 } else {
-                    static_assert(!DQ_KEYS, "DQ_KEYS: WS");
                     float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
@@ -620,11 +605,10 @@ attn_bwd_kv_wgmma_tma(const __grid_constant__ TmaDesc tmap_q, const __grid_const
 // fragment-order accumulator of 64 x 64 float32 chunks, (batch, head, 64-query tile, 64-column
 // block) major (attn_bwd_dq_convert<..., true>, attn_bwd.cu). Atomic dQ only (deterministic runs
 // attn_bwd_kv_wgmma_tma). Arguments as attn_bwd_kv_wgmma_tma.
-// DQ_KEYS: each math warpgroup adds dQ over its own 64 keys for every column (BLOCK_M = 64).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool MATH_STATS, bool DQ_KEYS = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool MATH_STATS>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS, DQ_KEYS>(
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS>(
         BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do});
 }
 

@@ -211,10 +211,8 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
         t = dataclasses.replace(t, math_stats=True)
     if not t.ws and t.math_stats:
         t = dataclasses.replace(t, math_stats=False)
-    if t.dq_keys and (not t.ws or t.persistent or t.block_m != 64):  # one 64-query dQ tile per warpgroup
-        t = dataclasses.replace(t, dq_keys=False)
     if t.ws:
-        tail = "" if t.persistent else f", {'true' if t.math_stats else 'false'}" + (", true" if t.dq_keys else "")
+        tail = "" if t.persistent else f", {'true' if t.math_stats else 'false'}"
         expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, "
                 f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}{tail}>")
         return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
@@ -246,7 +244,6 @@ def all_hopper_backward_specs():
         for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
                      dataclasses.replace(backward_tma(t), ws=True),
                      dataclasses.replace(backward_tma(t), ws=True, math_stats=True),
-                     dataclasses.replace(backward_tma(t), ws=True, dq_keys=True),
                      dataclasses.replace(backward_tma(t), ws=True, persistent=True))
         for causal in (False, True)
         for det in (False, True)

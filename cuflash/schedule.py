@@ -154,9 +154,6 @@ class HopperBwdTile:
     # (ws) lse and D copied by the math warpgroups a step ahead instead of by the producer's warp
     # (persistent: always)
     math_stats: bool = False
-    # (ws, block_m 64, not persistent) dQ split by keys: each math warpgroup adds its own 64 keys'
-    # share for every column (twice the bulk reduce-adds) and never waits for the other's dS^T
-    dq_keys: bool = False
 
     @property
     def block_n(self) -> int:
@@ -169,10 +166,9 @@ class HopperBwdTile:
     def smem_bytes(self, head_dim: int) -> int:
         """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
         + 1 KiB alignment."""
-        # (ws) + 2 mbarriers, alignment, each math warpgroup's dQ tile (64 rows x 64 columns, or
-        # dq_keys all of them) and dS^T's second buffer
-        dq_cols = head_dim if self.dq_keys else 64
-        ws = 16 + 96 + 64 * dq_cols * 4 * self.warpgroups + self.block_n * self.block_m * 2 if self.ws else 0
+        # (ws) + 2 mbarriers, alignment, the dQ tiles, (dQ by rows) dS^T's second buffer
+        ds2 = self.block_n * self.block_m * 2 if self.block_m == 64 * self.warpgroups else 0
+        ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + ds2 if self.ws else 0
         return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
                 + 16 * self.tma + ws + 1024)
 

@@ -34,7 +34,6 @@ def variants(hd):
     tma = gpu_hopper.backward_tma(t)
     return {"tma": tma, "ws": dataclasses.replace(tma, ws=True),  # (the cp.async loads: 3-9% slower than tma)
             "ws-ms": dataclasses.replace(tma, ws=True, math_stats=True),
-            **({"ws-dqk": dataclasses.replace(tma, ws=True, dq_keys=True)} if t.block_m == 64 else {}),
             "ws-persist": dataclasses.replace(tma, ws=True, persistent=True)}
 
 
@@ -52,7 +51,7 @@ def main():
     for d in (int(x) for x in args.d.split(",")):
         vs = variants(d)
         if args.variants:
-            vs = {name: vs[name] for name in args.variants.split(",") if name in vs}
+            vs = {name: vs[name] for name in args.variants.split(",")}
         for name, t in list(vs.items()):  # correctness first
             schedule.HOPPER_BACKWARD_TILES[d] = t
             try:

@@ -1,6 +1,6 @@
-"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma|ws|wsdqk|wsp [blocks]]
+"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma|ws|wsp [blocks]]
 
-tma: the Hopper backward table tile with Q/dO fetched by TMA; ws: its warp-specialized kernel (wsdqk: dQ split by keys); wsp: the persistent one."""
+tma: the Hopper backward table tile with Q/dO fetched by TMA; ws: its warp-specialized kernel; wsp: the persistent one."""
 import dataclasses
 import sys
 
@@ -14,11 +14,10 @@ from cuflash import gpu_hopper, schedule
 b, h, n, d = (int(x) for x in sys.argv[1:5])
 dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
-if len(sys.argv) > 7 and sys.argv[7] in ("tma", "ws", "wsdqk", "wsp"):
+if len(sys.argv) > 7 and sys.argv[7] in ("tma", "ws", "wsp"):
     hd = schedule.head_dim_bucket(d)
     t = gpu_hopper.backward_tma(schedule.HOPPER_BACKWARD_TILES[hd])
-    schedule.HOPPER_BACKWARD_TILES[hd] = dataclasses.replace(t, ws=sys.argv[7] != "tma", persistent=sys.argv[7] == "wsp",
-                                                         dq_keys=sys.argv[7] == "wsdqk")
+    schedule.HOPPER_BACKWARD_TILES[hd] = dataclasses.replace(t, ws=sys.argv[7] != "tma", persistent=sys.argv[7] == "wsp")
     if len(sys.argv) > 8:  # blocks of the persistent kernel (each then walks several units)
         from cuflash import gpu_backward
 
