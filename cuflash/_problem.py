@@ -303,8 +303,7 @@ def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None
     (num_blocks, block_size, Hkv, d), block_table int32 (B, max_blocks). Returns (Problem with
     Nk = max_blocks * block_size, block_size). Table values are checked by check_block_table."""
     check_layout(layout)
-    if masks.normalize_window(window) is not None:
-        raise NotImplementedError("window: not supported together with block_table (paged KV cache) yet")
+    window = masks.normalize_window(window)
     named = (("q", q), ("k", k_cache), ("v", v_cache))
     xp = same_library(named)
     dtype = check_dtype(named)
@@ -336,7 +335,8 @@ def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None
         raise ValueError("q: head dim d must be at least 1")
     scale = check_scale(scale, d)
     nk = block_table.shape[1] * bs
-    return Problem(xp, layout, (qb,), hq, hkv, nq, nk, d, dtype, masks.normalize_causal(causal), scale), bs
+    return Problem(xp, layout, (qb,), hq, hkv, nq, nk, d, dtype, masks.normalize_causal(causal), scale,
+                   window=window), bs
 
 
 def check_block_table(block_table, lens_host, block_size, num_blocks):

@@ -71,8 +71,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         block_size, and kv_lens (default Nk) says how many keys each sequence has. q must be 4-D.
         Only the pages a sequence uses are looked up (others may hold anything, e.g. -1). With
         validate=True those entries are checked on the host (one device-to-host copy for CuPy).
-        Decode shapes run the split-KV kernel reading the pages in place; other shapes (and the
-        NumPy backend) gather each sequence's used pages into a contiguous copy first.
+        Decode shapes run the split-KV kernel reading the pages in place; other shapes, a
+        ``window`` (aligned on each sequence's kv_lens[b] keys, as with kv_lens alone) and the
+        NumPy backend gather each sequence's used pages into a contiguous copy first.
 
     Returns
     -------
@@ -120,8 +121,9 @@ def _forward_result(p, o, o4, direct, lse3, return_lse):
 
 
 def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, **options):
-    """Paged KV cache: the decode kernel reads pages in place; otherwise (NumPy, prefill shapes)
-    each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d) copy."""
+    """Paged KV cache: the decode kernel reads pages in place; otherwise (NumPy, prefill shapes, a
+    window: the decode kernel masks no band) each sequence's used pages are gathered into a
+    contiguous (1, Hkv, kv_len, d) copy, its window aligned on its own kv_len keys."""
     import dataclasses
 
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
@@ -139,7 +141,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     if xp is not np:
         from . import gpu_decode
 
-        if gpu_decode.applies(p, k_cache, v_cache):
+        if p.window is None and gpu_decode.applies(p, k_cache, v_cache):
             table = xp.ascontiguousarray(block_table)
             gpu_decode.forward(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True

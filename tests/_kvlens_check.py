@@ -4,14 +4,19 @@ import numpy as np
 
 from cuflash.testing import assert_within_naive_error, naive_attention_in_dtype, reference64, to_numpy
 
+from _brute_mask import brute_visible
 
-def check_per_sequence(o, lse, q, k, v, lens, causal, dtype):
+
+def check_per_sequence(o, lse, q, k, v, lens, causal, dtype, window=None):
+    """window: sequence b's visibility is the brute-force mask over its own kv_lens[b] keys."""
     o, lse = to_numpy(o), to_numpy(lse)
     q, k, v = (to_numpy(a) for a in (q, k, v))
     for b, n in enumerate(lens):
         n = int(n)
         qb, kb, vb = q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n]
-        ref_o, ref_l = reference64(qb, kb, vb, causal=causal)
-        nv_o, nv_l = naive_attention_in_dtype(qb, kb, vb, causal=causal)
+        masking = (dict(causal=causal) if window is None
+                   else dict(mask=brute_visible(causal, window, q.shape[2], n)))
+        ref_o, ref_l = reference64(qb, kb, vb, **masking)
+        nv_o, nv_l = naive_attention_in_dtype(qb, kb, vb, **masking)
         assert_within_naive_error(f"o[seq {b}, len {n}]", o[b : b + 1], ref_o, nv_o, dtype)
         assert_within_naive_error(f"lse[seq {b}, len {n}]", lse[b : b + 1], ref_l, nv_l, np.float32)

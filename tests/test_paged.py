@@ -37,9 +37,9 @@ def paged_cache(rng, k, v, lens, bs, spare=3):
     return kc, vc, table
 
 
-def run_paged(xp, rng, dtype, b, hq, hkv, nq, n, d, bs, lens, causal, layout="bhsd"):
+def run_paged(xp, rng, dtype, b, hq, hkv, nq, n, d, bs, lens, causal, layout="bhsd", window=None):
     """lens=None: no kv_lens argument, every sequence holds all of its table's keys (n must then
-    be a multiple of bs)."""
+    be a multiple of bs). window: aligned on each sequence's own keys."""
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, n, d), dtype)
     given = lens is not None
     lens = lens if given else np.full(b, n, dtype=np.int32)
@@ -49,14 +49,14 @@ def run_paged(xp, rng, dtype, b, hq, hkv, nq, n, d, bs, lens, causal, layout="bh
     before = [a.copy() for a in args]
     out = xp.full(qx.shape, np.nan, dtype=dtype)  # poisoned: every element must be written
     o, lse = cuflash.attention(args[0], args[1], args[2], block_table=args[3], kv_lens=args[4] if given else None,
-                               causal=causal, layout=layout, return_lse=True, out=out)
+                               causal=causal, layout=layout, return_lse=True, out=out, window=window)
     for a, a0 in zip(args, before):
         assert bool((a.view(np.uint8) == a0.view(np.uint8)).all()), "an input was modified"
     o = o.get() if hasattr(o, "get") else o
     lse = lse.get() if hasattr(lse, "get") else lse
     if layout == "bshd":
         o = o.transpose(0, 2, 1, 3)
-    check_per_sequence(o, lse, q, k, v, lens, causal, dtype)
+    check_per_sequence(o, lse, q, k, v, lens, causal, dtype, window=window)
 
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16, FLOAT32], ids=["f16", "bf16", "f32"])
@@ -67,6 +67,19 @@ def test_paged_cpu(dtype, causal, bs, nq):
     rng = np.random.default_rng([nq, bs, len(str(causal)), dtype.itemsize])
     lens = np.array([0, 1, 77, 200], dtype=np.int32)
     run_paged(np, rng, dtype, 4, 4, 2, nq, 200, 32, bs, lens, causal)
+
+
+# Windows that cut pages mid-way, one side open, one key wide, and wider than any sequence.
+WINDOWS = [(40, 0), (33, -1), (-1, 5), (0, 0), (500, 500)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=[f"w{l}_{r}" for l, r in WINDOWS])
+@pytest.mark.parametrize("causal", [False, "bottom_right", "top_left"], ids=["full", "br", "tl"])
+@pytest.mark.parametrize("nq", [1, 7])
+def test_paged_cpu_window(window, causal, nq):
+    rng = np.random.default_rng([nq, len(str(causal)), window[0] + 7, window[1] + 3])
+    lens = np.array([0, 1, 77, 200], dtype=np.int32)
+    run_paged(np, rng, BFLOAT16, 4, 4, 2, nq, 200, 32, 16, lens, causal, window=window)
 
 
 def test_paged_cpu_bshd_without_kv_lens():
@@ -90,7 +103,8 @@ def _valid(rng=None):
     (lambda a: a.update(q=a["q"][0]), ValueError, "q: with block_table expected 4 dimensions"),
     (lambda a: a.update(v=a["v"][:, :, :1]), ValueError, "v: shape"),
     (lambda a: a.update(kv_lens=np.array([49, 0], dtype=np.int32)), ValueError, "kv_lens"),
-    (lambda a: a.update(window=(4, 0)), NotImplementedError, "window"),
+    (lambda a: a.update(window=(4, -2)), ValueError, "window: expected values >= -1"),
+    (lambda a: a.update(window=(4, 0.5)), TypeError, "window: expected a pair of ints"),
 ])
 def test_paged_validation(change, exc, msg):
     q, kc, vc, table = _valid()
@@ -131,6 +145,19 @@ def test_paged_gpu_prefill_fallback_and_layouts(rng, layout):
     run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 40, 300, 128, 32, lens, "bottom_right", layout=layout)
     run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 1, 300, 128, 32, lens, False, layout=layout)
     run_paged(cupy, rng, BFLOAT16, 3, 8, 2, 1, 320, 128, 32, None, "bottom_right", layout=layout)  # no kv_lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", WINDOWS, ids=[f"w{l}_{r}" for l, r in WINDOWS])
+@pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
+@pytest.mark.parametrize("nq", [1, 7])
+def test_paged_gpu_window(rng, window, causal, nq):
+    """A window takes the gathering path (the decode kernel masks no band): the band kernel per
+    sequence, its window on its own kv_lens[b] keys."""
+    import cupy
+
+    lens = np.array([0, 1, 257, 1300, 999], dtype=np.int32)
+    run_paged(cupy, rng, BFLOAT16, 5, 8, 2, nq, 1300, 128, 64, lens, causal, window=window)
 
 
 @pytest.mark.gpu
