@@ -169,18 +169,9 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m0 + warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
-                    const int limit = kHi ? min(nk_b, row + hi + 1) : nk_b;
-                    const int first = BAND ? row + lo : 0;
-#pragma unroll
-                    for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
-                            if (col >= limit || (BAND && col < first)) acc_s[mi][ni][2 * hf + e] = -INFINITY;
-                        }
-                }
+                for (int hf = 0; hf < 2; ++hf)
+                    mask_score_row<kHi, BAND>(acc_s[mi], hf, m0 + warp_row0 + mi * 16 + (lane >> 2) + hf * 8, n0, nk_b,
+                                              hi, lo, lane);
         }
 
         // Online softmax: S becomes unnormalized P (in place); O is rescaled if a row max moved.

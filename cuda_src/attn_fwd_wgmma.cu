@@ -230,18 +230,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if constexpr (BAND) need_mask = need_mask || n0 < warp_first + 15 + lo;
             if (need_mask) {
     #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = m_base + row0 + 8 * hf;
-                    const int limit = kHi ? min(nk_b, row + hi + 1) : nk_b;
-                    const int first = BAND ? row + lo : 0;
-    #pragma unroll
-                    for (int ni = 0; ni < kNS; ++ni)
-    #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
-                            if (col >= limit || (BAND && col < first)) acc_s[0][ni][2 * hf + e] = -INFINITY;
-                        }
-                }
+                for (int hf = 0; hf < 2; ++hf)
+                    mask_score_row<kHi, BAND>(acc_s[0], hf, m_base + row0 + 8 * hf, n0, nk_b, hi, lo, lane);
             }
         };
         // Ping-pong turns: warpgroup w waits on barrier 2 + w for its turn to issue GEMMs and passes

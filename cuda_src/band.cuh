@@ -43,3 +43,21 @@ __device__ __forceinline__ void band_bounds(const FwdBand& band, BandSeq& s, int
         s.lo = (int)max((i64)band.lo_off + shift, -(i64)s.nq_b);
     }
 }
+
+// Score fragment rows of the forward kernels (an mma / wgmma accumulator's row `row` held by this
+// lane in elements 2 hf, 2 hf + 1 of each 8-key group starting at key n0): keys past the
+// sequence (nk_b), past row + hi (HI: causal or a band's right side) or before row + lo (BAND)
+// set to -inf.
+template <bool HI, bool BAND, int NS>
+__device__ __forceinline__ void mask_score_row(float (&acc)[NS][4], int hf, int row, int n0, int nk_b, int hi, int lo,
+                                               int lane) {
+    const int limit = HI ? min(nk_b, row + hi + 1) : nk_b;
+    const int first = BAND ? row + lo : 0;
+#pragma unroll
+    for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
+            if (col >= limit || (BAND && col < first)) acc[ni][2 * hf + e] = -INFINITY;
+        }
+}
