@@ -12,6 +12,11 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 # PART=tests or PART=bench splits the check over two device calls (each under 10 minutes).
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
+# BLAS_THREADS (unset: the libraries' default, all cores per worker): threads of each xdist
+# worker's float64 / naive references, so that more TEST_WORKERS need not oversubscribe the CPU.
+if [ -n "${BLAS_THREADS:-}" ]; then
+    export OPENBLAS_NUM_THREADS=$BLAS_THREADS OMP_NUM_THREADS=$BLAS_THREADS MKL_NUM_THREADS=$BLAS_THREADS
+fi
 timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE -n "${TEST_WORKERS:-2}" \
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -3 "$OUT/tests.log"
