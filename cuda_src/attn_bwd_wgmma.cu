@@ -24,10 +24,11 @@
 // full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its 64 x 64 float32
 // dQ tile to shared memory in its accumulator fragments' order, and the dQ warp adds the whole
 // 16 KiB to global memory with one bulk reduce-add. The accumulator (dq_acc) is therefore in
-// fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). The math
-// warpgroups (240 registers) copy each step's lse and D a step ahead (cp.async; the producer has
-// no registers for per-row loads) and issue no other global access in the loop. attn_bwd_kv_wgmma_ws_persistent:
-// the same over work units, at most one block per SM.
+// fragment order, 64 x 64 chunks (attn_bwd_dq_convert<..., true> reorders it). Each step's lse
+// and D come with its Q/dO boxes from the producer's warp 0 (MATH_STATS: the math warpgroups copy
+// them a step ahead by cp.async instead), so the math warpgroups (240 registers) issue no other
+// global access in the loop. attn_bwd_kv_wgmma_ws_persistent: the same over work units, at most
+// one block per SM, with MATH_STATS (its 24-register producer spills the per-row loads).
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -296,8 +297,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             }
             load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
         };
-        // (WS) the math threads copy each step's lse and D themselves, a step ahead (cp.async): the
-        // 24-register producer has no room for the per-row loads.
+        // (WS, MATH_STATS) the math threads copy each step's lse and D themselves, a step ahead
+        // (cp.async), instead of the producer's warp 0.
         auto load_stats = [&](int step, int buf) {
             const int h = hk * group + step / per_head;
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
@@ -322,7 +323,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
         for (int step = 0; step < n_steps; ++step) {
             const int gs = g + step, buf = gs & 1;
-            // Tile `step` landed everywhere; every warpgroup is done with the other buffer and dS^T.
+            // Tile `step` landed (without WS, everywhere once the block barrier below is passed).
             cp_async_wait<0>();
             if constexpr (TMA) mbar_wait(sBar + 8 * buf, (gs >> 1) & 1);  // buffer buf's (gs/2)-th fill
             // This thread's row statistics of the step have landed: into their stored form
@@ -356,6 +357,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
             // pinned (fence_regs after the final wait) while its dV and dK read them.
             u32 pf[64 / 16][4], sf[64 / 16][4];
+            // dK += dS^T Q for the half whose query rows start q_half bytes into the Q tile, one group.
+            auto issue_dk = [&](u32 q_half) {
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                wgmma_commit();
+            };
 #pragma unroll
             for (int hv = 0; hv < Tr::kHalves; ++hv) {
                 const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
@@ -427,10 +435,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 }
                 if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
                     wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                    wgmma_commit();
+                    issue_dk(q_half);
                     wgmma_wait<0>();
                     fence_regs(acc_dv);
                     fence_regs(acc_dk);
@@ -467,13 +472,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 }
                 wgmma_commit();
             }
-            {
-                const u32 q_last = 64 * (Tr::kHalves - 1) * 128;
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_last + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                wgmma_commit();
-            }
+            issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
             if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
                 fence_regs(acc_q);

@@ -165,7 +165,7 @@ class HopperBwdTile:
 
     def smem_bytes(self, head_dim: int) -> int:
         """K, V, two Q and two dO buffers, the dS^T tile, 2 x (lse, D) rows, (TMA) two mbarriers,
-        + 1 KiB alignment."""
+        (ws) what HopperBwdTraits adds, + 1 KiB alignment."""
         # (ws) + 2 mbarriers, alignment, the dQ tiles, (dQ by rows) dS^T's second buffer
         ds2 = self.block_n * self.block_m * 2 if self.block_m == 64 * self.warpgroups else 0
         ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + ds2 if self.ws else 0
