@@ -40,14 +40,15 @@ struct DecodeTraits {
 // (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
 // (CLUSTER splits form one cluster; part_o / part_lse unused).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER>
+          int CLUSTER, bool WINDOW>
 __device__ __forceinline__ void
 attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
                   float* __restrict__ part_lse, const int* __restrict__ kv_lens, const int* __restrict__ block_table,
                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                  int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2) {
+                  int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo,
+                  int band_hi) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
     extern __shared__ __align__(128) u16 smem[];
@@ -57,8 +58,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages
     float* s_stat = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM + WARPS * Tr::kRingElems);  // [WARPS][kRows][2]
 
-    const DecodeSpan<CAUSAL> span(kv_lens, b, nk, nq, bottom_right, split, chunk);
-    const int s0 = span.s0, s1 = span.s1, off = span.off;
+    const DecodeSpan<CAUSAL, WINDOW> span(kv_lens, b, nk, nq, align, split, chunk, band_lo, band_hi);
+    const int s0 = span.s0, s1 = span.s1;
     const int n_tiles = (max(0, s1 - s0) + BLOCK_N - 1) / BLOCK_N;
 
     const u16* gK = k + b * k_sb + hk * k_sh;
@@ -106,6 +107,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     float acc_o[ROW_TILES][kNO][4];
     OnlineSoftmax<2 * ROW_TILES> softmax;
     zero_acc(acc_o);
+    const DecodeRowBand<ROW_TILES, WINDOW> rows(lane, nq, span.lo0, span.hi0);
 
     for (int t = 0; t < my_tiles; ++t) {
         cp_async_wait<STAGES - 2>();
@@ -114,8 +116,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         cp_async_commit();
         const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL>(qa, aK, aV, slot, slot, n0, s1, off, nq, lane,
-                                                                 softmax, acc_o, scale_log2);
+        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.hi0,
+                                                                         nq, lane, softmax, acc_o, scale_log2);
     }
     cp_async_wait<0>();
 
@@ -139,28 +141,31 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 #define DECODE_TAIL_PARAMS                                                                                          \
     const int *__restrict__ kv_lens, const int *__restrict__ block_table, i64 bt_sb, int page_shift, i64 q_sb,      \
         i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh,         \
-        i64 o_sn, int hq, int nq, int nk, int d, int group, int bottom_right, int chunk, float scale_log2
+        i64 o_sn, int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo, \
+        int band_hi
 #define DECODE_TAIL_ARGS                                                                                            \
     kv_lens, block_table, bt_sb, page_shift, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,      \
-        o_sn, hq, nq, nk, d, group, bottom_right, chunk, scale_log2
+        o_sn, hq, nq, nk, d, group, align, chunk, scale_log2, band_lo, band_hi
 
-// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next.
-template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
+// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next. WINDOW: a sliding window
+// (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool WINDOW = false>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS) {
-    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0>(q, k, v, o, lse, part_o, part_lse,
-                                                                                    DECODE_TAIL_ARGS);
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW>(
+        q, k, v, o, lse, part_o, part_lse, DECODE_TAIL_ARGS);
 }
 
 #if __CUDA_ARCH__ >= 900
 // Grid (CLUSTER, Hkv, B), the cluster size fixed at compile time (a plain launch then forms the
 // clusters): the CLUSTER splits of one (K/V head, sequence) merge in distributed shared memory.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER>
+          int CLUSTER, bool WINDOW = false>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
 attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
-    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER>(q, k, v, o, lse, nullptr,
-                                                                                          nullptr, DECODE_TAIL_ARGS);
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW>(
+        q, k, v, o, lse, nullptr, nullptr, DECODE_TAIL_ARGS);
 }
 #endif
 #undef DECODE_PARAMS

@@ -41,7 +41,7 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
                 float* __restrict__ part_o, float* __restrict__ part_lse, const int* __restrict__ kv_lens,
                 const int* __restrict__ block_table, i64 bt_sb, int page_shift,
                 i64 q_sb, i64 q_sh, i64 q_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                int hq, int nq, int nk, int group, int bottom_right, int chunk, float scale_log2) {
+                int hq, int nq, int nk, int group, int align, int chunk, float scale_log2, int band_lo, int band_hi) {
     using Tr = DecodeTmaTraits<HEAD_DIM, ROW_TILES, CWARPS, STAGES>;
     constexpr int kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -54,7 +54,7 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
 
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const DecodeSpan<CAUSAL> span(kv_lens, b, nk, nq, bottom_right, split, chunk);
+    const DecodeSpan<CAUSAL> span(kv_lens, b, nk, nq, align, split, chunk, band_lo, band_hi);  // (no window here)
     const int s0 = span.s0, s1 = span.s1;
     const int n_stages = (max(0, s1 - s0) + Tr::kStageKeys - 1) / Tr::kStageKeys;
 
@@ -124,8 +124,9 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
                     fence_proxy_async();  // the next box into this slot is an async-proxy write
                     __syncwarp();
                 }
-                decode_tile_step<T, HEAD_DIM, ROW_TILES, 16, CAUSAL>(qa, aK, aV, slot_off, slot_off, n0, s1, span.off,
-                                                                    nq, lane, softmax, acc_o, scale_log2);
+                decode_tile_step<T, HEAD_DIM, ROW_TILES, 16, CAUSAL, false>(
+                    qa, aK, aV, slot_off, slot_off, n0, s1, DecodeRowBand<ROW_TILES, false>(lane, nq, 0, 0), span.hi0,
+                    nq, lane, softmax, acc_o, scale_log2);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(bar_empty + 8 * slot);

@@ -30,18 +30,30 @@ __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i
 }
 
 // The keys [s0, s1) that split `split` of sequence b reads: its chunk of the first kv_lens[b]
-// keys (all nk without kv_lens), cut at the last token's causal limit; off is the causal diagonal
-// (packed row r, token r % nq, sees keys j <= token + off).
-template <bool CAUSAL>
+// keys (all nk without kv_lens) = len, cut at the last token's causal limit; packed row r (token
+// r % nq) sees keys j <= token + hi0 (CAUSAL). WINDOW: the band kernels' band (gpu.band_offsets):
+// token i sees keys diag + band_lo .. diag + band_hi, diag = i + len - nq (align) or i, an open
+// side +-OPEN, clamped in 64 bits as band.cuh does; row r then sees [token + lo0, token + hi0],
+// and the splits cut [begin, end), the keys some token sees, into chunks, begin rounded down to
+// 16 keys so that a 16-key group never straddles two pages (the host's chunk allows for it).
+template <bool CAUSAL, bool WINDOW = false>
 struct DecodeSpan {
-    int s0, s1, off;
-    __device__ __forceinline__ DecodeSpan(const int* kv_lens, int b, int nk, int nq, int bottom_right, int split,
-                                          int chunk) {
+    int s0, s1, lo0 = 0, hi0 = 0;
+    __device__ __forceinline__ DecodeSpan(const int* kv_lens, int b, int nk, int nq, int align, int split, int chunk,
+                                          int band_lo, int band_hi) {
         const int len = kv_lens ? min(kv_lens[b], nk) : nk;
-        off = CAUSAL ? (bottom_right ? len - nq : 0) : 0;
-        s0 = split * chunk;
-        s1 = min(len, s0 + chunk);
-        if constexpr (CAUSAL) s1 = min(s1, max(0, nq - 1 + off + 1));
+        if constexpr (WINDOW) {
+            const i64 shift = align ? (i64)len - nq : 0;
+            hi0 = (int)min((i64)band_hi + shift, (i64)len);
+            lo0 = (int)max((i64)band_lo + shift, -(i64)nq);
+            s0 = (max(0, lo0) & ~15) + split * chunk;
+            s1 = min(min(len, max(0, nq + hi0)), s0 + chunk);
+        } else {
+            hi0 = CAUSAL ? (align ? len - nq : 0) : 0;
+            s0 = split * chunk;
+            s1 = min(len, s0 + chunk);
+            if constexpr (CAUSAL) s1 = min(s1, max(0, nq - 1 + hi0 + 1));
+        }
     }
 };
 
@@ -72,13 +84,31 @@ struct DecodeQ {
 };
 
 // One warp's BLOCK_N keys starting at key n0: S = Q K^T, keys >= s1 (the split's end) and, under
-// causality, past each packed row's diagonal masked to -inf, online softmax, O += P V. K and V
+// causality past each packed row's token + hi0, with a WINDOW outside the row's [first, end),
+// masked to -inf, online softmax, O += P V. K and V
 // come from shared memory through lane address generators (LaneAddr or Sw128LaneAddr) plus byte
 // offsets k_off / v_off (the ring slot).
-template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, typename AddrK, typename AddrV>
+// (WINDOW) this thread's packed rows' keys [first, end), computed once per block: a division
+// (r % nq) per tile and row made ptxas spill at d=32.
+template <int ROW_TILES, bool WINDOW>
+struct DecodeRowBand {
+    int first[WINDOW ? 2 * ROW_TILES : 1], end[WINDOW ? 2 * ROW_TILES : 1];
+    __device__ __forceinline__ DecodeRowBand(int lane, int nq, int lo0, int hi0) {
+        if constexpr (WINDOW) {
+#pragma unroll
+            for (int i = 0; i < 2 * ROW_TILES; ++i) {
+                const int token = ((i / 2) * 16 + (lane >> 2) + 8 * (i % 2)) % nq;
+                first[i] = token + lo0;
+                end[i] = token + hi0 + 1;
+            }
+        }
+    }
+};
+
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
-                                                 const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1, int off,
-                                                 int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
+                                                 const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
+                                                 const DecodeRowBand<ROW_TILES, WINDOW>& rows, int hi0, int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                  float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
@@ -99,18 +129,29 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
             }
         }
     }
-    if (n0 + BLOCK_N > s1 || CAUSAL) {
+    if (n0 + BLOCK_N > s1 || CAUSAL || WINDOW) {
 #pragma unroll
         for (int mi = 0; mi < ROW_TILES; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = mi * 16 + (lane >> 2) + 8 * hf;
-                const int limit = CAUSAL ? min(s1, (r % nq) + off + 1) : s1;
+                if constexpr (WINDOW) {
+                    const int limit = min(s1, rows.end[2 * mi + hf]), first = rows.first[2 * mi + hf];
 #pragma unroll
-                for (int ni = 0; ni < kNS; ++ni)
+                    for (int ni = 0; ni < kNS; ++ni)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = n0 + ni * 8 + 2 * (lane & 3) + e;
+                            if (key >= limit || key < first) acc_s[mi][ni][2 * hf + e] = -INFINITY;
+                        }
+                } else {
+                    const int limit = CAUSAL ? min(s1, (r % nq) + hi0 + 1) : s1;
+#pragma unroll
+                    for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
+                }
             }
     }
     softmax.template update<ROW_TILES, kNS, kNO>(acc_s, acc_o, scale_log2);

@@ -62,7 +62,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         copy; the values (start at 0, non-decreasing, last = total) are read on the host and
         always checked: the CPU backend loops over them, and the GPU's single launch needs the
         longest sequence for its grid, so CuPy offsets cost one device-to-host copy even with
-        validate=False. On the GPU, window and cu_seqlens_* run the band kernels (float16/bfloat16:
+        validate=False. On the GPU, cu_seqlens_* and windows (but in decode shapes, which the
+        split-KV kernel runs with its band mask) run the band kernels (float16/bfloat16:
         the forward on wgmma on sm_90 where it applies, else mma.sync; the backward on mma.sync;
         float32 GPU inputs raise NotImplementedError).
     block_table : optional int32 (B, max_blocks): k and v are then a paged KV cache, each
@@ -71,9 +72,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         block_size, and kv_lens (default Nk) says how many keys each sequence has. q must be 4-D.
         Only the pages a sequence uses are looked up (others may hold anything, e.g. -1). With
         validate=True those entries are checked on the host (one device-to-host copy for CuPy).
-        Decode shapes run the split-KV kernel reading the pages in place; other shapes, a
-        ``window`` (aligned on each sequence's kv_lens[b] keys, as with kv_lens alone) and the
-        NumPy backend gather each sequence's used pages into a contiguous copy first.
+        Decode shapes run the split-KV kernel reading the pages in place (with a ``window`` too,
+        aligned on each sequence's kv_lens[b] keys as with kv_lens alone, and only the pages the
+        window reaches); other shapes and the NumPy backend gather each sequence's used pages into
+        a contiguous copy first.
 
     Returns
     -------
@@ -121,9 +123,9 @@ def _forward_result(p, o, o4, direct, lse3, return_lse):
 
 
 def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, **options):
-    """Paged KV cache: the decode kernel reads pages in place; otherwise (NumPy, prefill shapes, a
-    window: the decode kernel masks no band) each sequence's used pages are gathered into a
-    contiguous (1, Hkv, kv_len, d) copy, its window aligned on its own kv_len keys."""
+    """Paged KV cache: the decode kernel reads pages in place (a window's too); otherwise (NumPy,
+    prefill shapes) each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d)
+    copy, its window aligned on its own kv_len keys."""
     import dataclasses
 
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
@@ -141,7 +143,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     if xp is not np:
         from . import gpu_decode
 
-        if p.window is None and gpu_decode.applies(p, k_cache, v_cache):
+        if gpu_decode.applies(p, k_cache, v_cache):
             table = xp.ascontiguousarray(block_table)
             gpu_decode.forward(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
@@ -169,7 +171,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     if p.xp is not np:
         from . import gpu_decode
 
-        if p.window is None and gpu_decode.applies(p, k4, v4):  # the decode kernel masks no band
+        if gpu_decode.applies(p, k4, v4):
             gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:

@@ -109,16 +109,17 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     `tile` overrides the table's TileConfig (schedule search and benchmarks)."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
-    if p.window is not None:  # the band kernels (wgmma on sm_90); the decode kernel masks no band
-        forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
-        return
-    q4, k4, v4 = _unit_d(q4), _unit_d(k4), _unit_d(v4)
+    qu, ku, vu = _unit_d(q4), _unit_d(k4), _unit_d(v4)
     if tile is None:
         from . import gpu_decode
 
-        if gpu_decode.applies(p, k4, v4):  # few query rows per K/V head, long cache: split-KV
-            gpu_decode.forward(p, q4, k4, v4, o4, lse3)
+        if gpu_decode.applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV (any band)
+            gpu_decode.forward(p, qu, ku, vu, o4, lse3)
             return
+    if p.window is not None:  # the band kernels (wgmma on sm_90)
+        forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
+        return
+    q4, k4, v4 = qu, ku, vu
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)

@@ -61,39 +61,42 @@ CLUSTER_SIZES = (2, 4, 8)  # cluster sizes attn_decode_cluster is instantiated f
 
 
 @functools.lru_cache(maxsize=None)  # a few dozen keys: tiles and cluster sizes, not lengths
-def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0):
-    """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch tile t."""
+def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
+    """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch
+    tile t; window: the instantiation that masks a sliding window."""
     params = f"{_TAG[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
+    tail = ", true" if window else ""
     if cluster:
         if cluster not in CLUSTER_SIZES:
             raise ValueError(f"cluster size {cluster}: attn_decode_cluster is instantiated for {CLUSTER_SIZES}")
-        expr = f"attn_decode_cluster<{params}, {cluster}>"
+        expr = f"attn_decode_cluster<{params}, {cluster}{tail}>"
     else:
-        expr = f"attn_decode<{params}>"
+        expr = f"attn_decode<{params}{tail}>"
     return KernelSpec("attn_decode.cu", expr, t.threads, t.smem_bytes(hd, row_tiles))
 
 
 @functools.lru_cache(maxsize=None)  # asked on every decode call: keep the host path short
-def decode_specs(dtype, d, row_tiles, causal, vec, tile=None):
+def decode_specs(dtype, d, row_tiles, causal, vec, tile=None, window=False):
     """(attn_decode, attn_decode_combine, head-dim bucket, launch tile) for the table's tile or
     `tile`, its key tile shrunk for row_tiles (pass a launch_plan tile to launch_spec instead)."""
     hd, t = schedule.decode_tile(d)
     t = _launch_tile(tile or t, row_tiles)
-    return _kernel_spec(dtype, hd, row_tiles, t, causal, vec), combine_spec(dtype, d), hd, t
+    return _kernel_spec(dtype, hd, row_tiles, t, causal, vec, 0, window), combine_spec(dtype, d), hd, t
 
 
 @functools.lru_cache(maxsize=None)
-def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None):
+def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None, window=False):
     """attn_decode_cluster: decode_specs' main kernel with `size` splits per thread-block cluster."""
     hd, t = schedule.decode_tile(d)
-    return _kernel_spec(dtype, hd, row_tiles, _launch_tile(tile or t, row_tiles), causal, vec, size)
+    return _kernel_spec(dtype, hd, row_tiles, _launch_tile(tile or t, row_tiles), causal, vec, size, window)
 
 
-def launch_spec(dtype, d, causal, plan):
+def launch_spec(dtype, d, causal, plan, window=False):
     """The cp.async kernel a DecodePlan launches: attn_decode, or attn_decode_cluster when its
     splits merge in a cluster (plan.tile is the launch tile already: no second shrink)."""
     hd, _ = schedule.decode_tile(d)
-    return _kernel_spec(dtype, hd, plan.row_tiles, plan.tile, causal, True, plan.splits if plan.cluster else 0)
+    return _kernel_spec(dtype, hd, plan.row_tiles, plan.tile, causal, True, plan.splits if plan.cluster else 0,
+                        window)
 
 
 def combine_spec(dtype, d):
@@ -115,13 +118,16 @@ def all_decode_specs():
         for hd, t in schedule.DECODE_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
-                    main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True)
-                    specs += [main, combine]
-                    specs += [cluster_spec(dtype, hd, rt, causal, True, size) for size in CLUSTER_SIZES]
+                    for window in (False, True):
+                        main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True, window=window)
+                        specs += [main, combine]
+                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window)
+                                  for size in CLUSTER_SIZES]
         for hd, t in schedule.DECODE_TILES_MANY_BLOCKS.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
-                    specs.append(decode_specs(dtype, hd, rt, causal, True, t)[0])
+                    for window in (False, True):
+                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
         for hd, t in schedule.DECODE_TMA_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -152,12 +158,22 @@ def _tma_maps(a4):
 WAVES = 2  # blocks per SM the split count aims for
 
 
+def span_keys(p) -> int:
+    """Keys the splits of one sequence cover (at most): all Nk, or under a window with a left
+    side (any causal mode) the nq + left keys its tokens see, + 15 since the kernel starts the
+    span on a 16-key boundary (DecodeSpan)."""
+    window = getattr(p, "window", None)
+    if window is None or window[0] < 0:
+        return p.nk
+    return min(p.nk, p.nq + window[0] + 15)
+
+
 def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     """Enough blocks for about `waves` blocks per SM, each warp keeping >= 4 tiles."""
     blocks = max(1, p.batch * p.hkv)
     want = -(-(waves or WAVES) * sm_count // blocks)
     per_split_min = tile.warps * tile.block_n * 4
-    return max(1, min(want, -(-p.nk // per_split_min)))
+    return max(1, min(want, -(-span_keys(p) // per_split_min)))
 
 
 def default_tile(p, sm_count: int, waves=None):
@@ -226,19 +242,20 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     else:
         _, _, _, t = decode_specs(p.dtype, p.d, rt, p.causal is not None, True, tile)
     step = t.stage_keys if tma else t.block_n
+    keys = span_keys(p)
     n = splits or num_splits(p, t, sm_count, waves)
     if cluster and (tma or not clusters):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile)")
     if not tma and clusters:
-        n, in_cluster = _merge_plan(p.nk, n, t.warps * t.block_n * 4, splits is not None, cluster)
+        n, in_cluster = _merge_plan(keys, n, t.warps * t.block_n * 4, splits is not None, cluster)
         if in_cluster:
             # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
-            chunk = -(-max(p.nk, 1) // n)
+            chunk = -(-max(keys, 1) // n)
             return DecodePlan(rt, t, n, -(-chunk // step) * step, True)
-    chunk = -(-max(p.nk, 1) // n)
+    chunk = -(-max(keys, 1) // n)
     chunk = -(-chunk // step) * step
-    return DecodePlan(rt, t, -(-max(p.nk, 1) // chunk), chunk, False)
+    return DecodePlan(rt, t, -(-max(keys, 1) // chunk), chunk, False)
 
 
 def plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True):
@@ -282,7 +299,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     merge (ValueError where it cannot run)."""
     import cupy
 
-    from .gpu import _elem_strides
+    from .gpu import _elem_strides, band_offsets
 
     dev = cupy.cuda.Device().id
     lp = launch_plan(p, _sm_count(dev), splits, tma_tile or tile, waves, cluster, _runs_clusters(dev))
@@ -304,12 +321,15 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
         pages = (np.uint64(0), np.int64(0), np.int32(0))
         kv_strides = [np.int64(s) for a in (k4, v4) for s in _elem_strides(a)[:3]]
     scalars = (np.int32(p.hq), np.int32(p.nq), np.int32(p.nk))
-    tail = (np.int32(p.group), np.int32(p.causal == "bottom_right"), np.int32(chunk), np.float32(p.scale * _LOG2E))
+    hi, lo, align = band_offsets(p)  # the causal limit and a window, as the band kernels take them
+    windowed = p.window is not None
+    tail = (np.int32(p.group), np.int32(align), np.int32(chunk), np.float32(p.scale * _LOG2E), np.int32(lo),
+            np.int32(hi))
     qs = [np.int64(s) for s in _elem_strides(q4)[:3]]
     os_ = [np.int64(s) for s in _elem_strides(o4)[:3]]
     if tma_tile is not None:
-        if paged is not None:
-            raise NotImplementedError("the TMA decode kernel is not wired to paged caches on the host")
+        if paged is not None or windowed:
+            raise NotImplementedError("the TMA decode kernel is not wired to paged caches or windows on the host")
         if not tma_applicable(p, k4, v4, tma_tile):
             raise ValueError("tma_tile: attn_decode_tma needs sm_90, cuda-bindings, d 64 or 128 and "
                              "TMA-addressable (16-byte aligned) K/V rows")
@@ -321,7 +341,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
             shared_mem=spec.smem_bytes,
         )
     elif lp.cluster:
-        spec = launch_spec(p.dtype, p.d, p.causal is not None, lp)
+        spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, windowed)
         get_function(spec)(
             (splits, p.hkv, p.batch), (spec.threads,),
             (q4, k4, v4, o4, lse3, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars, np.int32(p.d), *tail),
@@ -329,7 +349,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
         )
         return
     else:
-        main = launch_spec(p.dtype, p.d, p.causal is not None, lp)
+        main = launch_spec(p.dtype, p.d, p.causal is not None, lp, windowed)
         get_function(main)(
             (splits, p.hkv, p.batch), (main.threads,),
             (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,

@@ -28,6 +28,35 @@ def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16):
 
 # ---- CPU: the planner ----
 
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+@pytest.mark.parametrize("window", [(100, 0), (100, -1), (100, 7), (0, 0)])
+def test_window_splits_cover_its_span(causal, window):
+    # Under a window with a left side the splits cover the nq + left keys the tokens see (+ 15:
+    # the kernel starts on a 16-key boundary), not the cache: a long cache then needs one split,
+    # and splits x chunk still covers every key some token sees, wherever the span starts.
+    p = _problem(8, 32, 8, 3, 65536, 128, causal)
+    p.window = window
+    assert gpu_decode.span_keys(p) == 3 + window[0] + 15
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.splits * lp.chunk >= 3 + window[0] + 15
+    assert lp.splits == 1  # 118 keys or fewer: one split keeps >= 4 tiles per warp
+    p.window = (-1, 7)  # no left side: the whole cache, as without a window
+    assert gpu_decode.span_keys(p) == 65536
+    assert gpu_decode.launch_plan(p, H200_SMS)[2:] == gpu_decode.launch_plan(_problem(8, 32, 8, 3, 65536, 128, causal),
+                                                                             H200_SMS)[2:]
+
+
+def test_window_specs_are_compiled():
+    # What a windowed decode launches is in all_decode_specs (compiled by test_compile).
+    names = {s.short_name for s in gpu_decode.all_decode_specs()}
+    for causal in (False, True):
+        for rt in (1, 2):
+            p = _problem(2, 8 * rt, 1, 2, 40000, 128, "bottom_right" if causal else None)
+            p.window = (5000, 0)
+            lp = gpu_decode.launch_plan(p, H200_SMS)
+            spec = gpu_decode.launch_spec(p.dtype, 128, causal, lp, True)
+            assert spec.short_name.endswith(",true>") and spec.short_name in names
+
 @pytest.mark.parametrize("nk", [4096, 16384, 65536])
 def test_few_block_cells_merge_in_a_cluster(nk):
     # B=8, Hkv=8: 64 (sequence, head) blocks want 5 splits for two waves; the planner takes 4 (the

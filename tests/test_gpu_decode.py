@@ -54,3 +54,45 @@ def test_decode_no_lens_matches_prefill_path_rule():
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
     o, lse = cuflash.attention(qg, kg, vg, causal=True, return_lse=True)
     check_per_sequence(o, lse, q, k, v, [4096] * 8, True, BFLOAT16)
+
+
+# Windows that cut key tiles and 16-key groups mid-way, one side open, one key wide, wider than
+# the cache; with and without kv_lens, every causal mode, GQA packing.
+DECODE_WINDOWS = [(100, 0), (37, -1), (-1, 3), (0, 0), (5000, 5000), (1, 1)]
+
+
+@pytest.mark.parametrize("window", DECODE_WINDOWS, ids=[f"w{l}_{r}" for l, r in DECODE_WINDOWS])
+@pytest.mark.parametrize("causal", [False, "bottom_right", "top_left"], ids=["full", "br", "tl"])
+@pytest.mark.parametrize("nq", [1, 7, 16])
+@pytest.mark.parametrize("with_lens", [False, True], ids=["nk", "kv_lens"])
+def test_decode_window(monkeypatch, window, causal, nq, with_lens):
+    """The split-KV kernel's band mask (attn_decode<..., WINDOW>): each token against the
+    brute-force mask of its own sequence's keys; the decode kernel (not the band kernel) ran."""
+    launched = []
+    real = gpu_decode.launch_spec
+    monkeypatch.setattr(gpu_decode, "launch_spec",
+                        lambda *a, **kw: launched.append(real(*a, **kw).expression) or real(*a, **kw))
+    rng = np.random.default_rng([nq, len(str(causal)), window[0] + 9, window[1] + 5, int(with_lens)])
+    b, hq, hkv, nk, d = 4, 8, 2, 1500, 64 if nq == 16 else 128  # (64 packed rows: d=64's tile)
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), FLOAT16)
+    lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32) if with_lens else np.full(b, nk, np.int32)
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    o = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)  # poisoned
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, window=window, kv_lens=lg if with_lens else None,
+                               return_lse=True, out=o)
+    check_per_sequence(o, lse, q, k, v, lens, causal, FLOAT16, window=window)
+    assert launched and all(e.startswith("attn_decode") and e.endswith(", true>") for e in launched), launched
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_window_split_counts(splits):
+    # More splits than the window's keys need: the splits past its end read nothing and merge as -inf.
+    rng = np.random.default_rng(splits + 50)
+    b, hq, hkv, nq, nk, d = 2, 8, 2, 3, 4000, 64
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), FLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    p = validate_forward(qg, kg, vg, causal=True, window=(300, 0))
+    o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+    lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
+    check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))

@@ -151,13 +151,19 @@ def test_paged_gpu_prefill_fallback_and_layouts(rng, layout):
 @pytest.mark.parametrize("window", WINDOWS, ids=[f"w{l}_{r}" for l, r in WINDOWS])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
 @pytest.mark.parametrize("nq", [1, 7])
-def test_paged_gpu_window(rng, window, causal, nq):
-    """A window takes the gathering path (the decode kernel masks no band): the band kernel per
-    sequence, its window on its own kv_lens[b] keys."""
+def test_paged_gpu_window(monkeypatch, rng, window, causal, nq):
+    """A window in decode shapes: the split-KV kernel masks the band and reads the pages in place
+    (only those the window reaches), the window on each sequence's own kv_lens[b] keys."""
     import cupy
 
+    from cuflash import gpu_decode
+
+    seen = []
+    real = gpu_decode.forward
+    monkeypatch.setattr(gpu_decode, "forward", lambda *a, **kw: seen.append(kw.get("paged")) or real(*a, **kw))
     lens = np.array([0, 1, 257, 1300, 999], dtype=np.int32)
     run_paged(cupy, rng, BFLOAT16, 5, 8, 2, nq, 1300, 128, 64, lens, causal, window=window)
+    assert len(seen) == 1 and seen[0] is not None
 
 
 @pytest.mark.gpu
