@@ -107,7 +107,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     float acc_o[ROW_TILES][kNO][4];
     OnlineSoftmax<2 * ROW_TILES> softmax;
     zero_acc(acc_o);
-    const DecodeRowBand<ROW_TILES, WINDOW> rows(lane, nq, span.lo0, span.hi0);
+    const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
 
     for (int t = 0; t < my_tiles; ++t) {
         cp_async_wait<STAGES - 2>();
@@ -116,8 +116,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         cp_async_commit();
         const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.hi0,
-                                                                         nq, lane, softmax, acc_o, scale_log2);
+        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
+                                                                         span.hi0, nq, lane, softmax, acc_o, scale_log2);
     }
     cp_async_wait<0>();
 

@@ -125,7 +125,7 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
                     __syncwarp();
                 }
                 decode_tile_step<T, HEAD_DIM, ROW_TILES, 16, CAUSAL, false>(
-                    qa, aK, aV, slot_off, slot_off, n0, s1, DecodeRowBand<ROW_TILES, false>(lane, nq, 0, 0), span.hi0,
+                    qa, aK, aV, slot_off, slot_off, n0, s1, DecodeRowTokens<ROW_TILES, false>(lane, nq), 0, span.hi0,
                     nq, lane, softmax, acc_o, scale_log2);
             }
             __syncwarp();

@@ -4,6 +4,7 @@
 // attn_decode_combine merges them).
 #pragma once
 #include "common.cuh"
+#include "band.cuh"
 #include "softmax.cuh"
 
 // Rows r = (head hk * group + r / nq, token r % nq) of q into sQ (Swizzle<HEAD_DIM> layout),
@@ -84,23 +85,19 @@ struct DecodeQ {
 };
 
 // One warp's BLOCK_N keys starting at key n0: S = Q K^T, keys >= s1 (the split's end) and, under
-// causality past each packed row's token + hi0, with a WINDOW outside the row's [first, end),
-// masked to -inf, online softmax, O += P V. K and V
+// causality past each packed row's token + hi0, with a WINDOW before its token + lo0 too,
+// masked to -inf (band.cuh's mask_score_row with the split's end for the sequence's), online softmax, O += P V. K and V
 // come from shared memory through lane address generators (LaneAddr or Sw128LaneAddr) plus byte
 // offsets k_off / v_off (the ring slot).
-// (WINDOW) this thread's packed rows' keys [first, end), computed once per block: a division
-// (r % nq) per tile and row made ptxas spill at d=32.
+// (WINDOW) the tokens (r % nq) of this thread's packed rows r, computed once per block: a
+// division per tile and row made ptxas spill at d=32.
 template <int ROW_TILES, bool WINDOW>
-struct DecodeRowBand {
-    int first[WINDOW ? 2 * ROW_TILES : 1], end[WINDOW ? 2 * ROW_TILES : 1];
-    __device__ __forceinline__ DecodeRowBand(int lane, int nq, int lo0, int hi0) {
+struct DecodeRowTokens {
+    int token[WINDOW ? 2 * ROW_TILES : 1];
+    __device__ __forceinline__ DecodeRowTokens(int lane, int nq) {
         if constexpr (WINDOW) {
 #pragma unroll
-            for (int i = 0; i < 2 * ROW_TILES; ++i) {
-                const int token = ((i / 2) * 16 + (lane >> 2) + 8 * (i % 2)) % nq;
-                first[i] = token + lo0;
-                end[i] = token + hi0 + 1;
-            }
+            for (int i = 0; i < 2 * ROW_TILES; ++i) token[i] = ((i / 2) * 16 + (lane >> 2) + 8 * (i % 2)) % nq;
         }
     }
 };
@@ -108,7 +105,8 @@ struct DecodeRowBand {
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
                                                  const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
-                                                 const DecodeRowBand<ROW_TILES, WINDOW>& rows, int hi0, int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
+                                                 const DecodeRowTokens<ROW_TILES, WINDOW>& rows, int lo0, int hi0,
+                                                 int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                  float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
@@ -134,24 +132,8 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
         for (int mi = 0; mi < ROW_TILES; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int r = mi * 16 + (lane >> 2) + 8 * hf;
-                if constexpr (WINDOW) {
-                    const int limit = min(s1, rows.end[2 * mi + hf]), first = rows.first[2 * mi + hf];
-#pragma unroll
-                    for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = n0 + ni * 8 + 2 * (lane & 3) + e;
-                            if (key >= limit || key < first) acc_s[mi][ni][2 * hf + e] = -INFINITY;
-                        }
-                } else {
-                    const int limit = CAUSAL ? min(s1, (r % nq) + hi0 + 1) : s1;
-#pragma unroll
-                    for (int ni = 0; ni < kNS; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (n0 + ni * 8 + 2 * (lane & 3) + e >= limit) acc_s[mi][ni][2 * hf + e] = -INFINITY;
-                }
+                const int token = WINDOW ? rows.token[2 * mi + hf] : (mi * 16 + (lane >> 2) + 8 * hf) % nq;
+                mask_score_row<CAUSAL || WINDOW, WINDOW>(acc_s[mi], hf, token, n0, s1, hi0, lo0, lane);
             }
     }
     softmax.template update<ROW_TILES, kNS, kNO>(acc_s, acc_o, scale_log2);
