@@ -289,6 +289,30 @@ def _runs_clusters(device_id: int) -> bool:
     return int(cupy.cuda.Device(device_id).compute_capability) >= 90
 
 
+@functools.lru_cache(maxsize=512)
+def _launch_scalars(p, strides, paged_shift, chunk):
+    """The scalar arguments of attn_decode / attn_decode_cluster after the page table, and the
+    combine kernel's after its arrays, as NumPy scalars, per (problem, element strides of q, k, v,
+    o and the page table, page shift, keys per split). A decode loop repeats one geometry, and
+    building ~30 scalars per call cost about as much host time as the launches themselves."""
+    from .gpu import band_offsets
+
+    q_s, k_s, v_s, o_s, table_stride = strides
+    if paged_shift is not None:  # caches (num_blocks, block_size, Hkv, d): page, head, row strides
+        kv = [np.int64(x) for e in (k_s, v_s) for x in (e[0], e[2], e[1])]
+        pages = (np.int64(table_stride), np.int32(paged_shift))
+    else:
+        kv = [np.int64(x) for e in (k_s, v_s) for x in e[:3]]
+        pages = (np.int64(0), np.int32(0))
+    hi, lo, align = band_offsets(p)  # the causal limit and a window, as the band kernels take them
+    os_ = tuple(np.int64(x) for x in o_s[:3])
+    main = (*pages, *(np.int64(x) for x in q_s[:3]), *kv, *os_, np.int32(p.hq), np.int32(p.nq), np.int32(p.nk),
+            np.int32(p.d), np.int32(p.group), np.int32(align), np.int32(chunk), np.float32(p.scale * _LOG2E),
+            np.int32(lo), np.int32(hi))
+    combine = (*os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group), np.int32(p.d))
+    return main, combine
+
+
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
             cluster=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
@@ -299,68 +323,74 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     merge (ValueError where it cannot run)."""
     import cupy
 
-    from .gpu import _elem_strides, band_offsets
+    from .gpu import _elem_strides
 
     dev = cupy.cuda.Device().id
-    lp = launch_plan(p, _sm_count(dev), splits, tma_tile or tile, waves, cluster, _runs_clusters(dev))
-    rt, t, splits, chunk = lp[:4]
+    lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
+    if tma_tile is not None:
+        _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster)
+        return
+    table = paged[0] if paged is not None else np.uint64(0)
+    strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
+               table.strides[0] // table.itemsize if paged is not None else 0)
+    shift = paged[1].bit_length() - 1 if paged is not None else None
+    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
+    middle, combine_tail = _launch_scalars(p, strides, shift, lp.chunk)
+    spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
+    grid = (lp.splits, p.hkv, p.batch)
+    if lp.cluster:  # the cluster merges in shared memory: no workspace
+        get_function(spec)(grid, (spec.threads,), (q4, k4, v4, o4, lse3, lens_ptr, table, *middle),
+                           shared_mem=spec.smem_bytes)
+        return
     rows = p.group * p.nq
-    if lp.cluster:
-        part_o = part_lse = None  # the cluster merges in shared memory: no workspace
-    elif splits > 1:
+    if lp.splits > 1:
+        part_o = cupy.empty((p.batch, p.hkv, lp.splits, rows, p.d), dtype=np.float32)
+        part_lse = cupy.empty((p.batch, p.hkv, lp.splits, rows), dtype=np.float32)
+    else:
+        part_o = part_lse = cupy.empty((0,), dtype=np.float32)
+    get_function(spec)(grid, (spec.threads,), (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, table, *middle),
+                       shared_mem=spec.smem_bytes)
+    if lp.splits > 1:
+        get_function(combine_spec(p.dtype, p.d))(
+            (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
+            (part_o, part_lse, o4, lse3, *combine_tail, np.int32(lp.splits)), shared_mem=4 * lp.splits)
+
+
+def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster):
+    """attn_decode_tma (asked for by tma_tile) and, with splits, the combine kernel."""
+    import cupy
+
+    from .gpu import _elem_strides, band_offsets
+
+    lp = launch_plan(p, _sm_count(dev), splits, tma_tile, waves, cluster, _runs_clusters(dev))
+    if paged is not None or p.window is not None:
+        raise NotImplementedError("the TMA decode kernel is not wired to paged caches or windows on the host")
+    if not tma_applicable(p, k4, v4, tma_tile):
+        raise ValueError("tma_tile: attn_decode_tma needs sm_90, cuda-bindings, d 64 or 128 and "
+                         "TMA-addressable (16-byte aligned) K/V rows")
+    rt, _, splits, chunk = lp[:4]
+    rows = p.group * p.nq
+    if splits > 1:
         part_o = cupy.empty((p.batch, p.hkv, splits, rows, p.d), dtype=np.float32)
         part_lse = cupy.empty((p.batch, p.hkv, splits, rows), dtype=np.float32)
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)
-    lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
-    if paged is not None:
-        table, bs = paged
-        pages = (table, np.int64(table.strides[0] // table.itemsize), np.int32(bs.bit_length() - 1))
-        kv_strides = [np.int64(s) for a in (k4, v4) for s in (lambda e: (e[0], e[2], e[1]))(_elem_strides(a))]
-    else:
-        pages = (np.uint64(0), np.int64(0), np.int32(0))
-        kv_strides = [np.int64(s) for a in (k4, v4) for s in _elem_strides(a)[:3]]
-    scalars = (np.int32(p.hq), np.int32(p.nq), np.int32(p.nk))
-    hi, lo, align = band_offsets(p)  # the causal limit and a window, as the band kernels take them
-    windowed = p.window is not None
-    tail = (np.int32(p.group), np.int32(align), np.int32(chunk), np.float32(p.scale * _LOG2E), np.int32(lo),
-            np.int32(hi))
-    qs = [np.int64(s) for s in _elem_strides(q4)[:3]]
+    hi, lo, align = band_offsets(p)
     os_ = [np.int64(s) for s in _elem_strides(o4)[:3]]
-    if tma_tile is not None:
-        if paged is not None or windowed:
-            raise NotImplementedError("the TMA decode kernel is not wired to paged caches or windows on the host")
-        if not tma_applicable(p, k4, v4, tma_tile):
-            raise ValueError("tma_tile: attn_decode_tma needs sm_90, cuda-bindings, d 64 or 128 and "
-                             "TMA-addressable (16-byte aligned) K/V rows")
-        spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
-        get_function(spec)(
-            (splits, p.hkv, p.batch), (spec.threads,),
-            (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *os_,
-             *scalars, *tail),
-            shared_mem=spec.smem_bytes,
-        )
-    elif lp.cluster:
-        spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, windowed)
-        get_function(spec)(
-            (splits, p.hkv, p.batch), (spec.threads,),
-            (q4, k4, v4, o4, lse3, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars, np.int32(p.d), *tail),
-            shared_mem=spec.smem_bytes,
-        )
-        return
-    else:
-        main = launch_spec(p.dtype, p.d, p.causal is not None, lp, windowed)
-        get_function(main)(
-            (splits, p.hkv, p.batch), (main.threads,),
-            (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, *pages, *qs, *kv_strides, *os_, *scalars,
-             np.int32(p.d), *tail),
-            shared_mem=main.smem_bytes,
-        )
+    spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
+    get_function(spec)(
+        (splits, p.hkv, p.batch), (spec.threads,),
+        (_tma_maps(k4), _tma_maps(v4), q4, o4, lse3, part_o, part_lse, lens_ptr, np.uint64(0), np.int64(0),
+         np.int32(0), *[np.int64(s) for s in _elem_strides(q4)[:3]], *os_, np.int32(p.hq), np.int32(p.nq),
+         np.int32(p.nk), np.int32(p.group), np.int32(align), np.int32(chunk), np.float32(p.scale * _LOG2E),
+         np.int32(lo), np.int32(hi)),
+        shared_mem=spec.smem_bytes,
+    )
     if splits > 1:
         combine = combine_spec(p.dtype, p.d)
         get_function(combine)(
             (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
-            (part_o, part_lse, o4, lse3, *[np.int64(s) for s in _elem_strides(o4)[:3]],
-             np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group), np.int32(p.d), np.int32(splits)),
+            (part_o, part_lse, o4, lse3, *os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group),
+             np.int32(p.d), np.int32(splits)),
             shared_mem=4 * splits,
         )

@@ -337,11 +337,11 @@ class ForeignCall:
         return result  # NumPy / CuPy / protocol producers get NumPy / CuPy
 
 
-def _flatten(bound, inputs, outputs):
+def _flatten(arguments, inputs, outputs):
     """[(display name, array)] of the named arguments; a tuple out= (dq, dk, dv) is expanded."""
     flat = []
     for name in inputs + outputs:
-        value = bound.arguments.get(name)
+        value = arguments.get(name)
         if value is None:
             continue
         if name in outputs and isinstance(value, tuple):
@@ -361,6 +361,33 @@ def _convert(call, name, value, output):
     return native
 
 
+def _array_arguments(sig, names):
+    """A function (args, kwargs) -> {name: value} of the parameters `names` for a plain call
+    (positional parameters, then known keywords, every required one given), else None. It stands
+    in for Signature.bind, which costs about as much as a decode kernel's launch (~20 us)."""
+    params = list(sig.parameters.values())
+    kinds = {p.kind for p in params}
+    if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds:
+        return lambda args, kwargs: None
+    positional = [p.name for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    keywords = {p.name for p in params if p.kind != inspect.Parameter.POSITIONAL_ONLY}
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    defaults = {n: sig.parameters[n].default for n in names}
+    index = {n: positional.index(n) for n in names if n in positional}
+
+    def arguments(args, kwargs):
+        if len(args) > len(positional) or not keywords.issuperset(kwargs):
+            return None
+        given = set(positional[: len(args)])
+        if not given.isdisjoint(kwargs) or any(n not in given and n not in kwargs for n in required):
+            return None
+        return {n: args[index[n]] if index.get(n, len(args)) < len(args) else kwargs.get(n, defaults[n])
+                for n in names}
+
+    return arguments
+
+
 def accepts_foreign_arrays(*array_params, outputs=()):
     """Decorate a public function whose named parameters are arrays.
 
@@ -375,11 +402,16 @@ def accepts_foreign_arrays(*array_params, outputs=()):
         sig = inspect.signature(fn)
         inputs = [n for n in array_params if n in sig.parameters]
         outs = [n for n in outputs if n in sig.parameters]
+        arrays = _array_arguments(sig, inputs + outs)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
-            flat = _flatten(bound, inputs, outs)
+            bound = None
+            named = arrays(args, kwargs)
+            if named is None:  # not a plain call: bind resolves it or raises its TypeError
+                bound = sig.bind(*args, **kwargs)
+                named = bound.arguments
+            flat = _flatten(named, inputs, outs)
             if all(isinstance(a, np.ndarray) for _, a in flat):
                 return fn(*args, **kwargs)
             where = common_placement(flat)  # TypeError / ValueError before touching any memory
@@ -388,6 +420,8 @@ def accepts_foreign_arrays(*array_params, outputs=()):
 
                 with cupy.cuda.Device(where.device):  # allocations, modules and launches on q's device
                     return fn(*args, **kwargs)
+            if bound is None:
+                bound = sig.bind(*args, **kwargs)
             with ForeignCall(where) as call:
                 for name in inputs + outs:
                     value = bound.arguments.get(name)

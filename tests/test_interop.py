@@ -527,3 +527,38 @@ def test_jax_adapter_errors_and_no_forward_mode(rng):
     # documented: custom_vjp defines reverse mode only
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda a: cfj.attention(a, k, v), (q,), (q,))
+
+
+def _sample(q, k, /, v=None, *, out=None, flag=False, lens=None):
+    return q, k, v, out, flag, lens
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((1, 2), {}), ((1, 2, 3), {}), ((1, 2), {"v": 3}), ((1, 2, 3), {"out": 4, "lens": 5}),
+    ((1, 2), {"flag": True}), ((1,), {}), ((1, 2, 3, 4), {}), ((1, 2, 3), {"v": 4}),
+    ((1,), {"k": 2}), ((1, 2), {"nope": 1}), ((), {}), ((1, 2), {"out": None}),
+])
+def test_plain_call_arguments_match_signature_bind(args, kwargs):
+    # The wrapper's fast argument lookup (no Signature.bind per call) must name the same arrays as
+    # bind for every call bind accepts, and defer to bind (None) for every call bind refuses.
+    import inspect
+
+    sig = inspect.signature(_sample)
+    names = ["q", "k", "v", "lens", "out"]
+    fast = interop._array_arguments(sig, names)(args, kwargs)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        assert fast is None
+        return
+    assert fast is not None
+    assert fast == {n: bound.arguments.get(n) for n in names}
+
+
+def test_plain_call_arguments_decline_var_arguments():
+    import inspect
+
+    def f(q, *rest, **options):
+        return q
+
+    assert interop._array_arguments(inspect.signature(f), ["q"])((1,), {}) is None
