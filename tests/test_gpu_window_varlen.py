@@ -184,22 +184,25 @@ def test_window_forward_strided_out(rng, kernels, dtype):
     assert np.all(rest == _NAN_BITS[2]), "the forward wrote outside out="
 
 
-def test_window_runs_a_band_kernel_not_decode(rng, monkeypatch, kernels):
-    # A decode-shaped problem (few queries, long cache, 16-byte rows) and a Hopper-shaped one
-    # (d = 64 / 128, aligned): with a window both must launch a band kernel, never the decode or
-    # the plain kernels: on sm_90 attn_fwd_wgmma_band, with CUFLASH_KERNELS=mma_sync (and on
-    # other GPUs) attn_fwd_band.
+def test_window_routes_decode_shapes_to_decode_and_others_to_a_band_kernel(rng, monkeypatch, kernels):
+    # A decode-shaped problem (few queries, long cache, 16-byte rows) with a window runs the split-KV
+    # decode kernel with its band mask (attn_decode*<..., WINDOW = true>); a Hopper-shaped one
+    # (d = 64 / 128, aligned) a band kernel, never the plain kernels: on sm_90 attn_fwd_wgmma_band,
+    # with CUFLASH_KERNELS=mma_sync (and on other GPUs) attn_fwd_band.
     launched = record_launches(monkeypatch)
     window_forward(rng, FLOAT16, 2, 8, 2, 4, 1000, 128, True, (300, 0))
     window_forward(rng, BFLOAT16, 1, 2, 2, 256, 256, 64, False, (32, 32))
     want = forward_band_kernel(kernels)
-    assert len(launched) == 2 and all(e.startswith(want) for e in launched), launched
+    decode = [e for e in launched if not e.startswith("attn_decode_combine")]  # (a split merge's second launch)
+    assert len(decode) == 2, launched
+    assert decode[0].startswith("attn_decode") and decode[0].endswith(", true>"), launched
+    assert decode[1].startswith(want), launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_window_with_kv_lens(rng, kernels, dtype):
-    # kv_lens and a window: each sequence over its first kv_lens[b] keys, window aligned to it;
-    # the decode kernel must not take it (it has no band), even for one query over a long cache.
+    # kv_lens and a window: each sequence over its first kv_lens[b] keys, window aligned to it
+    # (two queries over a 600-key cache: the split-KV decode kernel's band mask).
     qh, kh, vh = random_inputs(rng, (3, 4, 2, 64), (3, 2, 600, 64), dtype)
     q, k, v = (to_device(a) for a in (qh, kh, vh))
     lens = np.array([0, 300, 600], dtype=np.int32)
