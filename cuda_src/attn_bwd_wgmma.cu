@@ -367,23 +367,21 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 #pragma unroll
             for (int hv = 0; hv < Tr::kHalves; ++hv) {
                 const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
-                // S^T = K Q^T and dP^T = V dO^T, two commit groups.
+                // S^T = K Q^T and dP^T = V dO^T, two commit groups: acc = (this warpgroup's rows of
+                // K or V) x (this half's rows of Q or dO)^T, over the head dim.
                 float s[8][4], dp[8][4];
+                auto issue_t = [&](float(&acc)[8][4], u32 kv_rows, u32 q_tile) {
+#pragma unroll
+                    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                        const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
+                        const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
+                        Wgmma<T, 64>::ss(acc, sw128_desc(kv_rows + off, 16, 1024), sw128_desc(q_tile + offq, 16, 1024), kk > 0);
+                    }
+                    wgmma_commit();
+                };
                 wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                    const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                    const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
-                    Wgmma<T, 64>::ss(s, sw128_desc(k_rows + off, 16, 1024), sw128_desc(tq + offq, 16, 1024), kk > 0);
-                }
-                wgmma_commit();
-#pragma unroll
-                for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                    const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                    const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
-                    Wgmma<T, 64>::ss(dp, sw128_desc(v_rows + off, 16, 1024), sw128_desc(tdo + offq, 16, 1024), kk > 0);
-                }
-                wgmma_commit();
+                issue_t(s, k_rows, tq);
+                issue_t(dp, v_rows, tdo);
 
                 // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
                 wgmma_wait<1>();
