@@ -351,9 +351,14 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     get_function(spec)(grid, (spec.threads,), (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, table, *middle),
                        shared_mem=spec.smem_bytes)
     if lp.splits > 1:
-        get_function(combine_spec(p.dtype, p.d))(
-            (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
-            (part_o, part_lse, o4, lse3, *combine_tail, np.int32(lp.splits)), shared_mem=4 * lp.splits)
+        _launch_combine(p, part_o, part_lse, o4, lse3, combine_tail, lp.splits)
+
+
+def _launch_combine(p, part_o, part_lse, o4, lse3, tail, splits):
+    """attn_decode_combine: the splits' partial O and LSE merged by the log-sum-exp rule."""
+    get_function(combine_spec(p.dtype, p.d))(
+        (p.group * p.nq, p.hkv, p.batch), (_COMBINE_THREADS,), (part_o, part_lse, o4, lse3, *tail, np.int32(splits)),
+        shared_mem=4 * splits)
 
 
 def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster):
@@ -387,10 +392,5 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
         shared_mem=spec.smem_bytes,
     )
     if splits > 1:
-        combine = combine_spec(p.dtype, p.d)
-        get_function(combine)(
-            (rows, p.hkv, p.batch), (_COMBINE_THREADS,),
-            (part_o, part_lse, o4, lse3, *os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group),
-             np.int32(p.d), np.int32(splits)),
-            shared_mem=4 * splits,
-        )
+        _launch_combine(p, part_o, part_lse, o4, lse3, (*os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq),
+                                                        np.int32(p.group), np.int32(p.d)), splits)
