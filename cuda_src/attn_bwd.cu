@@ -1,6 +1,6 @@
 // Tiled backward attention on mma.sync tensor cores (FlashAttention-2's algorithm).
 //
-//   attn_bwd_prep : D = rowsum(dO * O) in float32 (and zero the dQ accumulator).
+//   attn_bwd_prep : D = rowsum(dO * O) in float32.
 //   attn_bwd_kv   : one block per (K/V tile, K/V head, batch); loops over the query heads of the
 //                   GQA group and the query tiles that can see its keys. Recomputes P from the
 //                   saved log-sum-exp, accumulates dV = P^T dO and dK = dS^T Q in registers, and
@@ -16,23 +16,40 @@
 #include "tile_load.cuh"
 
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+// LANES threads per query row (8 columns each per pass: 16-byte loads where the row allows),
+// rows of all (batch, head) pairs in blockIdx.x-major order, 256 / LANES rows per block. (One
+// warp per row with 2-byte loads was issue-bound: 56-115 us for 16k tokens x 2048, H200 ncu.)
+template <typename T, int LANES>
 __global__ void attn_bwd_prep(const u16* __restrict__ o, const u16* __restrict__ dout, float* __restrict__ dsum,
                               i64 o_sb, i64 o_sh, i64 o_sn, i64 do_sb, i64 do_sh, i64 do_sn,
                               int hq, int nq, int d) {
-    // One warp per query row; rows of all (batch, head) pairs in blockIdx.x-major order.
-    const i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "a power-of-two group within a warp");
+    const int lane = threadIdx.x % LANES;
+    const i64 row = (i64)blockIdx.x * (blockDim.x / LANES) + threadIdx.x / LANES;  // head * nq + query
     const int b = blockIdx.y;
-    if (row >= (i64)hq * nq) return;
-    const int h = (int)(row / nq), i = (int)(row % nq);
-    const u16* po = o + b * o_sb + h * o_sh + i * o_sn;
-    const u16* pd = dout + b * do_sb + h * do_sh + i * do_sn;
+    const bool live = row < (i64)hq * nq;  // (every lane reaches the shuffles below)
+    const int h = live ? (int)(row / nq) : 0, i = live ? (int)(row - (i64)h * nq) : 0;
+    const u16* po = o + b * o_sb + h * o_sh + (i64)i * o_sn;
+    const u16* pd = dout + b * do_sb + h * do_sh + (i64)i * do_sn;
     float acc = 0.f;
-    for (int c = lane; c < d; c += 32) acc += to_float<T>(po[c]) * to_float<T>(pd[c]);
+    if (live) {
+        if (d % 8 == 0 && ((reinterpret_cast<unsigned long long>(po) | reinterpret_cast<unsigned long long>(pd)) & 15) == 0) {
+            for (int c = 8 * lane; c < d; c += 8 * LANES) {
+                const uint4 vo = *reinterpret_cast<const uint4*>(po + c);
+                const uint4 vd = *reinterpret_cast<const uint4*>(pd + c);
+                const u32 wo[4] = {vo.x, vo.y, vo.z, vo.w}, wd[4] = {vd.x, vd.y, vd.z, vd.w};
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) dsum[((i64)b * hq + h) * nq + i] = acc;
+                for (int j = 0; j < 4; ++j)
+                    acc += to_float<T>((u16)(wo[j] & 0xffff)) * to_float<T>((u16)(wd[j] & 0xffff)) +
+                           to_float<T>((u16)(wo[j] >> 16)) * to_float<T>((u16)(wd[j] >> 16));
+            }
+        } else {
+            for (int c = lane; c < d; c += LANES) acc += to_float<T>(po[c]) * to_float<T>(pd[c]);
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (live && lane == 0) dsum[((i64)b * hq + h) * nq + i] = acc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -590,30 +607,69 @@ attn_bwd_kv_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 }
 
 // ---------------------------------------------------------------------------------------------
-// dQ = scale * the float32 accumulator: rows of HEAD_DIM floats, or (FRAG) attn_bwd_kv_wgmma_ws's
-// fragment-order 64 x 64 chunks, (batch, head, 64-query tile, 64-column block) major: element
-// (row r, column c) of a chunk sits in thread t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 of the
-// warpgroup, its float4 k = c / 8, entry 2 ((r % 16) / 8) + c % 2, at float (128 k + t) 4 + entry.
-template <typename T, int HEAD_DIM, bool FRAG = false>
-__global__ void attn_bwd_dq_convert(const float* __restrict__ dq_acc, u16* __restrict__ dq,
-                                    i64 sb, i64 sh, i64 sn, int hq, int nq, int d, float scale) {
-    // blockIdx.y = batch; x covers (head, row, col) of this batch.
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 per_batch = (i64)hq * nq * d;
-    if (idx >= per_batch) return;
-    const int b = blockIdx.y;
-    const int c = (int)(idx % d);
-    const i64 r = idx / d;  // head * nq + row
-    const int i = (int)(r % nq), h = (int)(r / nq);
-    i64 at;
-    if constexpr (FRAG) {
-        const int row_tiles = (nq + 63) / 64;
-        const i64 chunk = (((i64)b * hq + h) * row_tiles + i / 64) * (HEAD_DIM / 64) + c / 64;
-        const int rr = i % 64, cc = c % 64;
-        const int t = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
-        at = chunk * 4096 + (128 * (cc / 8) + t) * 4 + 2 * ((rr % 16) / 8) + (cc % 2);
+// dQ = scale * the float32 accumulator, 8 columns of a row per thread (16-byte stores where dQ's
+// row allows), 256 threads per block. (One element per thread with 64-bit divisions was
+// issue-bound: 204-211 us for 16k tokens x 2048 on the H200, ncu; cuDNN's takes 53.)
+//   rows (FRAG false): rows of HEAD_DIM floats, (batch, head, query) major; blockIdx.x covers
+//     (head, query, 8-column group) of batch entry blockIdx.y.
+//   FRAG: attn_bwd_kv_wgmma_ws's fragment-order 64 x 64 chunks, (batch, head, 64-query tile,
+//     64-column block) major, one block per chunk: element (row r, column c) of a chunk sits in
+//     thread t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 of the warpgroup, its float4 k = c / 8,
+//     entry 2 ((r % 16) / 8) + c % 2, at float (128 k + t) 4 + entry. So thread 32 k + p of the
+//     block reads floats 16 (32 k + p) .. + 15 (contiguous over the block): the float4s of
+//     t = 4p .. 4p + 3 at k, which hold rows r = 16 (p / 8) + p % 8 and r + 8, columns 8k .. 8k + 7.
+template <typename T>
+__device__ __forceinline__ void store_dq8(u16* __restrict__ row, int c, int d, const float (&v)[8], float scale) {
+    if (c + 8 <= d && (reinterpret_cast<unsigned long long>(row + c) & 15) == 0) {
+        uint4 w;
+        w.x = pack2<T>(v[0] * scale, v[1] * scale);
+        w.y = pack2<T>(v[2] * scale, v[3] * scale);
+        w.z = pack2<T>(v[4] * scale, v[5] * scale);
+        w.w = pack2<T>(v[6] * scale, v[7] * scale);
+        *reinterpret_cast<uint4*>(row + c) = w;
     } else {
-        at = (((i64)b * hq + h) * nq + i) * HEAD_DIM + c;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (c + j < d) row[c + j] = from_float<T>(v[j] * scale);
     }
-    dq[b * sb + h * sh + i * sn + c] = from_float<T>(dq_acc[at] * scale);
+}
+
+template <typename T, int HEAD_DIM, bool FRAG = false>
+__global__ void __launch_bounds__(256)
+attn_bwd_dq_convert(const float* __restrict__ dq_acc, u16* __restrict__ dq, i64 sb, i64 sh, i64 sn, int hq, int nq,
+                    int d, float scale) {
+    static_assert(HEAD_DIM % 64 == 0 || !FRAG, "fragment chunks are 64 columns wide");
+    const int b = blockIdx.y;
+    if constexpr (FRAG) {
+        constexpr int kColBlocks = HEAD_DIM / 64;
+        const int row_tiles = (nq + 63) / 64;
+        const int chunk = blockIdx.x;  // within batch entry b: (head, 64-query tile, 64-column block)
+        const int cb = chunk % kColBlocks, rt = (chunk / kColBlocks) % row_tiles, h = chunk / (kColBlocks * row_tiles);
+        const int k = threadIdx.x >> 5, p = threadIdx.x & 31;
+        const float4* src = reinterpret_cast<const float4*>(dq_acc + ((i64)b * hq * row_tiles * kColBlocks + chunk) * 4096) +
+                            4 * threadIdx.x;
+        float lo[8], hi[8];  // rows r and r + 8, columns 8k .. 8k + 7
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 f = src[j];
+            lo[2 * j] = f.x;
+            lo[2 * j + 1] = f.y;
+            hi[2 * j] = f.z;
+            hi[2 * j + 1] = f.w;
+        }
+        const int r = 64 * rt + 16 * (p >> 3) + (p & 7), c = 64 * cb + 8 * k;
+        u16* base = dq + b * sb + h * sh;
+        if (r < nq) store_dq8<T>(base + r * sn, c, d, lo, scale);
+        if (r + 8 < nq) store_dq8<T>(base + (r + 8) * sn, c, d, hi, scale);
+    } else {
+        constexpr int kGroups = HEAD_DIM / 8;
+        const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // (head * nq + query) * kGroups + group
+        if (idx >= (i64)hq * nq * kGroups) return;
+        const i64 r = idx / kGroups;  // (a constant divisor; one division by nq per 8 elements below)
+        const int g = (int)(idx - r * kGroups), h = (int)(r / nq), i = (int)(r - (i64)h * nq);
+        const float4* src = reinterpret_cast<const float4*>(dq_acc + ((i64)b * hq * nq + r) * HEAD_DIM + 8 * g);
+        const float4 f0 = src[0], f1 = src[1];
+        const float v[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+        store_dq8<T>(dq + b * sb + h * sh + (i64)i * sn, 8 * g, d, v, scale);
+    }
 }

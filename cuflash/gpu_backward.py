@@ -12,8 +12,8 @@ from ._build import KernelSpec, get_function
 
 _LOG2E = 1.4426950408889634
 _TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
-_PREP_WARPS = 8
-_CONVERT_THREADS = 256
+_PREP_THREADS = 256
+_CONVERT_THREADS = 256  # (attn_bwd_dq_convert's launch bound)
 _MAX_GRID_YZ = 65535
 # Blocks of the persistent backward kernel; None: one per SM (tests set a few, so that each walks
 # many units).
@@ -22,6 +22,19 @@ _PERSISTENT_BLOCKS: int | None = None
 
 def _b(x: bool) -> str:
     return "true" if x else "false"
+
+
+def prep_lanes(hd: int) -> int:
+    """attn_bwd_prep's threads per query row: one 8-column (16-byte) load each per pass."""
+    return 4 if hd <= 32 else 8 if hd <= 64 else 16 if hd <= 128 else 32
+
+
+def convert_grid(frag: bool, hq: int, nq: int, hd: int, n_batch: int) -> tuple:
+    """attn_bwd_dq_convert's grid for n_batch entries: a block per 64 x 64 fragment-order chunk,
+    or 8 columns of a row per thread."""
+    if frag:
+        return (hq * (-(-nq // 64)) * (hd // 64), n_batch)
+    return (-(-(hq * nq * (hd // 8)) // _CONVERT_THREADS), n_batch)
 
 
 def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None, band: bool = False):
@@ -41,7 +54,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     mask = "" if band else f"{_b(causal)}, "
     suffix = "_band" if band else ""
     specs = {
-        "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}>", 32 * _PREP_WARPS, 0),
+        "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}, {prep_lanes(hd)}>", _PREP_THREADS, 0),
         "kv": KernelSpec(
             "attn_bwd.cu",
             f"attn_bwd_kv{suffix}<{kv_head}, {mask}{_b(vec)}, {_b(not deterministic)}>",
@@ -170,7 +183,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         if p.nq > 0:
             rows = p.hq * p.nq
             get_function(specs["prep"])(
-                (-(-rows // _PREP_WARPS), nb), (32 * _PREP_WARPS,),
+                (-(-rows // (_PREP_THREADS // prep_lanes(hd))), nb), (_PREP_THREADS,),
                 (o4[sl], do4[sl], dsum[sl], *_strides3(o4), *_strides3(do4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d)),
             )
         common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
@@ -208,6 +221,6 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         per_batch = p.hq * p.nq * p.d
         if per_batch > 0:
             get_function(specs["convert"])(
-                (-(-per_batch // _CONVERT_THREADS), nb), (_CONVERT_THREADS,),
+                convert_grid(frag_dq, p.hq, p.nq, hd, nb), (_CONVERT_THREADS,),
                 (dq_acc[sl], dq4[sl], *_strides3(dq4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d), np.float32(p.scale)),
             )
