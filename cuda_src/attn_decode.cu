@@ -109,15 +109,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     zero_acc(acc_o);
     const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
 
-    // Refill before waiting: tile t + STAGES - 1 goes into tile t-1's slot (this warp is done with
-    // it) and is in flight while the warp waits for tile t, so STAGES tiles stream per warp, not
-    // STAGES - 1 (waiting first left a 2-stage ring one tile deep: 68% of DRAM on the B=8 L=4k cell).
     for (int t = 0; t < my_tiles; ++t) {
-        __syncwarp();  // every lane has left tile t-1's slot
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
         if (t + STAGES - 1 < my_tiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
         cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();  // every lane's copies of tile t are visible
         const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
         decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
