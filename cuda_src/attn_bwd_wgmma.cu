@@ -50,7 +50,13 @@ struct BwdUnits {
 template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
-    static constexpr int kBlockN = 64 * WARPGROUPS;     // keys owned by the block
+    // (HEAD_DIM > 128) the warpgroups split dK and dV by columns instead of by keys: 64 key rows of
+    // all 256 columns would be 256 accumulator registers per thread for dK and dV. So the block
+    // owns 64 keys, each warpgroup HEAD_DIM / WARPGROUPS columns of their dK and dV, and every
+    // warpgroup computes the whole S^T and dP^T (Q K^T and dO V^T twice: 7 GEMMs' work for 5).
+    static constexpr bool kSplitD = HEAD_DIM > 128;
+    static constexpr int kBlockN = kSplitD ? 64 : 64 * WARPGROUPS;  // keys owned by the block
+    static constexpr int kDkvCols = kSplitD ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // a warpgroup's dK/dV columns
     static constexpr int kThreads = 128 * WARPGROUPS;
     using TileQ = Sw128Tile<HEAD_DIM, BLOCK_M>;         // Q and dO, two buffers each
     using TileKV = Sw128Tile<HEAD_DIM, kBlockN>;
@@ -73,6 +79,8 @@ struct HopperBwdTraits {
                                       (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
+    static_assert(!kSplitD || (BLOCK_M == 64 && kDkvCols % 64 == 0 && kDqByColumns && !WS),
+                  "split head dim: 64-query steps, whole 64-column blocks per warpgroup, dQ by columns, no WS");
 };
 
 // (WS producer) every step of the block's units in order, with t (the unit), g (the block's steps
@@ -117,7 +125,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
     constexpr int kBN = Tr::kBlockN, kThreads = Tr::kThreads;
-    constexpr int kND = HEAD_DIM / 8;
+    constexpr int kND = Tr::kDkvCols / 8;  // 8-column blocks of this warpgroup's dK and dV
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -137,7 +145,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int key_row = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
+    const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
+    // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
+    // offset of their first 64-column block in a Q or dO tile.
+    const int dkv_nb0 = Tr::kSplitD ? wg * kND : 0;
+    const u32 dkv_cb = Tr::kSplitD ? wg * (Tr::kDkvCols / 64) * TileQ::kBlockBytes : 0;
 
     // Work units: one K/V tile of one K/V head of one batch entry. A block does the unit of its
     // grid position, or (PERSISTENT) units blockIdx.x, + gridDim.x, ... of key tiles x K/V heads
@@ -320,7 +332,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
 
-        const u32 k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // this warpgroup's key rows
+        const u32 kv_row0 = Tr::kSplitD ? 0 : 64 * wg * 128;  // this warpgroup's key rows (split head dim: all)
+        const u32 k_rows = sK + kv_row0, v_rows = sV + kv_row0;
         for (int step = 0; step < n_steps; ++step) {
             const int gs = g + step, buf = gs & 1;
             // Tile `step` landed (without WS, everywhere once the block barrier below is passed).
@@ -361,7 +374,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             auto issue_dk = [&](u32 q_half) {
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, HEAD_DIM>::rs(acc_dk, sf[kk], sw128_desc(tq + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                    Wgmma<T, Tr::kDkvCols>::rs(acc_dk, sf[kk], sw128_desc(tq + dkv_cb + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
                 wgmma_commit();
             };
 #pragma unroll
@@ -409,7 +422,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, HEAD_DIM>::rs(acc_dv, pf[kk], sw128_desc(tdo + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                    Wgmma<T, Tr::kDkvCols>::rs(acc_dv, pf[kk], sw128_desc(tdo + dkv_cb + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
                 wgmma_commit();
 
                 // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
@@ -421,7 +434,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
-                if constexpr (ATOMIC_DQ) {
+                if (ATOMIC_DQ && (!Tr::kSplitD || wg == 0)) {  // (split head dim: every warpgroup holds all of dS^T)
                     // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk)
@@ -524,12 +537,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // (WS: the thread index read afresh, so that the compiler cannot compute the staging
             // addresses before the step loop and keep them live through it: they spilled.)
             const int etid = WS ? thread_index_volatile() : tid;
-            const int erow = 64 * (etid >> 7) + 16 * ((etid >> 5) & 3) + ((etid & 31) >> 2), equad = etid & 3;
+            const int erow = (Tr::kSplitD ? 0 : 64 * (etid >> 7)) + 16 * ((etid >> 5) & 3) + ((etid & 31) >> 2), equad = etid & 3;
+            const int enb0 = Tr::kSplitD ? (etid >> 7) * kND : 0;  // (split head dim) the warpgroup's first column block
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
                 for (int ni = 0; ni < kND; ++ni) {
-                    const u32 off = TileKV::offset(erow + 8 * hf, ni) + 4 * equad;
+                    const u32 off = TileKV::offset(erow + 8 * hf, enb0 + ni) + 4 * equad;
                     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_k + off),
                                  "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
                     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_v + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
@@ -557,7 +571,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 if (row >= keys_valid) continue;
 #pragma unroll
                 for (int ni = 0; ni < kND; ++ni) {
-                    const int col = ni * 8 + 2 * (lane & 3);
+                    const int col = (dkv_nb0 + ni) * 8 + 2 * (lane & 3);
                     if (col < d) {
                         *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale);
                         *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1]);

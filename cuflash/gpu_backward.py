@@ -135,8 +135,9 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
             q4, do4, *((k4, v4) if hopper_kv[1].persistent else ())):
         if hopper_tile is not None:
             raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
-        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
-                                                tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
+        # The cp.async variant of a split-head-dim tile spills (255 registers), so the mma.sync kernels run.
+        hopper_kv = None if hopper_kv[1].split_d else gpu_hopper.backward_kv_spec(
+            p.dtype, p.d, p.causal is not None, deterministic, tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
     if hopper_kv is not None and hopper_kv[1].persistent and (
             -(-p.nk // hopper_kv[1].block_n) * p.hkv * min(p.batch, _MAX_GRID_YZ) >= 2**31):  # int32 unit count
         hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,

@@ -203,6 +203,10 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.hopper_backward_tile(hd, causal)
+    if t.split_d != (hd > 128):
+        raise ValueError(f"tile: split_d must be {hd > 128} at head dim {hd} (HopperBwdTraits::kSplitD)")
+    if t.split_d and t.ws:  # (its dQ halves do not fit the warp-specialized kernel's 64 x 64 dQ tiles)
+        t = dataclasses.replace(t, ws=False, persistent=False, math_stats=False)
     if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
         t = dataclasses.replace(t, ws=False)
     if t.persistent and not t.ws:  # only the warp-specialized kernel walks units
@@ -241,10 +245,11 @@ def all_hopper_backward_specs():
         backward_kv_spec(dtype, hd, causal, det, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
-                     dataclasses.replace(backward_tma(t), ws=True),
-                     dataclasses.replace(backward_tma(t), ws=True, math_stats=True),
-                     dataclasses.replace(backward_tma(t), ws=True, persistent=True))
+        for tile in ((dataclasses.replace(backward_tma(t), ws=False),) if t.split_d else  # (no cp.async variant: it spills)
+                     (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
+                      dataclasses.replace(backward_tma(t), ws=True),
+                      dataclasses.replace(backward_tma(t), ws=True, math_stats=True),
+                      dataclasses.replace(backward_tma(t), ws=True, persistent=True)))
         for causal in (False, True)
         for det in (False, True)
     ]

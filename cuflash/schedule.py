@@ -154,10 +154,13 @@ class HopperBwdTile:
     # (ws) lse and D copied by the math warpgroups a step ahead instead of by the producer's warp
     # (persistent: always)
     math_stats: bool = False
+    # the warpgroups split dK/dV's columns instead of the keys (HopperBwdTraits::kSplitD, head dims
+    # above 128, where 64 keys x all columns of dK and dV outgrow a thread's registers): block_n = 64
+    split_d: bool = False
 
     @property
     def block_n(self) -> int:
-        return 64 * self.warpgroups
+        return 64 if self.split_d else 64 * self.warpgroups
 
     @property
     def threads(self) -> int:
@@ -179,6 +182,7 @@ class HopperBwdTile:
 HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
     64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200, 653d9db)", tma=True),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200, 653d9db)", tma=True),
+    256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and the whole S^T/dP^T (computed twice); dQ by 128-column halves; 201 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
 }
 
 

@@ -335,7 +335,7 @@ def hopper_dq_columns(hd: int, t: HopperBwdTile) -> int:
 
 def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
     """HopperBwdTraits' static_asserts (attn_bwd_wgmma.cu) and the wgmma wrappers it instantiates:
-    Wgmma<T, 64> for S^T and dP^T, Wgmma<T, head dim> for dV and dK, Wgmma<T, kDqCols> for dQ."""
+    Wgmma<T, 64> for S^T and dP^T, Wgmma<T, head dim> (split_d: its share) for dV and dK, Wgmma<T, kDqCols> for dQ."""
     v = []
     shapes = wgmma_shapes()
     if hd % 64:
@@ -345,7 +345,13 @@ def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
     if t.block_m != 64 and t.block_m != 64 * t.warpgroups:
         v.append(f"block_m {t.block_m} is neither 64 nor 64 x {t.warpgroups} warpgroups (dQ = dS K takes one "
                  f"64-row wgmma tile per warpgroup)")
-    wrappers = sorted({hd, hopper_dq_columns(hd, t)}) if hd % 64 == 0 else []
+    if t.split_d != (hd > 128):
+        v.append(f"split_d {t.split_d}: HopperBwdTraits splits dK/dV's columns exactly when the head dim exceeds 128")
+    dkv_cols = hd // t.warpgroups if t.split_d else hd
+    if t.split_d and (t.block_m != 64 or t.warpgroups < 2 or hd % (64 * t.warpgroups)):
+        v.append(f"split head dim: 64-query steps, 2+ warpgroups (dQ by columns) and whole 64-column blocks per "
+                 f"warpgroup (block_m {t.block_m}, {hd} columns over {t.warpgroups} warpgroups)")
+    wrappers = sorted({dkv_cols, hopper_dq_columns(hd, t)}) if hd % 64 == 0 and dkv_cols % 8 == 0 else []
     for n in wrappers:
         if n not in shapes:
             v.append(f"no wgmma wrapper m64n{n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
@@ -391,6 +397,10 @@ def estimated_registers(cand: Candidate) -> int:
     if cand.op == "bwd_wgmma":
         # Per thread (64 key rows per warpgroup): dK + dV = hd floats, S^T and dP^T of a 64-query
         # half = 64, a quarter of the dQ columns; +40 matched ptxas (sm_90a, NVRTC 13) on d 64/128.
+        # split_d: each warpgroup's dK + dV columns, S^T and dP^T whole, dQ's 128 columns / 8
+        # (ptxas: 250 for d=256 q64k64wg2, clean).
+        if t.split_d:
+            return hd // t.warpgroups + 64 + hopper_dq_columns(hd, t) // 8 + 40
         return hd + 64 + hopper_dq_columns(hd, t) // 4 + 40
     if cand.op == "fwd":
         rows = t.block_m // max(t.warps, 1)

@@ -234,10 +234,12 @@ def test_memory_dq_accumulator_is_padded_to_the_head_dim_bucket():
         r = cuflash.memory_report(*shapes, pass_="bwd", dtype="bfloat16", deterministic=deterministic)
         by = {e.name: e for e in r.entries}
         assert by["dQ accumulator"].bytes == 2 * 3 * rows * 128 * 4
-    # d=256 runs the mma.sync backward (no Hopper backward tile there): rows as they are
-    assert 256 not in schedule.HOPPER_BACKWARD_TILES
-    by = {e.name: e for e in cuflash.memory_report((2, 3, 100, 256), (2, 3, 100, 256), pass_="bwd").entries}
-    assert by["dQ accumulator"].bytes == 2 * 3 * 100 * 256 * 4
+    # d=192 runs the mma.sync backward (no Hopper backward tile there) and d=256 the split-head-dim
+    # wgmma kernel, which is not warp-specialized (atomic dQ in rows): rows as they are
+    assert 192 not in schedule.HOPPER_BACKWARD_TILES and not schedule.HOPPER_BACKWARD_TILES[256].ws
+    for d in (192, 256):
+        by = {e.name: e for e in cuflash.memory_report((2, 3, 100, d), (2, 3, 100, d), pass_="bwd").entries}
+        assert by["dQ accumulator"].bytes == 2 * 3 * 100 * d * 4
 
 
 def test_memory_reference_forward_and_in_place_variant():

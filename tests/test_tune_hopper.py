@@ -334,12 +334,12 @@ def fake_device(fake_gpu, monkeypatch):
 
 
 def test_tune_auto_tunes_the_kernels_that_run(fake_device, fake_gpu):
-    # sm_90, d=128: both wgmma kernels; d=256: the wgmma forward and the mma.sync backward (no
-    # Hopper backward tile there); d=32: neither Hopper kernel.
-    assert 128 in schedule.HOPPER_BACKWARD_TILES and 256 not in schedule.HOPPER_BACKWARD_TILES
+    # sm_90, d=128 and d=256: both wgmma kernels; d=32: neither Hopper kernel.
+    assert 128 in schedule.HOPPER_BACKWARD_TILES and 256 in schedule.HOPPER_BACKWARD_TILES
     assert 256 in schedule.HOPPER_FORWARD_TILES and 32 not in schedule.HOPPER_FORWARD_TILES
+    assert 32 not in schedule.HOPPER_BACKWARD_TILES
     cuflash.tune((2, 16, 4096, 128), (2, 8, 4096, 256), (2, 16, 4096, 32), progress=False)
-    assert fake_gpu.made == [("fwd_wgmma", 128), ("bwd_wgmma", 128), ("fwd_wgmma", 256), ("bwd", 256),
+    assert fake_gpu.made == [("fwd_wgmma", 128), ("bwd_wgmma", 128), ("fwd_wgmma", 256), ("bwd_wgmma", 256),
                              ("fwd", 32), ("bwd", 32)]
     fake_gpu.made.clear()
     fake_device["cc"] = 80

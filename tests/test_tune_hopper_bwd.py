@@ -45,15 +45,18 @@ def _problem(d=128, n=4096, dtype=BFLOAT16):
 
 
 def test_space_buckets_and_names():
-    assert tune_mod.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128)
+    assert tune_mod.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128, 256)
     cands = candidates("bwd_wgmma", 64)
     assert len(cands) == 3 * 3 and len({c.name for c in cands}) == 9
     assert Candidate("bwd_wgmma", 64, schedule.HOPPER_BACKWARD_TILES[64]).name == "q128k128wg2"
     assert Candidate("bwd_wgmma", 128, schedule.HOPPER_BACKWARD_TILES[128]).name == "q64k128wg2"
+    # d=256: the warpgroups split the head dim, so the block owns 64 keys, not 64 per warpgroup
+    assert Candidate("bwd_wgmma", 256, schedule.HOPPER_BACKWARD_TILES[256]).name == "q64k64wg2"
+    assert all(c.tile.split_d for c in candidates("bwd_wgmma", 256))
     c = kv(192, 3, 64)
     assert (c.threads, c.area, c.stages) == (384, 192 * 192, 0)
     with pytest.raises(ValueError, match="bucket"):
-        candidates("bwd_wgmma", 256)  # gpu_hopper.backward_applies is false there
+        candidates("bwd_wgmma", 192)  # gpu_hopper.backward_applies is false there
 
 
 def test_shared_memory_by_hand():
@@ -67,11 +70,13 @@ def test_shared_memory_by_hand():
 # block_m == 64 or 64 x warpgroups leaves (64, 1), (64, 2), (64, 3), (128, 2), (192, 3) of the 9;
 # at d=128 (192, 3) needs 372736 B of shared memory, and (128, 2) needs the 232448 B limit plus
 # the TMA kernel's 16 B of mbarriers (the candidates inherit the table's tma=True).
+# d=256 (split head dim): only (64, 2): 64-query steps, 128 columns per warpgroup, dQ by columns.
 LEGAL = {64: ["q128k128wg2", "q192k192wg3", "q64k128wg2", "q64k192wg3", "q64k64wg1"],
-         128: ["q64k128wg2", "q64k192wg3", "q64k64wg1"]}
+         128: ["q64k128wg2", "q64k192wg3", "q64k64wg1"],
+         256: ["q64k64wg2"]}
 
 
-@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("hd", [64, 128, 256])
 def test_legal_set_by_hand(hd):
     assert sorted(c.name for c in legal_candidates("bwd_wgmma", hd, H200)) == LEGAL[hd]
     table = schedule.HOPPER_BACKWARD_TILES[hd]
@@ -85,6 +90,10 @@ def test_legal_set_by_hand(hd):
     (kv(192, 3), "shared memory 372736"),
     (Candidate("bwd_wgmma", 32, HopperBwdTile(64, 1, "t")), "multiple of 64 columns"),
     (Candidate("bwd_wgmma", 64, HopperBwdTile(96, 1, "t")), "multiple of 64 query rows"),
+    (Candidate("bwd_wgmma", 256, HopperBwdTile(64, 2, "t", tma=True)), "split_d False"),
+    (Candidate("bwd_wgmma", 128, HopperBwdTile(64, 2, "t", tma=True, split_d=True)), "split_d True"),
+    (Candidate("bwd_wgmma", 256, HopperBwdTile(64, 1, "t", tma=True, split_d=True)), "split head dim"),
+    (Candidate("bwd_wgmma", 256, HopperBwdTile(64, 3, "t", tma=True, split_d=True)), "split head dim"),
 ])
 def test_violations_with_reason(cand, why):
     v = violations(cand, H200)
@@ -176,7 +185,7 @@ def test_pick_tunes_checks_then_reads_the_cache(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
     assert tune_mod.same_tile("bwd_wgmma", tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64),
                               tile)
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=256)) is None  # no Hopper backward there
+    assert tune_mod.pick_hopper_backward_tile(_problem(d=192)) is None  # no Hopper backward there
     assert tune_mod.pick_backward_tile(_problem(d=64)) is None  # the mma.sync op is separate
     assert fake_gpu.made == [("bwd_wgmma", 64)]
 
@@ -185,7 +194,7 @@ def test_gpu_tuner_refuses_what_the_kernel_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="sm_90"):
         tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=replace(H200, name="A100", cc=80), cupy=object())
     with pytest.raises(ValueError, match="bucket"):
-        tune_mod.GpuTuner("bwd_wgmma", _problem(d=256), limits=H200, cupy=object())
+        tune_mod.GpuTuner("bwd_wgmma", _problem(d=192), limits=H200, cupy=object())
     monkeypatch.setenv("CUFLASH_KERNELS", "mma_sync")
     with pytest.raises(ValueError, match="mma_sync"):  # gpu_backward.backward would refuse every hopper_tile
         tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=H200, cupy=object())
@@ -319,8 +328,8 @@ def test_tune_cli_refuses_bwd_wgmma_off_hopper(fake_gpu, monkeypatch, capsys):
     assert cli.main(["tune", "--shape", "2,16,4096,128", "--ops", "bwd_wgmma"]) == 2
     assert "bwd_wgmma needs an sm_90" in capsys.readouterr().err
     monkeypatch.setattr(tune_mod, "_current_device_cc", lambda: 90)
-    assert cli.main(["tune", "--shape", "2,8,4096,256", "--ops", "bwd_wgmma"]) == 2
-    assert "head-dim buckets (64, 128)" in capsys.readouterr().err
+    assert cli.main(["tune", "--shape", "2,8,4096,192", "--ops", "bwd_wgmma"]) == 2
+    assert "head-dim buckets (64, 128, 256)" in capsys.readouterr().err
     assert fake_gpu.made == []
     assert cli.main(["tune", "--shape", "2,16,4096,64", "--ops", "bwd_wgmma"]) == 0
     assert fake_gpu.made == [("bwd_wgmma", 64)] and "|bwd_wgmma|" in capsys.readouterr().out
@@ -337,15 +346,15 @@ def test_schedules_cli_shows_the_hopper_backward_on_h200(capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("q64k128wg2 "))
     assert "table" in line and "149,520" in line  # the TMA kernel: 149,504 + two mbarriers
     assert "--ops bwd_wgmma" in out
-    # Only the Hopper kernel: at d=64 its table tile; d=256 has none.
+    # Only the Hopper kernel: at d=64 its table tile; d=192 has none.
     assert main(["schedules", "--shape", "2,32,4096,64", "--bwd", "--wgmma", *args]) == 0
     out = capsys.readouterr().out
     assert "backward main kernel" not in out
     line = next(ln for ln in out.splitlines() if ln.startswith("q128k128wg2 "))
     assert "table" in line and "134,160" in line  # the TMA kernel: 134,144 + two mbarriers
-    assert main(["schedules", "--shape", "2,8,4096,256", "--bwd", "--wgmma", *args]) == 2
-    assert "backward K/V kernel runs on sm_90 for head-dim buckets (64, 128)" in capsys.readouterr().err
-    assert main(["schedules", "--shape", "2,8,4096,256", "--bwd", *args]) == 0
+    assert main(["schedules", "--shape", "2,8,4096,192", "--bwd", "--wgmma", *args]) == 2
+    assert "backward K/V kernel runs on sm_90 for head-dim buckets (64, 128, 256)" in capsys.readouterr().err
+    assert main(["schedules", "--shape", "2,8,4096,192", "--bwd", *args]) == 0
     assert "Hopper wgmma" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["schedules", "--shape", "2,8,4096,128", "--dq", "--wgmma", *args])

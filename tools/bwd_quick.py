@@ -7,7 +7,14 @@ import cupy as cp
 
 import cuflash
 
-for d, n, causal in [(64, 4096, False), (64, 4096, True), (128, 4096, False), (128, 4096, True), (128, 16384, True), (256, 4096, False)]:
+import os
+
+CELLS = [(64, 4096, False), (64, 4096, True), (128, 4096, False), (128, 4096, True), (128, 16384, True),
+         (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)]
+ONLY_D = os.environ.get("BWD_QUICK_D")  # e.g. "256": those head dims only
+for d, n, causal in CELLS:
+    if ONLY_D and str(d) not in ONLY_D.split(","):
+        continue
     h, b = 2048 // d, 16384 // n
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
