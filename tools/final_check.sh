@@ -25,8 +25,8 @@ fi
 tmp=$(mktemp -d)
 timeout "${FWD_TIMEOUT:-170}" python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,2048,4096,16384 --max-seconds "$(( ${FWD_TIMEOUT:-170} - 20 ))" \
     --out "$tmp/fwd.json" > "$tmp/fwd.log" 2>&1; echo "fwd bench rc=$?"
-timeout 90 python3 benchmarks/peers.py --ops bwd --d 64,128 --n 4096,16384 --impls cuflash,torch-flash,torch-cudnn \
-    --max-seconds 75 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
+timeout 140 python3 benchmarks/peers.py --ops bwd --d 64,128,256 --n 4096,16384 --impls cuflash,torch-flash,torch-cudnn \
+    --max-seconds 125 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
 timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
     --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
 timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1; echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
