@@ -52,9 +52,8 @@ struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     // (HEAD_DIM > 128) the warpgroups split dK and dV by columns instead of by keys: 64 key rows of
     // all 256 columns would be 256 accumulator registers per thread for dK and dV. So the block
-    // owns 64 keys and each of 2 warpgroups adds its HEAD_DIM / 2 columns of dV = P^T dO and
-    // dK = dS^T Q. Warpgroup 0 computes S^T (and P^T, dS^T), warpgroup 1 dP^T, swapped through
-    // shared memory (+24 KiB: 226 KiB in all).
+    // owns 64 keys, each warpgroup HEAD_DIM / WARPGROUPS columns of their dK and dV, and every
+    // warpgroup computes the whole S^T and dP^T (Q K^T and dO V^T twice: 7 GEMMs' work for 5).
     static constexpr bool kSplitD = HEAD_DIM > 128;
     static constexpr int kBlockN = kSplitD ? 64 : 64 * WARPGROUPS;  // keys owned by the block
     static constexpr int kDkvCols = kSplitD ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // a warpgroup's dK/dV columns
@@ -77,12 +76,11 @@ struct HopperBwdTraits {
     // columns), where the second meeting stays.
     static constexpr int kDsBuffers = WS && kDqByRows ? 2 : 1;
     static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
-                                      (kSplitD ? TileS::kBytes + 64 * 64 * 4 : 0) +
                                       (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
-    static_assert(!kSplitD || (BLOCK_M == 64 && WARPGROUPS == 2 && kDkvCols % 64 == 0 && kDqByColumns && !WS),
-                  "split head dim: 64-query steps, 2 warpgroups of whole 64-column blocks, dQ by columns, no WS");
+    static_assert(!kSplitD || (BLOCK_M == 64 && kDkvCols % 64 == 0 && kDqByColumns && !WS),
+                  "split head dim: 64-query steps, whole 64-column blocks per warpgroup, dQ by columns, no WS");
 };
 
 // (WS producer) every step of the block's units in order, with t (the unit), g (the block's steps
@@ -135,8 +133,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const u32 sQ = sV + TileKV::kBytes;       // 2 buffers
     const u32 sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
     const u32 sdS = sdO + 2 * TileQ::kBytes;  // Tr::kDsBuffers buffers
-    // (split head dim) + P^T (a TileS) and dP^T (64 x 64 float32) after dS^T
-    constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes + (Tr::kSplitD ? TileS::kBytes + 64 * 64 * 4 : 0);
+    constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes;
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + kDsBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
     float* sD = sL + 2 * BLOCK_M;                                                            // 2 x BLOCK_M
     const u32 sBar = sdS + kDsBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
@@ -370,149 +367,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const float* tD = sD + buf * BLOCK_M;
 
             const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
-            // (ATOMIC_DQ) this warpgroup's dQ piece: dQ(rows)[:, cols] += dS K, M = queries (dS^T read
-            // M-major), K = keys, N = cols of K; and its atomic add (without WS).
-            constexpr int kDqN = Tr::kDqCols;
-            const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
-            const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
-            const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
-            auto issue_dq = [&](float(&acc_q)[kDqN / 8][4]) {
-#pragma unroll
-                for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
-                    const u32 rows = (dq_key0 + kk * 16) * 128;
-                    Wgmma<T, kDqN>::template ss<1, 1>(
-                        acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
-                        sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
-                }
-                wgmma_commit();
-            };
-            auto add_dq = [&](const float(&acc_q)[kDqN / 8][4]) {
-                float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                    if (m0 + dq_q0 + row < nq) {
-#pragma unroll
-                        for (int ni = 0; ni < kDqN / 8; ++ni)
-                            red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
-                    }
-                }
-            };
-            // dS^T (or P^T) A fragments of a 64-query step into a shared TileS: sf[kk] holds rows
-            // (key_row, key_row + 8) x query columns 16 kk + 2t (+1, +8, +9).
-            auto store_ds = [&](u32 tile, const u32(&sf)[4][4]) {
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int row = key_row + 8 * (r & 1), chunk = 2 * kk + (r >> 1);
-                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tile + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
-                    }
-            };
-            if constexpr (Tr::kSplitD) {
-                // Split head dim (HopperBwdTraits::kSplitD): warpgroup 0 computes S^T and P^T,
-                // warpgroup 1 dP^T, each over all 64 keys and the whole head dim; they swap them
-                // through shared memory (P^T as a bf16/fp16 A tile, dP^T in float32 in fragment
-                // order), warpgroup 0 forms dS^T, and each adds its own columns of dV = P^T dO and
-                // dK = dS^T Q: warpgroup 0 from registers, warpgroup 1 from the shared tiles.
-                const u32 sP = sdS + TileS::kBytes, sDP = sP + TileS::kBytes;
-                const u32 frag = sDP + (tid & 127) * 16;  // this thread's float4 ni at frag + ni * 2048
-                u32 pf[4][4], sf[4][4];
-                float s[8][4];
-                wgmma_fence();
-                {
-                    const u32 rows = wg == 0 ? k_rows : v_rows, tile = wg == 0 ? tq : tdo;  // S^T = K Q^T or dP^T = V dO^T
-#pragma unroll
-                    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                        const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                        const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32;
-                        Wgmma<T, 64>::ss(s, sw128_desc(rows + off, 16, 1024), sw128_desc(tile + offq, 16, 1024), kk > 0);
-                    }
-                    wgmma_commit();
-                }
-                wgmma_wait<0>();
-                fence_regs(s);
-                if (wg == 0) {
-                    // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int key = n0 + key_row + 8 * hf;
-#pragma unroll
-                        for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int qc = ni * 8 + 2 * (lane & 3) + e;
-                                float p = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
-                                if (need_mask) {
-                                    const int qi = m0 + qc;
-                                    const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
-                                    p = vis ? p : 0.f;
-                                }
-                                s[ni][2 * hf + e] = p;
-                            }
-                    }
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
-                    store_ds(sP, pf);
-                    wgmma_fence();  // dV (its columns) += P^T dO
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, Tr::kDkvCols>::rs(acc_dv, pf[kk], sw128_desc(tdo + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                    wgmma_commit();
-                } else {
-#pragma unroll
-                    for (int ni = 0; ni < 8; ++ni)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(frag + ni * 2048), "f"(s[ni][0]),
-                                     "f"(s[ni][1]), "f"(s[ni][2]), "f"(s[ni][3]));
-                }
-                fence_proxy_async();  // P^T is read by warpgroup 1's wgmma (the async proxy)
-                __syncthreads();
-                wgmma_fence();
-                if (wg == 0) {
-                    // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory.
-#pragma unroll
-                    for (int ni = 0; ni < 8; ++ni) {
-                        float dp[4];
-                        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                                     : "=f"(dp[0]), "=f"(dp[1]), "=f"(dp[2]), "=f"(dp[3]) : "r"(frag + ni * 2048));
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[ni][e] *= dp[e] - tD[ni * 8 + 2 * (lane & 3) + (e & 1)];
-                    }
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], s, kk);
-                    store_ds(tds, sf);
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, Tr::kDkvCols>::rs(acc_dk, sf[kk], sw128_desc(tq + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                } else {
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, Tr::kDkvCols>::template ss<0, 1>(acc_dv, sw128_desc(sP + kk * 32, 16, 1024),
-                                                                   sw128_desc(tdo + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                }
-                wgmma_commit();
-                fence_proxy_async();  // dS^T is read by wgmma (dK of warpgroup 1, dQ)
-                __syncthreads();
-                wgmma_fence();
-                if (wg == 1) {
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, Tr::kDkvCols>::template ss<0, 1>(acc_dk, sw128_desc(tds + kk * 32, 16, 1024),
-                                                                   sw128_desc(tq + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                    wgmma_commit();
-                }
-                float acc_q[kDqN / 8][4];  // unused without ATOMIC_DQ
-                if constexpr (ATOMIC_DQ) issue_dq(acc_q);
-                wgmma_wait<0>();
-                fence_regs(acc_dv);
-                fence_regs(acc_dk);
-                fence_regs(pf);
-                fence_regs(sf);
-                if constexpr (ATOMIC_DQ) {
-                    fence_regs(acc_q);
-                    add_dq(acc_q);
-                }
-            } else {
             // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
             // pinned (fence_regs after the final wait) while its dV and dK read them.
             u32 pf[64 / 16][4], sf[64 / 16][4];
@@ -580,7 +434,16 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
-                if constexpr (ATOMIC_DQ) store_ds(tds + hv * TileS::kBlockBytes, sf);  // (query columns 64 hv + ...)
+                if (ATOMIC_DQ && (!Tr::kSplitD || wg == 0)) {  // (split head dim: every warpgroup holds all of dS^T)
+                    // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
+                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tds + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
+                        }
+                }
                 if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
                     wgmma_fence();
                     issue_dk(q_half);
@@ -603,9 +466,23 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
             // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
             // loop's back edge makes ptxas serialize them all).
-            float acc_q[kDqN / 8][4];  // unused without ATOMIC_DQ
+            constexpr int kDqN = Tr::kDqCols;
+            const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
+            const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
+            const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
+            float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
             wgmma_fence();
-            if constexpr (ATOMIC_DQ) issue_dq(acc_q);
+            if constexpr (ATOMIC_DQ) {
+                // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
+#pragma unroll
+                for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
+                    const u32 rows = (dq_key0 + kk * 16) * 128;
+                    Wgmma<T, kDqN>::template ss<1, 1>(
+                        acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
+                        sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
+                }
+                wgmma_commit();
+            }
             issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
             if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
@@ -622,7 +499,16 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     fence_proxy_async();  // the bulk reduce reads it through the async proxy
                     named_barrier_arrive(6 + wg, kDqBarThreads);
                 } else {
-                    add_dq(acc_q);
+                    float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = 16 * warp + (lane >> 2) + 8 * hf;
+                        if (m0 + dq_q0 + row < nq) {
+#pragma unroll
+                            for (int ni = 0; ni < kDqN / 8; ++ni)
+                                red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+                        }
+                    }
                 }
             }
             wgmma_wait<0>();
@@ -630,7 +516,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             fence_regs(acc_dk);
             fence_regs(pf);
             fence_regs(sf);
-            }  // (the step of keys split over the warpgroups)
             if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
         }
         cp_async_wait<0>();

@@ -172,9 +172,8 @@ class HopperBwdTile:
         # (ws) + 2 mbarriers, alignment, the dQ tiles, (dQ by rows) dS^T's second buffer
         ds2 = self.block_n * self.block_m * 2 if self.block_m == 64 * self.warpgroups else 0
         ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + ds2 if self.ws else 0
-        split = self.block_n * self.block_m * 6 if self.split_d else 0  # (split_d) P^T (16-bit) and dP^T (float32)
         return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
-                + 16 * self.tma + ws + split + 1024)
+                + 16 * self.tma + ws + 1024)
 
 
 # Backward main kernel on Hopper (sm_90a), 16-bit inputs with 16-byte loads. Keyed by padded head
@@ -183,7 +182,7 @@ class HopperBwdTile:
 HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
     64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200, 653d9db)", tma=True),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200, 653d9db)", tma=True),
-    256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128); warpgroup 0 computes S^T, 1 dP^T, swapped through shared memory; dQ by 128-column halves; 226 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
+    256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and the whole S^T/dP^T (computed twice); dQ by 128-column halves; 201 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
 }
 
 

@@ -348,8 +348,8 @@ def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
     if t.split_d != (hd > 128):
         v.append(f"split_d {t.split_d}: HopperBwdTraits splits dK/dV's columns exactly when the head dim exceeds 128")
     dkv_cols = hd // t.warpgroups if t.split_d else hd
-    if t.split_d and (t.block_m != 64 or t.warpgroups != 2 or hd % (64 * t.warpgroups)):
-        v.append(f"split head dim: 64-query steps, 2 warpgroups (S^T and dP^T, one each) and whole 64-column blocks per "
+    if t.split_d and (t.block_m != 64 or t.warpgroups < 2 or hd % (64 * t.warpgroups)):
+        v.append(f"split head dim: 64-query steps, 2+ warpgroups (dQ by columns) and whole 64-column blocks per "
                  f"warpgroup (block_m {t.block_m}, {hd} columns over {t.warpgroups} warpgroups)")
     wrappers = sorted({dkv_cols, hopper_dq_columns(hd, t)}) if hd % 64 == 0 and dkv_cols % 8 == 0 else []
     for n in wrappers:
