@@ -3,6 +3,7 @@ depths and split waves on the peers' decode grid, timed like benchmarks/peers.py
 launch hidden behind a GPU spin), plus the host time of one cuflash.attention call.
 
     python tools/decode_probe.py out.json [--quick]
+    DECODE_SMEM_PAD=110000 python tools/decode_probe.py out.json --split-cells   # same code, fewer blocks per SM
     DECODE_CANDS="16,4,4;32,4,3" python tools/decode_probe.py out.json --many-cells   # other tiles on
         the cells without splits (block_n, warps, stages; DECODE_WAVES, default 1)
     python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
@@ -24,6 +25,11 @@ import cuflash
 from benchmarks.peers import Timer
 from cuflash import gpu_decode, schedule
 from cuflash._problem import validate_forward
+
+if os.environ.get("DECODE_SMEM_PAD"):  # occupancy probe: every cp.async decode launch asks for at least this
+    # many bytes of shared memory (same code, fewer blocks per SM), e.g. 110000 for 2 blocks per SM
+    _pad, _orig = int(os.environ["DECODE_SMEM_PAD"]), schedule.DecodeTile.smem_bytes
+    schedule.DecodeTile.smem_bytes = lambda self, hd, rt: max(_orig(self, hd, rt), _pad)
 
 quick = "--quick" in sys.argv
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
