@@ -498,23 +498,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                                      "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
                     fence_proxy_async();  // the bulk reduce reads it through the async proxy
                     named_barrier_arrive(6 + wg, kDqBarThreads);
-                } else if constexpr (Tr::kSplitD) {
-                    // 16-byte adds (half the instructions of the fragments' 8-byte pairs): lanes 2j
-                    // and 2j + 1 swap halves so that the even lane holds 4 columns of row r and the
-                    // odd lane 4 columns of row r + 8.
-                    float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
-                    const bool odd = lane & 1;
-                    const int row = 16 * warp + (lane >> 2) + (odd ? 8 : 0), col = 2 * (lane & 2);
-#pragma unroll
-                    for (int ni = 0; ni < kDqN / 8; ++ni) {
-                        const float x0 = __shfl_xor_sync(0xffffffffu, odd ? acc_q[ni][0] : acc_q[ni][2], 1);
-                        const float x1 = __shfl_xor_sync(0xffffffffu, odd ? acc_q[ni][1] : acc_q[ni][3], 1);
-                        if (m0 + dq_q0 + row < nq) {
-                            float* at = gq + (i64)row * HEAD_DIM + ni * 8 + col;
-                            if (odd) red_add_v4(at, x0, x1, acc_q[ni][2], acc_q[ni][3]);
-                            else red_add_v4(at, acc_q[ni][0], acc_q[ni][1], x0, x1);
-                        }
-                    }
                 } else {
                     float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
 #pragma unroll

@@ -213,11 +213,6 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
-// 16 bytes (a 16-byte aligned address; sm_90).
-__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-
 // Zero an array of mma accumulator fragments (unrolled: the array stays in registers).
 template <int ROWS, int COLS>
 __device__ __forceinline__ void zero_acc(float (&acc)[ROWS][COLS][4]) {
