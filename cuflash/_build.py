@@ -83,6 +83,7 @@ def arch_options(cc: int) -> tuple[str, ...]:
 
 
 _modules: dict = {}
+_raw_modules: dict = {}  # the same keys: the RawModule of each kernel (get_module)
 _lock = threading.Lock()
 
 
@@ -107,8 +108,19 @@ def get_function(spec: KernelSpec):
             fn = mod.get_function(spec.expression)
             if spec.smem_bytes > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+            _raw_modules[key] = mod
             _modules[key] = fn
     return fn
+
+
+def get_module(spec: KernelSpec):
+    """The cupy RawModule that holds spec's kernel on the current device (compiled on first use):
+    for a diagnostic's __device__ globals (RawModule.get_global)."""
+    import cupy
+
+    get_function(spec)
+    dev = cupy.cuda.Device()
+    return _raw_modules[(dev.id, spec.source, source_hash(spec.source), spec.expression)]
 
 
 @dataclass(frozen=True)
