@@ -278,9 +278,35 @@ def test_backward_rejects_a_hopper_tile_where_the_kernel_does_not_run(launches, 
     with pytest.raises(ValueError, match="hopper_tile"):
         _run_backward(_problem(n=1024), hopper_tile=HopperBwdTile(64, 1, "t"))
     assert launches == []  # refused before anything launched
-    # And the real condition: d=256 has no Hopper backward tile, so it never applies.
-    monkeypatch.setattr(gpu_hopper, "_is_hopper", lambda device_id: True)
-    assert not gpu_hopper.backward_applies(_problem(d=256), True)
+    # And the real condition on sm_90: d=192 has no Hopper backward tile, so it never applies; d=256 has.
+    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: True)
+    table = schedule.HOPPER_BACKWARD_TILES
+    assert not gpu_hopper._applies(_problem(d=192), True, table)
+    assert gpu_hopper._applies(_problem(d=256), True, table) and gpu_hopper._applies(_problem(d=128), True, table)
+    assert not gpu_hopper._applies(_problem(d=256), False, table)  # rows without 16-byte alignment
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_backward_at_d256_runs_the_split_head_dim_tile_or_mma_sync(launches, monkeypatch, tma):
+    # d=256 on sm_90: the TMA kernel of the split-head-dim tile (64 keys per block, 256 threads),
+    # and where TMA cannot run, the mma.sync kernels (that tile's cp.async variant spills).
+    from cuflash import tma as tma_mod
+
+    monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
+    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(gpu_hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
+    p = _problem(d=256, n=1000)
+    _run_backward(p)
+    expr, grid, threads, smem = _kv_launch(launches)
+    if tma:
+        t = schedule.HOPPER_BACKWARD_TILES[256]
+        assert t.split_d and t.block_n == 64 and not t.ws
+        assert expr == "attn_bwd_kv_wgmma_tma<Bf16, 256, 64, 2, true, true>"
+        assert grid == (-(-1000 // 64), 16, 2) and threads == 256 and smem == t.smem_bytes(256) <= H200.smem_per_block_optin
+        assert any("attn_bwd_dq_convert<Bf16, 256>" == m[0] for m in launches)  # dQ in rows, not fragment order
+    else:
+        assert expr.startswith("attn_bwd_kv<") and "wgmma" not in expr
 
 
 @pytest.mark.parametrize("env", [None, "1"])
