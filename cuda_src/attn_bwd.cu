@@ -237,27 +237,45 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // dS^T = P^T * (dP^T - D).
         bool need_mask = (n0 + BLOCK_N > sq.nk) || (m0 + BLOCK_M > sq.nq) || (kHi && n0 + BLOCK_N - 1 > m0 + sq.hi);
         if constexpr (BAND) need_mask = need_mask || n0 < m0 + BLOCK_M - 1 + sq.lo;
+        // (exp, then the mask behind one branch, then dS: a mask test inside the exp loop becomes
+        // one branch per element on every step, as measured on the wgmma kernel.)
 #pragma unroll
         for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+            for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
                 for (int ni = 0; ni < kNQ; ++ni)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int qc = ni * 8 + 2 * (lane & 3) + e;  // query column within the tile
-                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -tL[qc]));
-                        if (need_mask) {
-                            const int qi = m0 + qc;
+                        s[mi][ni][2 * hf + e] = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -tL[qc]));
+                    }
+        if (need_mask) {
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+#pragma unroll
+                    for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int qi = m0 + ni * 8 + 2 * (lane & 3) + e;
                             const bool vis = key < sq.nk && qi < sq.nq && (!kHi || key <= qi + sq.hi) &&
                                              (!BAND || key >= qi + sq.lo);
-                            p = vis ? p : 0.f;
+                            s[mi][ni][2 * hf + e] = vis ? s[mi][ni][2 * hf + e] : 0.f;
                         }
-                        s[mi][ni][2 * hf + e] = p;
-                        dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - tD[qc]);
-                    }
-            }
+                }
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        dp[mi][ni][2 * hf + e] = s[mi][ni][2 * hf + e] * (dp[mi][ni][2 * hf + e] - tD[ni * 8 + 2 * (lane & 3) + e]);
 
         // dV += P^T dO and dK += dS^T Q over this warp's column slice.
 #pragma unroll

@@ -75,6 +75,16 @@ def test_gqa_and_deterministic(hq, hkv, deterministic, d):
     _run(rng, 2, hq, hkv, 150, 170, d, BFLOAT16, True, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("causal", CAUSAL[1:], ids=["br", "tl"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_causal_launch_order(d, causal):
+    # Causal grids launch longest blocks first in groups of 4 (batch, K/V head) pairs: 2 x 5 pairs
+    # make two whole groups and one of 2, with GQA and ragged lengths (each block must still find
+    # its own key tile, head and batch entry).
+    rng = np.random.default_rng([d, len(causal), 71])
+    _run(rng, 2, 10, 5, 200, 331, d, BFLOAT16, causal)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_bshd_and_fully_masked_rows(d):
     rng = np.random.default_rng(d + 1)
@@ -101,6 +111,9 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal, math_stat
     _run(rng, 1, 8, 2, 1000, 300, d, dtype, causal)
     _run(rng, 2, 4, 2, 150, 60, d, dtype, causal, layout="bshd")
     _run(rng, 1, 2, 2, 40, 100, d, dtype, causal)  # one step per head (one fill of the ring)
+    # 9 (batch, K/V head) pairs: causal blocks launch longest first in groups of 4 pairs
+    # (HopperBwdTraits::kLptHeads), the last group of one
+    _run(rng, 3, 6, 3, 333, 290, d, dtype, causal)
     assert tma_backward and all(e.startswith("attn_bwd_kv_wgmma_ws<") and e.endswith(f"{str(math_stats).lower()}>")
                                 for e in tma_backward), tma_backward
     tma_backward.clear()
