@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 # PART=tests or PART=bench splits the check over two device calls (each under 10 minutes).
+# A device call brings back at most 8 files from $OUT: this script writes 8 (nvidia-smi.txt,
+# junit.xml, tests.log, paged.json, paged.log, bench.log, bench.json, summary.json), so a call that
+# writes more of its own should pass a subfolder as OUT or pack its extras into one archive.
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
 # BLAS_THREADS (unset: the libraries' default, all cores per worker): threads of each xdist
