@@ -134,6 +134,13 @@ def check_dtype(named):
     return np.dtype(dtype)
 
 
+def check_flag(name, value):
+    """TypeError unless value is a bool (anything truthy is not: return_lse="no" must not
+    quietly return a pair)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
     """Check q, k, v and the options; return the Problem or raise ValueError/TypeError."""
     check_layout(layout)

@@ -81,6 +81,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
     """
+    _problem.check_flag("return_lse", return_lse)
+    _problem.check_flag("validate", validate)
     if block_table is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("block_table: not combinable with cu_seqlens_q / cu_seqlens_k")
@@ -271,8 +273,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
 
 
 def _check_deterministic(deterministic):
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _problem.check_flag("deterministic", deterministic)
 
 
 def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, **options):

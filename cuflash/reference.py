@@ -153,6 +153,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     copied to the host to slice the sequences).
     """
     cdt = _compute_dtype(precision)
+    _problem.check_flag("return_lse", return_lse)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, causal=causal, scale=scale,
                                  layout=layout, window=window)

@@ -292,6 +292,28 @@ def test_backward_deterministic_numpy_bool_accepted():
         assert np.array_equal(x.view(np.uint16), y.view(np.uint16))
 
 
+@pytest.mark.parametrize("flag", ["return_lse", "validate"])
+@pytest.mark.parametrize("value", [1, 0, "yes", "no", None, 1.0])
+def test_forward_flags_must_be_bool(flag, value):
+    # A truthy non-bool (return_lse="no") must not quietly change what comes back.
+    rng = np.random.default_rng(30)
+    q, k, v = random_inputs(rng, (2, 6, 8), (2, 5, 8), np.float16)
+    with pytest.raises(TypeError, match=names_argument(flag)):
+        cuflash.attention(q, k, v, **{flag: value})
+    with pytest.raises(TypeError, match=names_argument("return_lse")):
+        cuflash.reference.attention(q, k, v, return_lse=value)
+    o, lse = cuflash.attention(q, k, v, **{flag: np.bool_(True)}, **({} if flag == "return_lse" else {"return_lse": True}))
+    assert o.shape == q.shape and lse.shape == (2, 6)
+
+
+def test_numpy_scalar_inputs_name_the_argument():
+    # A NumPy scalar is a NumPy object, not a foreign array: the error names q and its kind.
+    rng = np.random.default_rng(31)
+    _, k, v = random_inputs(rng, (2, 6, 8), (2, 5, 8), np.float16)
+    with pytest.raises(TypeError, match=names_argument("q")):
+        cuflash.attention(np.float16(1), k, v)
+
+
 def test_2d_lse_shape():
     # One head given as (N, d): lse is (N,), and a (1, N) lse is rejected.
     rng = np.random.default_rng(29)
