@@ -309,7 +309,9 @@ def _gradient_outputs(p, out, inputs):
         return (xp.empty(p.q_shape(), dtype=p.dtype), xp.empty(p.kv_shape(), dtype=p.dtype),
                 xp.empty(p.kv_shape(), dtype=p.dtype))
     if not (isinstance(out, tuple) and len(out) == 3) or any(a is None for a in out):
-        raise TypeError(f"out: expected a tuple (dq, dk, dv) of arrays, got {type(out).__name__}")
+        got = (f"a tuple of {len(out)}" + (" with None in it" if len(out) == 3 else "")) if isinstance(out, tuple) \
+            else type(out).__name__
+        raise TypeError(f"out: expected a tuple (dq, dk, dv) of arrays, got {got}")
     names = ("out[0]", "out[1]", "out[2]")
     for name, a, shape in zip(names, out, (p.q_shape(), p.kv_shape(), p.kv_shape())):
         _problem.check_out(name, a, shape, p.dtype, xp, inputs)

@@ -306,6 +306,14 @@ def test_forward_flags_must_be_bool(flag, value):
     assert o.shape == q.shape and lse.shape == (2, 6)
 
 
+def test_backward_out_must_be_three_arrays():
+    do, q, k, v, o, lse = forward_and_grads(32)
+    for out, says in (((np.empty_like(q),), "a tuple of 1"), ((None, None, None), "with None in it")):
+        with pytest.raises(TypeError, match=names_argument("out")) as info:
+            cuflash.attention_backward(do, q, k, v, o, lse, out=out)
+        assert says in str(info.value)
+
+
 def test_numpy_scalar_inputs_name_the_argument():
     # A NumPy scalar is a NumPy object, not a foreign array: the error names q and its kind.
     rng = np.random.default_rng(31)
