@@ -253,7 +253,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
         return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
                                 layout=layout, window=window, deterministic=deterministic, out=out)
     p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
-    _check_deterministic(deterministic)
+    _problem.check_flag("deterministic", deterministic)
     xp = p.xp
     rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
@@ -272,15 +272,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     return dq, dk, dv
 
 
-def _check_deterministic(deterministic):
-    _problem.check_flag("deterministic", deterministic)
-
-
 def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, **options):
     """Packed sequences: each sequence's gradients from its own slices (dk, dv rows of a sequence
     are written by that sequence only, so every row is written once)."""
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), **options)
-    _check_deterministic(deterministic)
+    _problem.check_flag("deterministic", deterministic)
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
     if p.xp is not np:  # one launch per kernel over all sequences
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)

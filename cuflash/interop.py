@@ -124,7 +124,7 @@ def _dlpack_placement(name, x, kind_gpu, kind_host) -> Placement:
 
 def placement(name, x) -> Placement | None:
     """Kind and device of one argument; None for objects that are no array at all."""
-    if isinstance(x, (np.ndarray, np.generic)):  # (a NumPy scalar: its shape check names it)
+    if isinstance(x, (np.ndarray, np.generic)):  # (a NumPy scalar: the array check then names it by its type)
         return Placement(NUMPY, None)
     if is_cupy_array(x):
         return Placement(CUPY, int(x.device.id))
