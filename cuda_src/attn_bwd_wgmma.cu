@@ -191,17 +191,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         int n_block = blockIdx.x;
         t.hk = blockIdx.y;
         t.b = blockIdx.z;
-        if constexpr (CAUSAL && !PERSISTENT) {
-            // Longest blocks first within groups of G (batch, head) pairs (Tr::kLptHeads): the
-            // grid's blocks in launch order are, per group, key tile 0 of its heads, then key tile 1, ...
-            constexpr int G = Tr::kLptHeads;
-            const int nb = gridDim.x, heads = gridDim.y * gridDim.z;
-            const int lin = blockIdx.x + nb * (blockIdx.y + gridDim.y * blockIdx.z);
-            const int g0 = lin / (G * nb) * G, gsz = min(G, heads - g0);
-            const int r = lin - g0 * nb, head = g0 + r % gsz;
-            n_block = r / gsz;
-            t.hk = head % gridDim.y;
-            t.b = head / gridDim.y;
+        if constexpr (CAUSAL && !PERSISTENT) {  // key tile 0 (every query sees it) is the longest
+            const LptPos pos = lpt_head_groups<Tr::kLptHeads>(gridDim.x, gridDim.y * gridDim.z, grid_linear_block());
+            n_block = pos.rank;
+            t.hk = pos.head % gridDim.y;
+            t.b = pos.head / gridDim.y;
         }
         if constexpr (PERSISTENT) {
             n_block = u % units.kv_tiles;
@@ -628,7 +622,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
 #ifdef CUFLASH_BWD_TRACE
     if (tid == 0) {  // (math thread 0: after its dK/dV stores were issued)
-        const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const unsigned block = grid_linear_block();
         if (block < CUFLASH_BWD_TRACE) {
             unsigned smid;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));

@@ -46,6 +46,9 @@ struct HopperFwdTraits {
                                          ? 240 : ((65536 / 128 - kProducerRegs) / WARPGROUPS) / 8 * 8;
     static constexpr int kBlockM = 64 * WARPGROUPS;  // wgmma's M is 64 rows per warpgroup
     static constexpr int kStages = STAGES;
+    // (causal, one tile per block) launch order: longest first within groups of this many (head,
+    // batch) pairs (lpt_head_groups), as the backward's HopperBwdTraits::kLptHeads.
+    static constexpr int kLptHeads = 4;
     using TileQ = Sw128Tile<HEAD_DIM, kBlockM>;
     using TileKV = Sw128Tile<HEAD_DIM, BLOCK_N>;
     // mbarriers (PRODUCER): Q full, then K full, V full, K empty, V empty per stage.
@@ -93,10 +96,20 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     auto empty_v = [&](int s) { return sBar + 8 * (1 + 3 * STAGES + s); };
     const u32 empty_q = sBar + 8 * (1 + 4 * STAGES);  // PERSISTENT: Q's last reader is done
 
-    // Blocks with the most key tiles (the last query tiles under a causal mask) start first.
+    // Blocks with the most key tiles (the last query tiles under a causal mask) start first:
+    // (causal, one tile per block) within groups of Tr::kLptHeads heads, else within each head.
     int m_block = gridDim.x - 1 - blockIdx.x;
-    int h = blockIdx.y, hk = h / group;
+    int h = blockIdx.y;
     int b = blockIdx.z;
+#ifndef CUFLASH_FWD_LPT_PER_HEAD
+    if constexpr (CAUSAL && !BAND && !PERSISTENT) {
+        const LptPos pos = lpt_head_groups<Tr::kLptHeads>(gridDim.x, gridDim.y * gridDim.z, grid_linear_block());
+        m_block = gridDim.x - 1 - pos.rank;
+        h = pos.head % gridDim.y;
+        b = pos.head / gridDim.y;
+    }
+#endif
+    int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int m0 = m_block * kBM;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the

@@ -284,3 +284,22 @@ __device__ __forceinline__ void fix_row_stats(float* sL, int buf, int rows, int 
         sL[buf * ROWS + i] = l == -INFINITY ? INFINITY : l * kLog2e;
     }
 }
+
+// ---- launch order under a causal mask: longest blocks first within groups of heads ----
+// Blocks of a causal grid differ in length (the tiles on one side of the diagonal see more). For
+// the grid's `lin`-th block in launch order (x fastest, then y, z), over `tiles` tiles per head and
+// `heads` (head, batch) pairs: its head (y + gridDim.y z) and its rank among that head's tiles by
+// length (0: the longest), launched rank-major within groups of G heads. The grid's end then has
+// only short blocks left, and a group's K/V or Q/dO and dQ stay in L2 (all heads at once do not).
+struct LptPos {
+    int rank, head;
+};
+template <int G>
+__device__ __forceinline__ LptPos lpt_head_groups(int tiles, int heads, int lin) {
+    const int g0 = lin / (G * tiles) * G, gsz = min(G, heads - g0);
+    const int r = lin - g0 * tiles;
+    return {r / gsz, g0 + r % gsz};
+}
+__device__ __forceinline__ int grid_linear_block() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
