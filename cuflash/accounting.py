@@ -417,6 +417,13 @@ def _hopper_runs(dtype, hd, table) -> bool:
     return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
 
 
+def _dq_accumulator_width(dtype, hd, deterministic) -> int:
+    """Floats per row of the modelled GPU's dQ accumulator: the bucket, or the wgmma K/V kernel's
+    HEAD_DIM where that kernel adds dQ (schedule.dq_accumulator_width)."""
+    hopper_atomic = not deterministic and _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES)
+    return schedule.dq_accumulator_width(hd, hopper_atomic)
+
+
 def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
     """Whether the modelled GPU's backward runs the warp-specialized wgmma kernel (whose dQ
     accumulator is in fragment order); as gpu_backward.backward picks with 16-byte-aligned rows."""
@@ -578,9 +585,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
         hd = schedule.head_dim_bucket(p.d)
         if bwd:
             frag = _backward_frag_dq(p.dtype, hd, causal, deterministic)
-            dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, hd, frag)
-            how = (f"float32 B*Hq*ceil(Nq/64)*64*{hd} (the warp-specialized wgmma kernel's 64 x 64 fragment-order "
-                   "chunks)" if frag else f"float32 B*Hq*Nq*{hd} (rows padded to the head-dim bucket)")
+            width = _dq_accumulator_width(p.dtype, hd, deterministic)
+            dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag)
+            how = (f"float32 B*Hq*ceil(Nq/64)*64*{width} (the warp-specialized wgmma kernel's 64 x 64 fragment-order "
+                   "chunks)" if frag else f"float32 B*Hq*Nq*{width} (rows padded to the head-dim bucket"
+                   + (f", {width} for the wgmma kernel that runs it)" if width != hd else ")"))
             E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
                               phase="bwd"),
                   MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
@@ -876,9 +885,13 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
                                    + added, ACC_ITEMSIZE, f"float32, fragment order: zeroed (Nq padded to 64, {hd} "
                                    "columns), read+written per visible tile (64 x 64 bulk reduce-adds), read once to convert"))
         elif not deterministic:
-            entries.append(IOEntry(p + "dQ accumulator", bh * q_rows * d + qe, rows * hd + bh * q_rows * d,
-                                   ACC_ITEMSIZE, f"float32: zeroed ({hd}-wide rows), read+written per visible "
-                                   "tile (atomics), read once to convert"))
+            # the wgmma K/V kernel adds every column of its HEAD_DIM (192: 256), the mma.sync one d
+            hopper = config is None and _hopper_runs(dt, hd, schedule.HOPPER_BACKWARD_TILES)
+            width = schedule.dq_accumulator_width(hd, hopper)
+            cols = width if hopper else d
+            entries.append(IOEntry(p + "dQ accumulator", bh * q_rows * cols + qe, rows * width + bh * q_rows * cols,
+                                   ACC_ITEMSIZE, f"float32: zeroed ({width}-wide rows), {cols} columns read+written "
+                                   "per visible tile (atomics), read once to convert"))
         else:
             dbm = bl.dq_block_m if bl is not None and bl.dq_block_m else bm
             dbn = bl.dq_block_n if bl is not None and bl.dq_block_n else bn

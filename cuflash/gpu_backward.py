@@ -37,6 +37,11 @@ def convert_grid(frag: bool, hq: int, nq: int, hd: int, n_batch: int) -> tuple:
     return (-(-(hq * nq * (hd // 8)) // _CONVERT_THREADS), n_batch)
 
 
+def dq_convert_spec(dtype, acc_hd: int) -> KernelSpec:
+    """attn_bwd_dq_convert: dQ from the float32 accumulator, rows acc_hd floats apart."""
+    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{_TAG[np.dtype(dtype)]}, {acc_hd}>", _CONVERT_THREADS, 0)
+
+
 def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None, band: bool = False):
     """({role: KernelSpec}, head-dim bucket, BackwardTile) of every kernel one backward launches.
 
@@ -61,7 +66,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
             t.threads,
             t.smem_bytes(hd),
         ),
-        "convert": KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{tag}, {hd}>", _CONVERT_THREADS, 0),
+        "convert": dq_convert_spec(dtype, hd),
     }
     if deterministic:
         specs["dq"] = KernelSpec(
@@ -90,12 +95,12 @@ def _strides3(a4):
     return [np.int64(s // a4.itemsize) for s in a4.strides[:3]]
 
 
-def workspace_bytes(p, frag_dq: bool = False) -> int:
+def workspace_bytes(p, frag_dq: bool = False, hopper_atomic: bool = False) -> int:
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
-    padded to the head-dim bucket; with frag_dq, the warp-specialized wgmma kernel's, each head's
-    Nq padded to 64) and D."""
-    hd = schedule.head_dim_bucket(p.d)
-    return (schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, hd, frag_dq) + p.batch * p.hq * p.nq) * 4
+    padded to the head-dim bucket, or with hopper_atomic - the wgmma K/V kernel adds dQ - to its
+    HEAD_DIM; with frag_dq, the warp-specialized wgmma kernel's, each head's Nq padded to 64) and D."""
+    width = schedule.dq_accumulator_width(schedule.head_dim_bucket(p.d), hopper_atomic)
+    return (schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag_dq) + p.batch * p.hq * p.nq) * 4
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
@@ -172,11 +177,15 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
 
     dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float32)
     frag_dq = hopper_kv is not None and hopper_kv[1].ws  # fragment-order dQ accumulator, its own convert
+    # Rows of the accumulator: the wgmma K/V kernel adds dQ rows of its own HEAD_DIM (192: 256).
+    acc_hd = schedule.dq_accumulator_width(hd, hopper_kv is not None and not deterministic)
     if frag_dq:
-        dq_acc = cupy.zeros((p.batch, schedule.dq_accumulator_floats(1, p.hq, p.nq, hd, True)), dtype=np.float32)
-        specs["convert"] = gpu_hopper.dq_convert_frag_spec(p.dtype, hd)
+        dq_acc = cupy.zeros((p.batch, schedule.dq_accumulator_floats(1, p.hq, p.nq, acc_hd, True)), dtype=np.float32)
+        specs["convert"] = gpu_hopper.dq_convert_frag_spec(p.dtype, acc_hd)
     else:
-        dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, hd), dtype=np.float32)
+        dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, acc_hd), dtype=np.float32)
+        if acc_hd != hd:
+            specs["convert"] = dq_convert_spec(p.dtype, acc_hd)
     for b0 in range(0, p.batch, _MAX_GRID_YZ):
         b1 = min(p.batch, b0 + _MAX_GRID_YZ)
         nb = b1 - b0
@@ -222,6 +231,6 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         per_batch = p.hq * p.nq * p.d
         if per_batch > 0:
             get_function(specs["convert"])(
-                convert_grid(frag_dq, p.hq, p.nq, hd, nb), (_CONVERT_THREADS,),
+                convert_grid(frag_dq, p.hq, p.nq, acc_hd, nb), (_CONVERT_THREADS,),
                 (dq_acc[sl], dq4[sl], *_strides3(dq4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d), np.float32(p.scale)),
             )

@@ -201,8 +201,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
     """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
-    hd = schedule.head_dim_bucket(d)
-    t = tile or schedule.hopper_backward_tile(hd, causal)
+    bucket = schedule.head_dim_bucket(d)
+    t = tile or schedule.hopper_backward_tile(bucket, causal)
+    hd = schedule.hopper_backward_head_dim(bucket)  # the kernel's HEAD_DIM (192: the 256 kernel)
     if t.split_d != (hd > 128):
         raise ValueError(f"tile: split_d must be {hd > 128} at head dim {hd} (HopperBwdTraits::kSplitD)")
     if t.split_d and t.ws:  # (its dQ halves do not fit the warp-specialized kernel's 64 x 64 dQ tiles)
@@ -253,5 +254,6 @@ def all_hopper_backward_specs():
         for causal in (False, True)
         for det in (False, True)
     ]
-    specs += [dq_convert_frag_spec(dtype, hd) for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
+    specs += [dq_convert_frag_spec(dtype, schedule.hopper_backward_head_dim(hd))
+              for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
     return list(dict.fromkeys(specs))

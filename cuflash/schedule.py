@@ -182,8 +182,26 @@ class HopperBwdTile:
 HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
     64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200, 653d9db)", tma=True),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200, 653d9db)", tma=True),
+    192: HopperBwdTile(64, 2, "the d=256 tile's kernel (HOPPER_BACKWARD_KERNEL_HD): 4/3 of the tensor work, against the mma.sync kernels at about a third of its speed", tma=True, split_d=True),
     256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and the whole S^T/dP^T (computed twice); dQ by 128-column halves; 201 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
 }
+
+# Buckets whose Hopper backward runs a kernel for a wider head dim: splitting dK/dV's columns
+# between two warpgroups (HopperBwdTraits::kSplitD) needs whole 64-column blocks per warpgroup,
+# which 192 columns are not, so heads of 129-192 run the 256 kernel with the columns past d
+# zero-filled by the copy engine and dropped on store. Its dQ accumulator rows are then 256 wide.
+HOPPER_BACKWARD_KERNEL_HD: dict[int, int] = {192: 256}
+
+
+def hopper_backward_head_dim(hd: int) -> int:
+    """HEAD_DIM of the wgmma backward kernel that runs bucket hd."""
+    return HOPPER_BACKWARD_KERNEL_HD.get(hd, hd)
+
+
+def dq_accumulator_width(hd: int, hopper_atomic: bool) -> int:
+    """Floats per row of the backward's dQ accumulator: the bucket, or where the wgmma K/V kernel
+    adds dQ itself (not deterministic), that kernel's HEAD_DIM."""
+    return hopper_backward_head_dim(hd) if hopper_atomic else hd
 
 
 @dataclass(frozen=True)

@@ -138,10 +138,16 @@ class Candidate:
         return self.tile.stages if self.op in FORWARD_OPS else 0
 
     @property
+    def kernel_hd(self) -> int:
+        """The kernel's HEAD_DIM: the bucket, but for the wgmma backward its kernel's
+        (schedule.HOPPER_BACKWARD_KERNEL_HD: bucket 192 runs the 256 kernel)."""
+        return schedule.hopper_backward_head_dim(self.hd) if self.op == "bwd_wgmma" else self.hd
+
+    @property
     def smem_bytes(self) -> int:
         if self.op == "bwd_dq":
             return self.tile.dq_smem_bytes(self.hd)
-        return self.tile.smem_bytes(self.hd)
+        return self.tile.smem_bytes(self.kernel_hd)
 
     @property
     def area(self) -> int:
@@ -362,7 +368,7 @@ def violations(cand: Candidate, limits: DeviceLimits | None = None) -> list[str]
     """Why a candidate cannot launch (empty when it is legal before compiling)."""
     check = {"fwd": forward_violations, "bwd": backward_violations, "bwd_dq": dq_violations,
              "fwd_wgmma": hopper_forward_violations, "bwd_wgmma": hopper_backward_violations}[cand.op]
-    v = check(cand.hd, cand.tile)
+    v = check(cand.kernel_hd, cand.tile)
     if limits is not None:
         if cand.threads > limits.max_threads_per_block:
             v.append(f"{cand.threads} threads > {limits.max_threads_per_block} per block")
@@ -389,7 +395,7 @@ def estimated_registers(cand: Candidate) -> int:
     """A rough count of the accumulators a thread keeps live, plus addressing overhead.
 
     Only ORDERS the search (likely spills last); the compiler's report decides legality."""
-    t, hd = cand.tile, cand.hd
+    t, hd = cand.tile, cand.kernel_hd
     if cand.op == "fwd_wgmma":
         # Per thread (64 rows x N columns over a warpgroup's 128 threads): S = block_n/2 floats,
         # O = hd/2, P = block_n/4 packed pairs; +40 matched ptxas (sm_90a, NVRTC 13) on d 64/128.

@@ -234,12 +234,14 @@ def test_memory_dq_accumulator_is_padded_to_the_head_dim_bucket():
         r = cuflash.memory_report(*shapes, pass_="bwd", dtype="bfloat16", deterministic=deterministic)
         by = {e.name: e for e in r.entries}
         assert by["dQ accumulator"].bytes == 2 * 3 * rows * 128 * 4
-    # d=192 runs the mma.sync backward (no Hopper backward tile there) and d=256 the split-head-dim
-    # wgmma kernel, which is not warp-specialized (atomic dQ in rows): rows as they are
-    assert 192 not in schedule.HOPPER_BACKWARD_TILES and not schedule.HOPPER_BACKWARD_TILES[256].ws
-    for d in (192, 256):
-        by = {e.name: e for e in cuflash.memory_report((2, 3, 100, d), (2, 3, 100, d), pass_="bwd").entries}
-        assert by["dQ accumulator"].bytes == 2 * 3 * 100 * d * 4
+    # d=256 runs the split-head-dim wgmma kernel, which is not warp-specialized (atomic dQ in rows):
+    # rows as they are; d=160 and 192 run that same kernel, so their rows are 256 floats too
+    # (deterministic: the mma.sync dQ kernel's, the bucket's 192)
+    assert schedule.hopper_backward_head_dim(192) == 256 and not schedule.HOPPER_BACKWARD_TILES[192].ws
+    for d, det, width in ((256, False, 256), (192, False, 256), (160, False, 256), (192, True, 192), (160, True, 192)):
+        by = {e.name: e for e in cuflash.memory_report((2, 3, 100, d), (2, 3, 100, d), pass_="bwd",
+                                                       deterministic=det).entries}
+        assert by["dQ accumulator"].bytes == 2 * 3 * 100 * width * 4, (d, det)
 
 
 def test_memory_reference_forward_and_in_place_variant():
@@ -405,13 +407,14 @@ def test_io_backward_counts():
     tiles = math.ceil(200 / m.bwd_block_n)
     assert by["dQ accumulator"].reads == tiles * B * H * 256 * 128 + B * H * 200 * d
     assert by["dQ accumulator"].writes == B * H * 256 * 128 + tiles * B * H * 256 * 128
-    # d=256: the mma.sync kernel's atomics, d columns per row
-    N, d = 256, 256
-    m = cuflash.io_model((B, H, N, d), pass_="bwd")
-    by = {e.name: e for e in m.entries}
-    n_kv_tiles = math.ceil(N / m.bwd_block_n)
-    assert by["dQ accumulator"].reads == (n_kv_tiles + 1) * B * H * N * d
-    assert by["dQ accumulator"].writes == B * H * N * 256 + n_kv_tiles * B * H * N * d
+    # d=256: the split-head-dim wgmma kernel's atomics, 256 columns per row; d=160 runs the same
+    # kernel (its columns past d are zeros, added all the same), d=32 the mma.sync kernel (d columns)
+    for N, d, width, cols in ((256, 256, 256, 256), (256, 160, 256, 256), (256, 32, 32, 32)):
+        m = cuflash.io_model((B, H, N, d), pass_="bwd")
+        by = {e.name: e for e in m.entries}
+        n_kv_tiles = math.ceil(N / m.bwd_block_n)
+        assert by["dQ accumulator"].reads == n_kv_tiles * B * H * N * cols + B * H * N * d, d
+        assert by["dQ accumulator"].writes == B * H * N * width + n_kv_tiles * B * H * N * cols, d
 
 
 def test_io_deterministic_backward_moves_dq_to_its_own_kernel():

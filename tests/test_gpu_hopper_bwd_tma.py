@@ -51,7 +51,7 @@ CAUSAL = [False, "bottom_right", "top_left"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [40, 64, 96, 128, 200, 256])  # (200, 256: the split-head-dim tile)
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 160, 192, 200, 256])  # (160-256: the split-head-dim 256 kernel)
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "br", "tl"])
 def test_head_dims(dtype, d, causal):
     rng = np.random.default_rng([d, len(str(causal)), dtype.itemsize, 23])
@@ -69,7 +69,7 @@ def test_lengths(nq, nk, causal):
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_gqa_and_deterministic(hq, hkv, deterministic, d):
     rng = np.random.default_rng([hq, hkv, int(deterministic), d])
     _run(rng, 2, hq, hkv, 150, 170, d, BFLOAT16, True, deterministic=deterministic)
@@ -85,7 +85,7 @@ def test_causal_launch_order(d, causal):
     _run(rng, 2, 10, 5, 200, 331, d, BFLOAT16, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_bshd_and_fully_masked_rows(d):
     rng = np.random.default_rng(d + 1)
     dq, dk, dv = _run(rng, 2, 4, 2, 150, 60, d, BFLOAT16, "bottom_right", layout="bshd")

@@ -45,7 +45,7 @@ def _problem(d=128, n=4096, dtype=BFLOAT16):
 
 
 def test_space_buckets_and_names():
-    assert tune_mod.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128, 256)
+    assert tune_mod.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128, 192, 256)
     cands = candidates("bwd_wgmma", 64)
     assert len(cands) == 3 * 3 and len({c.name for c in cands}) == 9
     assert Candidate("bwd_wgmma", 64, schedule.HOPPER_BACKWARD_TILES[64]).name == "q128k128wg2"
@@ -53,10 +53,16 @@ def test_space_buckets_and_names():
     # d=256: the warpgroups split the head dim, so the block owns 64 keys, not 64 per warpgroup
     assert Candidate("bwd_wgmma", 256, schedule.HOPPER_BACKWARD_TILES[256]).name == "q64k64wg2"
     assert all(c.tile.split_d for c in candidates("bwd_wgmma", 256))
+    # bucket 192 runs the 256 kernel (whole 64-column blocks per warpgroup): its tile, shared
+    # memory and legality are the 256 kernel's
+    assert schedule.hopper_backward_head_dim(192) == 256 and schedule.hopper_backward_head_dim(128) == 128
+    c192 = Candidate("bwd_wgmma", 192, schedule.HOPPER_BACKWARD_TILES[192])
+    assert c192.kernel_hd == 256 and c192.name == "q64k64wg2"
+    assert c192.smem_bytes == schedule.HOPPER_BACKWARD_TILES[256].smem_bytes(256)
     c = kv(192, 3, 64)
-    assert (c.threads, c.area, c.stages) == (384, 192 * 192, 0)
+    assert (c.threads, c.area, c.stages, c.kernel_hd) == (384, 192 * 192, 0, 64)
     with pytest.raises(ValueError, match="bucket"):
-        candidates("bwd_wgmma", 192)  # gpu_hopper.backward_applies is false there
+        candidates("bwd_wgmma", 32)  # gpu_hopper.backward_applies is false there
 
 
 def test_shared_memory_by_hand():
@@ -73,10 +79,11 @@ def test_shared_memory_by_hand():
 # d=256 (split head dim): only (64, 2): 64-query steps, 128 columns per warpgroup, dQ by columns.
 LEGAL = {64: ["q128k128wg2", "q192k192wg3", "q64k128wg2", "q64k192wg3", "q64k64wg1"],
          128: ["q64k128wg2", "q64k192wg3", "q64k64wg1"],
+         192: ["q64k64wg2"],  # (the 256 kernel)
          256: ["q64k64wg2"]}
 
 
-@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("hd", [64, 128, 192, 256])
 def test_legal_set_by_hand(hd):
     assert sorted(c.name for c in legal_candidates("bwd_wgmma", hd, H200)) == LEGAL[hd]
     table = schedule.HOPPER_BACKWARD_TILES[hd]
@@ -185,7 +192,7 @@ def test_pick_tunes_checks_then_reads_the_cache(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
     assert tune_mod.same_tile("bwd_wgmma", tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64),
                               tile)
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=192)) is None  # no Hopper backward there
+    assert tune_mod.pick_hopper_backward_tile(_problem(d=32)) is None  # no Hopper backward there
     assert tune_mod.pick_backward_tile(_problem(d=64)) is None  # the mma.sync op is separate
     assert fake_gpu.made == [("bwd_wgmma", 64)]
 
@@ -194,7 +201,7 @@ def test_gpu_tuner_refuses_what_the_kernel_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="sm_90"):
         tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=replace(H200, name="A100", cc=80), cupy=object())
     with pytest.raises(ValueError, match="bucket"):
-        tune_mod.GpuTuner("bwd_wgmma", _problem(d=192), limits=H200, cupy=object())
+        tune_mod.GpuTuner("bwd_wgmma", _problem(d=32), limits=H200, cupy=object())
     monkeypatch.setenv("CUFLASH_KERNELS", "mma_sync")
     with pytest.raises(ValueError, match="mma_sync"):  # gpu_backward.backward would refuse every hopper_tile
         tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=H200, cupy=object())
@@ -278,11 +285,12 @@ def test_backward_rejects_a_hopper_tile_where_the_kernel_does_not_run(launches, 
     with pytest.raises(ValueError, match="hopper_tile"):
         _run_backward(_problem(n=1024), hopper_tile=HopperBwdTile(64, 1, "t"))
     assert launches == []  # refused before anything launched
-    # And the real condition on sm_90: d=192 has no Hopper backward tile, so it never applies; d=256 has.
+    # And the real condition on sm_90: d=32 has no Hopper backward tile, so it never applies; 128,
+    # 192 (the 256 kernel) and 256 have.
     monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: True)
     table = schedule.HOPPER_BACKWARD_TILES
-    assert not gpu_hopper._applies(_problem(d=192), True, table)
-    assert gpu_hopper._applies(_problem(d=256), True, table) and gpu_hopper._applies(_problem(d=128), True, table)
+    assert not gpu_hopper._applies(_problem(d=32), True, table)
+    assert all(gpu_hopper._applies(_problem(d=d), True, table) for d in (128, 160, 192, 256))
     assert not gpu_hopper._applies(_problem(d=256), False, table)  # rows without 16-byte alignment
 
 
@@ -307,6 +315,41 @@ def test_backward_at_d256_runs_the_split_head_dim_tile_or_mma_sync(launches, mon
         assert any("attn_bwd_dq_convert<Bf16, 256>" == m[0] for m in launches)  # dQ in rows, not fragment order
     else:
         assert expr.startswith("attn_bwd_kv<") and "wgmma" not in expr
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("tma", [True, False])
+def test_backward_at_d192_runs_the_d256_kernel(launches, monkeypatch, tma, deterministic):
+    # Head dims 129-192 on sm_90: the d=256 split-head-dim kernel (columns past d zero-filled by
+    # TMA), whose atomic dQ rows are 256 floats: the accumulator and its convert are 256 wide.
+    # Deterministic: that kernel without atomics and the mma.sync dQ kernel, whose rows are the
+    # bucket's 192. Without TMA, the mma.sync kernels (192 wide).
+    import cupy as fake
+
+    from cuflash import tma as tma_mod
+
+    allocated = []
+    zeros = fake.zeros
+    fake.zeros = fake.empty = lambda shape, dtype=None: allocated.append(tuple(shape)) or zeros(shape, dtype)
+    monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
+    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(gpu_hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
+    p = _problem(d=160, n=1000)
+    _run_backward(p, deterministic=deterministic)
+    expr, grid, threads, smem = _kv_launch(launches)
+    names = [m[0] for m in launches]
+    if tma:
+        assert expr == f"attn_bwd_kv_wgmma_tma<Bf16, 256, 64, 2, true, {'false' if deterministic else 'true'}>"
+        assert grid == (-(-1000 // 64), 16, 2) and threads == 256
+        assert smem == schedule.HOPPER_BACKWARD_TILES[192].smem_bytes(256) <= H200.smem_per_block_optin
+    else:
+        assert expr.startswith("attn_bwd_kv<Bf16, 192,") and "wgmma" not in expr
+    width = 256 if tma and not deterministic else 192
+    assert (2, 16, 1000, width) in allocated
+    assert f"attn_bwd_dq_convert<Bf16, {width}>" in names
+    assert any(n.startswith("attn_bwd_dq<Bf16, 192,") for n in names) == deterministic
+    assert gpu_backward.workspace_bytes(p, False, tma and not deterministic) == (2 * 16 * 1000 * width + 2 * 16 * 1000) * 4
 
 
 @pytest.mark.parametrize("env", [None, "1"])
@@ -354,8 +397,8 @@ def test_tune_cli_refuses_bwd_wgmma_off_hopper(fake_gpu, monkeypatch, capsys):
     assert cli.main(["tune", "--shape", "2,16,4096,128", "--ops", "bwd_wgmma"]) == 2
     assert "bwd_wgmma needs an sm_90" in capsys.readouterr().err
     monkeypatch.setattr(tune_mod, "_current_device_cc", lambda: 90)
-    assert cli.main(["tune", "--shape", "2,8,4096,192", "--ops", "bwd_wgmma"]) == 2
-    assert "head-dim buckets (64, 128, 256)" in capsys.readouterr().err
+    assert cli.main(["tune", "--shape", "2,8,4096,32", "--ops", "bwd_wgmma"]) == 2
+    assert "head-dim buckets (64, 128, 192, 256)" in capsys.readouterr().err
     assert fake_gpu.made == []
     assert cli.main(["tune", "--shape", "2,16,4096,64", "--ops", "bwd_wgmma"]) == 0
     assert fake_gpu.made == [("bwd_wgmma", 64)] and "|bwd_wgmma|" in capsys.readouterr().out
@@ -372,15 +415,19 @@ def test_schedules_cli_shows_the_hopper_backward_on_h200(capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("q64k128wg2 "))
     assert "table" in line and "149,520" in line  # the TMA kernel: 149,504 + two mbarriers
     assert "--ops bwd_wgmma" in out
-    # Only the Hopper kernel: at d=64 its table tile; d=192 has none.
+    # Only the Hopper kernel: at d=64 its table tile.
     assert main(["schedules", "--shape", "2,32,4096,64", "--bwd", "--wgmma", *args]) == 0
     out = capsys.readouterr().out
     assert "backward main kernel" not in out
     line = next(ln for ln in out.splitlines() if ln.startswith("q128k128wg2 "))
     assert "table" in line and "134,160" in line  # the TMA kernel: 134,144 + two mbarriers
-    assert main(["schedules", "--shape", "2,8,4096,192", "--bwd", "--wgmma", *args]) == 2
-    assert "backward K/V kernel runs on sm_90 for head-dim buckets (64, 128, 256)" in capsys.readouterr().err
-    assert main(["schedules", "--shape", "2,8,4096,192", "--bwd", *args]) == 0
+    # d=192: the 256 kernel's tile and shared memory; d=32 has none.
+    assert main(["schedules", "--shape", "2,8,4096,192", "--bwd", "--wgmma", *args]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("q64k64wg2 "))
+    assert "table" in line and f"{schedule.HOPPER_BACKWARD_TILES[256].smem_bytes(256):,}" in line
+    assert main(["schedules", "--shape", "2,8,4096,32", "--bwd", "--wgmma", *args]) == 2
+    assert "backward K/V kernel runs on sm_90 for head-dim buckets (64, 128, 192, 256)" in capsys.readouterr().err
+    assert main(["schedules", "--shape", "2,8,4096,32", "--bwd", *args]) == 0
     assert "Hopper wgmma" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["schedules", "--shape", "2,8,4096,128", "--dq", "--wgmma", *args])
