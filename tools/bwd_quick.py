@@ -10,6 +10,7 @@ import cuflash
 import os
 
 CELLS = [(64, 4096, False), (64, 4096, True), (128, 4096, False), (128, 4096, True), (128, 16384, True),
+         (192, 4096, False), (192, 4096, True),
          (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)]
 ONLY_D = os.environ.get("BWD_QUICK_D")  # e.g. "256": those head dims only
 for d, n, causal in CELLS:
