@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the branch next/session7 (main + next/fwd-lpt + next/bwd-d192, neither run
 # through the whole GPU suite yet): the whole suite and the side-by-side benchmark
-# (tools/final_check.sh, its 8 files), then the backward cells at d=192 (new kernel) and the
-# forward A/B of the causal launch order, packed into $OUT/extra.tar.gz (a call returns 8 files
-# at most, so everything else goes into one archive... final_check's 8 go in it too).
+# (tools/final_check.sh) and the backward cells at d=192 (the new dispatch), all written under
+# $OUT/run and packed into $OUT/run.tar.gz; summary.json and tests.log also come back as files of
+# their own (a device call returns at most 8 files from $OUT).
 #
 #   OUT=dir GIT_COMMIT=<sha> bash tools/session7_check.sh
 set -u
