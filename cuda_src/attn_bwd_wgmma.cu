@@ -38,11 +38,6 @@
 // cuflash_bwd_trace (tools/bwd_trace.py reads it back): where a backward's time goes, block by block.
 #ifdef CUFLASH_BWD_TRACE
 __device__ unsigned long long cuflash_bwd_trace[CUFLASH_BWD_TRACE][4];
-__device__ __forceinline__ unsigned long long bwd_trace_clock() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 #endif
 
 // The Q and dO tensor maps of attn_bwd_kv_wgmma_tma (parameter space); null for cp.async loads.
@@ -166,7 +161,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
 #ifdef CUFLASH_BWD_TRACE
-    const unsigned long long trace_t0 = bwd_trace_clock();
+    const unsigned long long trace_t0 = trace_clock();
 #endif
     const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
     // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
@@ -624,11 +619,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     if (tid == 0) {  // (math thread 0: after its dK/dV stores were issued)
         const unsigned block = grid_linear_block();
         if (block < CUFLASH_BWD_TRACE) {
-            unsigned smid;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
             cuflash_bwd_trace[block][0] = trace_t0;
-            cuflash_bwd_trace[block][1] = bwd_trace_clock();
-            cuflash_bwd_trace[block][2] = smid;
+            cuflash_bwd_trace[block][1] = trace_clock();
+            cuflash_bwd_trace[block][2] = trace_smid();
             cuflash_bwd_trace[block][3] = (unsigned long long)g;
         }
     }

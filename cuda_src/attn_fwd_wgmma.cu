@@ -60,6 +60,22 @@ struct HopperFwdTraits {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
+// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_FWD_TRACE=<entries>: math thread 0
+// of the warp-specialized kernels records, per block (persistent: per query tile, at 2 u + k for
+// tile k of unit u), its start and end (%globaltimer, ns), its SM and its key tiles in
+// cuflash_fwd_trace (tools/fwd_trace.py reads it back).
+#ifdef CUFLASH_FWD_TRACE
+__device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][4];
+__device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles) {
+    if (threadIdx.x == 0 && entry < CUFLASH_FWD_TRACE) {
+        cuflash_fwd_trace[entry][0] = t0;
+        cuflash_fwd_trace[entry][1] = trace_clock();
+        cuflash_fwd_trace[entry][2] = trace_smid();
+        cuflash_fwd_trace[entry][3] = (unsigned long long)key_tiles;
+    }
+}
+#endif
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
           bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false>
 __device__ __forceinline__ void
@@ -83,6 +99,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+#ifdef CUFLASH_FWD_TRACE
+    const unsigned long long trace_t0 = trace_clock();
+#endif
     const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = sQ + TileQ::kBytes;
     const u32 sV = sK + STAGES * TileKV::kBytes;
@@ -470,9 +489,20 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         } else {
             setmaxnreg_inc<Tr::kMathRegs>();
             if constexpr (PERSISTENT) {
+#ifdef CUFLASH_FWD_TRACE
+                CUFLASH_FOR_EACH_TILE({
+                    const unsigned long long tile_t0 = trace_clock();
+                    math();
+                    fwd_trace(2 * u + kt, tile_t0, n_tiles);
+                })
+#else
                 CUFLASH_FOR_EACH_TILE(math())
+#endif
             } else {
                 math();
+#ifdef CUFLASH_FWD_TRACE
+                fwd_trace(grid_linear_block(), trace_t0, n_tiles);
+#endif
             }
         }
     } else {
