@@ -62,16 +62,20 @@ struct HopperFwdTraits {
 
 // (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_FWD_TRACE=<entries>: math thread 0
 // of the warp-specialized kernels records, per block (persistent: per query tile, at 2 u + k for
-// tile k of unit u), its start and end (%globaltimer, ns), its SM and its key tiles in
+// tile k of unit u), its start and end (%globaltimer, ns), its SM, its key tiles, and when Q and
+// K_0 had landed and when the last P V retired (the tile's start, loop and epilogue apart) in
 // cuflash_fwd_trace (tools/fwd_trace.py reads it back).
 #ifdef CUFLASH_FWD_TRACE
-__device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][4];
-__device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles) {
+__device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][6];
+__device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles, unsigned long long ready,
+                                          unsigned long long loop_end) {
     if (threadIdx.x == 0 && entry < CUFLASH_FWD_TRACE) {
         cuflash_fwd_trace[entry][0] = t0;
         cuflash_fwd_trace[entry][1] = trace_clock();
         cuflash_fwd_trace[entry][2] = trace_smid();
         cuflash_fwd_trace[entry][3] = (unsigned long long)key_tiles;
+        cuflash_fwd_trace[entry][4] = ready;
+        cuflash_fwd_trace[entry][5] = loop_end;
     }
 }
 #endif
@@ -101,6 +105,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
 #ifdef CUFLASH_FWD_TRACE
     const unsigned long long trace_t0 = trace_clock();
+    unsigned long long trace_ready = 0, trace_loop = 0;  // set by math(): Q and K_0 landed, last P V retired
 #endif
     const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = sQ + TileQ::kBytes;
@@ -293,6 +298,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             } else {
                 cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
             }
+#ifdef CUFLASH_FWD_TRACE
+            trace_ready = trace_clock();
+#endif
             // cp.async copies were written through the generic proxy; wgmma reads through the async one.
             if constexpr (!TMA) fence_proxy_async();
             if constexpr (!PRODUCER) __syncthreads();
@@ -361,6 +369,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         };
         for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
         if (n_tiles > 0) step(n_tiles - 1, false);
+#ifdef CUFLASH_FWD_TRACE
+        trace_loop = trace_clock();
+#endif
         // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
         if constexpr (PRODUCER) {
             if (n_tiles == 0) {
@@ -493,7 +504,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 CUFLASH_FOR_EACH_TILE({
                     const unsigned long long tile_t0 = trace_clock();
                     math();
-                    fwd_trace(2 * u + kt, tile_t0, n_tiles);
+                    fwd_trace(2 * u + kt, tile_t0, n_tiles, trace_ready, trace_loop);
                 })
 #else
                 CUFLASH_FOR_EACH_TILE(math())
@@ -501,7 +512,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             } else {
                 math();
 #ifdef CUFLASH_FWD_TRACE
-                fwd_trace(grid_linear_block(), trace_t0, n_tiles);
+                fwd_trace(grid_linear_block(), trace_t0, n_tiles, trace_ready, trace_loop);
 #endif
             }
         }
