@@ -291,6 +291,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
         };
 
+        // P_{j-1} V_{j-1} retires at step j's start (warp-specialized kernels), not after step j-1's
+        // softmax: ptxas schedules a wgmma wait near the top of its basic block, so a wait placed
+        // after the softmax ran before it (SASS: the wait for both groups sat before the first
+        // exp2) and the softmax of tile j no longer overlapped P_{j-1} V_{j-1}. The cp.async
+        // kernels keep the wait at the step's end (at d=256 the later wait spills in the band kernel).
+        constexpr bool kWaitAtStart = PRODUCER;
         if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
             if constexpr (PRODUCER) {
                 mbar_wait(full_q, q_phase);
@@ -316,14 +322,23 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 if (n_tiles == 1) mbar_arrive(empty_q);  // the tile's last read of Q
             }
             mask(0);
-            softmax.probs(acc_s, scale_log2, alpha);
-            to_p();
+            softmax.probs(acc_s, scale_log2, alpha);  // (O is zero: its rescale by alpha in step 0 is harmless)
+            if constexpr (!kWaitAtStart) to_p();
         }
         // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
         // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
         // tile's Q K^T makes ptxas serialize every wgmma).
+        auto retire_pv = [&]() {
+            wgmma_wait<0>();
+            fence_regs(acc_o[0]);
+            fence_regs(p_frag);
+        };
         auto step = [&](int j, const bool kNext) {
             const int g = kv0 + j;  // the ring's count (across a persistent block's tiles)
+            if constexpr (kWaitAtStart) {
+                retire_pv();  // (step 0: none in flight)
+                if (j > 0) mbar_arrive(empty_v((g - 1) % STAGES));
+            }
             if constexpr (PRODUCER) {  // K_{j+1} and V_j have landed
                 if (kNext) mbar_wait(full_k((g + 1) % STAGES), ((g + 1) / STAGES) & 1);
                 mbar_wait(full_v(g % STAGES), (g / STAGES) & 1);
@@ -338,7 +353,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 if (j + STAGES - 1 < n_tiles) load_v(j + STAGES - 1, tid);
                 cp_async_commit();
             }
-
+            if constexpr (kWaitAtStart) {
+                softmax.rescale(acc_o, alpha);  // O onto tile j's row maxima
+                to_p();
+            }
             if constexpr (PINGPONG) turn_wait();
             wgmma_fence();
             if (kNext) {
@@ -358,13 +376,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 mask(j + 1);
                 softmax.probs(acc_s, scale_log2, alpha);
             }
-            wgmma_wait<0>();
-            fence_regs(acc_o[0]);
-            fence_regs(p_frag);
-            if constexpr (PRODUCER) mbar_arrive(empty_v(g % STAGES));
-            if (kNext) {
-                softmax.rescale(acc_o, alpha);
-                to_p();
+            if (!kWaitAtStart || !kNext) {  // (warp-specialized: the tile's last step, before the epilogue)
+                retire_pv();
+                if constexpr (PRODUCER) mbar_arrive(empty_v(g % STAGES));
+                if (!kWaitAtStart && kNext) {
+                    softmax.rescale(acc_o, alpha);
+                    to_p();
+                }
             }
         };
         for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
