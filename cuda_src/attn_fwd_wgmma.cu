@@ -291,12 +291,16 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) acc_to_a<T>(p_frag[kk], acc_s[0], kk);
         };
 
-        // P_{j-1} V_{j-1} retires at step j's start (warp-specialized kernels), not after step j-1's
-        // softmax: ptxas schedules a wgmma wait near the top of its basic block, so a wait placed
-        // after the softmax ran before it (SASS: the wait for both groups sat before the first
-        // exp2) and the softmax of tile j no longer overlapped P_{j-1} V_{j-1}. The cp.async
-        // kernels keep the wait at the step's end (at d=256 the later wait spills in the band kernel).
-        constexpr bool kWaitAtStart = PRODUCER;
+        // (warp-specialized) Where P_j V_j's wgmma retires. Written after the softmax of tile j+1,
+        // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:
+        // DEPBAR.LE gsb0 0 before the first MUFU.EX2), and the softmax never overlaps P_j V_j.
+        // kWaitAtStart retires it at the next step's start (a block of its own), which restores the
+        // overlap. A B A B next to cuDNN (H200, notes/HOPPER.md "Seventh session"): d=256 +0.3-4.7%,
+        // d=128 causal persistent (N 2k-4k) +1-1.5%; but d=128 otherwise -2.5-5% and d=64
+        // (ping-pong) -1-9%: where the other warpgroup already fills the tensor cores during the
+        // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
+        // the early wait: the late one spills in the d=256 band kernel.)
+        constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
         if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
             if constexpr (PRODUCER) {
                 mbar_wait(full_q, q_phase);
