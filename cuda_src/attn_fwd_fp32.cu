@@ -108,7 +108,7 @@ attn_fwd_f32(const float* __restrict__ q, const float* __restrict__ k, const flo
              float* __restrict__ o, float* __restrict__ lse,
              i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
              i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-             int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+             int nq, int nk, int d, int group, int causal_off, double scale_log2) {
     using Tr = F64Traits<HEAD_DIM, BLOCK_M, BLOCK_N, THREADS>;
     constexpr int RM = Tr::kRowsPerThread, RN = Tr::kKeysPerThread, DPT = Tr::kDimsPerThread;
     constexpr int CH = Tr::kChunks, RG = Tr::kRowGroups, NL = Tr::kLanes;
@@ -167,7 +167,9 @@ attn_fwd_f32(const float* __restrict__ q, const float* __restrict__ k, const flo
         __syncthreads();
     }
 
-    const double scale = (double)scale_log2;
+    // A double from the host: scale * log2(e) rounded to float32 moved every score, and lse by up
+    // to an ulp beyond its one rounding (tools/repeat_case.py: 4% of seeds failed the lse bound).
+    const double scale = scale_log2;
     const double* q_row = sQ + ty * LD;  // row i of this thread: q_row + i * RG * LD
     const double* k_row = sK + tx * LD;  // key jn of this thread: k_row + jn * NL * LD
     for (int j = 0; j < n_tiles; ++j) {

@@ -149,7 +149,9 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
     chunk's query tiles; the head and batch counts follow the other arguments."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
-    scale_log2 = np.float32(p.scale * _LOG2E)
+    # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that
+    # its only rounding is the final one)
+    scale_log2 = (np.float64 if p.dtype == np.float32 else np.float32)(p.scale * _LOG2E)
     m_blocks = -(-p.nq // block_m)
     for b0 in range(0, p.batch, _MAX_GRID_Z):
         b1 = min(p.batch, b0 + _MAX_GRID_Z)
