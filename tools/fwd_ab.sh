@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of a forward kernel change in one device call: the forward benchmark (cuflash next to cuDNN,
-# same process) of snapA (before: git archive <before> | tar -x -C snapA) and of this tree (after),
-# alternated A B A B against drift (SNAPS), then the forward GPU tests of this tree (AB_TESTS).
+# same process) of snapshots (snapX: git archive <commit> | tar -x -C snapX) and of this tree
+# (HEAD), alternated against drift (SNAPS, default "A HEAD A HEAD"), then the forward GPU tests of
+# this tree (AB_TESTS; TEST_TIMEOUT=0 skips them).
 #   OUT=dir bash tools/fwd_ab.sh
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -9,8 +10,8 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 root=$PWD
 i=0
-for s in ${SNAPS:-A B A B}; do
-    i=$((i + 1)); dir=$root; [ "$s" = A ] && dir=$root/snapA
+for s in ${SNAPS:-A HEAD A HEAD}; do
+    i=$((i + 1)); dir=$root/snap$s; [ "$s" = HEAD ] && dir=$root
     cd "$dir" && export PYTHONPATH=$PWD
     timeout ${BENCH_TIMEOUT:-100} python3 benchmarks/peers.py --ops fwd --impls cuflash,torch-cudnn --d ${AB_D:-64,128,256} \
         --n ${AB_N:-1024,2048,4096,16384} --max-seconds $(( ${BENCH_TIMEOUT:-100} - 10 )) --out "$OUT/fwd_${s}_$i.json" > "$OUT/fwd_${s}_$i.log" 2>&1
@@ -32,5 +33,6 @@ for f in sorted(glob.glob(sys.argv[1] + "/fwd_*_*.json")):
 for k in sorted(r, key=str):
     print("AB", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
 PY
+[ "${TEST_TIMEOUT:-200}" = 0 ] && exit 0
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_tma.py tests/test_gpu_forward.py} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/tests.log" 2>&1; echo "tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -8
