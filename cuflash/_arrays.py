@@ -11,6 +11,8 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
 SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
+# The 16-bit kernels' element type T in their template name expressions (common.cuh's Fp16, Bf16).
+KERNEL_TYPE = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 
 # Unit roundoff (half the machine epsilon) of each input dtype: one rounding of the result.
 UNIT_ROUNDOFF = {

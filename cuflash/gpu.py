@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from . import masks, schedule
-from ._arrays import BFLOAT16, FLOAT16, FLOAT32
+from ._arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
 from ._build import KernelSpec, get_function
 
 _MAX_GRID_Z = 65535
@@ -40,7 +40,6 @@ def _vector_ok(arrays, d) -> bool:
     return True
 
 
-_TYPE_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 
 
 def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False):
@@ -60,7 +59,7 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool =
     if band and tile is None and hd in _BAND_BLOCK_N:
         t = dataclasses.replace(t, block_n=_BAND_BLOCK_N[hd], reason=f"band kernel: {_BAND_BLOCK_N[hd]}-key tiles")
     t = tile or t
-    head = f"{_TYPE_TAG[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
+    head = f"{KERNEL_TYPE[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
     if band:
         expr = f"attn_fwd_band<{head}, {_b(vec)}, {_b(t.lazy_rescale)}>"
     else:

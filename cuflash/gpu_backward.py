@@ -7,11 +7,10 @@ import dataclasses
 import numpy as np
 
 from . import schedule
-from ._arrays import BFLOAT16, FLOAT16, FLOAT32
+from ._arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
 from ._build import KernelSpec, get_function
 
 _LOG2E = 1.4426950408889634
-_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 _PREP_THREADS = 256
 _CONVERT_THREADS = 256  # (attn_bwd_dq_convert's launch bound)
 _MAX_GRID_YZ = 65535
@@ -39,7 +38,7 @@ def convert_grid(frag: bool, hq: int, nq: int, hd: int, n_batch: int) -> tuple:
 
 def dq_convert_spec(dtype, acc_hd: int) -> KernelSpec:
     """attn_bwd_dq_convert: dQ from the float32 accumulator, rows acc_hd floats apart."""
-    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{_TAG[np.dtype(dtype)]}, {acc_hd}>", _CONVERT_THREADS, 0)
+    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{KERNEL_TYPE[np.dtype(dtype)]}, {acc_hd}>", _CONVERT_THREADS, 0)
 
 
 def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None, band: bool = False):
@@ -51,7 +50,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
         raise NotImplementedError("cuflash: the float32 GPU backward is not implemented yet (use float16/bfloat16, or NumPy inputs)")
-    tag = _TAG[dtype]
+    tag = KERNEL_TYPE[dtype]
     hd, t = schedule.backward_tile(d)
     t = tile or t
     kv_head = f"{tag}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.warps_d}"

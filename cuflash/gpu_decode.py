@@ -18,10 +18,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import schedule
-from ._arrays import BFLOAT16, FLOAT16
+from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ._build import KernelSpec, get_function
 
-_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 _LOG2E = 1.4426950408889634
 _COMBINE_THREADS = 128
 MIN_KEYS = 256  # below this a single prefill tile loop is as good
@@ -33,7 +32,7 @@ def _b(x):
 
 def row_tiles_for(p):
     """16-row mma tiles for the packed (head, token) rows, or None if decode doesn't apply."""
-    if p.dtype not in _TAG:
+    if p.dtype not in KERNEL_TYPE:
         return None
     hd, t = schedule.decode_tile(p.d)
     tiles = -(-(p.group * p.nq) // 16)
@@ -64,7 +63,7 @@ CLUSTER_SIZES = (2, 4, 8)  # cluster sizes attn_decode_cluster is instantiated f
 def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
     """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch
     tile t; window: the instantiation that masks a sliding window."""
-    params = f"{_TAG[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
+    params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
     tail = ", true" if window else ""
     if cluster:
         if cluster not in CLUSTER_SIZES:
@@ -101,13 +100,13 @@ def launch_spec(dtype, d, causal, plan, window=False):
 
 def combine_spec(dtype, d):
     hd, _ = schedule.decode_tile(d)
-    return KernelSpec("attn_decode.cu", f"attn_decode_combine<{_TAG[np.dtype(dtype)]}, {hd}>", _COMBINE_THREADS, 0)
+    return KernelSpec("attn_decode.cu", f"attn_decode_combine<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}>", _COMBINE_THREADS, 0)
 
 
 def tma_spec(dtype, d, row_tiles, causal, tile=None):
     """attn_decode_tma's instantiation (d is 64 or 128 exactly: rows are whole 128-byte boxes)."""
     t = tile or schedule.DECODE_TMA_TILES[d]
-    tag = _TAG[np.dtype(dtype)]
+    tag = KERNEL_TYPE[np.dtype(dtype)]
     expr = f"attn_decode_tma<{tag}, {d}, {row_tiles}, {t.consumer_warps}, {t.stages}, {_b(causal)}>"
     return KernelSpec("attn_decode_tma.cu", expr, t.threads, t.smem_bytes(d, row_tiles)), t
 

@@ -19,11 +19,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import schedule
-from ._arrays import BFLOAT16, FLOAT16
+from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ._build import KernelSpec
 
 ENV = "CUFLASH_KERNELS"
-_TYPE_TAG = {FLOAT16: "Fp16", BFLOAT16: "Bf16"}
 
 
 def enabled() -> bool:
@@ -47,7 +46,7 @@ def _on_hopper() -> bool:
 
 
 def _applies(p, vec: bool, table) -> bool:
-    if not vec or np.dtype(p.dtype) not in _TYPE_TAG:
+    if not vec or np.dtype(p.dtype) not in KERNEL_TYPE:
         return False
     if schedule.head_dim_bucket(p.d) not in table or not enabled():
         return False
@@ -76,7 +75,7 @@ def _forward_spec(kernel, dtype, d, flags, tile):
         producer = f", {'true' if t.pingpong else 'false'}" + (", true" if t.persistent and t.wg_epilogue else "")
     else:
         producer = ", true" if t.producer else ""
-    expr = f"{kernel}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
+    expr = f"{kernel}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
     return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
@@ -218,11 +217,11 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
         t = dataclasses.replace(t, math_stats=False)
     if t.ws:
         tail = "" if t.persistent else f", {'true' if t.math_stats else 'false'}"
-        expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, "
+        expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, "
                 f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}{tail}>")
         return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = (
-        f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
+        f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
         f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
     )
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
@@ -232,7 +231,7 @@ def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
     """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
     from .gpu_backward import _CONVERT_THREADS
 
-    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{_TYPE_TAG[np.dtype(dtype)]}, {hd}, true>",
+    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, true>",
                       _CONVERT_THREADS, 0)
 
 
