@@ -40,8 +40,6 @@ def _vector_ok(arrays, d) -> bool:
     return True
 
 
-
-
 def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False):
     """(KernelSpec, TileConfig) of the forward kernel for these runtime choices.
 
