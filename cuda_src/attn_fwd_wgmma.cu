@@ -360,6 +360,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if constexpr (kWaitAtStart) {
                 softmax.rescale(acc_o, alpha);  // O onto tile j's row maxima
                 to_p();
+                // (keeps both before the wgmma fence below: NVVM would sink them to the wgmma that
+                // reads them, past the fence, and ptxas then injects a fence of its own: C7519)
+                fence_regs(acc_o[0]);
+                fence_regs(p_frag);
             }
             if constexpr (PINGPONG) turn_wait();
             wgmma_fence();
