@@ -495,8 +495,17 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
 
     From cuflash.gpu_backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
     streaming block_m query rows; on the modelled H200 the wgmma one where it applies) and, when
-    deterministic, the separate dQ kernel."""
+    deterministic, the separate dQ kernel. float32: attn_bwd_f32_kv (block_n keys, block_m-row
+    query tiles) and attn_bwd_f32_dq, which always runs (row statistics, then dQ)."""
     dtype = _check_dtype("dtype", dtype)
+    if dtype == FLOAT32:
+        from .gpu_fp32 import backward_specs_fp32
+
+        specs, hd, t = backward_specs_fp32(d, masks.normalize_causal(causal) is not None)
+        return SimpleNamespace(block_m=t.kv_block_m, block_n=t.kv_block_n, hd=hd, threads=specs["kv"].threads,
+                               smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
+                               dq_block_m=t.dq_block_m, dq_block_n=t.dq_block_n, dq_threads=specs["dq"].threads,
+                               dq_smem=specs["dq"].smem_bytes, fp64=True)
     try:
         from .gpu_backward import backward_specs
 
@@ -513,7 +522,7 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
     return SimpleNamespace(block_m=kv_tile.block_m, block_n=kv_tile.block_n, hd=hd, threads=specs["kv"].threads,
                            smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
                            dq_block_m=t.dq_block_m if dq else None, dq_block_n=t.dq_block_n if dq else None,
-                           dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None)
+                           dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None, fp64=False)
 
 
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
@@ -583,7 +592,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                   MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
         hd = schedule.head_dim_bucket(p.d)
-        if bwd:
+        if bwd and p.dtype == FLOAT32:  # gpu_fp32: no dQ accumulator; float64 row statistics
+            E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp recomputed by the dQ kernel "
+                              "(base 2), B*Hq*Nq*8; the saved float32 LSE is not read", phase="bwd"),
+                  MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(P*dP), B*Hq*Nq*8", phase="bwd")]
+        elif bwd:
             frag = _backward_frag_dq(p.dtype, hd, causal, deterministic)
             width = _dq_accumulator_width(p.dtype, hd, deterministic)
             dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag)
@@ -616,7 +629,8 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                                      f"{b.block_n} keys per block, {b.block_m}-row query tiles; {b.source}"))
                 if b.dq_smem is not None:
                     E.append(MemoryEntry("shared memory / block (bwd dQ)", ON_CHIP, b.dq_smem,
-                                         f"deterministic dQ kernel, {b.dq_block_m} rows x {b.dq_block_n}-key tiles"))
+                                         ("float32 dQ kernel (row statistics, then dQ)" if b.fp64 else "deterministic dQ kernel")
+                                         + f", {b.dq_block_m} rows x {b.dq_block_n}-key tiles"))
     else:
         if fwd:
             E += [MemoryEntry("S", INTERMEDIATE, nn * 4, "float32 scores B*Hq*Nq*Nk (all pairs; masked after)", phase="fwd"),
@@ -867,6 +881,26 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             visited += r > 0
             bwd_computed += r * (min(nk, col0 + bbn) - col0)
         bwd_computed *= bh
+        if bl is not None and bl.fp64:  # gpu_fp32: the dQ kernel's two passes form LSE and D itself
+            dq_keys, _ = _kv_tile_reads(causal, nq, nk, bl.dq_block_m, bl.dq_block_n)
+            entries += [
+                IOEntry(p + "Q (dQ kernel)", qe, 0, s, "read once"),
+                IOEntry(p + "dO (dQ kernel)", qe, 0, s, "read once"),
+                IOEntry(p + "K (dQ kernel)", 2 * bh * dq_keys * d, 0, s,
+                        f"twice (statistics, then dQ) per query tile ({bl.dq_block_m} rows) per query head"),
+                IOEntry(p + "V (dQ kernel)", 2 * bh * dq_keys * d, 0, s, "twice per query tile per query head"),
+                IOEntry(p + "LSE, D", 2 * bh * q_rows, 2 * rows, 8,
+                        "float64: written once by the dQ kernel, reread per visible K/V tile"),
+                IOEntry(p + "K", kve, 0, s, "read once per K/V tile"),
+                IOEntry(p + "V", kve, 0, s, "read once per K/V tile"),
+                IOEntry(p + "Q", bh * q_rows * d, 0, s, f"reread once per visible K/V tile ({bbn} keys)"),
+                IOEntry(p + "dO", bh * q_rows * d, 0, s, "reread once per visible K/V tile"),
+                IOEntry(p + "dQ", 0, qe, s, "written once"),
+                IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
+                IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
+            ]
+            assumptions.append("float32 backward: O and the saved LSE are not read")
+    if bwd and not (bl is not None and bl.fp64):
         entries += [
             IOEntry(p + "O (preprocess)", qe, 0, s, "read once to form D = rowsum(dO*O)"),
             IOEntry(p + "dO (preprocess)", qe, 0, s, "read once to form D"),
@@ -909,6 +943,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
             IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
         ]
+    if bwd:
         assumptions.append(f"backward tile {bbm}x{bbn} from {src}: one program per K/V tile and K/V head loops "
                            "over the group's query heads")
         if causal is not None:

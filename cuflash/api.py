@@ -248,6 +248,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     k; q's dtype; overlapping neither the inputs nor each other).
     ``window``, ``cu_seqlens_q``, ``cu_seqlens_k`` : as for :func:`attention` (packed do, o like
     q and lse (Hq, total_q)); on the GPU the mma.sync band kernels (float16/bfloat16).
+
+    float32 on the GPU computes in float64 and rounds once; it recomputes each row's log-sum-exp
+    and D itself (so ``o`` and ``lse`` are checked but not read), needs no atomics (always
+    reproducible), and raises NotImplementedError for ``window`` / ``cu_seqlens_*``.
     """
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,

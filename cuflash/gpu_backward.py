@@ -49,7 +49,12 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     `tile` overrides the table (schedule search)."""
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
-        raise NotImplementedError("cuflash: the float32 GPU backward is not implemented yet (use float16/bfloat16, or NumPy inputs)")
+        from .gpu import _FP32_BAND
+        from .gpu_fp32 import backward_specs_fp32
+
+        if band:
+            raise NotImplementedError(_FP32_BAND)
+        return backward_specs_fp32(d, causal)  # float64 arithmetic, deterministic either way
     tag = KERNEL_TYPE[dtype]
     hd, t = schedule.backward_tile(d)
     t = tile or t
@@ -78,7 +83,9 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
 
 
 def all_backward_specs():
-    specs = []
+    from .gpu_fp32 import all_backward_specs_fp32
+
+    specs = all_backward_specs_fp32()
     for dtype in (FLOAT16, BFLOAT16):
         for hd in schedule.HEAD_DIM_BUCKETS:
             for causal in (False, True):
@@ -97,7 +104,12 @@ def _strides3(a4):
 def workspace_bytes(p, frag_dq: bool = False, hopper_atomic: bool = False) -> int:
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
     padded to the head-dim bucket, or with hopper_atomic - the wgmma K/V kernel adds dQ - to its
-    HEAD_DIM; with frag_dq, the warp-specialized wgmma kernel's, each head's Nq padded to 64) and D."""
+    HEAD_DIM; with frag_dq, the warp-specialized wgmma kernel's, each head's Nq padded to 64) and D.
+    float32 inputs: the float64 lse2 and D of gpu_fp32.backward_workspace_bytes."""
+    if np.dtype(p.dtype) == FLOAT32:
+        from .gpu_fp32 import backward_workspace_bytes
+
+        return backward_workspace_bytes(p)
     width = schedule.dq_accumulator_width(schedule.head_dim_bucket(p.d), hopper_atomic)
     return (schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag_dq) + p.batch * p.hq * p.nq) * 4
 
@@ -119,6 +131,17 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     band = p.window is not None or cu_seqlens is not None
     if band and cu_seqlens is not None and max_seqlens is None:
         raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
+    if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic on the FMA pipes (gpu_fp32)
+        if band:
+            from .gpu import _FP32_BAND
+
+            raise NotImplementedError(_FP32_BAND)
+        if tile is not None or hopper_tile is not None:
+            raise ValueError("tile / hopper_tile: float32 runs its own kernels (gpu_fp32.BACKWARD_TILES_FP32)")
+        from .gpu_fp32 import backward_fp32
+
+        backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4)
+        return
     if p.batch == 0 or p.hq == 0:
         return
     do4, q4, k4, v4, o4 = (_unit_d(a) for a in (do4, q4, k4, v4, o4))

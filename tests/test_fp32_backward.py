@@ -1,0 +1,109 @@
+"""The float32 GPU backward's plan, checked without a GPU: which kernels run, their shared memory,
+the arguments the launcher passes against the kernels' PTX parameters, and the accounting.
+(The numbers themselves: tests/test_gpu_backward_fp32.py on the device.)"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _build, _problem, gpu_backward, gpu_fp32, schedule
+from cuflash._arrays import FLOAT32
+
+
+def test_float32_backward_runs_the_float64_kernels():
+    specs, hd, t = gpu_backward.backward_specs(FLOAT32, 100, True, True, False)
+    assert hd == 128 and t == gpu_fp32.BACKWARD_TILES_FP32[128]
+    assert specs["dq"].expression == "attn_bwd_f32_dq<128, 64, 32, 256, true>"
+    assert specs["kv"].expression == "attn_bwd_f32_kv<128, 32, 32, 256, true>"
+    # deterministic or not: the same kernels (no atomics either way)
+    assert gpu_backward.backward_specs(FLOAT32, 100, True, True, True)[0] == specs
+    with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
+        gpu_backward.backward_specs(FLOAT32, 64, True, True, False, band=True)
+    assert set(gpu_fp32.all_backward_specs_fp32()) <= set(gpu_backward.all_backward_specs())
+
+
+@pytest.mark.parametrize("hd", schedule.HEAD_DIM_BUCKETS)
+def test_shared_memory_by_hand(hd):
+    # float64 tiles, rows of hd + 2 doubles; product tiles of cols + 2; the K/V kernel's lse2 and D.
+    t = gpu_fp32.BACKWARD_TILES_FP32[hd]
+    ld = hd + 2
+    dq = 8 * ((2 * t.dq_block_m + 2 * t.dq_block_n) * ld + t.dq_block_m * (t.dq_block_n + 2))
+    kv = 8 * ((2 * t.kv_block_n + 2 * t.kv_block_m) * ld + 2 * t.kv_block_n * (t.kv_block_m + 2) + 2 * t.kv_block_m)
+    assert t.dq_smem_bytes(hd) == dq <= 232448
+    assert t.kv_smem_bytes(hd) == kv <= 232448
+    # the layout's constraints (f64_tile.cuh's static_asserts): whole 8-lane row groups, pairs of columns
+    for rows, cols in ((t.dq_block_m, t.dq_block_n), (t.kv_block_n, t.kv_block_m)):
+        assert rows % (t.threads // 8) == 0 and cols % 16 == 0
+        assert (rows * hd) % t.threads == 0 and (cols * hd) % t.threads == 0
+
+
+def _ptx_params(spec):
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    _, prog = nvrtc.nvrtcCreateProgram(_build.load_source(spec.source).encode(), spec.source.encode(), 0, [], [])
+    try:
+        nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode())
+        opts = [o.encode() for o in _build.BASE_OPTIONS + ("-arch=sm_90a",)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        _, lowered = nvrtc.nvrtcGetLoweredName(prog, spec.expression.encode())
+        _, n = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * n
+        nvrtc.nvrtcGetPTX(prog, buf)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    ptx = buf.decode(errors="replace")
+    body = re.search(r"\.entry\s+" + re.escape(lowered.decode()) + r"\s*\(([^)]*)\)", ptx).group(1)
+    return re.findall(r"\.param\s+\.(\w+)", body)
+
+
+def _kind(arg):
+    if isinstance(arg, np.ndarray):
+        return "u64"  # a pointer
+    return {np.dtype(np.int64): "u64", np.dtype(np.int32): "u32", np.dtype(np.float64): "f64"}[np.asarray(arg).dtype]
+
+
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_launch_arguments_match_the_kernels(monkeypatch, causal):
+    """Every argument the launcher passes has the kernel's parameter type, in order (a stand-in
+    CuPy allocates with NumPy; the launches are recorded, not run)."""
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ascontiguousarray=np.ascontiguousarray))
+    calls = []
+    monkeypatch.setattr(_build, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append((spec, grid, block, args, kw)))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 70, 96)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 90, 96)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=0.3)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(k)
+    gpu_backward.backward(p, do, q, k, v, np.empty_like(q), np.empty((2, 4, 70), np.float32), dq, dk, dv)
+    assert [c[0].expression.split("<")[0] for c in calls] == ["attn_bwd_f32_dq", "attn_bwd_f32_kv"]
+    (dq_spec, dq_grid, dq_block, dq_args, dq_kw), (kv_spec, kv_grid, kv_block, kv_args, kv_kw) = calls
+    t = gpu_fp32.BACKWARD_TILES_FP32[128]
+    assert dq_grid == (-(-70 // t.dq_block_m), 4, 2) and kv_grid == (-(-90 // t.kv_block_n), 2, 2)
+    assert dq_kw["shared_mem"] == dq_spec.smem_bytes and kv_kw["shared_mem"] == kv_spec.smem_bytes
+    for spec, args in ((dq_spec, dq_args), (kv_spec, kv_args)):
+        assert [_kind(a) for a in args] == _ptx_params(spec), spec.expression
+    # the scale reaches the float64 arithmetic unrounded; the workspace is float64
+    assert dq_args[-2] == p.scale * 1.4426950408889634 and dq_args[-1] == p.scale
+    assert dq_args[5].dtype == np.float64 and dq_args[5].shape == (2, 4, 70)
+    assert np.shares_memory(kv_args[4], dq_args[5]) and np.shares_memory(kv_args[5], dq_args[6])  # lse2, D handed over
+
+
+def test_accounting_matches_the_launch():
+    p = _problem.validate_forward(*(np.zeros((2, 4, 1000, 128), np.float32),) * 3)
+    assert gpu_backward.workspace_bytes(p) == gpu_fp32.backward_workspace_bytes(p) == 2 * 8 * 2 * 4 * 1000
+    r = cuflash.memory_report((2, 4, 1000, 128), (2, 4, 1000, 128), pass_="bwd", dtype="float32")
+    ws = {e.name: e.bytes for e in r.entries if e.category == "workspace"}
+    assert ws == {"LSE (float64)": 64000, "D": 64000}
+    b = cuflash.accounting.backward_launch("float32", 128, causal=True)
+    specs, _, _ = gpu_fp32.backward_specs_fp32(128, True)
+    assert (b.smem, b.dq_smem) == (specs["kv"].smem_bytes, specs["dq"].smem_bytes)
+    m = cuflash.io_model((2, 4, 1000, 128), dtype="float32", pass_="bwd")
+    names = {e.name for e in m.entries}
+    assert "O (preprocess)" not in names and "LSE, D" in names
