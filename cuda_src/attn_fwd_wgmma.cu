@@ -93,10 +93,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
-    // WG_EPILOGUE (persistent): each math warpgroup stages and stores only its own 64 rows of O,
-    // behind warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's
-    // end (under ping-pong their offset carries into the next tile).
-    static_assert(!WG_EPILOGUE || PERSISTENT, "the per-warpgroup epilogue needs O's own tile (persistent)");
+    // WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows of O, behind
+    // warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's end
+    // (persistent: under ping-pong their offset carries into the next tile). Without PERSISTENT O
+    // is staged in Q's rows: a warpgroup's own rows, which only its own wgmma read.
+    static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
+                  "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
     using TileQ = typename Tr::TileQ;
     using TileKV = typename Tr::TileKV;
@@ -569,10 +571,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 #define FWD_TMA_ARGS                                                                                            \
     q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, nq, nk, d, group,  \
         causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_v}
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_fwd_wgmma_tma(FWD_TMA_PARAMS) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(FWD_TMA_ARGS);
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE>(
+        FWD_TMA_ARGS);
 }
 
 // The TMA kernel as a persistent one: gridDim.x blocks, one per SM, each walking its share of the

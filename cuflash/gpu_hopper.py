@@ -72,7 +72,7 @@ def _forward_spec(kernel, dtype, d, flags, tile):
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
         kernel = kernel + ("_tma_persistent" if t.persistent else "_tma")
-        producer = f", {'true' if t.pingpong else 'false'}" + (", true" if t.persistent and t.wg_epilogue else "")
+        producer = f", {'true' if t.pingpong else 'false'}" + (", true" if t.wg_epilogue else "")
     else:
         producer = ", true" if t.producer else ""
     expr = f"{kernel}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"

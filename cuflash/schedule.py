@@ -66,7 +66,7 @@ class HopperTile:
     tma: bool = False  # the producer is one thread issuing TMA copies (attn_fwd_wgmma_tma)
     pingpong: bool = False  # (TMA, 2 or 3 warpgroups) the math warpgroups take turns issuing GEMMs
     persistent: bool = False  # (TMA) one block per SM walks the query tiles (attn_fwd_wgmma_tma_persistent)
-    wg_epilogue: bool = False  # (persistent) each math warpgroup stores its own O rows, no block-wide barrier
+    wg_epilogue: bool = False  # (TMA) each math warpgroup stores its own O rows, no block-wide barrier
 
     @property
     def block_m(self) -> int:

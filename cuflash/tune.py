@@ -329,6 +329,8 @@ def hopper_forward_violations(hd: int, t: HopperTile) -> list[str]:
         v.append("ping-pong takes turns between 2 or 3 math warpgroups of the TMA kernel")
     if t.specialized and t.warpgroups > 3:
         v.append("a producer warpgroup and more than 3 math warpgroups exceed 512 threads")
+    if t.wg_epilogue and (not t.tma or (t.pingpong and not t.persistent)):
+        v.append("the per-warpgroup epilogue is the TMA kernels', with ping-pong only in the persistent one")
     return v
 
 

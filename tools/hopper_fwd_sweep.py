@@ -40,9 +40,10 @@ def T(bn, wg, st, kind="", wg_epilogue=False):
 CANDIDATES = {
     64: [T(128, 3, 2, "pp"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 3, 2, "ppp", True),
          T(192, 2, 2, "pp"), T(192, 2, 2, "ppp", True)],  # 192-key tiles: no spills, not yet timed (256 serialize)
-    128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 2, 2, "ptma", True)],
-    192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma")],
-    256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp")],
+    128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 2, 2, "ptma", True),
+          T(128, 2, 2, "tma", True)],  # the table tile with each warpgroup storing its own O rows
+    192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True)],
+    256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp"), T(80, 2, 2, "tma", True)],
 }
 
 
