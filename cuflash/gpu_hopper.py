@@ -91,11 +91,18 @@ def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
         pairs = masks.pair_count(masks.normalize_causal(causal), nq, nk)
         if pairs // nq <= rule.max_key_tiles * rule.tile.block_n:  # mean visible keys per row, whole keys
             return rule.tile
-    return schedule.HOPPER_FORWARD_TILES[hd]
+    return _table_tile(hd, bool(causal))
+
+
+def _table_tile(hd: int, causal: bool) -> schedule.HopperTile:
+    """The TMA table's tile, or for a causal mask HOPPER_FORWARD_CAUSAL_TILES' where it has one."""
+    return (causal and schedule.HOPPER_FORWARD_CAUSAL_TILES.get(hd)) or schedule.HOPPER_FORWARD_TILES[hd]
 
 
 def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices."""
+    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices (no tile: the
+    table's, or the causal table's)."""
+    tile = tile or _table_tile(schedule.head_dim_bucket(d), causal)
     return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
 
 
@@ -156,12 +163,13 @@ def all_hopper_forward_specs():
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
+        for causal in (False, True)
         for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, reason=""),
                                    dataclasses.replace(t, pingpong=False, persistent=False, reason=""),
                                    *persistent_variants(t, hd), cp_async_tile(hd),
                                    *([schedule.HOPPER_FORWARD_PERSISTENT[hd].tile] if hd in schedule.HOPPER_FORWARD_PERSISTENT else []),
+                                   *([schedule.HOPPER_FORWARD_CAUSAL_TILES[hd]] if causal and hd in schedule.HOPPER_FORWARD_CAUSAL_TILES else []),
                                    warp_specialized(cp_async_tile(hd))))
-        for causal in (False, True)
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]

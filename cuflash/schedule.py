@@ -100,6 +100,14 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
     256: HopperTile(80, 2, 2, "O is 128 regs + S 40 + P 20; 80-key tiles, 2 stages = 225 KiB (96 do not fit): 0.90-1.14x cuDNN, 64-key tiles 0.88-1.06x (8e248d9)", tma=True),
 }
 
+# Causal problems at these head dims run this tile instead of the table's (tools/wgepi_probe.sh,
+# A B A B in one process on the H200, evidence-20261130d/wgepi-probe-87d3788/).
+HOPPER_FORWARD_CAUSAL_TILES: dict[int, HopperTile] = {
+    256: HopperTile(80, 2, 2, "the table tile with each warpgroup storing its own O rows (no block-wide barrier at "
+                    "the end): causal N=1k/2k/4k 0.166/0.252/0.403 -> 0.163/0.249/0.400 ms, 16k equal; not for full "
+                    "attention (equal, at N=16k up to 2% slower; d=128 full 1-2% slower)", tma=True, wg_epilogue=True),
+}
+
 
 @dataclass(frozen=True)
 class PersistentRule:

@@ -116,6 +116,16 @@ def test_warpgroup_schedules(rng, pingpong, warpgroups, causal, d):
         run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_warpgroup_epilogue(rng, causal, d):
+    # HopperTile.wg_epilogue in the non-persistent kernel: each warpgroup stages its own O rows in
+    # its Q rows and stores them without waiting for the other (the causal d=256 rule's tile).
+    tile = dataclasses.replace(schedule.HOPPER_FORWARD_TILES[d], pingpong=False, wg_epilogue=True, reason="")
+    for batch, hq, hkv, nq, nk in ((2, 3, 1, 515, 700), (1, 2, 2, 77, 33), (1, 2, 1, 1, 300)):
+        run_and_check(rng, BFLOAT16, (batch,), hq, hkv, nq, nk, d, causal=causal, tile=tile)
+
+
 @pytest.mark.parametrize("epilogue", [False, True], ids=["block-epilogue", "wg-epilogue"])
 @pytest.mark.parametrize("blocks", [None, 1, 5], ids=["per-SM", "one-block", "five-blocks"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])

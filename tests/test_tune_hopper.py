@@ -24,8 +24,8 @@ from cuflash._problem import Problem
 from cuflash.device_limits import H200, occupancy
 from cuflash.schedule import HopperTile
 from cuflash.tune import (
-    Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, legal_candidates, register_cap,
-    search, shortlist, table_tile, violations,
+    Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, hopper_forward_violations,
+    legal_candidates, register_cap, search, shortlist, table_tile, violations,
 )
 
 # The stand-in tuner, the NVRTC skip, and the fixtures (isolated_cache is autouse here too: pytest
@@ -80,6 +80,22 @@ def test_shared_memory_by_hand():
     assert hop(96, 1, 5, 128).smem_bytes == (64 + 960) * 256 + 1024 == 263168  # > 232448: illegal
     assert violations(hop(96, 1, 5, 128), H200) and not violations(hop(96, 1, 4, 128), H200)  # 214016
     assert hop(64, 3, 5).smem_bytes == (192 + 640) * 256 + 1024 == 214016
+
+
+def test_causal_table_tile():
+    # HOPPER_FORWARD_CAUSAL_TILES: causal d=256 runs the table tile with the per-warpgroup
+    # epilogue; full attention keeps the table's, and CI compiles both.
+    t = schedule.HOPPER_FORWARD_CAUSAL_TILES[256]
+    table = schedule.HOPPER_FORWARD_TILES[256]
+    assert replace(t, wg_epilogue=False, reason="") == replace(table, reason="")
+    assert gpu_hopper.default_tile(256, "bottom_right", 4096, 4096) is t
+    assert gpu_hopper.default_tile(256, None, 4096, 4096) is table
+    causal_spec = gpu_hopper.forward_spec(BFLOAT16, 256, True)[0]
+    assert causal_spec.expression == "attn_fwd_wgmma_tma<Bf16, 256, 80, 2, 2, true, false, true>"
+    assert gpu_hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 80, 2, 2, false, false>"
+    assert causal_spec in gpu_hopper.all_hopper_forward_specs()
+    assert hopper_forward_violations(256, t) == []
+    assert any("epilogue" in v for v in hopper_forward_violations(256, replace(t, pingpong=True)))
 
 
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
@@ -177,7 +193,7 @@ def _launched_spec(op, dtype, hd, causal):
     atomic dQ, the TMA kernel; without a tile the default may be the warp-specialized one, which
     the tuner does not time: pick_hopper_backward_tile then returns None)."""
     if op == "fwd_wgmma":
-        return gpu_hopper.forward_spec(dtype, hd, causal)[0]
+        return gpu_hopper.forward_spec(dtype, hd, causal, schedule.HOPPER_FORWARD_TILES[hd])[0]
     return gpu_hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
 
 
