@@ -209,6 +209,48 @@ def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="
     return p
 
 
+def stream_is_capturing() -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph (False without CuPy)."""
+    try:
+        import cupy
+
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - no CuPy, or one without is_capturing: not capturing
+        return False
+
+
+def to_host(a, name: str, why: str):
+    """A device array's values on the host (a device-to-host copy), or a ValueError naming the
+    argument while the stream is being captured into a CUDA graph, where that copy is illegal
+    (CUDA would invalidate the capture with an error that names nothing)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if stream_is_capturing():
+        raise ValueError(f"{name}: {why} - a device-to-host copy, which is not allowed while the stream is "
+                         "being captured into a CUDA graph")
+    return a.get()
+
+
+def warn_if_capture_unsafe(stacklevel: int = 4):
+    """Under CUDA graph capture, cuflash's per-call buffers (lse, split-KV partials, the backward's
+    workspace) must belong to the graph: with CuPy's default MemoryPool a buffer freed after the
+    call returns to the pool while the graph keeps writing it on every replay. A stream-ordered
+    pool (cupy.cuda.MemoryAsyncPool) records them as the graph's own allocations."""
+    if not stream_is_capturing():
+        return
+    import cupy
+
+    if isinstance(getattr(cupy.cuda.get_allocator(), "__self__", None), cupy.cuda.MemoryAsyncPool):
+        return
+    import warnings
+
+    warnings.warn("cuflash: capturing a CUDA graph with an allocator other than cupy.cuda.MemoryAsyncPool: the "
+                  "buffers a call allocates and frees (lse, split-KV partials, the backward's workspace) go back to "
+                  "the pool after capture while the graph keeps writing them on replay; call "
+                  "cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc) before capturing",
+                  RuntimeWarning, stacklevel=stacklevel)
+
+
 def check_kv_lens(kv_lens, p: Problem, validate: bool = True):
     """Validate ``kv_lens`` (valid cache length per sequence). Returns (device_or_host_array, host
     int64 array or None). With validate=True a CuPy kv_lens is copied to the host once to check
@@ -224,7 +266,8 @@ def check_kv_lens(kv_lens, p: Problem, validate: bool = True):
         raise ValueError(f"kv_lens: expected shape {tuple(want)} (q's batch dimensions), got {tuple(kv_lens.shape)}")
     host = None
     if validate or p.xp is np:
-        host = np.asarray(kv_lens.get() if p.xp is not np else kv_lens).reshape(-1).astype(np.int64)
+        host = np.asarray(to_host(kv_lens, "kv_lens", "validate=True checks its values on the host (pass "
+                                  "validate=False to capture)")).reshape(-1).astype(np.int64)
         if host.size and (host.min() < 0 or host.max() > p.nk):
             raise ValueError(f"kv_lens: values must lie in [0, Nk={p.nk}], got min {host.min()} max {host.max()}")
     dev = kv_lens.reshape(-1)
@@ -294,7 +337,9 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
     host = []
     for name, c, total, what in (("cu_seqlens_q", cu_seqlens_q, p.nq, "q.shape[0]"),
                                  ("cu_seqlens_k", cu_seqlens_k, p.nk, "k.shape[0]")):
-        host.append(check_offset_values(name, c.get() if xp is not np else c, total, what))
+        host.append(check_offset_values(name, to_host(c, name, "packed sequences are sized on the host (the grid "
+                                                          "covers the longest one), so they cannot be captured"),
+                                        total, what))
     cq, ck = host
     return p, tuple(zip(cq[:-1].tolist(), cq[1:].tolist(), ck[:-1].tolist(), ck[1:].tolist()))
 
@@ -350,7 +395,8 @@ def check_block_table(block_table, lens_host, block_size, num_blocks):
     """The pages each sequence uses (the first ceil(kv_lens[b] / block_size) entries of its row)
     must index the cache; unused entries are never read and may hold anything (e.g. -1).
     Returns the table on the host (int64)."""
-    table = np.asarray(block_table.get() if not isinstance(block_table, np.ndarray) else block_table).astype(np.int64)
+    table = np.asarray(to_host(block_table, "block_table", "validate=True checks the used pages on the host (pass "
+                               "validate=False to capture)")).astype(np.int64)
     for b, n in enumerate(lens_host):
         used = table[b, : -(-int(n) // block_size)]
         if used.size and (used.min() < 0 or used.max() >= num_blocks):

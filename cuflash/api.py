@@ -47,6 +47,11 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     validate : check kv_lens on the host (0 <= kv_lens <= Nk). For CuPy inputs that costs one
         device-to-host copy; validate=False skips it (out-of-range values are then clamped to
         Nk by the decode kernel; the prefill fallback copies kv_lens to the host anyway).
+        CUDA graph capture: a call that needs no host read (validate=False; decode shapes with
+        kv_lens or a block table; no cu_seqlens_*) can be captured and replayed; a host read
+        inside a capture raises ValueError naming the argument. Capture with
+        cupy.cuda.MemoryAsyncPool as the allocator, so that the graph owns the buffers a call
+        allocates (lse, split-KV partials); with another allocator a RuntimeWarning says so.
     window : optional (left, right) ints >= -1, FlashAttention's sliding window: query i sees key
         j only if diag - left <= j <= diag + right, diag = i + Nk - Nq (bottom-right, also without
         causal; i for causal="top_left"); -1 leaves a side unbounded, (-1, -1) is no window. With
@@ -108,6 +113,8 @@ def _forward_outputs(p, out):
     """(o, o4, direct, lse3): o (out or fresh), its (B, Hq, Nq, d) view o4 - a scratch array when
     out's strides don't merge into one batch axis (direct False: copied in by _forward_result)."""
     xp = p.xp
+    if xp is not np:
+        _problem.warn_if_capture_unsafe()
     o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
     o4 = to_bhsd(o, p, p.hq, p.nq)
     direct = is_view_of(o4, o)
@@ -150,10 +157,11 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
             gpu_decode.forward(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
     if not done:
+        why = "outside decode shapes each sequence's pages are gathered on the host, which cannot be captured"
         if lens_host is None:
-            lens_host = lens_dev.get().astype(np.int64)
+            lens_host = _problem.to_host(lens_dev, "kv_lens", why).astype(np.int64)
         if table_host is None:
-            table_host = np.asarray(block_table.get()).astype(np.int64)
+            table_host = np.asarray(_problem.to_host(block_table, "block_table", why)).astype(np.int64)
         for b, n in enumerate(lens_host):
             n = int(n)
             pages = xp.asarray(table_host[b, : -(-n // bs)])
@@ -177,7 +185,8 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
             gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
-            lens_host = lens_dev.get().astype(np.int64)
+            lens_host = _problem.to_host(lens_dev, "kv_lens", "outside decode shapes each sequence runs as its own "
+                                         "problem sized on the host, which cannot be captured").astype(np.int64)
     backend = _backend(p)
     for b, n in enumerate(np.minimum(lens_host, p.nk)):
         pb = dataclasses.replace(p, batch_shape=(1,), nk=int(n), single_head=False)
@@ -305,6 +314,8 @@ def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, determi
 def _gradient_outputs(p, out, inputs):
     """(dq, dk, dv): fresh arrays, or the checked arrays of ``out=(dq, dk, dv)``."""
     xp = p.xp
+    if xp is not np:
+        _problem.warn_if_capture_unsafe()
     if out is None:
         return (xp.empty(p.q_shape(), dtype=p.dtype), xp.empty(p.kv_shape(), dtype=p.dtype),
                 xp.empty(p.kv_shape(), dtype=p.dtype))

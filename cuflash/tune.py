@@ -1081,12 +1081,9 @@ def _max_candidates() -> int:
 
 
 def _stream_is_capturing() -> bool:
-    try:
-        import cupy
+    from ._problem import stream_is_capturing
 
-        return bool(cupy.cuda.get_current_stream().is_capturing())
-    except Exception:  # noqa: BLE001 - older CuPy: assume not capturing
-        return False
+    return stream_is_capturing()
 
 
 # --------------------------------------------------------------------------- GPU tuner
