@@ -47,6 +47,14 @@ def _fill(rng, a, scale=1.0):
     a[...] = cupy.asarray(random_array(rng, a.shape, a.dtype, scale))
 
 
+def _replay(graph, stream):
+    """Launch on the capture stream after the updates made on the default stream (a non-blocking
+    stream does not wait for it), then wait for the replay."""
+    cupy.cuda.Stream.null.synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+
+
 def _bits(a):
     return to_numpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
@@ -71,8 +79,7 @@ def test_decode_replays(async_pool, b, hq, hkv, nk):
             _fill(rng, a)
         lens[...] = cupy.asarray(rng.integers(0, nk + 1, b).astype(np.int32))
         out[...] = cupy.nan  # poison: the replay must write every element
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         direct = cuflash.attention(q, k, v, kv_lens=lens)
         assert np.array_equal(_bits(out), _bits(direct)), f"replay {trial} differs from a direct call"
     # the direct call itself, against the reference over each sequence's first kv_lens keys
@@ -90,8 +97,9 @@ def test_paged_decode_replays(async_pool):
     rng = np.random.default_rng(62)
     b, hq, hkv, bs, pages = 3, 8, 2, 64, 40
     q = cupy.empty((b, hq, 1, 128), FLOAT16)
-    kc, vc = (cupy.empty((pages * 2, bs, hkv, 128), FLOAT16) for _ in range(2))
-    table = cupy.asarray(rng.permutation(pages * 2)[: b * pages].reshape(b, pages).astype(np.int32))
+    blocks = b * pages + 7  # shuffled pages of a larger cache
+    kc, vc = (cupy.empty((blocks, bs, hkv, 128), FLOAT16) for _ in range(2))
+    table = cupy.asarray(rng.permutation(blocks)[: b * pages].reshape(b, pages).astype(np.int32))
     lens = cupy.asarray(rng.integers(1, pages * bs + 1, b).astype(np.int32))
     for a in (q, kc, vc):
         _fill(rng, a)
@@ -103,10 +111,9 @@ def test_paged_decode_replays(async_pool):
     for _ in range(2):
         for a in (q, kc, vc):
             _fill(rng, a)
-        table[...] = cupy.asarray(rng.permutation(pages * 2)[: b * pages].reshape(b, pages).astype(np.int32))
+        table[...] = cupy.asarray(rng.permutation(blocks)[: b * pages].reshape(b, pages).astype(np.int32))
         out[...] = cupy.nan
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         assert np.array_equal(_bits(out), _bits(cuflash.attention(q, kc, vc, block_table=table, kv_lens=lens)))
 
 
@@ -130,8 +137,7 @@ def test_prefill_forward_and_backward_replay(async_pool):
     for _ in range(2):
         for a in (q, k, v, do):
             _fill(rng, a)
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         o_direct, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
         direct = cuflash.attention_backward(do, q, k, v, o_direct, lse, causal=True, deterministic=True)
         assert np.array_equal(_bits(o), _bits(o_direct))
@@ -156,8 +162,7 @@ def test_host_reads_under_capture_name_the_argument(async_pool):
             cuflash.attention(q, k, v, kv_lens=lens, validate=False)  # the capture is still usable
         finally:
             graph = stream.end_capture()
-    graph.launch(stream)
-    stream.synchronize()
+    _replay(graph, stream)
 
 
 def test_default_pool_capture_warns():
