@@ -40,14 +40,6 @@ struct F64BwdKvTraits : F64Layout<HEAD_DIM, BLOCK_N, BLOCK_M, THREADS> {
     static constexpr int kMinBlocks = F64Occupancy<kSmemBytes>::kMinBlocks;
 };
 
-// A ROWS x HEAD_DIM float32 tile into a float64 shared tile (rows >= rows_valid read as 0).
-template <int HEAD_DIM, int THREADS, int ROWS, int LD>
-__device__ __forceinline__ void load_tile(double* smem, const float* gmem, i64 ld, int rows_valid, int d) {
-    float r[ROWS * HEAD_DIM / THREADS];
-    fetch_tile<HEAD_DIM, THREADS>(r, gmem, ld, rows_valid, d);
-    store_tile<HEAD_DIM, THREADS, LD>(smem, r);
-}
-
 // Round a thread's RM x (2 CH) float64 accumulator times `mul` to float32 rows of g (row stride
 // ld), rows < rows_valid and columns < d.
 template <int RM, int CH, int RG>

@@ -84,12 +84,36 @@ __device__ __forceinline__ void fetch_tile(float (&r)[N], const float* gmem, i64
         r[it] = (w.row < rows_valid && w.col < d) ? gmem[w.row * ld + w.col] : 0.f;
 }
 
+// The row a source row k takes in a tile stored "8-permuted": within each group of 8 rows, source
+// row k sits at row 2 (k % 4) + (k % 8) / 4, i.e. row r holds source row r / 2 + 4 (r % 2). An mma
+// whose B operand reads rows g = 0..7 of such a tile as its n columns leaves, in C's columns 2t and
+// 2t + 1, the source rows t and t + 4 - exactly the k elements of an A fragment (mma_f64 below).
+__device__ __forceinline__ int slot8(int k) { return (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1); }
+
 // Store a fetched share into a float64 shared tile (row stride LD); the conversion is exact.
 template <int HEAD_DIM, int THREADS, int LD, int N>
 __device__ __forceinline__ void store_tile(double* smem, const float (&r)[N]) {
     TileWalk<HEAD_DIM, THREADS> w;
 #pragma unroll
     for (int it = 0; it < N; ++it, w.next()) smem[w.row * LD + w.col] = (double)r[it];
+}
+
+// store_tile with the 8-permuted row order (slot8).
+template <int HEAD_DIM, int THREADS, int LD, int N>
+__device__ __forceinline__ void store_tile_perm8(double* smem, const float (&r)[N]) {
+    TileWalk<HEAD_DIM, THREADS> w;
+#pragma unroll
+    for (int it = 0; it < N; ++it, w.next()) smem[slot8(w.row) * LD + w.col] = (double)r[it];
+}
+
+// A ROWS x HEAD_DIM float32 tile into a float64 shared tile (rows >= rows_valid read as 0), in
+// source order or (PERM8) 8-permuted.
+template <int HEAD_DIM, int THREADS, int ROWS, int LD, bool PERM8 = false>
+__device__ __forceinline__ void load_tile(double* smem, const float* gmem, i64 ld, int rows_valid, int d) {
+    float r[ROWS * HEAD_DIM / THREADS];
+    fetch_tile<HEAD_DIM, THREADS>(r, gmem, ld, rows_valid, d);
+    if constexpr (PERM8) store_tile_perm8<HEAD_DIM, THREADS, LD>(smem, r);
+    else store_tile<HEAD_DIM, THREADS, LD>(smem, r);
 }
 
 __device__ __forceinline__ double lanes8_max(double x) {
@@ -169,4 +193,62 @@ __device__ __forceinline__ void acc_rows(double (&acc)[RM][2 * CH], const double
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float64 tensor cores: mma.sync m16n8k8 .f64 (sm_90: 66 TFLOP/s on the H200, twice the DFMA
+// pipe's and twice m8n8k4's; tools/fp64_peak.py). Exact products of float32 values, float64 sums.
+// Fragments, g = lane / 4, t = lane % 4 (checked on the H200: tools/fp64_mma_layout.py):
+//   A (16 x 8):  {A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4]}
+//   B (8 x 8, k x n): {B[t][g], B[t + 4][g]}
+//   C (16 x 8):  {C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1]}
+__device__ __forceinline__ void mma_f64(double (&c)[4], const double (&a)[4], const double (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+}
+
+// The A fragment of rows r0 + g, r0 + g + 8 and k-step kk of a row-major float64 tile X (row
+// stride LD): x = X + (r0 + g) * LD + t.
+template <int LD>
+__device__ __forceinline__ void frag_a(double (&a)[4], const double* x, int kk) {
+    a[0] = x[8 * kk];
+    a[1] = x[8 * LD + 8 * kk];
+    a[2] = x[8 * kk + 4];
+    a[3] = x[8 * LD + 8 * kk + 4];
+}
+
+// The B fragment of A Y^T (Y's rows are the n columns): rows 8 nt + g, k-step kk; y = Y + g * LD + t.
+template <int LD>
+__device__ __forceinline__ void frag_b_rows_n(double (&b)[2], const double* y, int nt, int kk) {
+    b[0] = y[8 * nt * LD + 8 * kk];
+    b[1] = y[8 * nt * LD + 8 * kk + 4];
+}
+
+// The B fragment of P Y (Y's rows are the k index), k-step kk, column tile dt; PERM8: Y stored
+// 8-permuted (source row t at 2t, t + 4 at 2t + 1). y = Y + g.
+template <int LD, bool PERM8>
+__device__ __forceinline__ void frag_b_rows_k(double (&b)[2], const double* y, int t, int kk, int dt) {
+    const int r0 = PERM8 ? 8 * kk + 2 * t : 8 * kk + t;
+    const int r1 = PERM8 ? r0 + 1 : r0 + 4;
+    b[0] = y[r0 * LD + 8 * dt];
+    b[1] = y[r1 * LD + 8 * dt];
+}
+
+// C of an S-like product whose B rows were 8-permuted, as the A fragment of the next product
+// (its k index = the permuted rows' source order).
+__device__ __forceinline__ void c_as_a(double (&a)[4], const double (&c)[4]) {
+    a[0] = c[0];
+    a[1] = c[2];
+    a[2] = c[1];
+    a[3] = c[3];
+}
+
+__device__ __forceinline__ double quad_max(double x) {
+    x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ double quad_sum(double x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }

@@ -457,6 +457,11 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None):
             if nq is not None and nk is not None:
                 tile = gpu_hopper.default_tile(d, masks.normalize_causal(causal), nq, nk)
             spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
+        elif dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernel where it exists
+            from .gpu_fp32 import FORWARD_TILES_FP32, FORWARD_TILES_FP32_MMA, mma_runs
+
+            table = FORWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else FORWARD_TILES_FP32
+            spec, t = forward_spec(dtype, d, is_causal, True, table[hd])
         else:
             spec, t = forward_spec(dtype, d, is_causal, True)
         return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
@@ -498,10 +503,12 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
     deterministic, the separate dQ kernel. float32: attn_bwd_f32_kv (block_n keys, block_m-row
     query tiles) and attn_bwd_f32_dq, which always runs (row statistics, then dQ)."""
     dtype = _check_dtype("dtype", dtype)
-    if dtype == FLOAT32:
-        from .gpu_fp32 import backward_specs_fp32
+    if dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernels where they exist
+        from .gpu_fp32 import BACKWARD_TILES_FP32, BACKWARD_TILES_FP32_MMA, backward_specs_fp32, mma_runs
 
-        specs, hd, t = backward_specs_fp32(d, masks.normalize_causal(causal) is not None)
+        hd = schedule.head_dim_bucket(d)
+        table = BACKWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else BACKWARD_TILES_FP32
+        specs, hd, t = backward_specs_fp32(d, masks.normalize_causal(causal) is not None, table[hd])
         return SimpleNamespace(block_m=t.kv_block_m, block_n=t.kv_block_n, hd=hd, threads=specs["kv"].threads,
                                smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
                                dq_block_m=t.dq_block_m, dq_block_n=t.dq_block_n, dq_threads=specs["dq"].threads,

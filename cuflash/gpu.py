@@ -52,7 +52,7 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool =
             raise NotImplementedError(_FP32_BAND)
         from .gpu_fp32 import forward_spec_fp32
 
-        return forward_spec_fp32(d, causal, vec)
+        return forward_spec_fp32(d, causal, vec, tile)
     hd, t = schedule.forward_tile(d, vec)
     if band and tile is None and hd in _BAND_BLOCK_N:
         t = dataclasses.replace(t, block_n=_BAND_BLOCK_N[hd], reason=f"band kernel: {_BAND_BLOCK_N[hd]}-key tiles")
@@ -80,15 +80,16 @@ def _b(x: bool) -> str:
 
 def all_forward_specs():
     """Every forward instantiation the package can launch: what CI compiles for sm_90a."""
-    specs = []
-    for dtype in (FLOAT16, BFLOAT16, FLOAT32):
+    from .gpu_fp32 import all_forward_specs_fp32
+
+    specs = all_forward_specs_fp32()
+    for dtype in (FLOAT16, BFLOAT16):
         for hd in schedule.HEAD_DIM_BUCKETS:
             for causal in (False, True):
                 for vec in (False, True):
                     specs.append(forward_spec(dtype, hd, causal, vec)[0])
-            if dtype != FLOAT32:
-                for vec in (False, True):
-                    specs.append(forward_spec(dtype, hd, True, vec, band=True)[0])
+            for vec in (False, True):
+                specs.append(forward_spec(dtype, hd, True, vec, band=True)[0])
     return list(dict.fromkeys(specs))
 
 

@@ -54,7 +54,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
 
         if band:
             raise NotImplementedError(_FP32_BAND)
-        return backward_specs_fp32(d, causal)  # float64 arithmetic, deterministic either way
+        return backward_specs_fp32(d, causal, tile)  # float64 arithmetic, deterministic either way
     tag = KERNEL_TYPE[dtype]
     hd, t = schedule.backward_tile(d)
     t = tile or t

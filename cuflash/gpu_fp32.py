@@ -23,21 +23,27 @@ _LANES = 8  # threads across the keys / head dim of one row group (the kernel's 
 _PAD = 2  # doubles of padding per shared-memory row (the kernel's kLd / kLdP)
 
 
+_MMA_PAD = 4  # doubles of padding per row of the tensor-core kernels' tiles (MmaF64Layout::kLd)
+
+
 @dataclass(frozen=True)
 class Fp32TileConfig:
     block_m: int  # query rows per thread block
     block_n: int  # keys per K/V tile
-    threads: int  # 8 lanes x (threads / 8) row groups
+    threads: int  # FMA kernel: 8 lanes x (threads / 8) row groups; mma: 4 warps of 16 rows
     reason: str
+    mma: bool = False  # attn_fwd_f32_mma (float64 tensor cores, sm_90) instead of attn_fwd_f32
 
     @property
     def rows_per_thread(self) -> int:
         return self.block_m // (self.threads // _LANES)
 
     def smem_bytes(self, head_dim: int) -> int:
-        """float64 Q, K and V tiles (head_dim + 2 a row) and P tile (block_n + 2 a row).
-
-        Mirrors F64Traits::kSmemBytes; the kernel traps if launched with less."""
+        """FMA kernel: float64 Q, K and V tiles (head_dim + 2 a row) and P tile (block_n + 2 a row),
+        F64Traits::kSmemBytes. mma: Q, K and V (head_dim + 4 a row), MmaFwdTraits::kSmemBytes.
+        The kernels trap if launched with less."""
+        if self.mma:
+            return 8 * (self.block_m + 2 * self.block_n) * (head_dim + _MMA_PAD)
         row = head_dim + _PAD
         return 8 * ((self.block_m + 2 * self.block_n) * row + self.block_m * (self.block_n + _PAD))
 
@@ -56,8 +62,41 @@ FORWARD_TILES_FP32: dict[int, Fp32TileConfig] = {
 }
 
 
-def forward_spec_fp32(d: int, causal: bool, vec: bool):
-    """(KernelSpec, Fp32TileConfig) of the float32 forward for head dim d (or a bucket).
+# The float64 tensor-core kernels (cuda_src/attn_fp32_mma.cu; sm_90's mma.sync m16n8k8 .f64 at
+# 66 TFLOP/s against 29 for DFMA chains on the H200, tools/fp64_peak.py) for head dims up to 128:
+# each warp keeps 16 rows of O (head_dim / 2 doubles a thread) in registers, which 192 and 256
+# would overflow. A warp's k-step loads 4 A + 2 B doubles per 8-key mma (8 clocks of the SM's
+# tensor pipe; 2 shared wavefronts each).
+FORWARD_TILES_FP32_MMA: dict[int, Fp32TileConfig] = {
+    32: Fp32TileConfig(64, 64, 128, "4 warps x 16 rows, 64-key tiles: 54 KiB", mma=True),
+    64: Fp32TileConfig(64, 32, 128, "4 warps x 16 rows, 32-key tiles: 68 KiB (64-key tiles spill)", mma=True),
+    128: Fp32TileConfig(64, 32, 128, "4 warps x 16 rows, 32-key tiles (O 64 + S 16 doubles a thread): 132 KiB", mma=True),
+}
+
+
+def _on_sm90() -> bool:
+    try:
+        from . import gpu_hopper
+
+        return gpu_hopper._on_hopper()
+    except ImportError:  # no CuPy: nothing runs here
+        return False
+
+
+def mma_runs(d: int, *, modelled: bool = False) -> bool:
+    """Whether float32 head dim d runs on the float64 tensor cores: a bucket of
+    FORWARD_TILES_FP32_MMA, CUFLASH_KERNELS=auto, and an sm_90 device (``modelled``: the H200 the
+    accounting models, whatever this machine has)."""
+    from . import gpu_hopper
+
+    if schedule.head_dim_bucket(d) not in FORWARD_TILES_FP32_MMA or not gpu_hopper.enabled():
+        return False
+    return modelled or _on_sm90()
+
+
+def forward_spec_fp32(d: int, causal: bool, vec: bool, tile: Fp32TileConfig | None = None):
+    """(KernelSpec, Fp32TileConfig) of the float32 forward for head dim d (or a bucket); without
+    a tile, the tensor-core kernel where mma_runs, else FORWARD_TILES_FP32's.
 
     ``vec`` is ignored: tiles are fetched element by element (to be converted to float64 on the
     way into shared memory, which rules out cp.async), and each fetched element feeds 2 * block_m
@@ -65,14 +104,19 @@ def forward_spec_fp32(d: int, causal: bool, vec: bool):
     every stride and alignment."""
     del vec
     hd = schedule.head_dim_bucket(d)
-    t = FORWARD_TILES_FP32[hd]
-    expr = f"attn_fwd_f32<{hd}, {t.block_m}, {t.block_n}, {t.threads}, {'true' if causal else 'false'}>"
+    t = tile or (FORWARD_TILES_FP32_MMA[hd] if mma_runs(d) else FORWARD_TILES_FP32[hd])
+    c = "true" if causal else "false"
+    if t.mma:
+        return KernelSpec("attn_fp32_mma.cu", f"attn_fwd_f32_mma<{hd}, {t.block_n}, {c}>", t.threads, t.smem_bytes(hd)), t
+    expr = f"attn_fwd_f32<{hd}, {t.block_m}, {t.block_n}, {t.threads}, {c}>"
     return KernelSpec("attn_fwd_fp32.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
 def all_forward_specs_fp32():
-    """Every float32 instantiation (gpu.all_forward_specs reaches them through gpu.forward_spec)."""
-    return [forward_spec_fp32(hd, causal, False)[0] for hd in schedule.HEAD_DIM_BUCKETS for causal in (False, True)]
+    """Every float32 forward instantiation: the FMA kernel at every bucket (other GPUs,
+    CUFLASH_KERNELS=mma_sync) and the tensor-core one where it exists."""
+    tiles = [(hd, FORWARD_TILES_FP32[hd]) for hd in schedule.HEAD_DIM_BUCKETS] + list(FORWARD_TILES_FP32_MMA.items())
+    return [forward_spec_fp32(hd, causal, False, t)[0] for hd, t in tiles for causal in (False, True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,17 +130,32 @@ class Fp32BackwardTile:
     dq_block_n: int  # ... keys per K/V tile
     kv_block_n: int  # attn_bwd_f32_kv: keys per block
     kv_block_m: int  # ... query rows per Q/dO tile
-    threads: int  # both kernels: 8 lanes x (threads / 8) row groups
+    threads: int  # FMA kernels: 8 lanes x (threads / 8) row groups (mma: see dq_threads, kv_threads)
     reason: str
+    mma: bool = False  # attn_bwd_f32_mma_dq / _kv (float64 tensor cores, sm_90)
+
+    @property
+    def dq_threads(self) -> int:
+        return 128 if self.mma else self.threads  # mma: 4 warps x 16 query rows
+
+    @property
+    def kv_threads(self) -> int:
+        return 256 if self.mma else self.threads  # mma: 4 warp pairs x 16 keys
 
     def dq_smem_bytes(self, head_dim: int) -> int:
-        """float64 Q, dO, K, V tiles and the dS tile; mirrors F64BwdDqTraits::kSmemBytes."""
+        """float64 Q, dO, K, V tiles and (FMA kernel) the dS tile; mirrors F64BwdDqTraits /
+        MmaBwdDqTraits::kSmemBytes."""
+        if self.mma:
+            return 8 * (2 * self.dq_block_m + 2 * self.dq_block_n) * (head_dim + _MMA_PAD)
         row = head_dim + _PAD
         return 8 * ((2 * self.dq_block_m + 2 * self.dq_block_n) * row + self.dq_block_m * (self.dq_block_n + _PAD))
 
     def kv_smem_bytes(self, head_dim: int) -> int:
-        """float64 K, V, Q, dO tiles, P^T and dS^T, and the tile's lse2 and D; mirrors
-        F64BwdKvTraits::kSmemBytes."""
+        """float64 K, V, Q, dO tiles, P^T and dS^T (mma: P^T handed between the warps of a pair),
+        and the tile's lse2 and D; mirrors F64BwdKvTraits / MmaBwdKvTraits::kSmemBytes."""
+        if self.mma:
+            return 8 * ((2 * self.kv_block_n + 2 * self.kv_block_m) * (head_dim + _MMA_PAD)
+                        + self.kv_block_n // 16 * self.kv_block_m * 16 + 2 * self.kv_block_m)
         row = head_dim + _PAD
         return 8 * ((2 * self.kv_block_n + 2 * self.kv_block_m) * row
                     + 2 * self.kv_block_n * (self.kv_block_m + _PAD) + 2 * self.kv_block_m)
@@ -116,11 +175,29 @@ BACKWARD_TILES_FP32: dict[int, Fp32BackwardTile] = {
 }
 
 
-def backward_specs_fp32(d: int, causal: bool):
-    """({"dq": KernelSpec, "kv": KernelSpec}, head-dim bucket, Fp32BackwardTile) for head dim d."""
+# The tensor-core backward (attn_fp32_mma.cu): the dQ kernel's 4 warps hold 16 query rows of
+# dQ each, the K/V kernel's warp pairs 16 keys (dV in the even warp, dK in the odd one).
+BACKWARD_TILES_FP32_MMA: dict[int, Fp32BackwardTile] = {
+    32: Fp32BackwardTile(64, 64, 64, 32, 0, "dq 64 x 64-key tiles, 72 KiB; kv 64 keys x 32-row Q/dO tiles, 70.5 KiB", mma=True),
+    64: Fp32BackwardTile(64, 32, 64, 32, 0, "dq 64 x 32-key tiles, 102 KiB (64-key tiles spill); kv 64 keys x 32-row Q/dO tiles, 118.5 KiB", mma=True),
+    128: Fp32BackwardTile(64, 16, 64, 32, 0, "dq 64 x 16-key tiles, 165 KiB (32-key tiles spill: S, dP and dQ take 96 doubles a thread); kv 64 keys x 32-row Q/dO tiles, 214.5 KiB",
+                          mma=True),
+}
+
+
+def backward_specs_fp32(d: int, causal: bool, tile: Fp32BackwardTile | None = None):
+    """({"dq": KernelSpec, "kv": KernelSpec}, head-dim bucket, Fp32BackwardTile) for head dim d;
+    without a tile, the tensor-core kernels where mma_runs, else BACKWARD_TILES_FP32's."""
     hd = schedule.head_dim_bucket(d)
-    t = BACKWARD_TILES_FP32[hd]
+    t = tile or (BACKWARD_TILES_FP32_MMA[hd] if mma_runs(d) else BACKWARD_TILES_FP32[hd])
     c = "true" if causal else "false"
+    if t.mma:
+        return {
+            "dq": KernelSpec("attn_fp32_mma.cu", f"attn_bwd_f32_mma_dq<{hd}, {t.dq_block_n}, {c}>", t.dq_threads,
+                             t.dq_smem_bytes(hd)),
+            "kv": KernelSpec("attn_fp32_mma.cu", f"attn_bwd_f32_mma_kv<{hd}, {t.kv_block_m}, {c}>", t.kv_threads,
+                             t.kv_smem_bytes(hd)),
+        }, hd, t
     return {
         "dq": KernelSpec("attn_bwd_fp32.cu", f"attn_bwd_f32_dq<{hd}, {t.dq_block_m}, {t.dq_block_n}, {t.threads}, {c}>",
                          t.threads, t.dq_smem_bytes(hd)),
@@ -130,8 +207,8 @@ def backward_specs_fp32(d: int, causal: bool):
 
 
 def all_backward_specs_fp32():
-    return [s for hd in schedule.HEAD_DIM_BUCKETS for causal in (False, True)
-            for s in backward_specs_fp32(hd, causal)[0].values()]
+    tiles = [(hd, BACKWARD_TILES_FP32[hd]) for hd in schedule.HEAD_DIM_BUCKETS] + list(BACKWARD_TILES_FP32_MMA.items())
+    return [s for hd, t in tiles for causal in (False, True) for s in backward_specs_fp32(hd, causal, t)[0].values()]
 
 
 def backward_workspace_bytes(p) -> int:
@@ -173,13 +250,13 @@ def backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4):
         nb = sl.stop - b0
         if p.nq > 0 and p.hq > 0:
             get_function(specs["dq"])(
-                (-(-p.nq // t.dq_block_m), p.hq, nb), (t.threads,),
+                (-(-p.nq // t.dq_block_m), p.hq, nb), (specs["dq"].threads,),
                 (q4[sl], k4[sl], v4[sl], do4[sl], dq4[sl], lse2[sl], dsum[sl],
                  *strides(q4, k4, v4, do4, dq4), *dims),
                 shared_mem=specs["dq"].smem_bytes)
         if p.nk > 0:  # also when nq == 0: the blocks then write dK = dV = 0
             get_function(specs["kv"])(
-                (-(-p.nk // t.kv_block_n), p.hkv, nb), (t.threads,),
+                (-(-p.nk // t.kv_block_n), p.hkv, nb), (specs["kv"].threads,),
                 (q4[sl], k4[sl], v4[sl], do4[sl], lse2[sl], dsum[sl], dk4[sl], dv4[sl],
                  *strides(q4, k4, v4, do4, dk4, dv4), np.int32(p.hq), *dims),
                 shared_mem=specs["kv"].smem_bytes)

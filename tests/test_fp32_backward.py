@@ -28,6 +28,41 @@ def test_float32_backward_runs_the_float64_kernels():
     assert set(gpu_fp32.all_backward_specs_fp32()) <= set(gpu_backward.all_backward_specs())
 
 
+@pytest.mark.parametrize("hd", sorted(gpu_fp32.BACKWARD_TILES_FP32_MMA))
+def test_tensor_core_shared_memory_by_hand(hd):
+    # MmaF64Layout: rows of hd + 4 doubles; the K/V kernel's P^T hand-over is 4 pairs x (block_m / 8)
+    # column tiles x 32 lanes x 4 doubles, then lse2 and D. The forward: Q, K, V.
+    t, f = gpu_fp32.BACKWARD_TILES_FP32_MMA[hd], gpu_fp32.FORWARD_TILES_FP32_MMA[hd]
+    ld = hd + 4
+    assert ld % 16 == 4  # conflict-free fragment loads
+    assert t.dq_smem_bytes(hd) == 8 * (2 * 64 + 2 * t.dq_block_n) * ld <= 232448
+    assert t.kv_smem_bytes(hd) == 8 * ((2 * 64 + 2 * t.kv_block_m) * ld + 4 * (t.kv_block_m // 8) * 128 + 2 * t.kv_block_m) <= 232448
+    assert f.smem_bytes(hd) == 8 * (64 + 2 * f.block_n) * ld <= 232448
+    assert (t.dq_block_m, t.kv_block_n, t.dq_threads, t.kv_threads, f.block_m, f.threads) == (64, 64, 128, 256, 64, 128)
+    assert t.dq_block_n % 8 == 0 and t.kv_block_m % 8 == 0 and f.block_n % 8 == 0
+
+
+def test_tensor_core_kernels_where_they_run(monkeypatch):
+    from cuflash import gpu
+
+    monkeypatch.setattr(gpu_fp32, "_on_sm90", lambda: True)
+    assert gpu_fp32.mma_runs(100) and not gpu_fp32.mma_runs(192)
+    spec, t = gpu.forward_spec(FLOAT32, 100, True, True)
+    assert spec.expression == "attn_fwd_f32_mma<128, 32, true>" and t.mma and spec.threads == 128
+    assert gpu.forward_spec(FLOAT32, 200, True, True)[0].expression.startswith("attn_fwd_f32<256,")
+    specs, _, _ = gpu_backward.backward_specs(FLOAT32, 64, False, True, False)
+    assert specs["dq"].expression == "attn_bwd_f32_mma_dq<64, 32, false>"
+    assert specs["kv"].expression == "attn_bwd_f32_mma_kv<64, 32, false>" and specs["kv"].threads == 256
+    monkeypatch.setenv("CUFLASH_KERNELS", "mma_sync")  # the Hopper kernels off: the FMA ones
+    assert not gpu_fp32.mma_runs(100)
+    assert gpu.forward_spec(FLOAT32, 100, True, True)[0].expression.startswith("attn_fwd_f32<128,")
+    # CI compiles both families; the accounting models the H200's
+    names = {s.expression for s in gpu.all_forward_specs()} | {s.expression for s in gpu_backward.all_backward_specs()}
+    assert {"attn_fwd_f32_mma<128, 32, true>", "attn_bwd_f32_mma_kv<128, 32, true>", "attn_fwd_f32<128, 64, 32, 256, true>"} <= names
+    monkeypatch.delenv("CUFLASH_KERNELS")
+    assert cuflash.accounting.backward_launch("float32", 128).source.startswith("attn_bwd_f32_mma_kv")
+
+
 @pytest.mark.parametrize("hd", schedule.HEAD_DIM_BUCKETS)
 def test_shared_memory_by_hand(hd):
     # float64 tiles, rows of hd + 2 doubles; product tiles of cols + 2; the K/V kernel's lse2 and D.
@@ -68,13 +103,15 @@ def _kind(arg):
     return {np.dtype(np.int64): "u64", np.dtype(np.int32): "u32", np.dtype(np.float64): "f64"}[np.asarray(arg).dtype]
 
 
+@pytest.mark.parametrize("mma", [False, True], ids=["fma", "tensor-cores"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_launch_arguments_match_the_kernels(monkeypatch, causal):
+def test_launch_arguments_match_the_kernels(monkeypatch, causal, mma):
     """Every argument the launcher passes has the kernel's parameter type, in order (a stand-in
     CuPy allocates with NumPy; the launches are recorded, not run)."""
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ascontiguousarray=np.ascontiguousarray))
     calls = []
     monkeypatch.setattr(_build, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append((spec, grid, block, args, kw)))
+    monkeypatch.setattr(gpu_fp32, "_on_sm90", lambda: mma)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 4, 70, 96)).astype(np.float32)
     k, v = (rng.standard_normal((2, 2, 90, 96)).astype(np.float32) for _ in range(2))
@@ -82,10 +119,12 @@ def test_launch_arguments_match_the_kernels(monkeypatch, causal):
     p = _problem.validate_forward(q, k, v, causal=causal, scale=0.3)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(k)
     gpu_backward.backward(p, do, q, k, v, np.empty_like(q), np.empty((2, 4, 70), np.float32), dq, dk, dv)
-    assert [c[0].expression.split("<")[0] for c in calls] == ["attn_bwd_f32_dq", "attn_bwd_f32_kv"]
+    kernels = ["attn_bwd_f32_mma_dq", "attn_bwd_f32_mma_kv"] if mma else ["attn_bwd_f32_dq", "attn_bwd_f32_kv"]
+    assert [c[0].expression.split("<")[0] for c in calls] == kernels
     (dq_spec, dq_grid, dq_block, dq_args, dq_kw), (kv_spec, kv_grid, kv_block, kv_args, kv_kw) = calls
-    t = gpu_fp32.BACKWARD_TILES_FP32[128]
+    t = (gpu_fp32.BACKWARD_TILES_FP32_MMA if mma else gpu_fp32.BACKWARD_TILES_FP32)[128]
     assert dq_grid == (-(-70 // t.dq_block_m), 4, 2) and kv_grid == (-(-90 // t.kv_block_n), 2, 2)
+    assert (dq_block, kv_block) == ((t.dq_threads,), (t.kv_threads,))
     assert dq_kw["shared_mem"] == dq_spec.smem_bytes and kv_kw["shared_mem"] == kv_spec.smem_bytes
     for spec, args in ((dq_spec, dq_args), (kv_spec, kv_args)):
         assert [_kind(a) for a in args] == _ptx_params(spec), spec.expression
@@ -101,9 +140,26 @@ def test_accounting_matches_the_launch():
     r = cuflash.memory_report((2, 4, 1000, 128), (2, 4, 1000, 128), pass_="bwd", dtype="float32")
     ws = {e.name: e.bytes for e in r.entries if e.category == "workspace"}
     assert ws == {"LSE (float64)": 64000, "D": 64000}
-    b = cuflash.accounting.backward_launch("float32", 128, causal=True)
-    specs, _, _ = gpu_fp32.backward_specs_fp32(128, True)
+    b = cuflash.accounting.backward_launch("float32", 128, causal=True)  # the modelled H200: tensor cores
+    specs, _, _ = gpu_fp32.backward_specs_fp32(128, True, gpu_fp32.BACKWARD_TILES_FP32_MMA[128])
     assert (b.smem, b.dq_smem) == (specs["kv"].smem_bytes, specs["dq"].smem_bytes)
     m = cuflash.io_model((2, 4, 1000, 128), dtype="float32", pass_="bwd")
     names = {e.name for e in m.entries}
     assert "O (preprocess)" not in names and "LSE, D" in names
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["fma", "tensor-cores"])
+def test_forward_launch_arguments_match_the_kernel(monkeypatch, mma):
+    from cuflash import gpu
+
+    calls = []
+    monkeypatch.setattr(gpu, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append((spec, args)))
+    monkeypatch.setattr(gpu_fp32, "_on_sm90", lambda: mma)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in (5, 7, 7))
+    p = _problem.validate_forward(q, k, v, causal="top_left", scale=0.3)
+    spec, tile = gpu.forward_spec(p.dtype, p.d, True, False)
+    assert tile.mma == mma
+    gpu.launch_forward(spec, tile.block_m, p, q, k, v, np.empty_like(q), np.empty((1, 2, 5), np.float32))
+    ((spec, args),) = calls
+    assert [_kind(a) for a in args] == _ptx_params(spec), spec.expression

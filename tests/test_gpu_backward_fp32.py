@@ -49,13 +49,14 @@ def _spread(a):
 
 @pytest.mark.parametrize("d", [32, 40, 64, 96, 111, 128, 192, 256])
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_head_dims(d, causal):
+def test_head_dims(kernels, d, causal):
+    # kernels: "auto" runs the float64 tensor-core kernels on sm_90 (d <= 128), "mma_sync" the FMA ones
     _run(np.random.default_rng([d, len(str(causal)), 41]), 1, 2, 2, 97, 130, d, causal)
 
 
 @pytest.mark.parametrize("nq,nk", [(1, 239), (113, 203), (203, 113), (257, 255), (255, 257), (64, 64)])
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_lengths(nq, nk, causal):
+def test_lengths(kernels, nq, nk, causal):
     # (1, 239) top-left: one visible key, dq analytically 0 - exact here (P = 1 and D = dP in float64).
     dq, _, _ = _run(np.random.default_rng([nq, nk, len(str(causal)), 42]), 2, 2, 2, nq, nk, 64, causal)
     if (nq, nk, causal) == (1, 239, "top_left"):
@@ -63,20 +64,20 @@ def test_lengths(nq, nk, causal):
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (4, 4)])
-def test_gqa(hq, hkv):
+def test_gqa(kernels, hq, hkv):
     _run(np.random.default_rng([hq, hkv, 43]), 2, hq, hkv, 150, 170, 128, "bottom_right")
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 128, 1025])
 @pytest.mark.parametrize("scale", [5.0, 3.0])
-def test_large_scores(n, scale):
+def test_large_scores(kernels, n, scale):
     # Large logits (|lse| up to ~100, where the saved float32 lse is off by ~4e-6 absolute: the
     # reason the kernels recompute it), short non-tile lengths.
     grads = _run(np.random.default_rng([n, int(scale), 44]), 1, 2, 2, n, n, 64, True, scale=scale)
     assert all(np.isfinite(g).all() for g in grads)
 
 
-def test_bshd_strided_and_fully_masked_rows():
+def test_bshd_strided_and_fully_masked_rows(kernels):
     # Nq > Nk bottom-right: the first Nq - Nk rows see no key, their dq is 0.
     dq, _, _ = _run(np.random.default_rng(45), 1, 4, 2, 150, 60, 64, "bottom_right", layout="bshd")
     assert np.all(dq[:, :90] == 0)
@@ -92,7 +93,7 @@ def test_empty_queries_give_zero_dk_dv():
     assert bool((dk == 0).all()) and bool((dv == 0).all())
 
 
-def test_bitwise_reproducible():
+def test_bitwise_reproducible(kernels):
     # No atomics: every run, deterministic or not, gives the same bits.
     rng = np.random.default_rng(48)
     q, k, v = (cupy.asarray(a) for a in random_inputs(rng, (2, 4, 300, 128), (2, 2, 300, 128), FLOAT32))
