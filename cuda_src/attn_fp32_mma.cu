@@ -7,7 +7,7 @@
 // 8-permuted (f64_tile.cuh, slot8), so that C's fragment is the next product's A fragment as it
 // stands (c_as_a): no shuffles and no trip through shared memory.
 //
-//   attn_fwd_f32_mma:    one block (4 warps, 64 query rows) per query tile, as attn_fwd_f32.
+//   attn_fwd_f32_mma:    one block (WARPS warps, 16 WARPS query rows) per query tile, as attn_fwd_f32.
 //   attn_bwd_f32_mma_dq: one block (4 warps, 64 query rows) per query tile: the exact row
 //                        statistics lse2 and D in a first pass (as attn_bwd_f32_dq), dQ in a second.
 //   attn_bwd_f32_mma_kv: one block (8 warps, 64 keys) per key tile; warps pair up on 16 keys:
@@ -27,9 +27,9 @@ struct MmaF64Layout {
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 128, "head dims 32, 64, 128 (the accumulators live in registers)");
 };
 
-template <int HEAD_DIM, int BLOCK_N>
+template <int HEAD_DIM, int BLOCK_N, int WARPS>
 struct MmaFwdTraits : MmaF64Layout<HEAD_DIM> {
-    static constexpr int kThreads = 128, kBlockM = 64;
+    static constexpr int kThreads = 32 * WARPS, kBlockM = 16 * WARPS;
     static constexpr int kSmemBytes = 8 * (kBlockM + 2 * BLOCK_N) * MmaF64Layout<HEAD_DIM>::kLd;  // Q, K, V
 };
 
@@ -47,14 +47,14 @@ __device__ __forceinline__ void scale_mask_row(double (&s)[NT][4], int hf, doubl
         }
 }
 
-template <int HEAD_DIM, int BLOCK_N, bool CAUSAL>
-__global__ void __launch_bounds__(128, 1)
+template <int HEAD_DIM, int BLOCK_N, int WARPS, bool CAUSAL>
+__global__ void __launch_bounds__(32 * WARPS, 1)
 attn_fwd_f32_mma(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  float* __restrict__ o, float* __restrict__ lse,
                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                  i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                  int nq, int nk, int d, int group, int causal_off, double scale_log2) {
-    using Tr = MmaFwdTraits<HEAD_DIM, BLOCK_N>;
+    using Tr = MmaFwdTraits<HEAD_DIM, BLOCK_N, WARPS>;
     constexpr int LD = Tr::kLd, KT = Tr::kKT, DT = Tr::kDT, NT = BLOCK_N / 8, BM = Tr::kBlockM, TH = Tr::kThreads;
     extern __shared__ __align__(16) double smem_f64[];
     require_dynamic_smem(Tr::kSmemBytes);

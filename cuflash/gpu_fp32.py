@@ -68,9 +68,11 @@ FORWARD_TILES_FP32: dict[int, Fp32TileConfig] = {
 # would overflow. A warp's k-step loads 4 A + 2 B doubles per 8-key mma (8 clocks of the SM's
 # tensor pipe; 2 shared wavefronts each).
 FORWARD_TILES_FP32_MMA: dict[int, Fp32TileConfig] = {
-    32: Fp32TileConfig(64, 64, 128, "4 warps x 16 rows, 64-key tiles: 54 KiB", mma=True),
-    64: Fp32TileConfig(64, 32, 128, "4 warps x 16 rows, 32-key tiles: 68 KiB (64-key tiles spill)", mma=True),
-    128: Fp32TileConfig(64, 32, 128, "4 warps x 16 rows, 32-key tiles (O 64 + S 16 doubles a thread): 132 KiB", mma=True),
+    32: Fp32TileConfig(128, 64, 256, "8 warps x 16 rows, 64-key tiles: 72 KiB (236 registers: one block, 8 warps per SM)", mma=True),
+    64: Fp32TileConfig(128, 32, 256, "8 warps x 16 rows, 32-key tiles: 102 KiB (64-key tiles spill at 4 warps)",
+                       mma=True),
+    128: Fp32TileConfig(128, 32, 256, "8 warps x 16 rows, 32-key tiles (O 64 + S 16 doubles a thread): 198 KiB; 4 warps "
+                        "(64 rows, 132 KiB: one block of 4 warps per SM) ran at 18.9 TFLOP/s", mma=True),
 }
 
 
@@ -107,7 +109,8 @@ def forward_spec_fp32(d: int, causal: bool, vec: bool, tile: Fp32TileConfig | No
     t = tile or (FORWARD_TILES_FP32_MMA[hd] if mma_runs(d) else FORWARD_TILES_FP32[hd])
     c = "true" if causal else "false"
     if t.mma:
-        return KernelSpec("attn_fp32_mma.cu", f"attn_fwd_f32_mma<{hd}, {t.block_n}, {c}>", t.threads, t.smem_bytes(hd)), t
+        expr = f"attn_fwd_f32_mma<{hd}, {t.block_n}, {t.threads // 32}, {c}>"
+        return KernelSpec("attn_fp32_mma.cu", expr, t.threads, t.smem_bytes(hd)), t
     expr = f"attn_fwd_f32<{hd}, {t.block_m}, {t.block_n}, {t.threads}, {c}>"
     return KernelSpec("attn_fwd_fp32.cu", expr, t.threads, t.smem_bytes(hd)), t
 

@@ -37,8 +37,9 @@ def test_tensor_core_shared_memory_by_hand(hd):
     assert ld % 16 == 4  # conflict-free fragment loads
     assert t.dq_smem_bytes(hd) == 8 * (2 * 64 + 2 * t.dq_block_n) * ld <= 232448
     assert t.kv_smem_bytes(hd) == 8 * ((2 * 64 + 2 * t.kv_block_m) * ld + 4 * (t.kv_block_m // 8) * 128 + 2 * t.kv_block_m) <= 232448
-    assert f.smem_bytes(hd) == 8 * (64 + 2 * f.block_n) * ld <= 232448
-    assert (t.dq_block_m, t.kv_block_n, t.dq_threads, t.kv_threads, f.block_m, f.threads) == (64, 64, 128, 256, 64, 128)
+    assert f.smem_bytes(hd) == 8 * (f.block_m + 2 * f.block_n) * ld <= 232448
+    assert (t.dq_block_m, t.kv_block_n, t.dq_threads, t.kv_threads) == (64, 64, 128, 256)
+    assert f.block_m == 16 * (f.threads // 32)  # 16 query rows per warp
     assert t.dq_block_n % 8 == 0 and t.kv_block_m % 8 == 0 and f.block_n % 8 == 0
 
 
@@ -48,7 +49,7 @@ def test_tensor_core_kernels_where_they_run(monkeypatch):
     monkeypatch.setattr(gpu_fp32, "_on_sm90", lambda: True)
     assert gpu_fp32.mma_runs(100) and not gpu_fp32.mma_runs(192)
     spec, t = gpu.forward_spec(FLOAT32, 100, True, True)
-    assert spec.expression == "attn_fwd_f32_mma<128, 32, true>" and t.mma and spec.threads == 128
+    assert spec.expression == "attn_fwd_f32_mma<128, 32, 8, true>" and t.mma and spec.threads == 256
     assert gpu.forward_spec(FLOAT32, 200, True, True)[0].expression.startswith("attn_fwd_f32<256,")
     specs, _, _ = gpu_backward.backward_specs(FLOAT32, 64, False, True, False)
     assert specs["dq"].expression == "attn_bwd_f32_mma_dq<64, 32, false>"
@@ -58,7 +59,7 @@ def test_tensor_core_kernels_where_they_run(monkeypatch):
     assert gpu.forward_spec(FLOAT32, 100, True, True)[0].expression.startswith("attn_fwd_f32<128,")
     # CI compiles both families; the accounting models the H200's
     names = {s.expression for s in gpu.all_forward_specs()} | {s.expression for s in gpu_backward.all_backward_specs()}
-    assert {"attn_fwd_f32_mma<128, 32, true>", "attn_bwd_f32_mma_kv<128, 32, true>", "attn_fwd_f32<128, 64, 32, 256, true>"} <= names
+    assert {"attn_fwd_f32_mma<128, 32, 8, true>", "attn_bwd_f32_mma_kv<128, 32, true>", "attn_fwd_f32<128, 64, 32, 256, true>"} <= names
     monkeypatch.delenv("CUFLASH_KERNELS")
     assert cuflash.accounting.backward_launch("float32", 128).source.startswith("attn_bwd_f32_mma_kv")
 
