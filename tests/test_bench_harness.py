@@ -154,7 +154,10 @@ def test_asv_suites_skip_without_a_gpu():
                           (bench.CuflashBackward, (1024, 64, True, "float16")),
                           (bench.CuflashDecode, (4096, "8x32x8")),
                           (bench.CuflashPagedDecode, (4096, "8x32x8", 64)),
-                          (bench.CuflashWindowForward, (4096, 128, "bfloat16"))):
+                          (bench.CuflashWindowForward, (4096, 128, "bfloat16")),
+                          (bench.CuflashForwardFloat32, (1024, 128, True, "float32")),
+                          (bench.CuflashBackwardFloat32, (1024, 64, False, "float32")),
+                          (bench.CuflashDecodeGraph, (4096, "8x32x8"))):
         with pytest.raises(NotImplementedError):
             suite().setup(*params)
     # The reference skips where S and P would not fit, before it looks for a GPU.

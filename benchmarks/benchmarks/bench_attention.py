@@ -59,8 +59,10 @@ def _dtype(name):
 
 
 def random_normal(cp, shape, dtype_name, seed):
-    """Fresh standard-normal values in the given 16-bit dtype, generated on the device."""
+    """Fresh standard-normal values in the given dtype (float32 or 16-bit), generated on the device."""
     x = cp.random.default_rng(seed).standard_normal(shape, dtype=cp.float32)
+    if dtype_name == "float32":
+        return x
     if dtype_name == "float16":
         return x.astype(cp.float16)
     # float32 -> bfloat16 with round-to-nearest-even on the bit pattern (no NaNs here).
@@ -105,8 +107,8 @@ def reference_module():
     return reference
 
 
-class _Suite:
-    """Shared timing, event and memory methods; subclasses define setup() and self.op."""
+class _Timed:
+    """Shared timing and event methods; subclasses define setup() and self.op."""
 
     timeout = 600
     warmup_time = 0.5
@@ -119,6 +121,10 @@ class _Suite:
         return event_ms(self.cp, self.op)
 
     track_gpu_ms.unit = "ms"
+
+
+class _Suite(_Timed):
+    """... and the memory the call takes from CuPy's pool."""
 
     def track_peak_bytes(self, *params):
         return pool_growth_bytes(self.cp, self.op)
@@ -187,6 +193,19 @@ class CuflashBackward(_Prefill):
         self._run()
 
 
+class _PrefillFloat32(_Prefill):
+    # The exact float32 path (float64 arithmetic; tensor cores on sm_90 up to d=128, FMA beyond).
+    params = ([1024, 4096], [64, 128, 256], [False, True], ["float32"])
+
+
+class CuflashForwardFloat32(_PrefillFloat32, CuflashForward):
+    pass
+
+
+class CuflashBackwardFloat32(_PrefillFloat32, CuflashBackward):
+    pass
+
+
 class ReferenceBackward(_Prefill):
     def setup(self, n, d, causal, dtype):
         b, h = TOKENS // n, MODEL_WIDTH // d
@@ -204,7 +223,7 @@ class ReferenceBackward(_Prefill):
         self._run()
 
 
-class _Decode(_Suite):
+class _DecodeInputs:
     # One query token per sequence over a K/V cache of length L; heads as "B x Hq x Hkv".
     params = ([4096, 16384, 65536], ["8x32x8", "64x32x8", "8x32x32"])
     param_names = ["cache_len", "b_hq_hkv"]
@@ -219,6 +238,10 @@ class _Decode(_Suite):
         self.v = random_normal(cp, (b, hkv, cache_len, self.d), "bfloat16", seed + 2)
 
 
+class _Decode(_DecodeInputs, _Suite):
+    pass
+
+
 class CuflashDecode(_Decode):
     def setup(self, cache_len, b_hq_hkv):
         self.make_inputs(cache_len, b_hq_hkv)
@@ -226,6 +249,37 @@ class CuflashDecode(_Decode):
 
         self.op = lambda: cuflash.attention(self.q, self.k, self.v)
         self._run()
+
+    def time_decode(self, cache_len, b_hq_hkv):
+        self._run()
+
+
+class CuflashDecodeGraph(_DecodeInputs, _Timed):
+    """The same decode step captured once into a CUDA graph (CuPy stream capture, allocations from
+    MemoryAsyncPool so the graph owns them) and replayed: no host work per step. (No
+    track_peak_bytes: the graph's buffers are not CuPy's pool's.)"""
+
+    def setup(self, cache_len, b_hq_hkv):
+        self.make_inputs(cache_len, b_hq_hkv)
+        import cuflash
+
+        cp = self.cp
+        self._allocator = cp.cuda.get_allocator()
+        cp.cuda.set_allocator(cp.cuda.MemoryAsyncPool().malloc)
+        self.out = cp.empty_like(self.q)
+        step = lambda: cuflash.attention(self.q, self.k, self.v, out=self.out, validate=False)  # noqa: E731
+        step()  # compiles outside the capture
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            step()
+            self.graph = stream.end_capture()
+        self.op = lambda: self.graph.launch(cp.cuda.get_current_stream())
+        self._run()
+
+    def teardown(self, cache_len, b_hq_hkv):
+        self.cp.cuda.Device().synchronize()
+        self.cp.cuda.set_allocator(self._allocator)
 
     def time_decode(self, cache_len, b_hq_hkv):
         self._run()
