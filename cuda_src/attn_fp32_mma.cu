@@ -8,8 +8,9 @@
 // stands (c_as_a): no shuffles and no trip through shared memory.
 //
 //   attn_fwd_f32_mma:    one block (WARPS warps, 16 WARPS query rows) per query tile, as attn_fwd_f32.
-//   attn_bwd_f32_mma_dq: one block (4 warps, 64 query rows) per query tile: the exact row
-//                        statistics lse2 and D in a first pass (as attn_bwd_f32_dq), dQ in a second.
+//   attn_bwd_f32_mma_dq: one block (8 warps, 64 query rows; two warps per 16 rows, each on half
+//                        of every key tile) per query tile: the exact row statistics lse2 and D in
+//                        a first pass (as attn_bwd_f32_dq), dQ in a second.
 //   attn_bwd_f32_mma_kv: one block (8 warps, 64 keys) per key tile; warps pair up on 16 keys:
 //                        the even warp forms P^T and adds dV, the odd one dP^T, dS^T and dK
 //                        (P^T handed over in shared memory), so neither computes a product twice.
@@ -175,21 +176,29 @@ attn_fwd_f32_mma(const float* __restrict__ q, const float* __restrict__ k, const
 
 template <int HEAD_DIM, int BLOCK_N>
 struct MmaBwdDqTraits : MmaF64Layout<HEAD_DIM> {
-    static constexpr int kThreads = 128, kBlockM = 64;
+    // 8 warps: warps w and w + 4 own the same 16 query rows and split each key tile in halves, so
+    // that 64 query rows (Q, dO as float64) and a K/V tile fit with 8 warps on the SM.
+    static constexpr int kThreads = 256, kBlockM = 64;
+    static_assert(BLOCK_N % 16 == 0, "two halves of whole 8-key column tiles");
     static constexpr int kSmemBytes = 8 * (2 * kBlockM + 2 * BLOCK_N) * MmaF64Layout<HEAD_DIM>::kLd;  // Q, dO, K, V
+    // The halves' row statistics meet in the K/V tiles' space after pass 1, their dQ in the Q and
+    // dO tiles' space after pass 2.
+    static_assert(2 * BLOCK_N * MmaF64Layout<HEAD_DIM>::kLd >= 2 * kBlockM * 3, "the K/V tiles hold the statistics");
+    static_assert(2 * kBlockM * MmaF64Layout<HEAD_DIM>::kLd >= 4 * 32 * 4 * (HEAD_DIM / 8), "Q and dO hold one half's dQ");
 };
 
-// Rows m0 + 16 warp + g (+ 8) of dQ = scale * dS K, after the exact row statistics (written to
-// ws_lse2 / ws_d for attn_bwd_f32_mma_kv). Arguments as attn_bwd_f32_dq.
+// Rows m0 + 16 (warp % 4) + g (+ 8) of dQ = scale * dS K over the keys of this warp's half of
+// each tile, after the exact row statistics (written to ws_lse2 / ws_d for attn_bwd_f32_mma_kv);
+// the two halves' statistics and dQ are combined in shared memory. Arguments as attn_bwd_f32_dq.
 template <int HEAD_DIM, int BLOCK_N, bool CAUSAL>
-__global__ void __launch_bounds__(128, 1)
+__global__ void __launch_bounds__(256, 1)
 attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                     const float* __restrict__ dout, float* __restrict__ dq, double* __restrict__ ws_lse2,
                     double* __restrict__ ws_d, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
                     int nq, int nk, int d, int group, int causal_off, double scale_log2, double scale) {
     using Tr = MmaBwdDqTraits<HEAD_DIM, BLOCK_N>;
-    constexpr int LD = Tr::kLd, KT = Tr::kKT, DT = Tr::kDT, NT = BLOCK_N / 8, BM = Tr::kBlockM, TH = Tr::kThreads;
+    constexpr int LD = Tr::kLd, KT = Tr::kKT, DT = Tr::kDT, NH = BLOCK_N / 16, BM = Tr::kBlockM, TH = Tr::kThreads;
     extern __shared__ __align__(16) double smem_f64[];
     require_dynamic_smem(Tr::kSmemBytes);
     double* sQ = smem_f64;
@@ -200,6 +209,7 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rw = warp & 3, half = warp >> 2;  // 16-row group; which NH column tiles of a key tile
     const int m0 = m_block * BM;
     const int rows_valid = min(BM, nq - m0);
     const float* gK = k + b * k_sb + hk * k_sh;
@@ -210,11 +220,12 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
 
     load_tile<HEAD_DIM, TH, BM, LD>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, d);
     load_tile<HEAD_DIM, TH, BM, LD>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows_valid, d);
-    const double* qa = sQ + (warp * 16 + g) * LD + t;
-    const double* da = sdO + (warp * 16 + g) * LD + t;
+    const double* qa = sQ + (rw * 16 + g) * LD + t;
+    const double* da = sdO + (rw * 16 + g) * LD + t;
+    const int nt0 = half * NH;  // this warp's first 8-key column tile
 
-    // S (scaled to base 2, masked) and dP of key tile j: C fragments of rows g, g + 8.
-    double s[NT][4], dp[NT][4];
+    // S (scaled to base 2, masked) and dP of this warp's half of key tile j.
+    double s[NH][4], dp[NH][4];
     auto products = [&](int j) {
         const int n0 = j * BLOCK_N;
         __syncthreads();  // the previous tile's readers are done (and Q, dO are stored)
@@ -222,7 +233,7 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
         load_tile<HEAD_DIM, TH, BLOCK_N, LD, true>(sV, gV + n0 * v_sn, v_sn, nk - n0, d);
         __syncthreads();
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NH; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0;
 #pragma unroll 2
@@ -231,18 +242,18 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
             frag_a<LD>(a, qa, kk);
             frag_a<LD>(ad, da, kk);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < NH; ++nt) {
                 double bb[2];
-                frag_b_rows_n<LD>(bb, sK + g * LD + t, nt, kk);
+                frag_b_rows_n<LD>(bb, sK + g * LD + t, nt0 + nt, kk);
                 mma_f64(s[nt], a, bb);
-                frag_b_rows_n<LD>(bb, sV + g * LD + t, nt, kk);
+                frag_b_rows_n<LD>(bb, sV + g * LD + t, nt0 + nt, kk);
                 mma_f64(dp[nt], ad, bb);
             }
         }
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int row = m0 + warp * 16 + g + 8 * hf;
-            scale_mask_row<NT>(s, hf, scale_log2, true, n0, t, CAUSAL ? min(nk, row + causal_off + 1) : nk);
+            const int row = m0 + rw * 16 + g + 8 * hf;
+            scale_mask_row<NH>(s, hf, scale_log2, true, n0 + 8 * nt0, t, CAUSAL ? min(nk, row + causal_off + 1) : nk);
         }
     };
 
@@ -254,14 +265,14 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
         for (int hf = 0; hf < 2; ++hf) {
             double mx = m_run[hf];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmax(mx, fmax(s[nt][2 * hf], s[nt][2 * hf + 1]));
+            for (int nt = 0; nt < NH; ++nt) mx = fmax(mx, fmax(s[nt][2 * hf], s[nt][2 * hf + 1]));
             mx = quad_max(mx);
             const double base = mx == -INFINITY ? 0.0 : mx;
             const double alpha = exp2(m_run[hf] - base);
             m_run[hf] = mx;
             double sum = 0.0, wsum = 0.0;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NH; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const double p = exp2(s[nt][2 * hf + e] - base);
@@ -272,28 +283,49 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
             w_run[hf] = fma(w_run[hf], alpha, wsum);
         }
     }
+    // The halves' (m, l, w) of each row meet in the K/V tiles' space: both warps of a row group
+    // combine them in the same order-free way (max, then two products summed), so they agree bitwise.
+    double* stats = sK;  // [half][64 rows][3]
+    __syncthreads();     // every warp is done with the last K/V tile
     double lse2[2], dsum[2];
-    const i64 stat0 = ((i64)b * gridDim.y + h) * nq + m0;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const double l = quad_sum(l_run[hf]), w = quad_sum(w_run[hf]);
-        lse2[hf] = l > 0.0 ? m_run[hf] + log2(l) : -INFINITY;  // -inf: the row sees no key
+        const int r = rw * 16 + g + 8 * hf;
+        if (t == 0) {
+            stats[(half * BM + r) * 3 + 0] = m_run[hf];
+            stats[(half * BM + r) * 3 + 1] = l;
+            stats[(half * BM + r) * 3 + 2] = w;
+        }
+    }
+    __syncthreads();
+    const i64 stat0 = ((i64)b * gridDim.y + h) * nq + m0;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = rw * 16 + g + 8 * hf;
+        const double m_a = stats[r * 3], m_b = stats[(BM + r) * 3];
+        const double mx = fmax(m_a, m_b);
+        const double base = mx == -INFINITY ? 0.0 : mx;
+        const double a_a = exp2(m_a - base), a_b = exp2(m_b - base);
+        const double l = stats[r * 3 + 1] * a_a + stats[(BM + r) * 3 + 1] * a_b;
+        const double w = stats[r * 3 + 2] * a_a + stats[(BM + r) * 3 + 2] * a_b;
+        lse2[hf] = l > 0.0 ? mx + log2(l) : -INFINITY;  // -inf: the row sees no key
         dsum[hf] = l > 0.0 ? w / l : 0.0;
-        const int row = warp * 16 + g + 8 * hf;
-        if (t == 0 && row < rows_valid) {
-            ws_lse2[stat0 + row] = lse2[hf];
-            ws_d[stat0 + row] = dsum[hf];
+        if (half == 0 && t == 0 && r < rows_valid) {
+            ws_lse2[stat0 + r] = lse2[hf];
+            ws_d[stat0 + r] = dsum[hf];
         }
     }
 
-    // Pass 2: dS = P (dP - D), dQ += dS K (dS's C fragments are its A fragments; K 8-permuted).
+    // Pass 2: dS = P (dP - D), dQ += dS K over this warp's keys (dS's C fragments are its A
+    // fragments; K 8-permuted).
     double acc[DT][4];
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0;
     for (int j = 0; j < n_tiles; ++j) {
         products(j);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NH; ++nt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int hf = i >> 1;
@@ -305,22 +337,33 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 double bb[2];
-                frag_b_rows_k<LD, true>(bb, sK + g, t, nt, dt);
+                frag_b_rows_k<LD, true>(bb, sK + g, t, nt0 + nt, dt);
                 mma_f64(acc[dt], a, bb);
             }
         }
     }
+    // The second half's dQ through the Q and dO tiles' space (C-fragment order), added by the first.
+    double* part = sQ + rw * 32 * (4 * DT) + lane * (4 * DT);
+    __syncthreads();  // every warp is done with Q, dO and the last K/V tile
+    if (half == 1) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[4 * dt + i] = acc[dt][i];
+    }
+    __syncthreads();
+    if (half == 1) return;
     float* gdq = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const int row = warp * 16 + g + 8 * hf;
+        const int row = rw * 16 + g + 8 * hf;
         if (row >= rows_valid) continue;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int col = 8 * dt + 2 * t + e;
-                if (col < d) gdq[row * dq_sn + col] = (float)(acc[dt][2 * hf + e] * scale);
+                if (col < d) gdq[row * dq_sn + col] = (float)((acc[dt][2 * hf + e] + part[4 * dt + 2 * hf + e]) * scale);
             }
     }
 }

@@ -139,7 +139,7 @@ class Fp32BackwardTile:
 
     @property
     def dq_threads(self) -> int:
-        return 128 if self.mma else self.threads  # mma: 4 warps x 16 query rows
+        return 256 if self.mma else self.threads  # mma: 2 warps (key halves) x 4 x 16 query rows
 
     @property
     def kv_threads(self) -> int:
@@ -178,12 +178,14 @@ BACKWARD_TILES_FP32: dict[int, Fp32BackwardTile] = {
 }
 
 
-# The tensor-core backward (attn_fp32_mma.cu): the dQ kernel's 4 warps hold 16 query rows of
-# dQ each, the K/V kernel's warp pairs 16 keys (dV in the even warp, dK in the odd one).
+# The tensor-core backward (attn_fp32_mma.cu): the dQ kernel's warp pairs hold 16 query rows of
+# dQ each (one warp per half of every key tile; with 4 warps per SM its backward took 25.7 ms at
+# B=1 H=16 N=4k d=128), the K/V kernel's warp pairs 16 keys (dV in the even warp, dK in the odd).
 BACKWARD_TILES_FP32_MMA: dict[int, Fp32BackwardTile] = {
     32: Fp32BackwardTile(64, 64, 64, 32, 0, "dq 64 x 64-key tiles, 72 KiB; kv 64 keys x 32-row Q/dO tiles, 70.5 KiB", mma=True),
     64: Fp32BackwardTile(64, 32, 64, 32, 0, "dq 64 x 32-key tiles, 102 KiB (64-key tiles spill); kv 64 keys x 32-row Q/dO tiles, 118.5 KiB", mma=True),
-    128: Fp32BackwardTile(64, 16, 64, 32, 0, "dq 64 x 16-key tiles, 165 KiB (32-key tiles spill: S, dP and dQ take 96 doubles a thread); kv 64 keys x 32-row Q/dO tiles, 214.5 KiB",
+    128: Fp32BackwardTile(64, 32, 64, 32, 0, "dq 64 x 32-key tiles (each warp half of them: S, dP and dQ 80 doubles a "
+                          "thread), 198 KiB; kv 64 keys x 32-row Q/dO tiles, 214.5 KiB",
                           mma=True),
 }
 

@@ -38,7 +38,8 @@ def test_tensor_core_shared_memory_by_hand(hd):
     assert t.dq_smem_bytes(hd) == 8 * (2 * 64 + 2 * t.dq_block_n) * ld <= 232448
     assert t.kv_smem_bytes(hd) == 8 * ((2 * 64 + 2 * t.kv_block_m) * ld + 4 * (t.kv_block_m // 8) * 128 + 2 * t.kv_block_m) <= 232448
     assert f.smem_bytes(hd) == 8 * (f.block_m + 2 * f.block_n) * ld <= 232448
-    assert (t.dq_block_m, t.kv_block_n, t.dq_threads, t.kv_threads) == (64, 64, 128, 256)
+    assert (t.dq_block_m, t.kv_block_n, t.dq_threads, t.kv_threads) == (64, 64, 256, 256)
+    assert t.dq_block_n % 16 == 0  # two warps take half of every key tile each
     assert f.block_m == 16 * (f.threads // 32)  # 16 query rows per warp
     assert t.dq_block_n % 8 == 0 and t.kv_block_m % 8 == 0 and f.block_n % 8 == 0
 
