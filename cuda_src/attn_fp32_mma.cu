@@ -93,19 +93,7 @@ attn_fwd_f32_mma(const float* __restrict__ q, const float* __restrict__ k, const
         fetch_tile<HEAD_DIM, TH>(next, gV + n0 * v_sn, v_sn, nk - n0, d);
 
         double s[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0;
-#pragma unroll 2
-        for (int kk = 0; kk < KT; ++kk) {
-            double a[4];
-            frag_a<LD>(a, qa, kk);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                double bb[2];
-                frag_b_rows_n<LD>(bb, kb, nt, kk);
-                mma_f64(s[nt], a, bb);
-            }
-        }
+        mma_rows_by_rows<KT, NT, LD>(s, qa, kb);
         const bool need_mask = (n0 + BLOCK_N > nk) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_off);
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -434,19 +422,7 @@ attn_bwd_f32_mma_kv(const float* __restrict__ q, const float* __restrict__ k, co
             __syncthreads();
             // S^T = K Q^T (even) or dP^T = V dO^T (odd): rows = keys, columns = queries (8-permuted).
             double x[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) x[mt][0] = x[mt][1] = x[mt][2] = x[mt][3] = 0.0;
-#pragma unroll 2
-            for (int kk = 0; kk < KT; ++kk) {
-                double a[4];
-                frag_a<LD>(a, xa, kk);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    double bb[2];
-                    frag_b_rows_n<LD>(bb, yb, mt, kk);
-                    mma_f64(x[mt], a, bb);
-                }
-            }
+            mma_rows_by_rows<KT, MT, LD>(x, xa, yb);
             if (!dk_warp) {  // P^T, handed to the odd warp
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)

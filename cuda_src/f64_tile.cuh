@@ -235,6 +235,25 @@ __device__ __forceinline__ void frag_b_rows_k(double (&b)[2], const double* y, i
     b[1] = y[r1 * LD + 8 * dt];
 }
 
+// c[nt] = X Y^T over the head dim (KT k-steps) for this warp's 16 rows and its 8-column tiles
+// nt0 + nt of Y's rows: x = X + (r0 + g) * LD + t, y = Y + g * LD + t.
+template <int KT, int NT, int LD>
+__device__ __forceinline__ void mma_rows_by_rows(double (&c)[NT][4], const double* x, const double* y, int nt0 = 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0;
+#pragma unroll 2
+    for (int kk = 0; kk < KT; ++kk) {
+        double a[4];
+        frag_a<LD>(a, x, kk);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            double bb[2];
+            frag_b_rows_n<LD>(bb, y, nt0 + nt, kk);
+            mma_f64(c[nt], a, bb);
+        }
+    }
+}
+
 // C of an S-like product whose B rows were 8-permuted, as the A fragment of the next product
 // (its k index = the permuted rows' source order).
 __device__ __forceinline__ void c_as_a(double (&a)[4], const double (&c)[4]) {

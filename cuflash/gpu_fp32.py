@@ -223,10 +223,6 @@ def backward_workspace_bytes(p) -> int:
     return 2 * 8 * p.batch * p.hq * p.nq
 
 
-_LOG2E = 1.4426950408889634
-_MAX_GRID_YZ = 65535
-
-
 def backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4):
     """dq4, dk4, dv4 (B, H, N, d) float32 views with a unit head-dim stride receive the gradients.
 
@@ -237,6 +233,7 @@ def backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4):
 
     from ._build import get_function
     from .gpu import _elem_strides, _unit_d
+    from .gpu_backward import _LOG2E, _MAX_GRID_YZ
 
     if p.batch == 0 or p.hkv == 0:
         return

@@ -166,6 +166,28 @@ def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd"
                                         precision="float64")
 
 
+def recorded_allocations(fn):
+    """(fn(), the byte sizes of every allocation fn makes from CuPy's default memory pool, in
+    order), recorded through CuPy's allocator hook; the device is synchronized before and after."""
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    pool = cupy.get_default_memory_pool()
+    sizes = []
+
+    def recording_malloc(nbytes):
+        sizes.append(nbytes)
+        return pool.malloc(nbytes)
+
+    cupy.cuda.set_allocator(recording_malloc)
+    try:
+        result = fn()
+        cupy.cuda.Device().synchronize()
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    return result, sizes
+
+
 def max_abs(x):
     return float(np.max(np.abs(x))) if x.size else 0.0
 

@@ -6,13 +6,12 @@ launcher passes."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
-from cuflash import _build, _problem, gpu
+from cuflash import _problem, gpu
 from cuflash._arrays import FLOAT16, FLOAT32
+from test_fp32_backward import _ptx_params  # the kernel's PTX parameter types
 
 
 def _launch_args(monkeypatch, dtype):
@@ -42,20 +41,6 @@ def test_launcher_passes_16_bit_kernels_a_float_scale(monkeypatch):
 
 
 def test_float32_kernel_takes_its_scale_as_a_double():
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    pytest.importorskip("cuda.bindings.nvrtc")
     spec, _ = gpu.forward_spec(FLOAT32, 96, True, False)
-    _, prog = nvrtc.nvrtcCreateProgram(_build.load_source(spec.source).encode(), spec.source.encode(), 0, [], [])
-    try:
-        nvrtc.nvrtcAddNameExpression(prog, spec.expression.encode())
-        opts = [o.encode() for o in _build.BASE_OPTIONS + ("-arch=sm_90a",)]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-        _, n = nvrtc.nvrtcGetPTXSize(prog)
-        buf = b" " * n
-        nvrtc.nvrtcGetPTX(prog, buf)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    ptx = buf.decode(errors="replace")
-    params = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx).group(1)
-    last = params.strip().splitlines()[-1]
-    assert ".f64" in last, f"last parameter of {spec.expression}: {last}"
+    assert _ptx_params(spec)[-1] == "f64", f"last parameter of {spec.expression}"

@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash._arrays import BFLOAT16, FLOAT16
-from cuflash.testing import assert_backward_within_naive_error, random_inputs, to_numpy
+from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -111,20 +111,7 @@ def test_backward_workspace_is_dq_accumulator_and_d():
     do = cupy.asarray(random_inputs(rng, (b, h, n, d), (b, h, n, d), BFLOAT16)[0])
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     cuflash.attention_backward(do, q, k, v, o, lse)  # compile and warm up
-    cupy.cuda.Device().synchronize()
-    pool = cupy.get_default_memory_pool()
-    sizes = []
-
-    def recording_malloc(nbytes):
-        sizes.append(nbytes)
-        return pool.malloc(nbytes)
-
-    cupy.cuda.set_allocator(recording_malloc)
-    try:
-        grads = cuflash.attention_backward(do, q, k, v, o, lse)
-        cupy.cuda.Device().synchronize()
-    finally:
-        cupy.cuda.set_allocator(pool.malloc)
+    grads, sizes = recorded_allocations(lambda: cuflash.attention_backward(do, q, k, v, o, lse))
     grad_bytes = b * h * n * d * 2
     # dq, dk, dv; the float32 dQ accumulator (128-wide rows; on Hopper the warp-specialized kernel's
     # 64 x 64 chunks pad each head's 1000 rows to 1024) and D.

@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash._arrays import FLOAT32
-from cuflash.testing import assert_backward_within_naive_error, random_inputs, to_numpy
+from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -116,20 +116,7 @@ def test_workspace_is_float64_lse_and_d():
     do = cupy.asarray(random_inputs(rng, (b, h, n, d), (b, h, n, d), FLOAT32)[0])
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     cuflash.attention_backward(do, q, k, v, o, lse)  # compile and warm up
-    cupy.cuda.Device().synchronize()
-    pool = cupy.get_default_memory_pool()
-    sizes = []
-
-    def recording_malloc(nbytes):
-        sizes.append(nbytes)
-        return pool.malloc(nbytes)
-
-    cupy.cuda.set_allocator(recording_malloc)
-    try:
-        grads = cuflash.attention_backward(do, q, k, v, o, lse)
-        cupy.cuda.Device().synchronize()
-    finally:
-        cupy.cuda.set_allocator(pool.malloc)
+    grads, sizes = recorded_allocations(lambda: cuflash.attention_backward(do, q, k, v, o, lse))
     grad_bytes = b * h * n * d * 4
     assert sorted(sizes) == sorted([grad_bytes] * 3 + [b * h * n * 8] * 2), sizes
     assert gpu_backward.workspace_bytes(validate_forward(q, k, v)) == 2 * b * h * n * 8

@@ -1,4 +1,4 @@
-"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [dtype] [causal] [tma|ws|wsp [blocks]]
+"""Smallest backward launch, for compute-sanitizer / ncu runs: python3 tools/tiny_bwd.py B H N d [bf16|fp16|fp32] [causal] [tma|ws|wsp [blocks]]
 
 tma: the Hopper backward table tile with Q/dO fetched by TMA; ws: its warp-specialized kernel; wsp: the persistent one."""
 import dataclasses
@@ -12,7 +12,7 @@ import cuflash
 from cuflash import gpu_hopper, schedule
 
 b, h, n, d = (int(x) for x in sys.argv[1:5])
-dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
+dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
 causal = (sys.argv[6] if len(sys.argv) > 6 else "false") != "false"
 if len(sys.argv) > 7 and sys.argv[7] in ("tma", "ws", "wsp"):
     hd = schedule.head_dim_bucket(d)
