@@ -128,16 +128,7 @@ attn_fwd_f32_mma(const float* __restrict__ q, const float* __restrict__ k, const
         }
         // O += P V_j: S's C fragments of key tile nt are P's A fragments of k-step nt.
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            double a[4];
-            c_as_a(a, s[nt]);
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                double bb[2];
-                frag_b_rows_k<LD, false>(bb, vb, t, nt, dt);
-                mma_f64(acc[dt], a, bb);
-            }
-        }
+        for (int nt = 0; nt < NT; ++nt) mma_c_by_rows<DT, LD, false>(acc, s[nt], vb, t, nt);
         if (j + 1 < n_tiles) store_tile_perm8<HEAD_DIM, TH, LD>(sK, next);  // K_j's readers passed the barrier
         __syncthreads();
     }
@@ -320,14 +311,7 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
                 const double p = s[nt][i] == -INFINITY ? 0.0 : exp2(s[nt][i] - lse2[hf]);
                 s[nt][i] = p * (dp[nt][i] - dsum[hf]);
             }
-            double a[4];
-            c_as_a(a, s[nt]);
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                double bb[2];
-                frag_b_rows_k<LD, true>(bb, sK + g, t, nt0 + nt, dt);
-                mma_f64(acc[dt], a, bb);
-            }
+            mma_c_by_rows<DT, LD, true>(acc, s[nt], sK + g, t, nt0 + nt);
         }
     }
     // The second half's dQ through the Q and dO tiles' space (C-fragment order), added by the first.
@@ -445,16 +429,7 @@ attn_bwd_f32_mma_kv(const float* __restrict__ q, const float* __restrict__ k, co
             }
             // dV += P^T dO (even) or dK += dS^T Q (odd): x's C fragments are the A fragments.
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                double a[4];
-                c_as_a(a, x[mt]);
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    double bb[2];
-                    frag_b_rows_k<LD, true>(bb, zb, t, mt, dt);
-                    mma_f64(acc[dt], a, bb);
-                }
-            }
+            for (int mt = 0; mt < MT; ++mt) mma_c_by_rows<DT, LD, true>(acc, x[mt], zb, t, mt);
         }
     }
     float* gout = dk_warp ? dk + b * dk_sb + hk * dk_sh + n0 * dk_sn : dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;

@@ -263,6 +263,21 @@ __device__ __forceinline__ void c_as_a(double (&a)[4], const double (&c)[4]) {
     a[3] = c[3];
 }
 
+// acc += C Y for one 8-deep k-step kk: C (this warp's 16 rows, from an S-like product whose B
+// rows were 8-permuted) as the A fragment, Y's rows kk * 8 .. + 7 across its DT column tiles
+// (y = Y + g; PERM8: Y stored 8-permuted).
+template <int DT, int LD, bool PERM8>
+__device__ __forceinline__ void mma_c_by_rows(double (&acc)[DT][4], const double (&c)[4], const double* y, int t, int kk) {
+    double a[4];
+    c_as_a(a, c);
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        double bb[2];
+        frag_b_rows_k<LD, PERM8>(bb, y, t, kk, dt);
+        mma_f64(acc[dt], a, bb);
+    }
+}
+
 __device__ __forceinline__ double quad_max(double x) {
     x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
