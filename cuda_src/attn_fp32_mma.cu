@@ -325,19 +325,7 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
     }
     __syncthreads();
     if (half == 1) return;
-    float* gdq = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int row = rw * 16 + g + 8 * hf;
-        if (row >= rows_valid) continue;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = 8 * dt + 2 * t + e;
-                if (col < d) gdq[row * dq_sn + col] = (float)((acc[dt][2 * hf + e] + part[4 * dt + 2 * hf + e]) * scale);
-            }
-    }
+    store_c_rows<DT, true>(dq + b * dq_sb + h * dq_sh + m0 * dq_sn, dq_sn, acc, scale, rw * 16, g, t, rows_valid, d, part);
 }
 
 template <int HEAD_DIM, int BLOCK_M>
@@ -433,18 +421,5 @@ attn_bwd_f32_mma_kv(const float* __restrict__ q, const float* __restrict__ k, co
         }
     }
     float* gout = dk_warp ? dk + b * dk_sb + hk * dk_sh + n0 * dk_sn : dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
-    const i64 ld = dk_warp ? dk_sn : dv_sn;
-    const double mul = dk_warp ? scale : 1.0;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int row = pair * 16 + g + 8 * hf;
-        if (row >= keys_valid) continue;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = 8 * dt + 2 * t + e;
-                if (col < d) gout[row * ld + col] = (float)(acc[dt][2 * hf + e] * mul);
-            }
-    }
+    store_c_rows<DT>(gout, dk_warp ? dk_sn : dv_sn, acc, dk_warp ? scale : 1.0, pair * 16, g, t, keys_valid, d);
 }

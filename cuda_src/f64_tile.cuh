@@ -278,6 +278,28 @@ __device__ __forceinline__ void mma_c_by_rows(double (&acc)[DT][4], const double
     }
 }
 
+// Round (acc + part) * mul (C fragments of a warp's rows r0 + g, + 8; part, if given, in the same
+// order as 4 * dt + i) to float32 rows of g_out (row stride ld), rows < rows_valid, columns < d.
+template <int DT, bool ADD = false>
+__device__ __forceinline__ void store_c_rows(float* g_out, i64 ld, const double (&acc)[DT][4], double mul, int r0,
+                                             int g, int t, int rows_valid, int d, const double* part = nullptr) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = r0 + g + 8 * hf;
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 8 * dt + 2 * t + e;
+                if (col < d) {
+                    if constexpr (ADD) g_out[row * ld + col] = (float)((acc[dt][2 * hf + e] + part[4 * dt + 2 * hf + e]) * mul);
+                    else g_out[row * ld + col] = (float)(acc[dt][2 * hf + e] * mul);
+                }
+            }
+    }
+}
+
 __device__ __forceinline__ double quad_max(double x) {
     x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
