@@ -22,6 +22,14 @@
 #define CUFLASH_DECODE_L2_PREFETCH 0
 #endif
 
+// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_TRACE=<blocks>: thread 0 of
+// each split-KV block records its start and end (%globaltimer, ns), its SM, warp 0's key tiles,
+// when Q was in registers and when its warp left the loop (tools/decode_trace.py reads it back:
+// whether the blocks' loads, their SMs' shares or the merge is where the time goes).
+#ifdef CUFLASH_DECODE_TRACE
+__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE][6];
+#endif
+
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
 struct DecodeTraits {
     static constexpr int kRows = 16 * ROW_TILES;  // packed (head, token) rows, zero-padded
@@ -51,6 +59,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   int band_hi) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
+#ifdef CUFLASH_DECODE_TRACE
+    const unsigned long long trace_t0 = trace_clock();
+#endif
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
@@ -100,6 +111,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+#ifdef CUFLASH_DECODE_TRACE
+    const unsigned long long trace_ready = trace_clock();
+#endif
     const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
     const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
     const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
@@ -120,6 +134,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                                                                          span.hi0, nq, lane, softmax, acc_o, scale_log2);
     }
     cp_async_wait<0>();
+#ifdef CUFLASH_DECODE_TRACE
+    const unsigned long long trace_loop = trace_clock();
+#endif
 
     if constexpr (CLUSTER == 0) {
         decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
@@ -133,6 +150,17 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
 #endif
     }
+#ifdef CUFLASH_DECODE_TRACE
+    const unsigned block = grid_linear_block();
+    if (threadIdx.x == 0 && block < CUFLASH_DECODE_TRACE) {
+        cuflash_decode_trace[block][0] = trace_t0;
+        cuflash_decode_trace[block][1] = trace_clock();
+        cuflash_decode_trace[block][2] = trace_smid();
+        cuflash_decode_trace[block][3] = (unsigned long long)my_tiles;
+        cuflash_decode_trace[block][4] = trace_ready;
+        cuflash_decode_trace[block][5] = trace_loop;
+    }
+#endif
 }
 
 #define DECODE_PARAMS                                                                                               \

@@ -285,7 +285,7 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
 // The end of a block whose CLUSTER splits form one thread-block cluster (rank = split), after
 // decode_merge_warps: no workspace and no combine kernel. Each block reduces its warps' row
 // statistics to (m, l) in warp 0's slots of s_stat; after a cluster barrier, rank `rank` merges
-// columns [rank, rank + 1) * HEAD_DIM / CLUSTER of every row from all blocks' sO and (m, l)
+// its 1/CLUSTER share of the columns (whole 4-column groups) of every row from all blocks' sO and (m, l)
 // through distributed shared memory with the log-sum-exp rule
 //     O = sum_s w_s sO_s / sum_s w_s l_s,  w_s = exp2((m_s - max_s m_s) * scale_log2)
 // (a block that saw no key of a row has m = -inf: weight 0), and writes O and LSE. A second
@@ -296,8 +296,12 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, const float*
                                                      i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hq, int nq,
                                                      int d, int group, float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
-    constexpr int kCols = HEAD_DIM / CLUSTER, kQuads = kCols / 4;
-    static_assert(kCols % 4 == 0, "each rank merges whole 4-column groups");
+    // Rank r merges kQuads 4-column groups from column c0: HEAD_DIM / (4 CLUSTER) of them when that
+    // divides (a compile-time count), else (sizes 3, 5, 6, 7) from group r * groups / CLUSTER to the next rank's.
+    constexpr int kGroups = HEAD_DIM / 4;
+    constexpr bool kEven = kGroups % CLUSTER == 0;
+    const int c0 = kEven ? rank * (HEAD_DIM / CLUSTER) : rank * kGroups / CLUSTER * 4;
+    const int kQuads = kEven ? kGroups / CLUSTER : ((rank + 1) * kGroups / CLUSTER * 4 - c0) / 4;
     const int rows = group * nq;
     // Row r's slot in warp 0 is read and rewritten by thread r alone; other threads read other rows.
     for (int r = threadIdx.x; r < rows; r += THREADS) {
@@ -308,7 +312,7 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, const float*
     cluster_sync();  // every block's sO and (m, l) are final and visible to the cluster
     const u32 stat0 = smem_addr(s_stat), o0 = smem_addr(sO);
     for (int i = threadIdx.x; i < rows * kQuads; i += THREADS) {
-        const int r = i / kQuads, c = rank * kCols + (i % kQuads) * 4;
+        const int r = i / kQuads, c = c0 + (i % kQuads) * 4;
         float2 st[CLUSTER];
         float4 part[CLUSTER];
 #pragma unroll
