@@ -37,11 +37,11 @@ struct DecodeTraits {
     static constexpr int kThreads = WARPS * 32;
     static constexpr int kTileKV = BLOCK_N * HEAD_DIM;
     static constexpr int kRingElems = 2 * STAGES * kTileKV;  // one warp's K and V ring
+    static constexpr int kRingBytes = WARPS * kRingElems * 2;  // all rings: the O merge's buffer at the end
     static constexpr int kSmemBytes =
         (kRows * HEAD_DIM + WARPS * kRingElems) * 2 + WARPS * kRows * 2 * 4;
     using Swz = Swizzle<HEAD_DIM>;
     static_assert((BLOCK_N * kChunks) % 32 == 0, "a warp loads its tiles evenly");
-    static_assert(kRows * HEAD_DIM * 4 <= WARPS * kRingElems * 2, "the O merge buffer reuses the rings");
 };
 
 // One block of the split-KV launch: its split's keys, then the block's end - decode_merge_store
@@ -139,14 +139,16 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 #endif
 
     if constexpr (CLUSTER == 0) {
-        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads>(
+        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes>(
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
             part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
     } else {
 #if __CUDA_ARCH__ >= 900
         float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings
-        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS>(softmax, acc_o, true, s_stat, sO, warp, lane, scale_log2);
-        decode_cluster_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, CLUSTER>(
+        constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, Tr::kRingBytes>();
+        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, true, s_stat, sO, warp, lane, group * nq,
+                                                               scale_log2);
+        decode_cluster_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, CLUSTER, kSlots>(
             s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
 #endif
     }

@@ -31,7 +31,6 @@ struct DecodeTmaTraits {
     static constexpr int kBarOff = kStatOff + CWARPS * kRows * 2 * 4;
     static constexpr int kSmemBytes = kBarOff + 2 * STAGES * 8 + 1024;  // + alignment slack
     static_assert(HEAD_DIM % 64 == 0, "TMA boxes are 64 columns (128 bytes) wide");
-    static_assert(kRows * HEAD_DIM * 4 <= kQOff, "the O merge buffer reuses the ring");
 };
 
 template <typename T, int HEAD_DIM, int ROW_TILES, int CWARPS, int STAGES, bool CAUSAL>
@@ -133,7 +132,7 @@ attn_decode_tma(const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ 
         }
     }
     // Every box issued has been waited for by the consumers, so the ring is idle: sO reuses it.
-    decode_merge_store<T, HEAD_DIM, ROW_TILES, CWARPS, Tr::kThreads>(
+    decode_merge_store<T, HEAD_DIM, ROW_TILES, CWARPS, Tr::kThreads, Tr::kQOff>(
         softmax, acc_o, warp < CWARPS, s_stat, reinterpret_cast<float*>(gbase), warp, lane, o, lse, part_o, part_lse,
         o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, HEAD_DIM, group, scale_log2);
 }

@@ -141,17 +141,34 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
 }
 
-// Each computing warp publishes (max, sum) per packed row in s_stat [WARPS][rows16][2]; every warp
-// rescales its O to the common max and adds it, in warp order, into sO (float, rows16 x HEAD_DIM),
-// which reuses shared memory that is idle by now. sO is left un-normalized: row r is the block's
-// sum of exp2((s - m) * scale_log2) v over its keys, m the row's max over the warps (see
-// decode_row_stat). `computes` is false for a warp with no statistics (a TMA producer). All
-// threads of the block must call this; it ends with a block barrier.
-template <int HEAD_DIM, int ROW_TILES, int WARPS>
+// How many warps' O tiles (16 * ROW_TILES rows x HEAD_DIM floats each) merge side by side
+// (decode_merge_warps): as many as fit in the merge buffer of BUFFER_BYTES, with one row tile. With
+// two or more, one at a time: ptxas, holding these kernels at 168 registers (3 blocks per SM),
+// spilled 12 bytes in the loop of the d=64 two-row-tile cluster kernels with side-by-side slots.
+template <int HEAD_DIM, int ROW_TILES, int WARPS, int BUFFER_BYTES>
+__host__ __device__ constexpr int decode_merge_slots() {
+    constexpr int fit = BUFFER_BYTES / (16 * ROW_TILES * HEAD_DIM * 4);
+    static_assert(fit >= 1, "the merge buffer holds at least one O tile");
+    return ROW_TILES > 1 ? 1 : fit < WARPS ? fit : WARPS;
+}
+
+// Each computing warp publishes (max, sum) per packed row in s_stat [WARPS][rows16][2]; then the
+// warps rescale their O to the common max and write it into SLOTS slots of sO (float, each
+// rows16 x HEAD_DIM; shared memory that is idle by now): warp w into slot w % SLOTS in round
+// w / SLOTS, adding to what the earlier round's warp left there. With a slot per warp this is one
+// round: the warps write side by side, with no read-modify-write and one barrier. (Adding into one
+// buffer in warp order cost a barrier and a dependent read per warp: the end of a block was 4.6 us
+// on the small decode cell, block trace.) Only the first `rows` (valid packed) rows are written.
+// The readers then add a row's slots in slot order: a fixed summation order. The slots hold
+// the block's un-normalized O: row r's sum of exp2((s - m) * scale_log2) v over its keys, m the
+// row's max over the warps (see decode_row_stat). `computes` is false for a warp with no
+// statistics (a TMA producer). All threads of the block must call this; it ends with a block barrier.
+template <int HEAD_DIM, int ROW_TILES, int WARPS, int SLOTS>
 __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
-                                                   float* s_stat, float* sO, int warp, int lane, float scale_log2) {
-    constexpr int kRows = 16 * ROW_TILES, kNO = HEAD_DIM / 8;
+                                                   float* s_stat, float* sO, int warp, int lane, int rows,
+                                                   float scale_log2) {
+    constexpr int kRows = 16 * ROW_TILES, kNO = HEAD_DIM / 8, kRounds = (WARPS + SLOTS - 1) / SLOTS;
     if (computes) {
 #pragma unroll
         for (int r2 = 0; r2 < 2 * ROW_TILES; ++r2) {
@@ -164,30 +181,31 @@ __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_T
         }
     }
     __syncthreads();  // statistics visible; every warp is past its loop, so the buffers are free
-    // The warps add their rescaled O into sO one after another: no shared-memory atomics (float
-    // atomicAdd there is a compare-and-swap loop, and all warps hit the same addresses: profiled at
-    // a quarter of the small decode cells' time) and a fixed summation order.
-    for (int w = 0; w < WARPS; ++w) {
-        if (computes && warp == w) {
+    float* slot = sO + (warp % SLOTS) * kRows * HEAD_DIM;
+    for (int round = 0; round < kRounds; ++round) {
+        if (computes && warp / SLOTS == round) {
 #pragma unroll
             for (int mi = 0; mi < ROW_TILES; ++mi)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int r = mi * 16 + (lane >> 2) + 8 * hf;
                     float mx = -INFINITY;
+#pragma unroll
                     for (int w2 = 0; w2 < WARPS; ++w2) mx = fmaxf(mx, s_stat[(w2 * kRows + r) * 2]);
                     const float mine = softmax.m[2 * mi + hf];
                     const float f = mine == -INFINITY ? 0.f : fast_exp2((mine - mx) * scale_log2);
 #pragma unroll
                     for (int ni = 0; ni < kNO; ++ni) {
-                        float2* dst = reinterpret_cast<float2*>(&sO[r * HEAD_DIM + ni * 8 + 2 * (lane & 3)]);
+                        float2* dst = reinterpret_cast<float2*>(&slot[r * HEAD_DIM + ni * 8 + 2 * (lane & 3)]);
                         float2 add = make_float2(acc_o[mi][ni][2 * hf] * f, acc_o[mi][ni][2 * hf + 1] * f);
-                        if (w > 0) {
-                            const float2 old = *dst;
-                            add.x += old.x;
-                            add.y += old.y;
+                        if (r < rows) {
+                            if (round > 0) {
+                                const float2 old = *dst;
+                                add.x += old.x;
+                                add.y += old.y;
+                            }
+                            *dst = add;
                         }
-                        *dst = add;
                     }
                 }
         }
@@ -211,8 +229,8 @@ __device__ __forceinline__ void decode_row_stat(const float* s_stat, int r, floa
 }
 
 // The block's result after decode_merge_warps: O and LSE (one split) or the split's normalized
-// partial O and its log-sum-exp (several splits; attn_decode_combine merges them).
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
+// partial O and its log-sum-exp (several splits; attn_decode_combine merges them), valid rows only.
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int SLOTS>
 __device__ __forceinline__ void decode_store(const float* s_stat, const float* sO, u16* o, float* lse, float* part_o,
                                              float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv,
                                              int split, int n_splits, int hq, int nq, int d, int group,
@@ -224,7 +242,10 @@ __device__ __forceinline__ void decode_store(const float* s_stat, const float* s
         if (c >= d) continue;
         float mx, sum;
         decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
-        const float val = sum > 0.f ? sO[i] / sum : 0.f;
+        float acc = sO[i];
+#pragma unroll
+        for (int s = 1; s < SLOTS; ++s) acc += sO[s * 16 * ROW_TILES * HEAD_DIM + i];
+        const float val = sum > 0.f ? acc / sum : 0.f;
         const float row_lse = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
         const int h = hk * group + r / nq, tok = r % nq;
         if (n_splits == 1) {
@@ -238,17 +259,21 @@ __device__ __forceinline__ void decode_store(const float* s_stat, const float* s
     }
 }
 
-// decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel merges.
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS>
+// decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel
+// merges. BUFFER_BYTES: the shared memory at sO free for the merge.
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
                                                    float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
                                                    int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
                                                    int d, int group, float scale_log2) {
-    decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS>(softmax, acc_o, computes, s_stat, sO, warp, lane, scale_log2);
-    decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b, hk,
-                                                         hkv, split, n_splits, hq, nq, d, group, scale_log2);
+    constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, BUFFER_BYTES>();
+    decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, computes, s_stat, sO, warp, lane,
+                                                           group * nq, scale_log2);
+    decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS, kSlots>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh,
+                                                                 o_sn, b, hk, hkv, split, n_splits, hq, nq, d, group,
+                                                                 scale_log2);
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -284,15 +309,16 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
 
 // The end of a block whose CLUSTER splits form one thread-block cluster (rank = split), after
 // decode_merge_warps: no workspace and no combine kernel. Each block reduces its warps' row
-// statistics to (m, l) in warp 0's slots of s_stat; after a cluster barrier, rank `rank` merges
-// its 1/CLUSTER share of the columns (whole 4-column groups) of every row from all blocks' sO and (m, l)
+// statistics to (m, l) in warp 0's slots of s_stat and its SLOTS merge slots into the first (sO);
+// after a cluster barrier, rank `rank` merges its 1/CLUSTER share of the columns (whole 4-column
+// groups) of every row from all blocks' sO and (m, l)
 // through distributed shared memory with the log-sum-exp rule
 //     O = sum_s w_s sO_s / sum_s w_s l_s,  w_s = exp2((m_s - max_s m_s) * scale_log2)
 // (a block that saw no key of a row has m = -inf: weight 0), and writes O and LSE. A second
 // cluster barrier keeps every block's shared memory alive until all reads are done. Every thread
 // of every block must call this (blocks without keys included).
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int CLUSTER>
-__device__ __forceinline__ void decode_cluster_store(float* s_stat, const float* sO, int rank, u16* o, float* lse,
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int CLUSTER, int SLOTS>
+__device__ __forceinline__ void decode_cluster_store(float* s_stat, float* sO, int rank, u16* o, float* lse,
                                                      i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hq, int nq,
                                                      int d, int group, float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
@@ -308,6 +334,14 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, const float*
         float mx, sum;
         decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
         *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(mx, sum);
+    }
+    if constexpr (SLOTS > 1) {  // the block's slots into slot 0, which the other ranks read
+        for (int i = threadIdx.x; i < rows * HEAD_DIM; i += THREADS) {
+            float acc = sO[i];
+#pragma unroll
+            for (int s = 1; s < SLOTS; ++s) acc += sO[s * 16 * ROW_TILES * HEAD_DIM + i];
+            sO[i] = acc;
+        }
     }
     cluster_sync();  // every block's sO and (m, l) are final and visible to the cluster
     const u32 stat0 = smem_addr(s_stat), o0 = smem_addr(sO);
