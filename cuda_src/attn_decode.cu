@@ -21,10 +21,6 @@
 #ifndef CUFLASH_DECODE_L2_PREFETCH
 #define CUFLASH_DECODE_L2_PREFETCH 0
 #endif
-// (probe) 1: Q's loads issued before the first K/V copies instead of after them.
-#ifndef CUFLASH_DECODE_Q_FIRST
-#define CUFLASH_DECODE_Q_FIRST 0
-#endif
 
 // (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_TRACE=<blocks>: thread 0 of
 // each split-KV block records its start and end (%globaltimer, ns), its SM, warp 0's key tiles,
@@ -104,21 +100,17 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             }
         }
     };
-    // Q rows, packed and zero-padded, then into registers (reused for every key tile). Q's loads
-    // go out after the first K/V copies (CUFLASH_DECODE_Q_FIRST=1: before them); their latencies overlap.
-    DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads> qpack;
-#if CUFLASH_DECODE_Q_FIRST
-    qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-#endif
+    // Q rows, packed and zero-padded, then into registers (reused for every key tile). Q's lines
+    // are asked for first (an L2 prefetch: loads held in registers across the K/V issue made ptxas
+    // spill at d=192), then the first K/V copies, then Q's loads, so that Q is in place when K_0
+    // lands.
+    decode_prefetch_q<HEAD_DIM, Tr::kThreads>(q, q_sb, q_sh, q_sn, b, hk, group, nq);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < my_tiles) load(s, s);
         cp_async_commit();
     }
-#if !CUFLASH_DECODE_Q_FIRST
-    qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-#endif
-    qpack.store(sQ);
+    decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
