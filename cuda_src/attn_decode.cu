@@ -100,16 +100,13 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             }
         }
     };
-    // Q rows, packed and zero-padded, then into registers (reused for every key tile). Q's lines
-    // are asked for first (an L2 prefetch: loads held in registers across the K/V issue made ptxas
-    // spill at d=192), then the first K/V copies, then Q's loads, so that Q is in place when K_0
-    // lands.
-    decode_prefetch_q<HEAD_DIM, Tr::kThreads>(q, q_sb, q_sh, q_sn, b, hk, group, nq);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < my_tiles) load(s, s);
         cp_async_commit();
     }
+    // Q rows, packed and zero-padded, then into registers (reused for every key tile). After the
+    // first K/V copies are issued, so that Q's load latency overlaps theirs.
     decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     __syncthreads();
     const u32 sbase = smem_addr(smem);

@@ -30,18 +30,6 @@ __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i
     }
 }
 
-// An L2 prefetch of the packed rows of q (decode_pack_q's), a 128-byte line per thread: it holds
-// no registers, so it can go out before the K/V copies and decode_pack_q after them.
-template <int HEAD_DIM, int THREADS>
-__device__ __forceinline__ void decode_prefetch_q(const u16* q, i64 q_sb, i64 q_sh, i64 q_sn, int b, int hk, int group,
-                                                  int nq) {
-    constexpr int kLines = (HEAD_DIM + 63) / 64;  // 128-byte lines per row
-    const int r = threadIdx.x / kLines, line = threadIdx.x % kLines;
-    if (threadIdx.x < THREADS / kLines * kLines && r < group * nq)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(q + b * q_sb + (i64)(hk * group + r / nq) * q_sh +
-                                                      (i64)(r % nq) * q_sn + line * 64));
-}
-
 // The keys [s0, s1) that split `split` of sequence b reads: its chunk of the first kv_lens[b]
 // keys (all nk without kv_lens) = len, cut at the last token's causal limit; packed row r (token
 // r % nq) sees keys j <= token + hi0 (CAUSAL). WINDOW: the band kernels' band (gpu.band_offsets):
