@@ -100,14 +100,25 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             }
         }
     };
+    // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
+    // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
+    // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
+    // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
+    // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
+    // (d=192; d=64 with two row tiles and a window).
+    using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
+    constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
+    QPack qpack;
+    if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < my_tiles) load(s, s);
         cp_async_commit();
     }
-    // Q rows, packed and zero-padded, then into registers (reused for every key tile). After the
-    // first K/V copies are issued, so that Q's load latency overlaps theirs.
-    decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+    if constexpr (kQFirst)
+        qpack.store(sQ);
+    else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
+        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);

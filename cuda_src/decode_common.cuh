@@ -8,7 +8,44 @@
 #include "softmax.cuh"
 
 // Rows r = (head hk * group + r / nq, token r % nq) of q into sQ (Swizzle<HEAD_DIM> layout),
-// zero-padded to 16 * ROW_TILES rows and HEAD_DIM columns. Element loads: q is a few hundred bytes.
+// zero-padded to 16 * ROW_TILES rows and HEAD_DIM columns, in two steps: load() reads this
+// thread's 8-column pieces into registers (element loads: q is a few hundred bytes), store()
+// writes them to shared memory - so that the K/V copies can be issued in between.
+template <int HEAD_DIM, int ROW_TILES, int THREADS>
+struct DecodeQPack {
+    static constexpr int kChunks = HEAD_DIM / 8, kItems = (16 * ROW_TILES * kChunks + THREADS - 1) / THREADS;
+    u32 w[kItems][4];
+    __device__ __forceinline__ void load(const u16* q, i64 q_sb, i64 q_sh, i64 q_sn, int b, int hk, int group, int nq,
+                                         int d) {
+        const int rows = group * nq;
+#pragma unroll
+        for (int it = 0; it < kItems; ++it) {
+            const int i = threadIdx.x + it * THREADS;
+            const int r = i / kChunks, col = (i % kChunks) * 8;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) w[it][e] = 0u;
+            if (i < 16 * ROW_TILES * kChunks && r < rows) {
+                const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;
+                    const u32 hi = col + 2 * e + 1 < d ? src[2 * e + 1] : 0u;
+                    w[it][e] = lo | (hi << 16);
+                }
+            }
+        }
+    }
+    __device__ __forceinline__ void store(u16* sQ) const {
+#pragma unroll
+        for (int it = 0; it < kItems; ++it) {
+            const int i = threadIdx.x + it * THREADS;
+            if (i < 16 * ROW_TILES * kChunks)
+                *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
+                    make_uint4(w[it][0], w[it][1], w[it][2], w[it][3]);
+        }
+    }
+};
+
 template <int HEAD_DIM, int ROW_TILES, int THREADS>
 __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i64 q_sh, i64 q_sn, int b, int hk,
                                               int group, int nq, int d) {
