@@ -235,6 +235,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         u32 p_frag[BLOCK_N / 16][4];
         OnlineSoftmax<2> softmax;
         float alpha[2];
+        // Rows keep a stale max within 2^8 (OnlineSoftmax STALE): after the first tiles O's rescale
+        // is skipped by whole warps (a vote on whether any of the warp's rows moved its max).
+        constexpr bool kStale = true;
+        bool moved = true;
+        auto rescale_o = [&]() {
+            if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
+        };
 
         const int row0 = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the tile
         const u32 q_rows = sQ + 64 * wg * 128;                // this warpgroup's rows of each column block
@@ -328,7 +335,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 if (n_tiles == 1) mbar_arrive(empty_q);  // the tile's last read of Q
             }
             mask(0);
-            softmax.probs(acc_s, scale_log2, alpha);  // (O is zero: its rescale by alpha in step 0 is harmless)
+            moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);  // (O is zero: its rescale in step 0 is harmless)
             if constexpr (!kWaitAtStart) to_p();
         }
         // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
@@ -360,7 +367,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 cp_async_commit();
             }
             if constexpr (kWaitAtStart) {
-                softmax.rescale(acc_o, alpha);  // O onto tile j's row maxima
+                rescale_o();  // O onto tile j's row maxima
                 to_p();
                 // (keeps both before the wgmma fence below: NVVM would sink them to the wgmma that
                 // reads them, past the fence, and ptxas then injects a fence of its own: C7519)
@@ -384,13 +391,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     if (j + 2 == n_tiles) mbar_arrive(empty_q);  // the tile's last read of Q
                 }
                 mask(j + 1);
-                softmax.probs(acc_s, scale_log2, alpha);
+                moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);
             }
             if (!kWaitAtStart || !kNext) {  // (warp-specialized: the tile's last step, before the epilogue)
                 retire_pv();
                 if constexpr (PRODUCER) mbar_arrive(empty_v(g % STAGES));
                 if (!kWaitAtStart && kNext) {
-                    softmax.rescale(acc_o, alpha);
+                    rescale_o();
                     to_p();
                 }
             }

@@ -17,10 +17,16 @@ struct OnlineSoftmax {
         }
     }
 
+    // STALE: a row keeps its running max while the tile's max stays within 2^kStaleLog2 of it
+    // (scaled, base 2), so its probabilities reach at most 2^8 - still exact, since O and l share
+    // the max; its alpha is then exactly 1 and O's rows need no rescale (the caller skips it when
+    // no row of the warp moved). In 16-bit P, 2^8 costs no precision (same significand width).
+    static constexpr float kStaleLog2 = 8.f;
+
     // Turn the score tile s into unnormalized probabilities (in place), update the running max and
     // sum, and return in alpha[r] the factor that O's row r must be multiplied by. Returns whether
     // any of this thread's rows moved its max.
-    template <int MMA_M, int NS>
+    template <int MMA_M, int NS, bool STALE = false>
     __device__ __forceinline__ bool probs(float (&s)[MMA_M][NS][4], float scale_log2, float (&alpha)[ROWS]) {
         bool moved = false;
 #pragma unroll
@@ -32,9 +38,14 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int ni = 0; ni < NS; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * hf], s[mi][ni][2 * hf + 1]));
                 mx = quad_max(mx);
+                // (STALE: -inf - -inf is NaN, which compares false: a row still without keys keeps -inf)
+                if constexpr (STALE) {
+                    if (!((mx - m[r]) * scale_log2 > kStaleLog2)) mx = m[r];
+                }
                 // A row with every key so far masked keeps max -inf; use 0 so -inf - (-inf) never forms.
                 const float base = (mx == -INFINITY ? 0.f : mx) * scale_log2;
                 alpha[r] = fast_exp2(m[r] * scale_log2 - base);  // exp2(-inf) = 0 on the first tile
+                if constexpr (STALE) alpha[r] = mx == m[r] ? 1.f : alpha[r];  // exactly 1: O not rescaled
                 moved |= (mx != m[r]);
                 m[r] = mx;
                 float sum = 0.f;
