@@ -24,6 +24,7 @@ from test_gpu_forward import (
     poisoned,
     raw,
     shapes,
+    to_device,
 )
 
 cupy = pytest.importorskip("cupy")
@@ -147,6 +148,36 @@ def test_persistent_many_tiles_per_sm(rng):
     # One block per SM with about 4 tiles each (132 SMs on the H200), bshd layout.
     tile = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]
     run_and_check(rng, BFLOAT16, (4,), 16, 4, 1031, 1031, 128, causal="bottom_right", tile=tile, layout="bshd")
+
+
+# Per key tile, the scaled (base 2) score level of its keys: the d=256 kernel keeps a row's running
+# max while a tile's max exceeds it by at most 2^8 (OnlineSoftmax STALE). For rows with q = 1 * e0
+# the levels walk: 7.5 above the first tile's max (kept: probabilities up to 2^7.5), 8.5 (moves),
+# +3.5 (kept), down to 3 (kept), +8.5 (moves); rows with q = 0.5 * e0 see half of each and keep
+# their first max until 8.5 (tile 5). The last tile is ragged.
+STALE_LEVELS = (0.0, 7.5, 8.5, 12.0, 3.0, 17.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full"), pytest.param("bottom_right", id="br")])
+def test_stale_max_thresholds(rng, dtype, causal):
+    d = 256
+    tile = tma_tile(d)
+    nk = tile.block_n * (len(STALE_LEVELS) - 1) + 37
+    nq = 150 if causal is False else nk + 40  # bottom_right with nq > nk: the first 40 rows see no key
+    scale = 1.0 / np.sqrt(d)
+    level = np.array([STALE_LEVELS[j // tile.block_n] for j in range(nk)])
+    raw_level = level / (scale * np.log2(np.e))  # q . k that gives each level for q = e0
+    k = np.zeros((1, 2, nk, d), np.float32)
+    k[..., 0] = raw_level - rng.uniform(0.0, 2.0, size=(2, nk))  # keys within a tile a little apart
+    k[..., 1:] = 0.05 * rng.standard_normal((2, nk, d - 1))
+    q = np.zeros((1, 2, nq, d), np.float32)
+    q[..., 0] = np.where(np.arange(nq) % 2 == 0, 1.0, 0.5)
+    q[..., 1:] = 0.05 * rng.standard_normal((2, nq, d - 1))
+    v = rng.standard_normal((1, 2, nk, d)).astype(np.float32)
+    q, k, v = (to_device(a.astype(dtype)) for a in (q, k, v))
+    o, lse = forward_tma(q, k, v, tile, causal=causal)
+    check_rows(o, lse, q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
