@@ -65,6 +65,10 @@ struct HopperFwdTraits {
 // tile k of unit u), its start and end (%globaltimer, ns), its SM, its key tiles, and when Q and
 // K_0 had landed and when the last P V retired (the tile's start, loop and epilogue apart) in
 // cuflash_fwd_trace (tools/fwd_trace.py reads it back).
+// The smallest head-dim bucket whose rows keep a stale max (see kStale in the math warpgroups).
+#ifndef CUFLASH_FWD_STALE_MIN_D
+#define CUFLASH_FWD_STALE_MIN_D 256
+#endif
 #ifdef CUFLASH_FWD_TRACE
 __device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][6];
 __device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles, unsigned long long ready,
@@ -240,8 +244,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // warp's rows moved its max). A B A B next to cuDNN (H200, evidence-20261130e/stale-ab):
         // d=256 +2-4.5% in every cell (N 1k-4k, full 0.97/1.00/1.02 -> 1.01/1.04/1.06); d=128 full
         // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
-        // (d=192 not measured: off.)
-        constexpr bool kStale = HEAD_DIM == 256;
+        // (d=192 not measured: off. A probe lowers the bound: -DCUFLASH_FWD_STALE_MIN_D=192.)
+        constexpr bool kStale = HEAD_DIM >= CUFLASH_FWD_STALE_MIN_D;
         bool moved = true;
         auto rescale_o = [&]() {
             if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);

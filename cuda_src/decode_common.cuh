@@ -7,6 +7,12 @@
 #include "band.cuh"
 #include "softmax.cuh"
 
+// (probe, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_STALE=1: the decode warps keep a
+// stale running max within 2^8 (OnlineSoftmax STALE), so their O rescale is almost never taken.
+#ifndef CUFLASH_DECODE_STALE
+#define CUFLASH_DECODE_STALE 0
+#endif
+
 // Rows r = (head hk * group + r / nq, token r % nq) of q into sQ (Swizzle<HEAD_DIM> layout),
 // zero-padded to 16 * ROW_TILES rows and HEAD_DIM columns, in two steps: load() reads this
 // thread's 8-column pieces into registers (element loads: q is a few hundred bytes), store()
@@ -173,7 +179,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
                 mask_score_row<CAUSAL || WINDOW, WINDOW>(acc_s[mi], hf, token, n0, s1, hi0, lo0, lane);
             }
     }
-    softmax.template update<ROW_TILES, kNS, kNO>(acc_s, acc_o, scale_log2);
+    softmax.template update<ROW_TILES, kNS, kNO, true, CUFLASH_DECODE_STALE>(acc_s, acc_o, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
 }

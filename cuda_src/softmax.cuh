@@ -75,10 +75,11 @@ struct OnlineSoftmax {
     // probs() and O's rescale in one step.
     // LAZY: skip O's rescale when no row of the warp moved its max (a vote and a branch, which
     // also splits the basic block between softmax and the P V product).
-    template <int MMA_M, int NS, int NO, bool LAZY = true>
+    // STALE: probs' stale max (a vote that then rarely finds a moved row).
+    template <int MMA_M, int NS, int NO, bool LAZY = true, bool STALE = false>
     __device__ __forceinline__ void update(float (&s)[MMA_M][NS][4], float (&o)[MMA_M][NO][4], float scale_log2) {
         float alpha[ROWS];
-        const bool moved = probs(s, scale_log2, alpha);
+        const bool moved = probs<MMA_M, NS, STALE>(s, scale_log2, alpha);
         if (!LAZY || __any_sync(0xffffffffu, moved)) rescale(o, alpha);
     }
 
