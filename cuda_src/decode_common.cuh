@@ -365,12 +365,12 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, float* sO, i
                                                      i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hq, int nq,
                                                      int d, int group, float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
-    // Rank r merges kQuads 4-column groups from column c0: HEAD_DIM / (4 CLUSTER) of them when that
+    // Rank r merges `quads` 4-column groups from column c0: HEAD_DIM / (4 CLUSTER) of them when that
     // divides (a compile-time count), else (sizes 3, 5, 6, 7) from group r * groups / CLUSTER to the next rank's.
     constexpr int kGroups = HEAD_DIM / 4;
     constexpr bool kEven = kGroups % CLUSTER == 0;
     const int c0 = kEven ? rank * (HEAD_DIM / CLUSTER) : rank * kGroups / CLUSTER * 4;
-    const int kQuads = kEven ? kGroups / CLUSTER : ((rank + 1) * kGroups / CLUSTER * 4 - c0) / 4;
+    const int quads = kEven ? kGroups / CLUSTER : (rank + 1) * kGroups / CLUSTER - rank * kGroups / CLUSTER;
     const int rows = group * nq;
     // Row r's slot in warp 0 is read and rewritten by thread r alone; other threads read other rows.
     for (int r = threadIdx.x; r < rows; r += THREADS) {
@@ -388,8 +388,8 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, float* sO, i
     }
     cluster_sync();  // every block's sO and (m, l) are final and visible to the cluster
     const u32 stat0 = smem_addr(s_stat), o0 = smem_addr(sO);
-    for (int i = threadIdx.x; i < rows * kQuads; i += THREADS) {
-        const int r = i / kQuads, c = c0 + (i % kQuads) * 4;
+    for (int i = threadIdx.x; i < rows * quads; i += THREADS) {
+        const int r = i / quads, c = c0 + (i % quads) * 4;
         float2 st[CLUSTER];
         float4 part[CLUSTER];
 #pragma unroll
