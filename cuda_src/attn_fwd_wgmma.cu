@@ -31,6 +31,22 @@ struct FwdMaps {
     const TmaDesc* v;
 };
 
+// The tail split of attn_fwd_wgmma_tma_split (full attention): a 1-D grid whose first full_tiles
+// blocks are whole query tiles in the plain grid's order, and whose remaining blocks are the
+// `splits` key ranges (pieces) of each of the last query tiles - the part of the last wave that
+// would leave SMs idle. Pieces 0 .. splits-2 of tail tile t write their normalized O (float32,
+// in accumulator order) and log-sum-exp to partial slot t * (splits - 1) + piece and count
+// themselves in flags[t]; the last piece, launched after them, waits for that count, merges the
+// partials by the log-sum-exp rule in piece order and stores O and the LSE, then zeroes flags[t]
+// for the next launch on the stream.
+struct FwdSplit {
+    int full_tiles;
+    int splits;
+    float* part_o;
+    float* part_lse;
+    unsigned* flags;
+};
+
 template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER, bool TMA = false>
 struct HopperFwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 .. 256)
@@ -84,19 +100,100 @@ __device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0,
 }
 #endif
 
+// The tail split's end of a piece (FwdSplit), called by every math thread with its normalized O
+// fragment (rows row0 and row0 + 8) and their log-sum-exp. A piece before the last writes them
+// and counts itself: returns true (nothing left to store). The last piece waits for the others,
+// merges, and returns false with the tile's O and LSE in acc_o and row_lse.
+template <int kNO, int kMath, int kBM>
+__device__ __forceinline__ bool split_merge(const FwdSplit& split, int piece, int tail, int tid, int lane, int row0,
+                                            float (&acc_o)[1][kNO][4], float (&row_lse)[2]) {
+    const int last = split.splits - 1;
+    const i64 slot0 = (i64)tail * last;
+    float4* part_o = reinterpret_cast<float4*>(split.part_o);
+    if (piece < last) {
+        const i64 slot = slot0 + piece;
+#pragma unroll
+        for (int di = 0; di < kNO; ++di)  // (accumulator order: a warp's stores are 512 contiguous bytes)
+            part_o[(slot * kNO + di) * kMath + tid] = make_float4(acc_o[0][di][0], acc_o[0][di][1], acc_o[0][di][2], acc_o[0][di][3]);
+        if ((lane & 3) == 0) {
+            split.part_lse[slot * kBM + row0] = row_lse[0];
+            split.part_lse[slot * kBM + row0 + 8] = row_lse[1];
+        }
+        __threadfence();  // the partials are visible device-wide before the count says so
+        named_barrier(1, kMath);
+        if (tid == 0) atomicAdd(split.flags + tail, 1u);
+        return true;
+    }
+    if (tid == 0) {
+        unsigned seen;
+        for (;;) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(split.flags + tail) : "memory");
+            if (seen >= (unsigned)last) break;
+            __nanosleep(128);
+        }
+    }
+    named_barrier(1, kMath);
+    // O = sum_p w_p O_p / sum_p w_p, w_p = exp(lse_p - max); the partials are read from L2 (.cg).
+    float mx[2], w[2], total[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = row_lse[hf];
+        for (int p = 0; p < last; ++p) mx[hf] = fmaxf(mx[hf], __ldcg(split.part_lse + (slot0 + p) * kBM + row0 + 8 * hf));
+        w[hf] = mx[hf] == -INFINITY ? 0.f : expf(row_lse[hf] - mx[hf]);
+        total[hf] = 0.f;
+    }
+    for (int p = -1; p < last; ++p) {  // -1: this piece's own O, then the partials in piece order
+        if (p >= 0) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = __ldcg(split.part_lse + (slot0 + p) * kBM + row0 + 8 * hf);
+                w[hf] = mx[hf] == -INFINITY ? 0.f : expf(l - mx[hf]);
+            }
+        }
+        total[0] += w[0];
+        total[1] += w[1];
+#pragma unroll
+        for (int di = 0; di < kNO; ++di) {
+            if (p < 0) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[0][di][e] *= w[e / 2];
+            } else {
+                const float4 v = __ldcg(part_o + ((slot0 + p) * kNO + di) * kMath + tid);
+                acc_o[0][di][0] += w[0] * v.x;
+                acc_o[0][di][1] += w[0] * v.y;
+                acc_o[0][di][2] += w[1] * v.z;
+                acc_o[0][di][3] += w[1] * v.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        row_lse[hf] = total[hf] > 0.f ? mx[hf] + logf(total[hf]) : -INFINITY;
+        total[hf] = total[hf] > 0.f ? 1.f / total[hf] : 0.f;
+    }
+#pragma unroll
+    for (int di = 0; di < kNO; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][di][e] *= total[e / 2];
+    if (tid == 0) split.flags[tail] = 0u;  // every piece has counted itself: ready for the next launch
+    return false;
+}
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false>
+          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false, bool SPLIT = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
-                    FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0) {
+                    FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
+                    FwdSplit split = FwdSplit{0, 1, nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
+    static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the tail split: full attention, per-tile TMA kernel");
     // WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows of O, behind
     // warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's end
     // (persistent: under ping-pong their offset carries into the next tile). Without PERSISTENT O
@@ -139,6 +236,20 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = pos.head / gridDim.y;
     }
 #endif
+    // SPLIT: blockIdx.x is a whole tile (below full_tiles) or piece `piece` of tail tile `tail`.
+    int piece = -1, tail = -1;
+    if constexpr (SPLIT) {
+        const int m_count = (nq + kBM - 1) / kBM;
+        int l = blockIdx.x;
+        if (l >= split.full_tiles) {
+            tail = (l - split.full_tiles) / split.splits;
+            piece = (l - split.full_tiles) % split.splits;
+            l = split.full_tiles + tail;
+        }
+        m_block = m_count - 1 - l % m_count;
+        h = (l / m_count) % n_heads;
+        b = l / (m_count * n_heads);
+    }
     int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int m0 = m_block * kBM;
@@ -173,6 +284,18 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         nk_b -= kb;
         hi += m0 - kb;
         lo += m0 - kb;
+    }
+
+    // SPLIT: a piece's key tiles, [piece, piece + 1) * n_tiles / splits; keys count from its first
+    // (piece_k0), so the mask of the last tile's end and the loop are the whole tile's.
+    int piece_k0 = 0;
+    if constexpr (SPLIT) {
+        if (piece >= 0) {
+            const int t0 = piece * n_tiles / split.splits, t1 = (piece + 1) * n_tiles / split.splits;
+            piece_k0 = t0 * BLOCK_N;
+            n_tiles = t1 - t0;
+            nk_b -= piece_k0;
+        }
     }
 
     // PERSISTENT: gridDim.x blocks (one per SM) walk a list of work units; block c takes units
@@ -430,6 +553,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
         float row_lse[2];
         softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+        if constexpr (SPLIT) {
+            if (piece >= 0 && split_merge<kNO, kMath, kBM>(split, piece, tail, tid, lane, row0, acc_o, row_lse)) return;
+        }
 
         // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.
     #pragma unroll
@@ -461,7 +587,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         }
         if ((lane & 3) == 0) {
-            float* gL = lse + ((i64)b * (PERSISTENT ? (u32)n_heads : gridDim.y) + h) * nq + (q_row0 + m0);
+            float* gL = lse + ((i64)b * (PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y) + h) * nq + (q_row0 + m0);
     #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
                 if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
@@ -497,7 +623,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 auto issue_k = [&](int j) {
                     const int g = kv0 + j, s = g % STAGES;
                     mbar_wait(empty_k(s), ((g / STAGES) & 1) ^ 1);
-                    issue(sK + s * TileKV::kBytes, maps.k, BLOCK_N, j * BLOCK_N, hk, full_k(s));
+                    issue(sK + s * TileKV::kBytes, maps.k, BLOCK_N, piece_k0 + j * BLOCK_N, hk, full_k(s));
                 };
                 auto tile_loads = [&]() {
                     if constexpr (PERSISTENT) {
@@ -513,7 +639,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                         if (j + 1 < n_tiles) issue_k(j + 1);
                         const int g = kv0 + j, s = g % STAGES;
                         mbar_wait(empty_v(s), ((g / STAGES) & 1) ^ 1);
-                        issue(sV + s * TileKV::kBytes, maps.v, BLOCK_N, j * BLOCK_N, hk, full_v(s));
+                        issue(sV + s * TileKV::kBytes, maps.v, BLOCK_N, piece_k0 + j * BLOCK_N, hk, full_v(s));
                     }
                 };
                 if constexpr (PERSISTENT) {
@@ -605,6 +731,17 @@ __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
         FWD_TMA_ARGS, n_heads, n_batch);
+}
+// The TMA kernel over full attention with the last wave's query tiles split by keys (FwdSplit):
+// a 1-D grid of full_tiles + splits x (tail tiles) blocks, one per SM at a time, so that the
+// pieces of the tail tiles fill the SMs that whole tiles would leave idle at the end.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int full_tiles, int splits, float* __restrict__ part_o,
+                         float* __restrict__ part_lse, unsigned* __restrict__ flags) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false, WG_EPILOGUE,
+                        true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{full_tiles, splits, part_o, part_lse, flags});
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

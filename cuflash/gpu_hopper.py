@@ -106,6 +106,59 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
     return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
 
 
+def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
+    tile (the table's by default) with the last wave's query tiles split by keys."""
+    t = tile or _table_tile(schedule.head_dim_bucket(d), False)
+    hd = schedule.head_dim_bucket(d)
+    if not t.tma or t.persistent:
+        raise ValueError("tile: the tail split runs the per-tile TMA kernel (tma=True, persistent=False)")
+    if hd not in schedule.SPLIT_HEAD_DIMS:
+        raise ValueError(f"d={d}: the tail split is built for head-dim buckets {schedule.SPLIT_HEAD_DIMS}")
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    expr = (f"attn_fwd_wgmma_tma_split<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
+            f"{b(t.pingpong)}, {b(t.wg_epilogue)}>")
+    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
+def split_plan(p, t: schedule.HopperTile, sm_count: int):
+    """(full_tiles, splits) of the tail split for this problem on tile t, or None: full attention
+    (no causal mask) on a per-tile TMA tile, one launch (batch within the grid's z limit). Every
+    per-tile TMA tile runs one block per SM (its setmaxnreg split takes the whole register file)."""
+    from .gpu import _MAX_GRID_Z
+
+    if (p.causal is not None or not t.tma or t.persistent or p.batch > _MAX_GRID_Z or p.nk == 0
+            or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
+        return None
+    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
+
+
+def split_partials(p, t: schedule.HopperTile, plan) -> tuple[int, int, int]:
+    """(slots, rows, columns) of the tail split's float32 partials: one slot per tail piece but
+    the last, a tile's block_m rows of O over the head-dim bucket (accumulator order) and of LSE."""
+    full_tiles, splits = plan
+    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    return (tiles - full_tiles) * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
+
+
+_split_flags_cache: dict = {}
+
+
+def split_flags(n: int):
+    """A zeroed uint32 counter per tail tile for the current device and stream, kept across calls:
+    each launch's last pieces zero theirs again, so no launch needs a memset (and a captured graph
+    replays as it ran)."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    flags = _split_flags_cache.get(key)
+    if flags is None or flags.size < n:
+        flags = cupy.zeros(max(n, 1024), dtype=np.uint32)
+        _split_flags_cache[key] = flags
+    return flags
+
+
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
     the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
@@ -173,20 +226,32 @@ def all_hopper_forward_specs():
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
-    return plain + band
+    split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
+    return plain + band + split
 
 
-def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
+def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
     """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward.
     Without a tile: the TMA table's where tma_ok, else the cp.async kernel's. A forced TMA tile
     on rows TMA cannot address raises ValueError. A persistent tile runs one block per SM, or
-    `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
+    `persistent_blocks` blocks (tests: a few blocks walk many tiles each). `split`: the tail
+    split of full attention on a per-tile TMA tile - None: split_plan's choice, False: none,
+    (full_tiles, splits): forced (tests, probes)."""
     from .gpu import launch_forward
 
     addressable = tma_ok(q4, k4, v4)
     if tile is None:
         tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
+    if split is None and t.tma and addressable:
+        import cupy
+
+        from .gpu_decode import _sm_count
+
+        split = split_plan(p, t, _sm_count(cupy.cuda.Device().id))
+    if split:
+        _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable)
+        return
     maps = None
     if t.tma:
         from . import tma
@@ -204,6 +269,31 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None):
 
         blocks = persistent_blocks or _sm_count(cupy.cuda.Device().id)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
+
+
+def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
+    """attn_fwd_wgmma_tma_split with (full_tiles, splits) = split."""
+    import cupy
+
+    from . import tma
+    from .gpu import _MAX_GRID_Z, launch_forward
+
+    full_tiles, splits = split
+    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    if p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not (0 <= full_tiles <= tiles) or splits < 1:
+        raise ValueError(f"split={split}: the tail split needs full attention, TMA-addressable rows, at most "
+                         f"{_MAX_GRID_Z} batch entries, 0 <= full_tiles <= {tiles} and splits >= 1")
+    spec, _ = split_spec(p.dtype, p.d, t)
+    tail = tiles - full_tiles
+    slots, rows, hd = split_partials(p, t, split)
+    part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
+    part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
+    flags = split_flags(tail)
+
+    def maps(qs, ks, vs):
+        return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
+                   split=(full_tiles + splits * tail, full_tiles, splits, part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

@@ -50,14 +50,14 @@ def tma_tile(d, block_n=None, stages=None, pingpong=None):
     return schedule.HopperTile(block_n or t.block_n, t.warpgroups, stages or t.stages, "test", False, True, pp)
 
 
-def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd", persistent_blocks=None):
+def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd", persistent_blocks=None, split=False):
     before = [raw(a).copy() for a in (q, k, v)]
     p = _problem.validate_forward(q, k, v, causal=causal, layout=layout)
     o = poisoned(p.q_shape(), p.dtype)
     lse = poisoned(p.lse_shape(), FLOAT32)
     o4, lse3 = to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq))
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile, persistent_blocks=persistent_blocks)
+    gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile, persistent_blocks=persistent_blocks, split=split)
     assert_unchanged((q, k, v), before)
     return o, lse
 
@@ -148,6 +148,60 @@ def test_persistent_many_tiles_per_sm(rng):
     # One block per SM with about 4 tiles each (132 SMs on the H200), bshd layout.
     tile = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]
     run_and_check(rng, BFLOAT16, (4,), 16, 4, 1031, 1031, 128, causal="bottom_right", tile=tile, layout="bshd")
+
+
+# The tail split (attn_fwd_wgmma_tma_split): the last query tiles run as key ranges whose last
+# piece merges the others' float32 partials. Forced geometry: every tile split (full_tiles 0),
+# some, none; pieces of one key tile and pieces with none (2 key tiles in 4 pieces: their LSE is
+# -inf and must weigh nothing); a ragged last query tile and key tile; GQA; several batch
+# entries; bshd rows. Every row is checked, and the outputs start poisoned.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("case", [
+    pytest.param(((2, 3, 1, 300, 1000), 11, 2), id="tail7-k2"),
+    pytest.param(((2, 3, 1, 300, 1000), 0, 6), id="all-k6"),
+    pytest.param(((1, 4, 2, 257, 200), 3, 4), id="empty-pieces"),
+    pytest.param(((3, 2, 2, 129, 777), 12, 3), id="no-tail"),
+])
+def test_tail_split(rng, dtype, d, case):
+    (batch, hq, hkv, nq, nk), full_tiles, splits = case
+    tile = tma_tile(d)
+    tiles = -(-nq // tile.block_m) * hq * batch
+    full_tiles = min(full_tiles, tiles)
+    for layout in ("bhsd", "bshd"):
+        sq, skv = shapes(layout, (batch,), hq, hkv, nq, nk, d)
+        q, k, v = device_inputs(rng, sq, skv, dtype)
+        o, lse = forward_tma(q, k, v, tile, layout=layout, split=(full_tiles, splits))
+        check_rows(o, lse, q, k, v, layout=layout)
+
+
+def test_tail_split_twice_and_counters_reset(rng):
+    # Two launches back to back on one stream share the per-tile counters: the first launch's last
+    # pieces must have zeroed them, or the second's would merge before its partials were written.
+    tile = tma_tile(128)
+    for seed_round in range(2):
+        q, k, v = device_inputs(rng, (1, 8, 700, 128), (1, 8, 1100, 128), BFLOAT16)
+        o, lse = forward_tma(q, k, v, tile, split=(20, 3))
+        check_rows(o, lse, q, k, v)
+    cupy.cuda.Device().synchronize()
+    assert int(gpu_hopper.split_flags(1).max()) == 0
+
+
+def test_tail_split_plan_runs(rng):
+    # The automatic plan on a shape it splits (d=128: 132 SMs, 2 x 70 query tiles: 8 in the last
+    # wave, 64 key tiles each), through the public API, next to the same call without the split.
+    import cuflash
+
+    p = _problem.validate_forward(cupy.empty((1, 70, 256, 128), BFLOAT16), cupy.empty((1, 70, 8192, 128), BFLOAT16),
+                                  cupy.empty((1, 70, 8192, 128), BFLOAT16))
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    plan = gpu_hopper.split_plan(p, tma_tile(128), sms)
+    if sms != 132:
+        pytest.skip(f"the case is sized for 132 SMs, this GPU has {sms}")
+    assert plan == (132, 6), plan
+    q, k, v = device_inputs(rng, (1, 70, 256, 128), (1, 70, 8192, 128), BFLOAT16)
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    check_rows(o, lse, q, k, v, rng=rng)
 
 
 # Per key tile, the scaled (base 2) score level of its keys: the d=256 kernel keeps a row's running

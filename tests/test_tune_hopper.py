@@ -98,6 +98,36 @@ def test_causal_table_tile():
     assert any("epilogue" in v for v in hopper_forward_violations(256, replace(t, pingpong=True)))
 
 
+@pytest.mark.parametrize("tiles,slots,key_tiles,want", [
+    (2048, 132, 32, (1980, 3)),  # the benchmark's d=128 grid: 68 tiles left, thirds take 2 rounds (2/3 of a tile)
+    (2048, 132, 128, (1980, 5)),  # longer keys allow fifths: 340 pieces in 3 rounds (3/5; sixths: 4/6)
+    (2048, 132, 16, None),  # 16 key tiles: at most 2 pieces of 8, and halves of 68 tiles need 2 rounds
+    (1024, 132, 52, (924, 5)),  # 100 left: fifths, 4 rounds of 1/5
+    (140, 132, 64, (132, 6)),  # 8 left: one round of sixths
+    (64, 132, 64, (0, 2)),  # fewer tiles than SMs: all of them, halves fit one round
+    (128, 132, 64, None),  # 128 of 132: no split does better than a whole tile
+    (264, 132, 64, None),  # whole waves
+    (20, 132, 15, None),  # pieces would be shorter than 8 key tiles
+])
+def test_tail_split_plan(tiles, slots, key_tiles, want):
+    # schedule.tail_split: the k pieces of the last wave's r tiles take ceil(k r / slots) / k tile
+    # times; worked out by hand per case.
+    assert schedule.tail_split(tiles, slots, key_tiles) == want
+
+
+def test_tail_split_applies_to_full_attention_on_per_tile_tiles():
+    # The benchmark's d=128 shape (B=4, H=16, N=4k: 2048 tiles on the H200's 132 SMs).
+    t = schedule.HOPPER_FORWARD_TILES[128]
+    full = Problem(np, "bhsd", (4,), 16, 16, 4096, 4096, 128, np.dtype(BFLOAT16), None, 1.0)
+    assert gpu_hopper.split_plan(full, t, 132) == (1980, 3)
+    assert gpu_hopper.split_plan(replace(full, causal="bottom_right"), t, 132) is None
+    assert gpu_hopper.split_plan(full, schedule.HOPPER_FORWARD_PERSISTENT[128].tile, 132) is None
+    assert gpu_hopper.split_plan(replace(full, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
+    spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]
+    assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
+    assert spec in gpu_hopper.all_hopper_forward_specs()
+
+
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
 # (232448 - 1024 - 8 - 32 s) / 256 = 903 rows (904 before; no tile sits exactly there), worked
 # out per block_n by hand: 2 stages: up to 176 keys any wg, 192 keys wg <= 2; 3 stages and more:
