@@ -432,7 +432,7 @@ def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
     return schedule.hopper_backward_tile(hd, causal is not None).ws
 
 
-def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None):
+def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=None, hq=None):
     """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
     on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
     the mma.sync kernel). With the sequence lengths (nq, nk), the tile the dispatch picks for
@@ -456,7 +456,14 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None):
             tile = None
             if nq is not None and nk is not None:
                 tile = gpu_hopper.default_tile(d, masks.normalize_causal(causal), nq, nk)
-            spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
+            auto = None
+            if None not in (nq, nk, batch, hq):  # with the grid: the tail split where the dispatch takes it
+                auto = gpu_hopper.auto_split(SimpleNamespace(causal=masks.normalize_causal(causal), batch=batch, hq=hq,
+                                                             nq=nq, nk=nk, d=d), H200_SM_COUNT)
+            if auto is not None:
+                spec, t = gpu_hopper.split_spec(dtype, d, auto[0])
+            else:
+                spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
         elif dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernel where it exists
             from .gpu_fp32 import FORWARD_TILES_FP32, FORWARD_TILES_FP32_MMA, mma_runs
 
@@ -485,10 +492,9 @@ def _forward_tail_split(p, causal):
     hd = schedule.head_dim_bucket(p.d)
     if p.nq == 0 or not _hopper_runs(p.dtype, hd, schedule.HOPPER_FORWARD_TILES):
         return None
-    t = gpu_hopper.default_tile(p.d, causal, p.nq, p.nk)
     dims = NS(causal=causal, batch=p.batch, hq=p.hq, nq=p.nq, nk=p.nk, d=p.d)
-    plan = gpu_hopper.split_plan(dims, t, H200_SM_COUNT)
-    return None if plan is None else gpu_hopper.split_partials(dims, t, plan)
+    auto = gpu_hopper.auto_split(dims, H200_SM_COUNT)
+    return None if auto is None else gpu_hopper.split_partials(dims, *auto)
 
 
 def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
@@ -646,7 +652,7 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                                  f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
                                  f"per warp, head dim padded to {hd}{merge}; {dec.source}"))
         elif fwd:
-            f = forward_launch(p.dtype, p.d, causal, config, p.nq, p.nk)
+            f = forward_launch(p.dtype, p.d, causal, config, p.nq, p.nk, p.batch, p.hq)
             E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
                                  f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
         if fwd and registers is not None:

@@ -123,15 +123,33 @@ def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
 
 def split_plan(p, t: schedule.HopperTile, sm_count: int):
     """(full_tiles, splits) of the tail split for this problem on tile t, or None: full attention
-    (no causal mask) on a per-tile TMA tile, one launch (batch within the grid's z limit). Every
-    per-tile TMA tile runs one block per SM (its setmaxnreg split takes the whole register file)."""
+    (no causal mask) on a per-tile TMA tile, one launch (batch within the grid's z limit), and a
+    grid of fewer query tiles than SMs. Every per-tile TMA tile runs one block per SM (its
+    setmaxnreg split takes the whole register file).
+
+    Only grids under one wave: the split kernel itself runs 2-4% slower than the plain one with no
+    tile split (H200, tools/split_probe.py, evidence-20261130f/), which the last partial wave of
+    a longer grid does not win back (d=128 N=4k 0.979 -> 0.960x cuDNN, d=64 N=2k 1.012 -> 0.989);
+    with fewer tiles than SMs the pieces fill idle SMs (d=128 N=8k, 64 tiles: 1.00 -> 1.63x)."""
     from .gpu import _MAX_GRID_Z
 
     if (p.causal is not None or not t.tma or t.persistent or p.batch > _MAX_GRID_Z or p.nk == 0
             or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
         return None
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    if tiles >= sm_count:
+        return None
     return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
+
+
+def auto_split(p, sm_count: int):
+    """(table tile, plan) when the dispatch splits this problem's query tiles by keys (split_plan
+    on the full-attention table tile, which then replaces a persistent tile), else None."""
+    if p.causal is not None or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS:
+        return None
+    t = _table_tile(schedule.head_dim_bucket(p.d), False)
+    plan = split_plan(p, t, sm_count)
+    return None if plan is None else (t, plan)
 
 
 def split_partials(p, t: schedule.HopperTile, plan) -> tuple[int, int, int]:
@@ -240,15 +258,21 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     from .gpu import launch_forward
 
     addressable = tma_ok(q4, k4, v4)
-    if tile is None:
-        tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
-    spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
-    if split is None and t.tma and addressable:
+    if split is None and addressable and (tile is None or (tile.tma and not tile.persistent)):
         import cupy
 
         from .gpu_decode import _sm_count
 
-        split = split_plan(p, t, _sm_count(cupy.cuda.Device().id))
+        sms = _sm_count(cupy.cuda.Device().id)
+        if tile is None:
+            auto = auto_split(p, sms)
+            if auto is not None:
+                tile, split = auto
+        else:
+            split = split_plan(p, tile, sms)
+    if tile is None:
+        tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
+    spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
     if split:
         _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable)
         return

@@ -116,11 +116,18 @@ def test_tail_split_plan(tiles, slots, key_tiles, want):
 
 
 def test_tail_split_applies_to_full_attention_on_per_tile_tiles():
-    # The benchmark's d=128 shape (B=4, H=16, N=4k: 2048 tiles on the H200's 132 SMs).
+    # Only grids of fewer query tiles than SMs split: B=1, H=1, N=8k at d=128 is 64 tiles of 64
+    # key tiles (halves: one round); the benchmark's B=4, H=16, N=4k (2048 tiles) does not.
     t = schedule.HOPPER_FORWARD_TILES[128]
-    full = Problem(np, "bhsd", (4,), 16, 16, 4096, 4096, 128, np.dtype(BFLOAT16), None, 1.0)
-    assert gpu_hopper.split_plan(full, t, 132) == (1980, 3)
-    assert gpu_hopper.split_plan(replace(full, causal="bottom_right"), t, 132) is None
+    small = Problem(np, "bhsd", (1,), 1, 1, 8192, 8192, 128, np.dtype(BFLOAT16), None, 1.0)
+    assert gpu_hopper.split_plan(small, t, 132) == (0, 2)
+    assert gpu_hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
+    assert gpu_hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
+    # N=2k: the dispatch's tile is the persistent one; the split takes the table's instead
+    short = replace(small, nq=2048, nk=2048, hq=4, hkv=4)
+    assert gpu_hopper.default_tile(128, None, 2048, 2048).persistent
+    assert gpu_hopper.auto_split(short, 132) == (t, (0, 2))
+    full = small
     assert gpu_hopper.split_plan(full, schedule.HOPPER_FORWARD_PERSISTENT[128].tile, 132) is None
     assert gpu_hopper.split_plan(replace(full, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
     spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]

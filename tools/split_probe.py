@@ -30,10 +30,11 @@ def arg(flag, default):
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 timer = Timer(warmup=2, repeats=20, seconds_per_impl=0.5)
 out = []
-for d in arg("--d", "64,128,192"):
-    heads = 2048 // d
-    for n in arg("--n", "1024,2048,4096,16384"):
-        bh = (16384 // n) * heads
+if "--cases" in sys.argv:  # "B*H,N,d;..." (batch x heads folded into the heads)
+    CASES = [tuple(int(x) for x in c.split(",")) for c in sys.argv[sys.argv.index("--cases") + 1].split(";")]
+else:  # the benchmark's grid
+    CASES = [((16384 // n) * (2048 // d), n, d) for d in arg("--d", "64,128,192") for n in arg("--n", "1024,2048,4096,16384")]
+for bh, n, d in CASES:
         q, k, v = (torch.randn(1, bh, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
         p = _problem.validate_forward(qc, kc, vc)
@@ -44,7 +45,8 @@ for d in arg("--d", "64,128,192"):
         plan = gpu_hopper.split_plan(p, tile, SMS)
         o4 = cp.empty_like(qc)
         lse = cp.empty((1, bh, n), cp.float32)
-        variants = {"api": (None, None), "nosplit": (tile, False)}  # api: the dispatch's own tile and plan
+        # api: the dispatch's own tile and plan; notail: the split kernel with every tile whole
+        variants = {"api": (None, None), "nosplit": (tile, False), "notail": (tile, (tiles, 2))}
         if plan:
             variants["plan"] = (tile, plan)
         r = tiles % SMS
