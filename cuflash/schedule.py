@@ -138,7 +138,9 @@ HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
 # block per SM, T query tiles take ceil(T / SMs) tile times, and the last, partial wave leaves SMs
 # idle (the benchmark's d=128 grid: 2048 tiles = 15.5 waves of 132, +3% TFLOP/s for cuflash and
 # cuDNN alike at a whole number of waves: tools/wave_probe.py, evidence-20261130f/wave.log). The
-# last wave's r tiles run instead as `splits` key ranges each, merged by the last piece.
+# last wave's r tiles run instead as `splits` key ranges each, merged by the last piece. Taken
+# only for grids under one wave (gpu_hopper.split_plan): the split kernel itself is 2-4% slower,
+# which a longer grid's tail does not win back.
 SPLIT_MAX = 6  # pieces per tail tile (each before the last writes a float32 partial O)
 SPLIT_MIN_KEY_TILES = 8  # a piece's start and end (~2.7 us at d=128) stay small next to its loop
 SPLIT_MAX_TAIL = 0.85  # split only if the tail then takes at most this many tile times
