@@ -133,13 +133,17 @@ def split_plan(p, t: schedule.HopperTile, sm_count: int):
     with fewer tiles than SMs the pieces fill idle SMs (d=128 N=8k, 64 tiles: 1.00 -> 1.63x)."""
     from .gpu import _MAX_GRID_Z
 
-    if (p.causal is not None or not t.tma or t.persistent or p.batch > _MAX_GRID_Z or p.nk == 0
+    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0
             or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
         return None
-    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    per_z = -(-p.nq // t.block_m) * p.hq
+    tiles = per_z * p.batch
     if tiles >= sm_count:
         return None
-    return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
+    plan = schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
+    if plan is None or p.batch + -(-plan[1] * (tiles - plan[0]) // per_z) > _MAX_GRID_Z:  # the pieces' grid z
+        return None
+    return plan
 
 
 def auto_split(p, sm_count: int):
@@ -304,7 +308,10 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
 
     full_tiles, splits = split
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not (0 <= full_tiles <= tiles) or splits < 1:
+    per_z = -(-p.nq // t.block_m) * p.hq  # blocks per batch slice of the grid
+    extra_z = -(-splits * (tiles - full_tiles) // max(1, per_z))
+    if (p.causal is not None or not addressable or p.batch + extra_z > _MAX_GRID_Z or not (0 <= full_tiles <= tiles)
+            or splits < 1):
         raise ValueError(f"split={split}: the tail split needs full attention, TMA-addressable rows, at most "
                          f"{_MAX_GRID_Z} batch entries, 0 <= full_tiles <= {tiles} and splits >= 1")
     spec, _ = split_spec(p.dtype, p.d, t)
@@ -317,7 +324,7 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
     def maps(qs, ks, vs):
         return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
-                   split=(full_tiles + splits * tail, full_tiles, splits, part_o, part_lse, flags))
+                   split=(extra_z, full_tiles, splits, part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

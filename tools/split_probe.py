@@ -49,6 +49,9 @@ for bh, n, d in CASES:
         variants = {"api": (None, None), "nosplit": (tile, False), "notail": (tile, (tiles, 2))}
         if plan:
             variants["plan"] = (tile, plan)
+        tail_plan = schedule.tail_split(tiles, SMS, -(-n // tile.block_n))  # the last wave's split, any grid
+        if tail_plan and tail_plan != plan:
+            variants["tail"] = (tile, tail_plan)
         r = tiles % SMS
         for ks in arg("--forced", "2,3,5"):
             if not plan or ks != plan[1]:
