@@ -31,16 +31,14 @@ struct FwdMaps {
     const TmaDesc* v;
 };
 
-// The tail split of attn_fwd_wgmma_tma_split (full attention): the plain grid (query tiles, heads,
-// batch) runs the first full_tiles tiles (in its order); grid z past the batch holds the `splits`
-// key ranges (pieces) of each of the last query tiles - the part of the last wave that would
-// leave SMs idle. Pieces 0 .. splits-2 of tail tile t write their normalized O (float32,
+// The tail split (full attention): attn_fwd_wgmma_tma_limited runs the first full_tiles query
+// tiles (in the plain grid's order), then attn_fwd_wgmma_tma_split runs the `splits` key ranges
+// (pieces) of each of the last ones - the part of the last wave that would leave SMs idle. Pieces 0 .. splits-2 of tail tile t write their normalized O (float32,
 // in accumulator order) and log-sum-exp to partial slot t * (splits - 1) + piece and count
 // themselves in flags[t]; the last piece, launched after them, waits for that count, merges the
 // partials by the log-sum-exp rule in piece order and stores O and the LSE, then zeroes flags[t]
 // for the next launch on the stream.
 struct FwdSplit {
-    int batch;  // batch entries of the plain grid (grid z beyond them: the tail pieces)
     int full_tiles;
     int splits;
     float* part_o;
@@ -189,7 +187,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
-                    FwdSplit split = FwdSplit{0, 0, 1, nullptr, nullptr, nullptr}) {
+                    FwdSplit split = FwdSplit{0, 1, nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
@@ -237,25 +235,17 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = pos.head / gridDim.y;
     }
 #endif
-    // SPLIT: the plain grid's blocks (z < split.batch) run the whole tiles below full_tiles as the
-    // plain kernel does (the tail tiles' blocks leave); the blocks past it are piece `piece` of
-    // tail tile `tail` (the divisions only there: a whole tile's start stays the plain kernel's).
+    // SPLIT: block x is piece `piece` of tail tile `tail`, tile full_tiles + tail in the plain
+    // grid's order (query tiles, heads, batch).
     int piece = -1, tail = -1;
     if constexpr (SPLIT) {
-        const int per_z = gridDim.x * gridDim.y;
-        if ((int)blockIdx.z < split.batch) {
-            if ((int)(blockIdx.x + gridDim.x * blockIdx.y) + per_z * (int)blockIdx.z >= split.full_tiles) return;
-        } else {
-            const int pi = blockIdx.x + gridDim.x * blockIdx.y + per_z * (blockIdx.z - split.batch);
-            const int tail_tiles = per_z * split.batch - split.full_tiles;
-            if (pi >= tail_tiles * split.splits) return;
-            tail = pi / split.splits;
-            piece = pi - tail * split.splits;
-            const int l = split.full_tiles + tail;
-            m_block = gridDim.x - 1 - l % gridDim.x;
-            h = (l / gridDim.x) % gridDim.y;
-            b = l / per_z;
-        }
+        const int m_count = (nq + kBM - 1) / kBM;
+        tail = blockIdx.x / split.splits;
+        piece = blockIdx.x - tail * split.splits;
+        const int l = split.full_tiles + tail;
+        m_block = m_count - 1 - l % m_count;
+        h = (l / m_count) % n_heads;
+        b = l / (m_count * n_heads);
     }
     int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -297,12 +287,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // (piece_k0), so the mask of the last tile's end and the loop are the whole tile's.
     int piece_k0 = 0;
     if constexpr (SPLIT) {
-        if (piece >= 0) {
-            const int t0 = piece * n_tiles / split.splits, t1 = (piece + 1) * n_tiles / split.splits;
-            piece_k0 = t0 * BLOCK_N;
-            n_tiles = t1 - t0;
-            nk_b -= piece_k0;
-        }
+        const int t0 = piece * n_tiles / split.splits, t1 = (piece + 1) * n_tiles / split.splits;
+        piece_k0 = t0 * BLOCK_N;
+        n_tiles = t1 - t0;
+        nk_b -= piece_k0;
     }
 
     // PERSISTENT: gridDim.x blocks (one per SM) walk a list of work units; block c takes units
@@ -561,7 +549,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         float row_lse[2];
         softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
         if constexpr (SPLIT) {
-            if (piece >= 0 && split_merge<kNO, kMath, kBM>(split, piece, tail, tid, lane, row0, acc_o, row_lse)) return;
+            if (split_merge<kNO, kMath, kBM>(split, piece, tail, tid, lane, row0, acc_o, row_lse)) return;
         }
 
         // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.
@@ -594,7 +582,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         }
         if ((lane & 3) == 0) {
-            float* gL = lse + ((i64)b * (PERSISTENT ? (u32)n_heads : gridDim.y) + h) * nq + (q_row0 + m0);
+            float* gL = lse + ((i64)b * (PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y) + h) * nq + (q_row0 + m0);
     #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
                 if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
@@ -739,16 +727,30 @@ attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
         FWD_TMA_ARGS, n_heads, n_batch);
 }
-// The TMA kernel over full attention with the last wave's query tiles split by keys (FwdSplit):
-// grid (query tiles, heads, batch + z for the pieces), one block per SM at a time, so that the
-// pieces of the tail tiles fill the SMs that whole tiles would leave idle at the end.
+// The pieces of the tail split (FwdSplit): a 1-D grid of splits x (tail tiles) blocks, piece-major
+// per tile, so each tile's last piece (which merges) is launched after the others. Its own kernel:
+// the piece bounds in the plain body's loop changed ptxas's schedule of it (2-4% slower on every
+// tile, tools/split_probe.py), so the whole tiles run attn_fwd_wgmma_tma_limited.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
           bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int batch, int full_tiles, int splits, float* __restrict__ part_o,
+attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int full_tiles, int splits, float* __restrict__ part_o,
                          float* __restrict__ part_lse, unsigned* __restrict__ flags) {
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false, WG_EPILOGUE,
-                        true>(FWD_TMA_ARGS, 0, 0, FwdSplit{batch, full_tiles, splits, part_o, part_lse, flags});
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
+                        WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{full_tiles, splits, part_o, part_lse,
+                                                                              flags});
+}
+
+// The plain TMA kernel's whole tiles below `limit` (in its grid's order); the blocks of the tiles
+// past it leave at once (attn_fwd_wgmma_tma_split runs those as pieces, launched after it). Its
+// loop's SASS is the plain kernel's (tools/sass_dump.py, d=64 and 128).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_limited(FWD_TMA_PARAMS, int limit) {
+    if ((int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) >= limit) return;
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
+                        WG_EPILOGUE>(FWD_TMA_ARGS);
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

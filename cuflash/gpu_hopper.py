@@ -116,9 +116,17 @@ def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     if hd not in schedule.SPLIT_HEAD_DIMS:
         raise ValueError(f"d={d}: the tail split is built for head-dim buckets {schedule.SPLIT_HEAD_DIMS}")
     b = lambda x: "true" if x else "false"  # noqa: E731
-    expr = (f"attn_fwd_wgmma_tma_split<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
-            f"{b(t.pingpong)}, {b(t.wg_epilogue)}>")
-    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+    params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(t.pingpong)}, {b(t.wg_epilogue)}"
+    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_split<{params}>", t.threads, t.smem_bytes(hd)), t
+
+
+def limited_spec(dtype, d: int, tile: schedule.HopperTile | None = None) -> KernelSpec:
+    """attn_fwd_wgmma_tma_limited: split_spec's tile as the plain kernel over the whole tiles only."""
+    spec, _ = split_spec(dtype, d, tile)
+    return dataclasses.replace(spec, expression=spec.expression.replace("_tma_split<", "_tma_limited<"))
+
+
+SPLIT_LONG_GRIDS = False  # also split the last partial wave of grids of a wave or more
 
 
 def split_plan(p, t: schedule.HopperTile, sm_count: int):
@@ -133,17 +141,13 @@ def split_plan(p, t: schedule.HopperTile, sm_count: int):
     with fewer tiles than SMs the pieces fill idle SMs (d=128 N=8k, 64 tiles: 1.00 -> 1.63x)."""
     from .gpu import _MAX_GRID_Z
 
-    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0
+    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0 or p.batch > _MAX_GRID_Z
             or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
         return None
-    per_z = -(-p.nq // t.block_m) * p.hq
-    tiles = per_z * p.batch
-    if tiles >= sm_count:
+    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
+    if tiles >= sm_count and not SPLIT_LONG_GRIDS:
         return None
-    plan = schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
-    if plan is None or p.batch + -(-plan[1] * (tiles - plan[0]) // per_z) > _MAX_GRID_Z:  # the pieces' grid z
-        return None
-    return plan
+    return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
 
 
 def auto_split(p, sm_count: int):
@@ -248,7 +252,8 @@ def all_hopper_forward_specs():
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
-    split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
+    split = [x for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS
+             for x in (split_spec(dtype, hd)[0], limited_spec(dtype, hd))]
     return plain + band + split
 
 
@@ -308,9 +313,7 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
 
     full_tiles, splits = split
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    per_z = -(-p.nq // t.block_m) * p.hq  # blocks per batch slice of the grid
-    extra_z = -(-splits * (tiles - full_tiles) // max(1, per_z))
-    if (p.causal is not None or not addressable or p.batch + extra_z > _MAX_GRID_Z or not (0 <= full_tiles <= tiles)
+    if (p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not (0 <= full_tiles <= tiles)
             or splits < 1):
         raise ValueError(f"split={split}: the tail split needs full attention, TMA-addressable rows, at most "
                          f"{_MAX_GRID_Z} batch entries, 0 <= full_tiles <= {tiles} and splits >= 1")
@@ -323,8 +326,12 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
 
     def maps(qs, ks, vs):
         return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
-                   split=(extra_z, full_tiles, splits, part_o, part_lse, flags))
+    if full_tiles:  # the whole tiles first, by the plain kernel's code (the tail's blocks leave)
+        launch_forward(limited_spec(p.dtype, p.d, t), t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
+                       tail_args=(np.int32(full_tiles),))
+    if tail:
+        launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tail,
+                       tail_args=(np.int32(p.hq), np.int32(full_tiles), np.int32(splits), part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

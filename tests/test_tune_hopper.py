@@ -133,6 +133,9 @@ def test_tail_split_applies_to_full_attention_on_per_tile_tiles():
     spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]
     assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
     assert spec in gpu_hopper.all_hopper_forward_specs()
+    limited = gpu_hopper.limited_spec(BFLOAT16, 128)
+    assert limited.expression == "attn_fwd_wgmma_tma_limited<Bf16, 128, 128, 2, 2, false, false>"
+    assert limited in gpu_hopper.all_hopper_forward_specs()
 
 
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
