@@ -31,15 +31,14 @@ struct FwdMaps {
     const TmaDesc* v;
 };
 
-// The tail split (full attention): attn_fwd_wgmma_tma_limited runs the first full_tiles query
-// tiles (in the plain grid's order), then attn_fwd_wgmma_tma_split runs the `splits` key ranges
-// (pieces) of each of the last ones - the part of the last wave that would leave SMs idle. Pieces 0 .. splits-2 of tail tile t write their normalized O (float32,
-// in accumulator order) and log-sum-exp to partial slot t * (splits - 1) + piece and count
+// The key split of attn_fwd_wgmma_tma_split (full attention on a grid of fewer query tiles than
+// SMs, which a block per tile would leave mostly idle): every query tile runs as `splits` key
+// ranges (pieces). Pieces 0 .. splits-2 of tile t write their normalized O (float32, in
+// accumulator order) and log-sum-exp to partial slot t * (splits - 1) + piece and count
 // themselves in flags[t]; the last piece, launched after them, waits for that count, merges the
 // partials by the log-sum-exp rule in piece order and stores O and the LSE, then zeroes flags[t]
 // for the next launch on the stream.
 struct FwdSplit {
-    int full_tiles;
     int splits;
     float* part_o;
     float* part_lse;
@@ -99,7 +98,7 @@ __device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0,
 }
 #endif
 
-// The tail split's end of a piece (FwdSplit), called by every math thread with its normalized O
+// The key split's end of a piece (FwdSplit), called by every math thread with its normalized O
 // fragment (rows row0 and row0 + 8) and their log-sum-exp. A piece before the last writes them
 // and counts itself: returns true (nothing left to store). The last piece waits for the others,
 // merges, and returns false with the tile's O and LSE in acc_o and row_lse.
@@ -187,12 +186,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
-                    FwdSplit split = FwdSplit{0, 1, nullptr, nullptr, nullptr}) {
+                    FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
-    static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the tail split: full attention, per-tile TMA kernel");
+    static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the key split: full attention, per-tile TMA kernel");
     // WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows of O, behind
     // warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's end
     // (persistent: under ping-pong their offset carries into the next tile). Without PERSISTENT O
@@ -235,17 +234,16 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = pos.head / gridDim.y;
     }
 #endif
-    // SPLIT: block x is piece `piece` of tail tile `tail`, tile full_tiles + tail in the plain
-    // grid's order (query tiles, heads, batch).
+    // SPLIT: block x is piece `piece` of query tile `tail` in the plain grid's order (query tiles,
+    // heads, batch).
     int piece = -1, tail = -1;
     if constexpr (SPLIT) {
         const int m_count = (nq + kBM - 1) / kBM;
         tail = blockIdx.x / split.splits;
         piece = blockIdx.x - tail * split.splits;
-        const int l = split.full_tiles + tail;
-        m_block = m_count - 1 - l % m_count;
-        h = (l / m_count) % n_heads;
-        b = l / (m_count * n_heads);
+        m_block = m_count - 1 - tail % m_count;
+        h = (tail / m_count) % n_heads;
+        b = tail / (m_count * n_heads);
     }
     int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -727,30 +725,16 @@ attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
         FWD_TMA_ARGS, n_heads, n_batch);
 }
-// The pieces of the tail split (FwdSplit): a 1-D grid of splits x (tail tiles) blocks, piece-major
-// per tile, so each tile's last piece (which merges) is launched after the others. Its own kernel:
-// the piece bounds in the plain body's loop changed ptxas's schedule of it (2-4% slower on every
-// tile, tools/split_probe.py), so the whole tiles run attn_fwd_wgmma_tma_limited.
+// The key split (FwdSplit): a 1-D grid of splits x (query tiles) blocks, piece-major per tile, so
+// each tile's last piece (which merges) is launched after the others. A kernel of its own: the
+// piece bounds in the plain body's loop change ptxas's schedule of it (2-4% slower, measured).
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
           bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int full_tiles, int splits, float* __restrict__ part_o,
+attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int splits, float* __restrict__ part_o,
                          float* __restrict__ part_lse, unsigned* __restrict__ flags) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
-                        WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{full_tiles, splits, part_o, part_lse,
-                                                                              flags});
-}
-
-// The plain TMA kernel's whole tiles below `limit` (in its grid's order); the blocks of the tiles
-// past it leave at once (attn_fwd_wgmma_tma_split runs those as pieces, launched after it). Its
-// loop's SASS is the plain kernel's (tools/sass_dump.py, d=64 and 128).
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
-          bool WG_EPILOGUE = false>
-__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_limited(FWD_TMA_PARAMS, int limit) {
-    if ((int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) >= limit) return;
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
-                        WG_EPILOGUE>(FWD_TMA_ARGS);
+                        WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{splits, part_o, part_lse, flags});
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

@@ -457,7 +457,7 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
             if nq is not None and nk is not None:
                 tile = gpu_hopper.default_tile(d, masks.normalize_causal(causal), nq, nk)
             auto = None
-            if None not in (nq, nk, batch, hq):  # with the grid: the tail split where the dispatch takes it
+            if None not in (nq, nk, batch, hq):  # with the grid: the key split where the dispatch takes it
                 auto = gpu_hopper.auto_split(SimpleNamespace(causal=masks.normalize_causal(causal), batch=batch, hq=hq,
                                                              nq=nq, nk=nk, d=d), H200_SM_COUNT)
             if auto is not None:
@@ -482,8 +482,8 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
 H200_SM_COUNT = 132
 
 
-def _forward_tail_split(p, causal):
-    """(slots, rows, columns) of the tail split's float32 partials in the forward cuflash launches
+def _forward_key_split(p, causal):
+    """(slots, rows, columns) of the key split's float32 partials in the forward cuflash launches
     on the modelled H200 for this shape (16-byte aligned inputs), or None."""
     from types import SimpleNamespace as NS
 
@@ -621,15 +621,15 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                   MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
         hd = schedule.head_dim_bucket(p.d)
-        tail = _forward_tail_split(p, causal) if fwd and config is None and dec is None else None
+        tail = _forward_key_split(p, causal) if fwd and config is None and dec is None else None
         if tail is not None:
             slots, tile_rows, width = tail
-            E += [MemoryEntry("O partials (tail split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
-                              f"float32 {slots} pieces x {tile_rows} rows x {width}: the last wave's query tiles "
-                              "split by keys, all pieces of a tile but its last (gpu_hopper.split_plan)", phase="fwd"),
-                  MemoryEntry("LSE partials (tail split)", WORKSPACE, slots * tile_rows * LSE_ITEMSIZE,
+            E += [MemoryEntry("O partials (key split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
+                              f"float32 {slots} pieces x {tile_rows} rows x {width}: a grid under one wave splits its "
+                              "query tiles by keys, all pieces of a tile but its last (gpu_hopper.split_plan)", phase="fwd"),
+                  MemoryEntry("LSE partials (key split)", WORKSPACE, slots * tile_rows * LSE_ITEMSIZE,
                               f"float32 {slots} pieces x {tile_rows} rows", phase="fwd")]
-            notes.append("the tail split also keeps a 4 KiB counter buffer per device and stream from its first "
+            notes.append("the key split also keeps a 4 KiB counter buffer per device and stream from its first "
                          "launch on (zeroed again by every launch; not counted per call)")
         if bwd and p.dtype == FLOAT32:  # gpu_fp32: no dQ accumulator; float64 row statistics
             E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp recomputed by the dQ kernel "
@@ -899,19 +899,19 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "O", 0, qe, s, "written once"),
             IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
         ]
-        tail = (_forward_tail_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
+        tail = (_forward_key_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
                 if config is None else None)
-        if tail is not None:  # the last wave's tiles split by keys: K/V still read once per tile
+        if tail is not None:  # query tiles split by keys: K/V still read once per tile
             slots, trows, width = tail
             entries += [
-                IOEntry(p + "Q (tail pieces)", slots * trows * d, 0, s,
-                        f"reread by {slots} tail pieces ({trows} rows each; a ragged last tile reads fewer)"),
-                IOEntry(p + "O partials (tail split)", slots * trows * width, slots * trows * width, ACC_ITEMSIZE,
-                        "float32: written by a tail tile's pieces but its last, read by the last"),
-                IOEntry(p + "LSE partials (tail split)", slots * trows, slots * trows, LSE_ITEMSIZE,
+                IOEntry(p + "Q (split pieces)", slots * trows * d, 0, s,
+                        f"reread by {slots} pieces ({trows} rows each; a ragged last tile reads fewer)"),
+                IOEntry(p + "O partials (key split)", slots * trows * width, slots * trows * width, ACC_ITEMSIZE,
+                        "float32: written by a tile's pieces but its last, read by the last"),
+                IOEntry(p + "LSE partials (key split)", slots * trows, slots * trows, LSE_ITEMSIZE,
                         "float32, written and read once"),
             ]
-            assumptions.append(f"tail split on {H200_SM_COUNT} SMs (the H200's): {slots} partial pieces")
+            assumptions.append(f"key split on {H200_SM_COUNT} SMs (the H200's): {slots} partial pieces")
         assumptions.append(f"forward tile {bm}x{bn} from {fl.source}; every query head rereads its K/V tiles "
                            "(GQA heads share no loads)")
         if causal is not None:

@@ -146,7 +146,7 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
     `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers.
     `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
     chunk's query tiles; the head and batch counts follow the other arguments. `tail_args` follow
-    the plain arguments (the tail split's kernels); `blocks` (one chunk) makes the grid 1-D."""
+    the plain arguments (the key split kernel's); `blocks` (one chunk) makes the grid 1-D."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that

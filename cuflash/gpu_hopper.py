@@ -108,73 +108,54 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
 
 def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
-    tile (the table's by default) with the last wave's query tiles split by keys."""
+    tile (the table's by default), every query tile split into key ranges."""
     t = tile or _table_tile(schedule.head_dim_bucket(d), False)
     hd = schedule.head_dim_bucket(d)
     if not t.tma or t.persistent:
-        raise ValueError("tile: the tail split runs the per-tile TMA kernel (tma=True, persistent=False)")
+        raise ValueError("tile: the key split runs the per-tile TMA kernel (tma=True, persistent=False)")
     if hd not in schedule.SPLIT_HEAD_DIMS:
-        raise ValueError(f"d={d}: the tail split is built for head-dim buckets {schedule.SPLIT_HEAD_DIMS}")
+        raise ValueError(f"d={d}: the key split is built for head-dim buckets {schedule.SPLIT_HEAD_DIMS}")
     b = lambda x: "true" if x else "false"  # noqa: E731
     params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(t.pingpong)}, {b(t.wg_epilogue)}"
     return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_split<{params}>", t.threads, t.smem_bytes(hd)), t
 
 
-def limited_spec(dtype, d: int, tile: schedule.HopperTile | None = None) -> KernelSpec:
-    """attn_fwd_wgmma_tma_limited: split_spec's tile as the plain kernel over the whole tiles only."""
-    spec, _ = split_spec(dtype, d, tile)
-    return dataclasses.replace(spec, expression=spec.expression.replace("_tma_split<", "_tma_limited<"))
-
-
-SPLIT_LONG_GRIDS = False  # also split the last partial wave of grids of a wave or more
-
-
 def split_plan(p, t: schedule.HopperTile, sm_count: int):
-    """(full_tiles, splits) of the tail split for this problem on tile t, or None: full attention
-    (no causal mask) on a per-tile TMA tile, one launch (batch within the grid's z limit), and a
-    grid of fewer query tiles than SMs. Every per-tile TMA tile runs one block per SM (its
-    setmaxnreg split takes the whole register file).
-
-    Only grids under one wave: the split kernel itself runs 2-4% slower than the plain one with no
-    tile split (H200, tools/split_probe.py, evidence-20261130f/), which the last partial wave of
-    a longer grid does not win back (d=128 N=4k 0.979 -> 0.960x cuDNN, d=64 N=2k 1.012 -> 0.989);
-    with fewer tiles than SMs the pieces fill idle SMs (d=128 N=8k, 64 tiles: 1.00 -> 1.63x)."""
-    from .gpu import _MAX_GRID_Z
-
-    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0 or p.batch > _MAX_GRID_Z
+    """Pieces per query tile of the key split for this problem on tile t, or None: full attention
+    (no causal mask) on a per-tile TMA tile whose grid has fewer query tiles than SMs
+    (schedule.key_splits). Every per-tile TMA tile runs one block per SM (its setmaxnreg split
+    takes the whole register file)."""
+    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0
             or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
         return None
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if tiles >= sm_count and not SPLIT_LONG_GRIDS:
-        return None
-    return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
+    return schedule.key_splits(tiles, sm_count, -(-p.nk // t.block_n))
 
 
 def auto_split(p, sm_count: int):
-    """(table tile, plan) when the dispatch splits this problem's query tiles by keys (split_plan
-    on the full-attention table tile, which then replaces a persistent tile), else None."""
+    """(table tile, pieces per tile) when the dispatch splits this problem's query tiles by keys
+    (split_plan on the full-attention table tile, which then replaces a persistent tile), else None."""
     if p.causal is not None or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS:
         return None
     t = _table_tile(schedule.head_dim_bucket(p.d), False)
-    plan = split_plan(p, t, sm_count)
-    return None if plan is None else (t, plan)
+    splits = split_plan(p, t, sm_count)
+    return None if splits is None else (t, splits)
 
 
-def split_partials(p, t: schedule.HopperTile, plan) -> tuple[int, int, int]:
-    """(slots, rows, columns) of the tail split's float32 partials: one slot per tail piece but
-    the last, a tile's block_m rows of O over the head-dim bucket (accumulator order) and of LSE."""
-    full_tiles, splits = plan
+def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, int]:
+    """(slots, rows, columns) of the key split's float32 partials: one slot per piece but each
+    tile's last, a tile's block_m rows of O over the head-dim bucket (accumulator order) and of LSE."""
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    return (tiles - full_tiles) * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
+    return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
 
 
 _split_flags_cache: dict = {}
 
 
 def split_flags(n: int):
-    """A zeroed uint32 counter per tail tile for the current device and stream, kept across calls:
-    each launch's last pieces zero theirs again, so no launch needs a memset (and a captured graph
-    replays as it ran)."""
+    """A zeroed uint32 counter per query tile for the current device and stream, kept across
+    calls: each launch's last pieces zero theirs again, so no launch needs a memset (and a
+    captured graph replays as it ran)."""
     import cupy
 
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
@@ -252,8 +233,7 @@ def all_hopper_forward_specs():
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
-    split = [x for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS
-             for x in (split_spec(dtype, hd)[0], limited_spec(dtype, hd))]
+    split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
     return plain + band + split
 
 
@@ -261,9 +241,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward.
     Without a tile: the TMA table's where tma_ok, else the cp.async kernel's. A forced TMA tile
     on rows TMA cannot address raises ValueError. A persistent tile runs one block per SM, or
-    `persistent_blocks` blocks (tests: a few blocks walk many tiles each). `split`: the tail
+    `persistent_blocks` blocks (tests: a few blocks walk many tiles each). `split`: the key
     split of full attention on a per-tile TMA tile - None: split_plan's choice, False: none,
-    (full_tiles, splits): forced (tests, probes)."""
+    an int: that many pieces per query tile (tests, probes)."""
     from .gpu import launch_forward
 
     addressable = tma_ok(q4, k4, v4)
@@ -304,34 +284,27 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 
-def _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable):
-    """attn_fwd_wgmma_tma_split with (full_tiles, splits) = split."""
+def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, addressable):
+    """attn_fwd_wgmma_tma_split with `splits` pieces per query tile (one launch: a 1-D grid)."""
     import cupy
 
     from . import tma
     from .gpu import _MAX_GRID_Z, launch_forward
 
-    full_tiles, splits = split
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if (p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not (0 <= full_tiles <= tiles)
-            or splits < 1):
-        raise ValueError(f"split={split}: the tail split needs full attention, TMA-addressable rows, at most "
-                         f"{_MAX_GRID_Z} batch entries, 0 <= full_tiles <= {tiles} and splits >= 1")
+    if p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
+        raise ValueError(f"split={splits}: the key split needs full attention, TMA-addressable rows, at most "
+                         f"{_MAX_GRID_Z} batch entries and 1 <= split <= 64")
     spec, _ = split_spec(p.dtype, p.d, t)
-    tail = tiles - full_tiles
-    slots, rows, hd = split_partials(p, t, split)
+    slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
-    flags = split_flags(tail)
+    flags = split_flags(tiles)
 
     def maps(qs, ks, vs):
         return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
-    if full_tiles:  # the whole tiles first, by the plain kernel's code (the tail's blocks leave)
-        launch_forward(limited_spec(p.dtype, p.d, t), t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
-                       tail_args=(np.int32(full_tiles),))
-    if tail:
-        launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tail,
-                       tail_args=(np.int32(p.hq), np.int32(full_tiles), np.int32(splits), part_o, part_lse, flags))
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
+                   tail_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

@@ -134,37 +134,35 @@ HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
                         "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),
 }
 
-# The tail split (attn_fwd_wgmma_tma_split, full attention on the per-tile TMA kernel): with one
-# block per SM, T query tiles take ceil(T / SMs) tile times, and the last, partial wave leaves SMs
-# idle (the benchmark's d=128 grid: 2048 tiles = 15.5 waves of 132, +3% TFLOP/s for cuflash and
-# cuDNN alike at a whole number of waves: tools/wave_probe.py, evidence-20261130f/wave.log). The
-# last wave's r tiles run instead as `splits` key ranges each, merged by the last piece. Taken
-# only for grids under one wave (gpu_hopper.split_plan): the split kernel itself is 2-4% slower,
-# which a longer grid's tail does not win back.
-SPLIT_MAX = 6  # pieces per tail tile (each before the last writes a float32 partial O)
+# The key split (attn_fwd_wgmma_tma_split, full attention on the per-tile TMA kernel): with one
+# block per SM, a grid of fewer query tiles than SMs leaves most SMs idle; each tile then runs as
+# `splits` key ranges, merged by its last piece (H200, tools/split_probe.py,
+# evidence-20261130f/: one head of N=8k at d=128 1.00 -> 1.63x cuDNN, at d=64 0.77 -> 1.70x).
+# Splitting only the last partial wave of a longer grid (whose idle SMs cost cuflash and cuDNN
+# alike ~2-3%, tools/wave_probe.py) lost: in one kernel the piece bounds slowed every tile's loop
+# by 2-4% (ptxas scheduled it differently); as a second launch after the whole tiles, the launch
+# boundary and the first kernel's ragged end ate the gain (d=128 N=4k 0.981 -> 0.961x).
+SPLIT_MAX = 6  # pieces per tile (each before the last writes a float32 partial O)
 SPLIT_MIN_KEY_TILES = 8  # a piece's start and end (~2.7 us at d=128) stay small next to its loop
-SPLIT_MAX_TAIL = 0.85  # split only if the tail then takes at most this many tile times
+SPLIT_MAX_SPAN = 0.85  # split only if the grid then takes at most this many tile times
 SPLIT_HEAD_DIMS = (64, 128, 192)  # d=256: the split's extra live values spill 260 bytes (O is 128 regs)
 
 
-def tail_split(tiles: int, slots: int, key_tiles: int):
-    """(full_tiles, splits) for T = `tiles` query tiles on `slots` concurrent blocks with
-    `key_tiles` key tiles each, or None. The tail's r = T mod slots tiles in k pieces take
-    ceil(k r / slots) rounds of 1/k tile time; the k with the fewest tile times wins (the smaller
-    on ties), if that is at most SPLIT_MAX_TAIL and every piece keeps SPLIT_MIN_KEY_TILES."""
-    r = tiles % slots
-    if r == 0:
+def key_splits(tiles: int, slots: int, key_tiles: int):
+    """Pieces per query tile for a grid of `tiles` query tiles (fewer than the `slots` blocks that
+    run at once) with `key_tiles` key tiles each, or None. k pieces per tile take ceil(k tiles /
+    slots) rounds of 1/k tile time; the k with the fewest tile times wins (the smaller on ties), if
+    that is at most SPLIT_MAX_SPAN and every piece keeps SPLIT_MIN_KEY_TILES."""
+    if not 0 < tiles < slots:
         return None
     best_k, best = 1, 1.0
     for k in range(2, SPLIT_MAX + 1):
         if key_tiles // k < SPLIT_MIN_KEY_TILES:
             break
-        span = -(-k * r // slots) / k
+        span = -(-k * tiles // slots) / k
         if span < best - 1e-9:
             best_k, best = k, span
-    if best_k == 1 or best > SPLIT_MAX_TAIL:
-        return None
-    return tiles - r, best_k
+    return best_k if best_k > 1 and best <= SPLIT_MAX_SPAN else None
 
 
 # The cp.async wgmma kernel (attn_fwd_wgmma): its band instantiation (windows, packed sequences,

@@ -532,8 +532,9 @@ def test_plot_series_shapes_the_claims():
     s = report.plot_series(dict(batch=1, hq=4, hkv=4, nq=256, nk=256, d=64, dtype="bfloat16", causal=False),
                            lengths=[256, 1024, 4096])
     assert s["n"] == [256, 1024, 4096]
-    # tiled memory is linear in N up to a workspace bounded independently of N (the forward's tail
-    # split: at most SMs x (SPLIT_MAX - 1) partial tiles); the reference's grows with N^2
+    # tiled memory is linear in N up to a workspace bounded independently of N (the forward's key
+    # split of a grid under one wave: fewer than SMs x (SPLIT_MAX - 1) partial tiles); the
+    # reference's grows with N^2
     work = [accounting.memory_report((1, 4, n, 64), (1, 4, n, 64), dtype="bfloat16").total(accounting.WORKSPACE)
             for n in (256, 1024, 4096)]
     assert s["tiled"][2] - work[2] == 16 * (s["tiled"][0] - work[0])

@@ -55,7 +55,7 @@ def test_forward_bytes(causal):
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
 
 
-def test_forward_bytes_tail_split():
+def test_forward_bytes_key_split():
     # 32 query tiles of 16 key tiles: the forward splits them in halves (a grid under one wave) and
     # allocates the first halves' float32 partials; the counters were allocated by the warm-up call.
     from cuflash import gpu_hopper
@@ -63,11 +63,11 @@ def test_forward_bytes_tail_split():
     q, k, v = _inputs((1, 2, 2048, 128), (1, 2, 2048, 128), 5)
     p = validate_forward(q, k, v)
     if cupy.cuda.Device().compute_capability != "90" or not gpu_hopper.applies(p, True):
-        pytest.skip("the tail split runs on sm_90's wgmma forward")
+        pytest.skip("the key split runs on sm_90's wgmma forward")
     assert gpu_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"]) is not None
     sizes = _recorded(lambda: cuflash.attention(q, k, v, return_lse=True))
     rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd")
-    assert any("tail split" in e.name for e in rep.entries), rep.table()
+    assert any("key split" in e.name for e in rep.entries), rep.table()
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
 
 

@@ -291,12 +291,11 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
         tile = gpu_hopper.default_tile(d, None, 130, nk)
         assert tile.persistent == persistent
         assert tile == (schedule.HOPPER_FORWARD_PERSISTENT[d].tile if persistent else schedule.HOPPER_FORWARD_TILES[d])
-        # (a grid of fewer query tiles than SMs runs the tail split on the table's tile)
+        # (a grid of fewer query tiles than SMs runs the key split on the table's tile)
         p = _problem.validate_forward(q, k, v)
         auto = gpu_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])
-        if auto:  # the whole tiles (if any) by the limited plain kernel, then the pieces
-            want = ([gpu_hopper.limited_spec(dtype, d, auto[0]).expression] if auto[1][0] else []) + [
-                gpu_hopper.split_spec(dtype, d, auto[0])[0].expression]
+        if auto:  # a grid under one wave: its tiles split by keys
+            want = [gpu_hopper.split_spec(dtype, d, auto[0])[0].expression]
         else:
             want = [gpu_hopper.forward_spec(dtype, d, False, tile)[0].expression]
         assert launched == want

@@ -150,44 +150,42 @@ def test_persistent_many_tiles_per_sm(rng):
     run_and_check(rng, BFLOAT16, (4,), 16, 4, 1031, 1031, 128, causal="bottom_right", tile=tile, layout="bshd")
 
 
-# The tail split (attn_fwd_wgmma_tma_split): the last query tiles run as key ranges whose last
-# piece merges the others' float32 partials. Forced geometry: every tile split (full_tiles 0),
-# some, none; pieces of one key tile and pieces with none (2 key tiles in 4 pieces: their LSE is
-# -inf and must weigh nothing); a ragged last query tile and key tile; GQA; several batch
-# entries; bshd rows. Every row is checked, and the outputs start poisoned.
+# The key split (attn_fwd_wgmma_tma_split): every query tile runs as key ranges whose last piece
+# merges the others' float32 partials. Forced piece counts: 2 to 6, pieces of one key tile and
+# pieces with none (2 key tiles in 4 pieces: their LSE is -inf and must weigh nothing), a ragged
+# last query tile and key tile, GQA, several batch entries, bshd rows. Every row is checked, and
+# the outputs start poisoned.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128, 192])
 @pytest.mark.parametrize("case", [
-    pytest.param(((2, 3, 1, 300, 1000), 11, 2), id="tail7-k2"),
-    pytest.param(((2, 3, 1, 300, 1000), 0, 6), id="all-k6"),
-    pytest.param(((1, 4, 2, 257, 200), 3, 4), id="empty-pieces"),
-    pytest.param(((3, 2, 2, 129, 777), 12, 3), id="no-tail"),
+    pytest.param(((2, 3, 1, 300, 1000), 2), id="k2"),
+    pytest.param(((2, 3, 1, 300, 1000), 6), id="k6"),
+    pytest.param(((1, 4, 2, 257, 200), 4), id="empty-pieces"),
+    pytest.param(((3, 2, 2, 129, 777), 3), id="k3"),
 ])
-def test_tail_split(rng, dtype, d, case):
-    (batch, hq, hkv, nq, nk), full_tiles, splits = case
+def test_key_split(rng, dtype, d, case):
+    (batch, hq, hkv, nq, nk), splits = case
     tile = tma_tile(d)
-    tiles = -(-nq // tile.block_m) * hq * batch
-    full_tiles = min(full_tiles, tiles)
     for layout in ("bhsd", "bshd"):
         sq, skv = shapes(layout, (batch,), hq, hkv, nq, nk, d)
         q, k, v = device_inputs(rng, sq, skv, dtype)
-        o, lse = forward_tma(q, k, v, tile, layout=layout, split=(full_tiles, splits))
+        o, lse = forward_tma(q, k, v, tile, layout=layout, split=splits)
         check_rows(o, lse, q, k, v, layout=layout)
 
 
-def test_tail_split_twice_and_counters_reset(rng):
+def test_key_split_twice_and_counters_reset(rng):
     # Two launches back to back on one stream share the per-tile counters: the first launch's last
     # pieces must have zeroed them, or the second's would merge before its partials were written.
     tile = tma_tile(128)
-    for seed_round in range(2):
+    for _ in range(2):
         q, k, v = device_inputs(rng, (1, 8, 700, 128), (1, 8, 1100, 128), BFLOAT16)
-        o, lse = forward_tma(q, k, v, tile, split=(20, 3))
+        o, lse = forward_tma(q, k, v, tile, split=3)
         check_rows(o, lse, q, k, v)
     cupy.cuda.Device().synchronize()
     assert int(gpu_hopper.split_flags(1).max()) == 0
 
 
-def test_tail_split_plan_runs(rng):
+def test_key_split_plan_runs(rng):
     # The automatic plan through the public API on a grid under one wave (d=128, N=2k, 4 heads:
     # 64 query tiles on 132 SMs, halves of 8 key tiles), where the dispatch's own tile would be
     # the persistent one: the split runs the table's tile instead.
@@ -198,7 +196,7 @@ def test_tail_split_plan_runs(rng):
         pytest.skip(f"the case is sized for 128+ SMs, this GPU has {sms}")
     q, k, v = device_inputs(rng, (1, 4, 2048, 128), (1, 4, 2048, 128), BFLOAT16)
     p = _problem.validate_forward(q, k, v)
-    assert gpu_hopper.auto_split(p, sms) == (tma_tile(128), (0, 2))
+    assert gpu_hopper.auto_split(p, sms) == (tma_tile(128), 2)
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     check_rows(o, lse, q, k, v, rng=rng)
 

@@ -99,43 +99,39 @@ def test_causal_table_tile():
 
 
 @pytest.mark.parametrize("tiles,slots,key_tiles,want", [
-    (2048, 132, 32, (1980, 3)),  # the benchmark's d=128 grid: 68 tiles left, thirds take 2 rounds (2/3 of a tile)
-    (2048, 132, 128, (1980, 5)),  # longer keys allow fifths: 340 pieces in 3 rounds (3/5; sixths: 4/6)
-    (2048, 132, 16, None),  # 16 key tiles: at most 2 pieces of 8, and halves of 68 tiles need 2 rounds
-    (1024, 132, 52, (924, 5)),  # 100 left: fifths, 4 rounds of 1/5
-    (140, 132, 64, (132, 6)),  # 8 left: one round of sixths
-    (64, 132, 64, (0, 2)),  # fewer tiles than SMs: all of them, halves fit one round
+    (64, 132, 64, 2),  # halves of 64 tiles fit one round (1/2); thirds need 2 rounds (2/3)
+    (43, 132, 64, 3),  # d=64 one head of N=8k: thirds in one round (1/3); sixths 2 rounds of 1/6 (1/3): the smaller wins
+    (20, 132, 64, 6),  # sixths in one round
+    (20, 132, 16, 2),  # 16 key tiles: at most 2 pieces of 8
     (128, 132, 64, None),  # 128 of 132: no split does better than a whole tile
-    (264, 132, 64, None),  # whole waves
+    (132, 132, 64, None),  # a whole wave: not split
+    (2048, 132, 32, None),  # longer grids are not split (their last partial wave: see schedule)
     (20, 132, 15, None),  # pieces would be shorter than 8 key tiles
+    (0, 132, 64, None),
 ])
-def test_tail_split_plan(tiles, slots, key_tiles, want):
-    # schedule.tail_split: the k pieces of the last wave's r tiles take ceil(k r / slots) / k tile
-    # times; worked out by hand per case.
-    assert schedule.tail_split(tiles, slots, key_tiles) == want
+def test_key_split_plan(tiles, slots, key_tiles, want):
+    # schedule.key_splits: k pieces of each of the tiles take ceil(k tiles / slots) / k tile times;
+    # worked out by hand per case.
+    assert schedule.key_splits(tiles, slots, key_tiles) == want
 
 
-def test_tail_split_applies_to_full_attention_on_per_tile_tiles():
+def test_key_split_applies_to_full_attention_on_per_tile_tiles():
     # Only grids of fewer query tiles than SMs split: B=1, H=1, N=8k at d=128 is 64 tiles of 64
     # key tiles (halves: one round); the benchmark's B=4, H=16, N=4k (2048 tiles) does not.
     t = schedule.HOPPER_FORWARD_TILES[128]
     small = Problem(np, "bhsd", (1,), 1, 1, 8192, 8192, 128, np.dtype(BFLOAT16), None, 1.0)
-    assert gpu_hopper.split_plan(small, t, 132) == (0, 2)
+    assert gpu_hopper.split_plan(small, t, 132) == 2
     assert gpu_hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
     assert gpu_hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
     # N=2k: the dispatch's tile is the persistent one; the split takes the table's instead
     short = replace(small, nq=2048, nk=2048, hq=4, hkv=4)
     assert gpu_hopper.default_tile(128, None, 2048, 2048).persistent
-    assert gpu_hopper.auto_split(short, 132) == (t, (0, 2))
-    full = small
-    assert gpu_hopper.split_plan(full, schedule.HOPPER_FORWARD_PERSISTENT[128].tile, 132) is None
-    assert gpu_hopper.split_plan(replace(full, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
+    assert gpu_hopper.auto_split(short, 132) == (t, 2)
+    assert gpu_hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128].tile, 132) is None
+    assert gpu_hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
     spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]
     assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
     assert spec in gpu_hopper.all_hopper_forward_specs()
-    limited = gpu_hopper.limited_spec(BFLOAT16, 128)
-    assert limited.expression == "attn_fwd_wgmma_tma_limited<Bf16, 128, 128, 2, 2, false, false>"
-    assert limited in gpu_hopper.all_hopper_forward_specs()
 
 
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=

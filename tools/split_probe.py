@@ -1,8 +1,8 @@
-"""The forward's tail split next to cuDNN (GPU machine): for each head dim and length of the
-benchmark's grid (16k tokens x hidden 2048, bf16, full attention), cuflash without the split,
-with the planner's split and with forced split counts, alternated A B A B in one process on the
-same torch-made inputs (benchmark Timer: L2 flushed, launch hidden). Each variant is checked
-against cuDNN's output first.
+"""The forward's key split next to cuDNN (GPU machine): for each shape (default: the benchmark's
+grid, 16k tokens x hidden 2048, bf16, full attention; --cases for others, e.g. grids under one
+wave), cuflash as the API runs it, the table tile without the split, with the planner's split
+count and with forced counts, alternated A B A B in one process on the same torch-made inputs
+(benchmark Timer: L2 flushed, launch hidden). Each variant is checked against cuDNN's output.
 
     python3 tools/split_probe.py out.json [--d 64,128,192] [--n 1024,2048,4096,16384] [--forced 2,3,5]
 """
@@ -45,17 +45,13 @@ for bh, n, d in CASES:
         plan = gpu_hopper.split_plan(p, tile, SMS)
         o4 = cp.empty_like(qc)
         lse = cp.empty((1, bh, n), cp.float32)
-        # api: the dispatch's own tile and plan; notail: the split kernel with every tile whole
-        variants = {"api": (None, None), "nosplit": (tile, False), "notail": (tile, (tiles, 2))}
+        # api: the dispatch's own tile and plan
+        variants = {"api": (None, None), "nosplit": (tile, False)}
         if plan:
             variants["plan"] = (tile, plan)
-        tail_plan = schedule.tail_split(tiles, SMS, -(-n // tile.block_n))  # the last wave's split, any grid
-        if tail_plan and tail_plan != plan:
-            variants["tail"] = (tile, tail_plan)
-        r = tiles % SMS
         for ks in arg("--forced", "2,3,5"):
-            if not plan or ks != plan[1]:
-                variants[f"k{ks}"] = (tile, (tiles - r, ks))
+            if ks != plan:
+                variants[f"k{ks}"] = (tile, ks)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref = F.scaled_dot_product_attention(q, k, v)
         row = {"d": d, "n": n, "bh": bh, "tiles": tiles, "plan": plan, "tile": tile.block_m, "ms": {}, "err": {}}
