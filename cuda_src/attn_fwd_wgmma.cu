@@ -103,10 +103,10 @@ __device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0,
 // and counts itself: returns true (nothing left to store). The last piece waits for the others,
 // merges, and returns false with the tile's O and LSE in acc_o and row_lse.
 template <int kNO, int kMath, int kBM>
-__device__ __forceinline__ bool split_merge(const FwdSplit& split, int piece, int tail, int tid, int lane, int row0,
+__device__ __forceinline__ bool split_merge(const FwdSplit& split, int piece, int tile, int tid, int lane, int row0,
                                             float (&acc_o)[1][kNO][4], float (&row_lse)[2]) {
     const int last = split.splits - 1;
-    const i64 slot0 = (i64)tail * last;
+    const i64 slot0 = (i64)tile * last;
     float4* part_o = reinterpret_cast<float4*>(split.part_o);
     if (piece < last) {
         const i64 slot = slot0 + piece;
@@ -119,13 +119,13 @@ __device__ __forceinline__ bool split_merge(const FwdSplit& split, int piece, in
         }
         __threadfence();  // the partials are visible device-wide before the count says so
         named_barrier(1, kMath);
-        if (tid == 0) atomicAdd(split.flags + tail, 1u);
+        if (tid == 0) atomicAdd(split.flags + tile, 1u);
         return true;
     }
     if (tid == 0) {
         unsigned seen;
         for (;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(split.flags + tail) : "memory");
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(split.flags + tile) : "memory");
             if (seen >= (unsigned)last) break;
             __nanosleep(128);
         }
@@ -173,7 +173,7 @@ __device__ __forceinline__ bool split_merge(const FwdSplit& split, int piece, in
     for (int di = 0; di < kNO; ++di)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[0][di][e] *= total[e / 2];
-    if (tid == 0) split.flags[tail] = 0u;  // every piece has counted itself: ready for the next launch
+    if (tid == 0) split.flags[tile] = 0u;  // every piece has counted itself: ready for the next launch
     return false;
 }
 
@@ -234,16 +234,16 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = pos.head / gridDim.y;
     }
 #endif
-    // SPLIT: block x is piece `piece` of query tile `tail` in the plain grid's order (query tiles,
-    // heads, batch).
-    int piece = -1, tail = -1;
+    // SPLIT: block x is piece `piece` of query tile `split_tile` in the plain grid's order (query
+    // tiles, heads, batch).
+    int piece = -1, split_tile = -1;
     if constexpr (SPLIT) {
         const int m_count = (nq + kBM - 1) / kBM;
-        tail = blockIdx.x / split.splits;
-        piece = blockIdx.x - tail * split.splits;
-        m_block = m_count - 1 - tail % m_count;
-        h = (tail / m_count) % n_heads;
-        b = tail / (m_count * n_heads);
+        split_tile = blockIdx.x / split.splits;
+        piece = blockIdx.x - split_tile * split.splits;
+        m_block = m_count - 1 - split_tile % m_count;
+        h = (split_tile / m_count) % n_heads;
+        b = split_tile / (m_count * n_heads);
     }
     int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -547,7 +547,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         float row_lse[2];
         softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
         if constexpr (SPLIT) {
-            if (split_merge<kNO, kMath, kBM>(split, piece, tail, tid, lane, row0, acc_o, row_lse)) return;
+            if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, row0, acc_o, row_lse)) return;
         }
 
         // Stage O in this thread's rows of the Q tile, then store 16 bytes per thread along rows.

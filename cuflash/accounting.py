@@ -621,9 +621,9 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                   MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
         hd = schedule.head_dim_bucket(p.d)
-        tail = _forward_key_split(p, causal) if fwd and config is None and dec is None else None
-        if tail is not None:
-            slots, tile_rows, width = tail
+        key_split = _forward_key_split(p, causal) if fwd and config is None and dec is None else None
+        if key_split is not None:
+            slots, tile_rows, width = key_split
             E += [MemoryEntry("O partials (key split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
                               f"float32 {slots} pieces x {tile_rows} rows x {width}: a grid under one wave splits its "
                               "query tiles by keys, all pieces of a tile but its last (gpu_hopper.split_plan)", phase="fwd"),
@@ -854,7 +854,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     s = dt.itemsize
-    fl = forward_launch(dt, d, causal, config, nq, nk)
+    fl = forward_launch(dt, d, causal, config, nq, nk, batch, hq)
     bm, bn, hd = fl.block_m, fl.block_n, fl.hd
     sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else _check_int("sram_bytes", sram_bytes, minimum=1)
     M = max(1, sram // s)
@@ -899,10 +899,10 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "O", 0, qe, s, "written once"),
             IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
         ]
-        tail = (_forward_key_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
-                if config is None else None)
-        if tail is not None:  # query tiles split by keys: K/V still read once per tile
-            slots, trows, width = tail
+        split = (_forward_key_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
+                 if config is None else None)
+        if split is not None:  # query tiles split by keys: K/V still read once per tile
+            slots, trows, width = split
             entries += [
                 IOEntry(p + "Q (split pieces)", slots * trows * d, 0, s,
                         f"reread by {slots} pieces ({trows} rows each; a ragged last tile reads fewer)"),

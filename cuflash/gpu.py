@@ -140,13 +140,13 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     launch_forward(spec, tile.block_m, p, q4, k4, v4, o4, lse3)
 
 
-def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent_blocks=None, tail_args=(),
-                   blocks=None):
+def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent_blocks=None, blocks=None,
+                   extra_args=()):
     """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch).
     `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers.
     `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
-    chunk's query tiles; the head and batch counts follow the other arguments. `tail_args` follow
-    the plain arguments (the key split kernel's); `blocks` (one chunk) makes the grid 1-D."""
+    chunk's query tiles; the head and batch counts follow the other arguments. `blocks` (the key
+    split kernel, one chunk): a 1-D grid of that many blocks, `extra_args` after the plain ones."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that
@@ -164,13 +164,13 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
         args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
         if blocks is not None:
-            fn((blocks,), (spec.threads,), args + tuple(tail_args), shared_mem=spec.smem_bytes)
+            fn((blocks,), (spec.threads,), args + tuple(extra_args), shared_mem=spec.smem_bytes)
         elif persistent_blocks:  # work units: query tiles, or under a causal mask pairs of them
             work = (-(-m_blocks // 2) if p.causal is not None else m_blocks) * p.hq * (b1 - b0)
             fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
                shared_mem=spec.smem_bytes)
         else:
-            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args + tuple(tail_args), shared_mem=spec.smem_bytes)
+            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 
 
 def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):

@@ -109,8 +109,8 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
 def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
     tile (the table's by default), every query tile split into key ranges."""
-    t = tile or _table_tile(schedule.head_dim_bucket(d), False)
     hd = schedule.head_dim_bucket(d)
+    t = tile or _table_tile(hd, False)
     if not t.tma or t.persistent:
         raise ValueError("tile: the key split runs the per-tile TMA kernel (tma=True, persistent=False)")
     if hd not in schedule.SPLIT_HEAD_DIMS:
@@ -262,9 +262,6 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     if tile is None:
         tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
-    if split:
-        _forward_split(p, q4, k4, v4, o4, lse3, t, split, addressable)
-        return
     maps = None
     if t.tma:
         from . import tma
@@ -274,6 +271,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
 
         def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
             return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
+    if split:
+        _forward_split(p, q4, k4, v4, o4, lse3, t, split, maps)
+        return
     blocks = None
     if t.persistent:
         import cupy
@@ -284,27 +284,24 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 
-def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, addressable):
-    """attn_fwd_wgmma_tma_split with `splits` pieces per query tile (one launch: a 1-D grid)."""
+def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
+    """attn_fwd_wgmma_tma_split with `splits` pieces per query tile (one launch: a 1-D grid);
+    `maps`: forward's tensor maps of tile t."""
     import cupy
 
-    from . import tma
     from .gpu import _MAX_GRID_Z, launch_forward
 
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if p.causal is not None or not addressable or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
-        raise ValueError(f"split={splits}: the key split needs full attention, TMA-addressable rows, at most "
+    if p.causal is not None or maps is None or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
+        raise ValueError(f"split={splits}: the key split needs full attention, a TMA tile, at most "
                          f"{_MAX_GRID_Z} batch entries and 1 <= split <= 64")
     spec, _ = split_spec(p.dtype, p.d, t)
     slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
     flags = split_flags(tiles)
-
-    def maps(qs, ks, vs):
-        return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
-                   tail_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, flags))
+                   extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

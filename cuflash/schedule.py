@@ -137,7 +137,8 @@ HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
 # The key split (attn_fwd_wgmma_tma_split, full attention on the per-tile TMA kernel): with one
 # block per SM, a grid of fewer query tiles than SMs leaves most SMs idle; each tile then runs as
 # `splits` key ranges, merged by its last piece (H200, tools/split_probe.py,
-# evidence-20261130f/: one head of N=8k at d=128 1.00 -> 1.63x cuDNN, at d=64 0.77 -> 1.70x).
+# evidence-20261130f/split_small_8388770.log: one head of N=8k at d=128 1.00 -> 1.60x cuDNN, at
+# d=64 0.77 -> 1.70x).
 # Splitting only the last partial wave of a longer grid (whose idle SMs cost cuflash and cuDNN
 # alike ~2-3%, tools/wave_probe.py) lost: in one kernel the piece bounds slowed every tile's loop
 # by 2-4% (ptxas scheduled it differently); as a second launch after the whole tiles, the launch
