@@ -188,12 +188,15 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     kv_lens, block_table, bt_sb, page_shift, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,      \
         o_sn, hq, nq, nk, d, group, align, chunk, scale_log2, band_lo, band_hi
 
-// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next. WINDOW: a sliding window
+// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next, launched as this
+// kernel's programmatic dependent: its blocks are resident and waiting (griddepcontrol.wait) by
+// the time the last split ends, instead of launching after it. WINDOW: a sliding window
 // (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool WINDOW = false>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS) {
+    pdl_launch_dependents();
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW>(
         q, k, v, o, lse, part_o, part_lse, DECODE_TAIL_ARGS);
 }
@@ -222,6 +225,7 @@ __global__ void attn_decode_combine(const float* __restrict__ part_o, const floa
                                     u16* __restrict__ o, float* __restrict__ lse,
                                     i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int nq, int group, int d, int n_splits) {
     extern __shared__ float s_lse[];
+    pdl_wait();  // the splits' partials (a programmatic dependent of attn_decode: it may start early)
     const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int rows = group * nq;
     const i64 base = (((i64)b * hkv + hk) * n_splits) * rows + r;

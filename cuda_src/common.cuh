@@ -304,6 +304,21 @@ __device__ __forceinline__ int grid_linear_block() {
     return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
 }
 
+// Programmatic dependent launch (cuflash/pdl.py; sm_90): launch_dependents lets the kernel
+// launched after this one as its programmatic dependent start once every block of this grid has
+// executed it or left; wait blocks until the grid before this one has completed and its writes
+// are visible. Both are no-ops without such a dependency.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- (diagnostics, off by default) block traces: tools/bwd_trace.py, fwd_trace.py, decode_trace.py ----
 // %globaltimer (ns) and the SM a block runs on, for kernels built with CUFLASH_BWD_TRACE /
 // CUFLASH_FWD_TRACE / CUFLASH_DECODE_TRACE (CUFLASH_NVRTC_OPTIONS): where a pass's time goes, block by block.

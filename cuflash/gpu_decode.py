@@ -354,10 +354,12 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 
 
 def _launch_combine(p, part_o, part_lse, o4, lse3, tail, splits):
-    """attn_decode_combine: the splits' partial O and LSE merged by the log-sum-exp rule."""
-    get_function(combine_spec(p.dtype, p.d))(
-        (p.group * p.nq, p.hkv, p.batch), (_COMBINE_THREADS,), (part_o, part_lse, o4, lse3, *tail, np.int32(splits)),
-        shared_mem=4 * splits)
+    """attn_decode_combine: the splits' partial O and LSE merged by the log-sum-exp rule, launched
+    as the split kernel's programmatic dependent (it waits for the partials on the device)."""
+    from . import pdl
+
+    pdl.launch(get_function(combine_spec(p.dtype, p.d)), (p.group * p.nq, p.hkv, p.batch), (_COMBINE_THREADS,),
+               (part_o, part_lse, o4, lse3, *tail, np.int32(splits)), 4 * splits)
 
 
 def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster):
