@@ -31,17 +31,14 @@ struct FwdMaps {
     const TmaDesc* v;
 };
 
-// The key split of attn_fwd_wgmma_tma_split: query tiles full_tiles, full_tiles + 1, ... (in the
-// plain grid's order) each run as `splits` key ranges (pieces). Two uses, both full attention: a
-// grid of fewer query tiles than SMs, which a block per tile would leave mostly idle (full_tiles
-// = 0: every tile split), and the last partial wave of a longer grid, whose pieces start on SMs as
-// attn_fwd_wgmma_tma_limited's whole tiles leave them (programmatic dependent launch). Pieces 0 ..
-// splits-2 of split tile t write their normalized O (float32, in accumulator order) and
-// log-sum-exp to partial slot t * (splits - 1) + piece and count themselves in flags[t]; the last
-// piece, launched after them, waits for that count, merges the partials by the log-sum-exp rule
-// in piece order and stores O and the LSE, then zeroes flags[t] for the next launch on the stream.
+// The key split of attn_fwd_wgmma_tma_split (full attention on a grid of fewer query tiles than
+// SMs, which a block per tile would leave mostly idle): every query tile runs as `splits` key
+// ranges (pieces). Pieces 0 .. splits-2 of tile t write their normalized O (float32, in
+// accumulator order) and log-sum-exp to partial slot t * (splits - 1) + piece and count
+// themselves in flags[t]; the last piece, launched after them, waits for that count, merges the
+// partials by the log-sum-exp rule in piece order and stores O and the LSE, then zeroes flags[t]
+// for the next launch on the stream.
 struct FwdSplit {
-    int full_tiles;
     int splits;
     float* part_o;
     float* part_lse;
@@ -189,7 +186,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
-                    FwdSplit split = FwdSplit{0, 1, nullptr, nullptr, nullptr}) {
+                    FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
@@ -237,17 +234,16 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = pos.head / gridDim.y;
     }
 #endif
-    // SPLIT: block x is piece `piece` of split tile `split_tile`, query tile full_tiles +
-    // split_tile in the plain grid's order (query tiles, heads, batch).
+    // SPLIT: block x is piece `piece` of query tile `split_tile` in the plain grid's order (query
+    // tiles, heads, batch).
     int piece = -1, split_tile = -1;
     if constexpr (SPLIT) {
         const int m_count = (nq + kBM - 1) / kBM;
         split_tile = blockIdx.x / split.splits;
         piece = blockIdx.x - split_tile * split.splits;
-        const int l = split.full_tiles + split_tile;
-        m_block = m_count - 1 - l % m_count;
-        h = (l / m_count) % n_heads;
-        b = l / (m_count * n_heads);
+        m_block = m_count - 1 - split_tile % m_count;
+        h = (split_tile / m_count) % n_heads;
+        b = split_tile / (m_count * n_heads);
     }
     int hk = h / group;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -729,35 +725,16 @@ attn_fwd_wgmma_tma_persistent(FWD_TMA_PARAMS, int n_heads, int n_batch) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE>(
         FWD_TMA_ARGS, n_heads, n_batch);
 }
-// The key split (FwdSplit): a 1-D grid of splits x (split tiles) blocks, piece-major per tile, so
+// The key split (FwdSplit): a 1-D grid of splits x (query tiles) blocks, piece-major per tile, so
 // each tile's last piece (which merges) is launched after the others. A kernel of its own: the
 // piece bounds in the plain body's loop change ptxas's schedule of it (2-4% slower, measured).
-// Launched as a programmatic dependent of attn_fwd_wgmma_tma_limited, its pieces read nothing
-// that kernel writes; the grid's last block waits for it before leaving (griddepcontrol.wait), so
-// the launch completes after both, and work after it on the stream sees every O row.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
           bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int full_tiles, int splits, float* __restrict__ part_o,
+attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int splits, float* __restrict__ part_o,
                          float* __restrict__ part_lse, unsigned* __restrict__ flags) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
-                        WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0,
-                                           FwdSplit{full_tiles, splits, part_o, part_lse, flags});
-    if (blockIdx.x == gridDim.x - 1) pdl_wait();
-}
-
-// The plain TMA kernel's whole tiles below `limit` (in its grid's order); the blocks of the tiles
-// past it leave at once (attn_fwd_wgmma_tma_split runs those as pieces). Each block lets the
-// pieces' launch begin as soon as it starts (they need an SM this block leaves: one block per SM),
-// so they fill the last wave's SMs as its tiles finish.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false,
-          bool WG_EPILOGUE = false>
-__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_limited(FWD_TMA_PARAMS, int limit) {
-    if ((int)grid_linear_block() >= limit) return;
-    pdl_launch_dependents();
-    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
-                        WG_EPILOGUE>(FWD_TMA_ARGS);
+                        WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{splits, part_o, part_lse, flags});
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

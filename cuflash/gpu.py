@@ -141,18 +141,13 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 
 
 def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent_blocks=None, blocks=None,
-                   extra_args=(), launch=None):
+                   extra_args=()):
     """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch).
     `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers.
     `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
     chunk's query tiles; the head and batch counts follow the other arguments. `blocks` (the key
-    split kernel, one chunk): a 1-D grid of that many blocks. `extra_args` follow the plain ones
-    (1-D and plain grids). `launch(fn, grid, block, args, shared_mem)` replaces CuPy's launch
-    (pdl.launch: a programmatic dependent of the kernel before)."""
+    split kernel, one chunk): a 1-D grid of that many blocks, `extra_args` after the plain ones."""
     fn = get_function(spec)
-    if launch is None:
-        def launch(fn, grid, block, args, shared_mem):
-            fn(grid, block, args, shared_mem=shared_mem)
     off = p.causal_offset if p.causal is not None else 0
     # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that
     # its only rounding is the final one)
@@ -169,13 +164,13 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
         args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
         if blocks is not None:
-            launch(fn, (blocks,), (spec.threads,), args + tuple(extra_args), spec.smem_bytes)
+            fn((blocks,), (spec.threads,), args + tuple(extra_args), shared_mem=spec.smem_bytes)
         elif persistent_blocks:  # work units: query tiles, or under a causal mask pairs of them
             work = (-(-m_blocks // 2) if p.causal is not None else m_blocks) * p.hq * (b1 - b0)
-            launch(fn, (max(1, min(work, persistent_blocks)),), (spec.threads,),
-                   args + (np.int32(p.hq), np.int32(b1 - b0)), spec.smem_bytes)
+            fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
+               shared_mem=spec.smem_bytes)
         else:
-            launch(fn, (m_blocks, p.hq, b1 - b0), (spec.threads,), args + tuple(extra_args), spec.smem_bytes)
+            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 
 
 def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):

@@ -120,29 +120,6 @@ def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_split<{params}>", t.threads, t.smem_bytes(hd)), t
 
 
-def limited_spec(dtype, d: int, tile: schedule.HopperTile | None = None) -> KernelSpec:
-    """attn_fwd_wgmma_tma_limited: split_spec's tile as the plain kernel over the whole tiles only
-    (the tail split's first launch)."""
-    spec, _ = split_spec(dtype, d, tile)
-    return dataclasses.replace(spec, expression=spec.expression.replace("_tma_split<", "_tma_limited<"))
-
-
-def tail_plan(p, t: schedule.HopperTile, sm_count: int):
-    """(full_tiles, splits) of the tail split for this problem on tile t, or None: full attention
-    on a per-tile TMA tile whose grid is a wave or more, with a last partial wave worth splitting
-    (schedule.tail_split), and programmatic dependent launch available (without it the pieces
-    would wait for the whole tiles' ragged end: measured slower)."""
-    from . import pdl
-
-    if (not schedule.TAIL_SPLIT or p.causal is not None or not t.tma or t.persistent or p.nk == 0
-            or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS or not pdl.available()):
-        return None
-    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if tiles < sm_count:
-        return None
-    return schedule.tail_split(tiles, sm_count, -(-p.nk // t.block_n))
-
-
 def split_plan(p, t: schedule.HopperTile, sm_count: int):
     """Pieces per query tile of the key split for this problem on tile t, or None: full attention
     (no causal mask) on a per-tile TMA tile whose grid has fewer query tiles than SMs
@@ -165,12 +142,11 @@ def auto_split(p, sm_count: int):
     return None if splits is None else (t, splits)
 
 
-def split_partials(p, t: schedule.HopperTile, splits: int, full_tiles: int = 0) -> tuple[int, int, int]:
+def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, int]:
     """(slots, rows, columns) of the key split's float32 partials: one slot per piece but each
-    split tile's last (the tiles past the first full_tiles), a tile's block_m rows of O over the
-    head-dim bucket (accumulator order) and of LSE."""
+    tile's last, a tile's block_m rows of O over the head-dim bucket (accumulator order) and of LSE."""
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    return (tiles - full_tiles) * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
+    return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
 
 
 _split_flags_cache: dict = {}
@@ -257,8 +233,7 @@ def all_hopper_forward_specs():
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
-    split = [x for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS
-             for x in (split_spec(dtype, hd)[0], limited_spec(dtype, hd))]
+    split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
     return plain + band + split
 
 
@@ -282,10 +257,8 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
             auto = auto_split(p, sms)
             if auto is not None:
                 tile, split = auto
-            elif not (t0 := default_tile(p.d, p.causal, p.nq, p.nk)).persistent:
-                split = tail_plan(p, t0, sms)
         else:
-            split = split_plan(p, tile, sms) or tail_plan(p, tile, sms)
+            split = split_plan(p, tile, sms)
     if tile is None:
         tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
     spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
@@ -311,33 +284,24 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 
-def _forward_split(p, q4, k4, v4, o4, lse3, t, split, maps):
-    """The key split on tile t (`maps`: forward's tensor maps of it). split = k: every query tile
-    as k pieces (one launch, a 1-D grid); split = (full_tiles, k): the first full_tiles tiles by
-    attn_fwd_wgmma_tma_limited, the rest as k pieces each, launched as its programmatic dependent
-    (pdl.launch; an ordinary launch after it where unavailable)."""
+def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
+    """attn_fwd_wgmma_tma_split with `splits` pieces per query tile (one launch: a 1-D grid);
+    `maps`: forward's tensor maps of tile t."""
     import cupy
 
-    from . import pdl
     from .gpu import _MAX_GRID_Z, launch_forward
 
-    full_tiles, splits = split if isinstance(split, tuple) else (0, split)
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if (p.causal is not None or maps is None or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64
-            or not 0 <= full_tiles < tiles):
-        raise ValueError(f"split={split}: the key split needs full attention, a TMA tile, at most "
-                         f"{_MAX_GRID_Z} batch entries, 1 <= splits <= 64 and 0 <= full_tiles < {tiles}")
+    if p.causal is not None or maps is None or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
+        raise ValueError(f"split={splits}: the key split needs full attention, a TMA tile, at most "
+                         f"{_MAX_GRID_Z} batch entries and 1 <= split <= 64")
     spec, _ = split_spec(p.dtype, p.d, t)
-    slots, rows, hd = split_partials(p, t, splits, full_tiles)
+    slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
-    flags = split_flags(tiles - full_tiles)
-    if full_tiles:
-        launch_forward(limited_spec(p.dtype, p.d, t), t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
-                       extra_args=(np.int32(full_tiles),))
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * (tiles - full_tiles),
-                   extra_args=(np.int32(p.hq), np.int32(full_tiles), np.int32(splits), part_o, part_lse, flags),
-                   launch=pdl.launch if full_tiles else None)
+    flags = split_flags(tiles)
+    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
+                   extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, flags))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

@@ -4,11 +4,18 @@ previous kernel on the stream is still running - once every block of that kernel
 CuPy RawKernel's function through cuda-bindings' cuLaunchKernelEx with the programmatic
 stream-serialization attribute.
 
-The dependent kernel must not read what the previous one writes before `griddepcontrol.wait`;
-cuflash's dependents either read nothing of it (the forward's key-split pieces of the last wave)
-or wait first (decode's combine kernel). Where this is unavailable (no cuda-bindings, a GPU
-before sm_90) `launch` falls back to CuPy's ordinary launch, which is also correct: the
-instructions are no-ops without a programmatic dependency."""
+The dependent kernel must not read what the previous one writes before `griddepcontrol.wait`
+(cuda_src/common.cuh, pdl_wait). Its user: decode's combine kernel, whose blocks are resident and
+waiting when the split kernel's last block ends instead of launching after it (H200: +0.3% on the
+long-context cell that merges that way, +3% where the combine is forced on a 4k cache;
+benchmarks/results/evidence-20261130g/pdl_decode.log). On the H200 the stream order stays
+transitive: work after a dependent that never waits still starts after the kernel before it
+(tests/test_gpu_pdl.py). Where this is unavailable (no cuda-bindings, a GPU before sm_90)
+`launch` is CuPy's ordinary launch, also correct: the instructions are no-ops without a
+programmatic dependency.
+
+Host cost: ~25-45 us more per launch than CuPy's (the ctypes parameter buffers and the
+cuda-bindings call), so it is used only where the GPU time is long next to it."""
 
 from __future__ import annotations
 

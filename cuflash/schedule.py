@@ -149,26 +149,6 @@ SPLIT_MAX_SPAN = 0.85  # split only if the grid then takes at most this many til
 SPLIT_HEAD_DIMS = (64, 128, 192)  # d=256: the split's extra live values spill 260 bytes (O is 128 regs)
 
 
-# The tail split (full attention, grids of a wave or more): the last partial wave's query tiles
-# run as key pieces in a second kernel launched as a programmatic dependent of the whole tiles'
-# (cuflash/pdl.py), so its pieces start on SMs as the last whole tiles leave them. Measured on
-# the H200 before it is on by default: tools/split_probe.py --tail.
-TAIL_SPLIT = False
-
-
-def tail_split(tiles: int, slots: int, key_tiles: int):
-    """(full_tiles, splits) for T = `tiles` query tiles (at least `slots`, the blocks that run at
-    once) with `key_tiles` key tiles each, or None. The last partial wave's r = T mod slots tiles in
-    k pieces take ceil(k r / slots) rounds of 1/k tile time; the k with the fewest tile times
-    wins (the smaller on ties), if that is at most SPLIT_MAX_SPAN and every piece keeps
-    SPLIT_MIN_KEY_TILES."""
-    if tiles < slots:
-        return None
-    r = tiles % slots
-    k = key_splits(r, slots, key_tiles) if r else None
-    return None if k is None else (tiles - r, k)
-
-
 def key_splits(tiles: int, slots: int, key_tiles: int):
     """Pieces per query tile for a grid of `tiles` query tiles (fewer than the `slots` blocks that
     run at once) with `key_tiles` key tiles each, or None. k pieces per tile take ceil(k tiles /

@@ -48,6 +48,26 @@ def test_decode_split_counts(splits):
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, BFLOAT16)
 
 
+@pytest.mark.parametrize("use_pdl", [pytest.param(True, id="pdl"), pytest.param(False, id="plain-launch")])
+@pytest.mark.parametrize("splits", [3, 40])
+def test_decode_combine_as_dependent(monkeypatch, use_pdl, splits):
+    # The combine kernel as the split kernel's programmatic dependent (the size gate lowered to
+    # every cache): it must wait for every split's partials. Output and LSE start poisoned.
+    from cuflash import pdl
+
+    monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
+    monkeypatch.setattr(pdl, "_ENABLED", use_pdl)
+    rng = np.random.default_rng(splits + 90)
+    b, hq, hkv, nq, nk, d = 3, 16, 4, 2, 5000, 128
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    p = validate_forward(qg, kg, vg, causal="bottom_right")
+    o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+    lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
+    check_per_sequence(o4, lse3, q, k, v, [nk] * b, "bottom_right", BFLOAT16)
+
+
 def test_decode_no_lens_matches_prefill_path_rule():
     rng = np.random.default_rng(7)
     q, k, v = random_inputs(rng, (8, 32, 1, 128), (8, 8, 4096, 128), BFLOAT16)

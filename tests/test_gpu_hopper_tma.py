@@ -185,41 +185,6 @@ def test_key_split_twice_and_counters_reset(rng):
     assert int(gpu_hopper.split_flags(1).max()) == 0
 
 
-# The tail split: the first full_tiles query tiles by attn_fwd_wgmma_tma_limited (its other
-# blocks leave at once), the rest as key pieces by attn_fwd_wgmma_tma_split launched as its
-# programmatic dependent (pdl.launch) - and, with PDL off, as an ordinary second launch. Split
-# tiles mid-head and mid-batch, a ragged last tile, GQA, both layouts; every row checked.
-@pytest.mark.parametrize("use_pdl", [pytest.param(True, id="pdl"), pytest.param(False, id="plain-launch")])
-@pytest.mark.parametrize("d", [64, 128, 192])
-@pytest.mark.parametrize("case", [
-    pytest.param(((2, 4, 2, 700, 1500), 3), id="k3"),
-    pytest.param(((3, 2, 1, 300, 900), 2), id="k2"),
-])
-def test_tail_split(rng, monkeypatch, use_pdl, d, case):
-    from cuflash import pdl
-
-    monkeypatch.setattr(pdl, "_ENABLED", use_pdl)
-    (batch, hq, hkv, nq, nk), splits = case
-    tile = tma_tile(d)
-    tiles = -(-nq // tile.block_m) * hq * batch
-    full = tiles - tiles // 3 - 1  # a third of the tiles (and one more) split: not a whole head
-    for layout in ("bhsd", "bshd"):
-        sq, skv = shapes(layout, (batch,), hq, hkv, nq, nk, d)
-        q, k, v = device_inputs(rng, sq, skv, BFLOAT16)
-        o, lse = forward_tma(q, k, v, tile, layout=layout, split=(full, splits))
-        check_rows(o, lse, q, k, v, layout=layout)
-    cupy.cuda.Device().synchronize()
-    assert int(gpu_hopper.split_flags(1).max()) == 0
-
-
-def test_tail_split_rejects_bad_plans(rng):
-    tile = tma_tile(128)
-    q, k, v = device_inputs(rng, (1, 2, 300, 128), (1, 2, 300, 128), BFLOAT16)
-    for bad in ((6, 2), (-1, 2), (2, 0)):  # 6 tiles: full_tiles must stay below 6
-        with pytest.raises(ValueError, match="split="):
-            forward_tma(q, k, v, tile, split=bad)
-
-
 def test_key_split_plan_runs(rng):
     # The automatic plan through the public API on a grid under one wave (d=128, N=2k, 4 heads:
     # 64 query tiles on 132 SMs, halves of 8 key tiles), where the dispatch's own tile would be

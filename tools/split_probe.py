@@ -5,10 +5,6 @@ count and with forced counts, alternated A B A B in one process on the same torc
 (benchmark Timer: L2 flushed, launch hidden). Each variant is checked against cuDNN's output.
 
     python3 tools/split_probe.py out.json [--d 64,128,192] [--n 1024,2048,4096,16384] [--forced 2,3,5]
-
---tail: the tail split of grids of a wave or more instead (the last partial wave's r tiles, or
-with "w" the last r + SMs, as k pieces launched as a programmatic dependent of the whole tiles;
-"-nopdl": the same two kernels as ordinary launches).
 """
 import json
 import os
@@ -24,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from peers import Timer  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from cuflash import _problem, gpu_hopper, pdl, schedule  # noqa: E402
+from cuflash import _problem, gpu_hopper, schedule  # noqa: E402
 
 
 def arg(flag, default):
@@ -51,42 +47,24 @@ for bh, n, d in CASES:
         lse = cp.empty((1, bh, n), cp.float32)
         # api: the dispatch's own tile and plan
         variants = {"api": (None, None), "nosplit": (tile, False)}
-        if "--tail" in sys.argv:
-            plan = gpu_hopper.tail_plan(p, tile, SMS)
-            r = tiles % SMS
-            for i, ks in enumerate(arg("--forced", "2,3,5")):
-                if r and tiles > SMS:
-                    variants[f"tail{ks}"] = (tile, (tiles - r, ks))
-                    if i == 0:
-                        variants[f"tail{ks}-nopdl"] = (tile, (tiles - r, ks), False)
-                if tiles > r + 2 * SMS:
-                    variants[f"tail{ks}w"] = (tile, (tiles - r - SMS, ks))
-        else:
-            if plan:
-                variants["plan"] = (tile, plan)
-            for ks in arg("--forced", "2,3,5"):
-                if ks != plan:
-                    variants[f"k{ks}"] = (tile, ks)
-
-        def run(t, split, use_pdl=True):
-            pdl._ENABLED = use_pdl
-            try:
-                gpu_hopper.forward(p, qc, kc, vc, o4, lse, tile=t, split=split)
-            finally:
-                pdl._ENABLED = True
+        if plan:
+            variants["plan"] = (tile, plan)
+        for ks in arg("--forced", "2,3,5"):
+            if ks != plan:
+                variants[f"k{ks}"] = (tile, ks)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref = F.scaled_dot_product_attention(q, k, v)
         row = {"d": d, "n": n, "bh": bh, "tiles": tiles, "plan": plan, "tile": tile.block_m, "ms": {}, "err": {}}
-        for name, args in variants.items():
+        for name, (t, split) in variants.items():
             o4.fill(float("nan"))
-            run(*args)
+            gpu_hopper.forward(p, qc, kc, vc, o4, lse, tile=t, split=split)
             row["err"][name] = float(cp.abs(o4.astype(cp.float32) - cp.from_dlpack(ref).astype(cp.float32)).max())
         for rep in range(2):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 ms, _ = timer(lambda: F.scaled_dot_product_attention(q, k, v))
             row["ms"].setdefault("cudnn", []).append(ms)
-            for name, args in variants.items():
-                ms, _ = timer(lambda: run(*args))
+            for name, (t, split) in variants.items():
+                ms, _ = timer(lambda: gpu_hopper.forward(p, qc, kc, vc, o4, lse, tile=t, split=split))
                 row["ms"].setdefault(name, []).append(ms)
         c = np.mean(row["ms"]["cudnn"])
         print(f"SPLIT d={d} n={n} tiles={tiles} ({tiles / SMS:.2f} waves) plan={plan} "
