@@ -403,14 +403,15 @@ class Runner:
         return result, torch.cuda.max_memory_allocated() - before
 
     def peak_extra_bytes_cupy(self, fn):
-        """CuPy's pool keeps freed blocks, so its total after a run from empty is the run's peak."""
-        pool = self.cupy.get_default_memory_pool()
+        """The most bytes fn's own allocations held at once (a CuPy memory hook: the asv suite's
+        peak_live_bytes, so both report the same quantity)."""
+        suites = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
+        if suites not in sys.path:
+            sys.path.append(suites)
+        from bench_attention import peak_live_bytes
+
         self.torch.cuda.synchronize()
-        pool.free_all_blocks()
-        before = pool.total_bytes()
-        result = fn()
-        self.torch.cuda.synchronize()
-        return result, pool.total_bytes() - before
+        return peak_live_bytes(self.cupy, fn)
 
     def free(self):
         self.torch.cuda.synchronize()

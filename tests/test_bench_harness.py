@@ -315,3 +315,31 @@ def test_committed_h200_history_is_readable():
 
 def columns(data, name):
     return asv_regressions.columns(data, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# peak_live_bytes (the asv suites' and peers.py's peak memory of a call), on the device
+
+
+@pytest.mark.gpu
+def test_peak_live_bytes_counts_what_the_call_holds():
+    cupy = pytest.importorskip("cupy")
+    bench = load(ROOT / "benchmarks" / "benchmarks" / "bench_attention.py", "bench_attention_under_test")
+    keep = cupy.empty(8 << 20, dtype=cupy.uint8)  # a live array: the pool keeps its chunk
+    del keep
+    held = cupy.empty(3 << 20, dtype=cupy.uint8)  # lands in the freed chunk, which stays mapped
+
+    def call():
+        a = cupy.empty(1 << 20, dtype=cupy.uint8)
+        b = cupy.empty(3 << 20, dtype=cupy.uint8)  # a + b live: 4 MiB
+        del a
+        c = cupy.empty(512 << 10, dtype=cupy.uint8)
+        del b
+        return c  # the result stays live
+
+    result, peak = bench.peak_live_bytes(cupy, call)
+    assert peak == (1 << 20) + (3 << 20)
+    assert result.nbytes == 512 << 10
+    _, peak_after = bench.peak_live_bytes(cupy, lambda: cupy.empty(100, dtype=cupy.float32))
+    assert peak_after == 400  # requested bytes, not the pool's 512-byte rounding
+    del held
