@@ -53,9 +53,19 @@ def fwd_ops(d, n, causal):
 
 
 def main():
-    ops = decode_ops(8, 8, 4096) + decode_ops(64, 8, 4096) + decode_ops(8, 32, 4096)
-    ops += bwd_ops(64, 4096, True) + bwd_ops(128, 4096, True) + bwd_ops(64, 4096, False)
-    ops += fwd_ops(64, 1024, False) + fwd_ops(256, 1024, False)
+    import os
+
+    if os.environ.get("NCU_OPS"):  # e.g. "decode:8,32,65536;fwd:128,4096,0;bwd:64,4096,1"
+        make = {"decode": decode_ops, "fwd": fwd_ops, "bwd": bwd_ops}
+        ops = []
+        for item in os.environ["NCU_OPS"].split(";"):
+            kind, args = item.split(":")
+            vals = [int(x) for x in args.split(",")]
+            ops += make[kind](*vals[:2], bool(vals[2])) if kind != "decode" else make[kind](*vals)
+    else:
+        ops = decode_ops(8, 8, 4096) + decode_ops(64, 8, 4096) + decode_ops(8, 32, 4096)
+        ops += bwd_ops(64, 4096, True) + bwd_ops(128, 4096, True) + bwd_ops(64, 4096, False)
+        ops += fwd_ops(64, 1024, False) + fwd_ops(256, 1024, False)
     for _, fn in ops:  # compile, plan, pick cuDNN engines
         fn()
         fn()
