@@ -53,6 +53,39 @@ __global__ void attn_bwd_prep(const u16* __restrict__ o, const u16* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------------
+// S = A1 B1^T and DP = A2 B2^T over the head dim for this warp's 16 MM rows and 8 NN columns
+// (mma.sync m16n8k16; A and B rows as stored, B's tile at b_off): both products in one pass over
+// k, so each step's four fragments load together. The K/V kernel passes K, V and Q, dO (S^T, dP^T),
+// the dQ kernel Q, dO and K, V (S, dP).
+template <typename T, int MM, int NN, int HEAD_DIM>
+__device__ __forceinline__ void gemm_pair_nt(float (&s)[MM][NN][4], float (&dp)[MM][NN][4],
+                                             LaneAddr<HEAD_DIM> a1, LaneAddr<HEAD_DIM> a2,
+                                             LaneAddr<HEAD_DIM> b1, LaneAddr<HEAD_DIM> b2, u32 b_off) {
+    zero_acc(s, dp);
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        u32 fa1[MM][4], fa2[MM][4];
+#pragma unroll
+        for (int mi = 0; mi < MM; ++mi) {
+            ldmatrix_x4(fa1[mi], a1.at(mi * 16, kk * 2));
+            ldmatrix_x4(fa2[mi], a2.at(mi * 16, kk * 2));
+        }
+#pragma unroll
+        for (int ni = 0; ni < NN; ni += 2) {
+            u32 fb1[4], fb2[4];
+            ldmatrix_x4(fb1, b1.at(ni * 8, kk * 2) + b_off);
+            ldmatrix_x4(fb2, b2.at(ni * 8, kk * 2) + b_off);
+#pragma unroll
+            for (int mi = 0; mi < MM; ++mi) {
+                mma_16816<T>(s[mi][ni], fa1[mi], fb1[0], fb1[1]);
+                mma_16816<T>(s[mi][ni + 1], fa1[mi], fb1[2], fb1[3]);
+                mma_16816<T>(dp[mi][ni], fa2[mi], fb2[0], fb2[1]);
+                mma_16816<T>(dp[mi][ni + 1], fa2[mi], fb2[2], fb2[3]);
+            }
+        }
+    }
+}
+
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D>
 struct BwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;
@@ -209,29 +242,7 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
         // S^T = K Q^T and dP^T = V dO^T for this warp's key rows.
         float s[kMmaM][kNQ][4], dp[kMmaM][kNQ][4];
-        zero_acc(s, dp);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            u32 ak[kMmaM][4], av[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                ldmatrix_x4(ak[mi], aK.at(mi * 16, kk * 2));
-                ldmatrix_x4(av[mi], aV.at(mi * 16, kk * 2));
-            }
-#pragma unroll
-            for (int ni = 0; ni < kNQ; ni += 2) {
-                u32 bq[4], bo[4];
-                ldmatrix_x4(bq, bQ.at(ni * 8, kk * 2) + qoff);
-                ldmatrix_x4(bo, bdO.at(ni * 8, kk * 2) + qoff);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(s[mi][ni], ak[mi], bq[0], bq[1]);
-                    mma_16816<T>(s[mi][ni + 1], ak[mi], bq[2], bq[3]);
-                    mma_16816<T>(dp[mi][ni], av[mi], bo[0], bo[1]);
-                    mma_16816<T>(dp[mi][ni + 1], av[mi], bo[2], bo[3]);
-                }
-            }
-        }
+        gemm_pair_nt<T>(s, dp, aK, aV, bQ, bdO, qoff);
 
         // P^T = exp2(S^T * scale * log2e - lse * log2e) with invisible pairs forced to 0;
         // dS^T = P^T * (dP^T - D).
@@ -487,29 +498,7 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         const u32 koff = buf * Tr::kTileKV * 2;
 
         float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
-        zero_acc(s, dp);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            u32 aq[kMmaM][4], ao[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                ldmatrix_x4(aq[mi], aQ.at(mi * 16, kk * 2));
-                ldmatrix_x4(ao[mi], adO.at(mi * 16, kk * 2));
-            }
-#pragma unroll
-            for (int ni = 0; ni < kNS; ni += 2) {
-                u32 bk[4], bv[4];
-                ldmatrix_x4(bk, bK.at(ni * 8, kk * 2) + koff);
-                ldmatrix_x4(bv, bV.at(ni * 8, kk * 2) + koff);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(s[mi][ni], aq[mi], bk[0], bk[1]);
-                    mma_16816<T>(s[mi][ni + 1], aq[mi], bk[2], bk[3]);
-                    mma_16816<T>(dp[mi][ni], ao[mi], bv[0], bv[1]);
-                    mma_16816<T>(dp[mi][ni + 1], ao[mi], bv[2], bv[3]);
-                }
-            }
-        }
+        gemm_pair_nt<T>(s, dp, aQ, adO, bK, bV, koff);
         const int n0 = (j0 + j) * BLOCK_N;
         bool need_mask = (n0 + BLOCK_N > sq.nk) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + sq.hi);
         if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + sq.lo;
