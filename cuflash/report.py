@@ -220,33 +220,33 @@ def write_plots(directory, dims, series):
     directory.mkdir(parents=True, exist_ok=True)
     title = (f"B={dims['batch']} Hq={dims['hq']} Hkv={dims['hkv']} d={dims['d']} {dims['dtype']}"
              + (" causal" if dims["causal"] else "") + ", forward")
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.loglog(series["n"], series["tiled"], "o-", label="tiled: total device bytes")
-    ax.loglog(series["n"], series["inputs_outputs"], "k:", lw=2, zorder=5, label="inputs + outputs alone")
-    ax.loglog(series["n"], series["reference"], "s-", label="reference (S and P): total")
-    ax.loglog(series["n"], series["reference_in_place"], "s--", label="reference, P in place of S: total")
-    ax.set_xlabel(series["xlabel"])
-    ax.set_ylabel("device bytes")
-    ax.set_title("memory: " + title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    paths.append(directory / "memory_vs_n.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.loglog(series["n"], series["io_tiled"], "o-", label="tile schedule (logical HBM elements)")
-    ax.loglog(series["n"], series["io_paper"], "--", label="paper: N^2 d^2 / M (unit constant)")
-    ax.loglog(series["n"], series["io_reference"], "s-", label="materializing reference (S, P written and read once)")
-    ax.loglog(series["n"], series["io_standard"], "-.", label="standard: (Nq+Nk) d + Nq Nk (unit constant)")
-    ax.set_xlabel(series["xlabel"])
-    ax.set_ylabel("HBM elements accessed")
-    ax.set_title("HBM traffic model: " + title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    paths.append(directory / "io_vs_n.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+
+    def figure(lines, ylabel, what, name):
+        """One log-log figure of series["n"] against the named series: (key, style, label[, kw])."""
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, style, label, *extra in lines:
+            ax.loglog(series["n"], series[key], style, label=label, **(extra[0] if extra else {}))
+        ax.set_xlabel(series["xlabel"])
+        ax.set_ylabel(ylabel)
+        ax.set_title(what + title, fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        fig.savefig(directory / name, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return directory / name
+
+    paths = [
+        figure([("tiled", "o-", "tiled: total device bytes"),
+                ("inputs_outputs", "k:", "inputs + outputs alone", {"lw": 2, "zorder": 5}),
+                ("reference", "s-", "reference (S and P): total"),
+                ("reference_in_place", "s--", "reference, P in place of S: total")],
+               "device bytes", "memory: ", "memory_vs_n.png"),
+        figure([("io_tiled", "o-", "tile schedule (logical HBM elements)"),
+                ("io_paper", "--", "paper: N^2 d^2 / M (unit constant)"),
+                ("io_reference", "s-", "materializing reference (S, P written and read once)"),
+                ("io_standard", "-.", "standard: (Nq+Nk) d + Nq Nk (unit constant)")],
+               "HBM elements accessed", "HBM traffic model: ", "io_vs_n.png"),
+    ]
     return paths
 
 
