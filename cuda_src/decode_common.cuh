@@ -13,6 +13,27 @@
 #define CUFLASH_DECODE_STALE 0
 #endif
 
+// Piece i (row r = i / (HEAD_DIM / 8), 8 columns from col = 8 (i % (HEAD_DIM / 8))) of the packed
+// query rows as four bf16/fp16 pairs: row r is (head hk * group + r / nq, token r % nq); columns
+// past d, rows past `rows` (group * nq) and pieces with !valid are zero.
+template <int HEAD_DIM>
+__device__ __forceinline__ void decode_q_piece(u32 (&w)[4], const u16* q, i64 q_sb, i64 q_sh, i64 q_sn, int b,
+                                               int hk, int group, int nq, int rows, int d, int i, bool valid) {
+    constexpr int kChunks = HEAD_DIM / 8;
+    const int r = i / kChunks, col = (i % kChunks) * 8;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[e] = 0u;
+    if (valid && r < rows) {
+        const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;
+            const u32 hi = col + 2 * e + 1 < d ? src[2 * e + 1] : 0u;
+            w[e] = lo | (hi << 16);
+        }
+    }
+}
+
 // Rows r = (head hk * group + r / nq, token r % nq) of q into sQ (Swizzle<HEAD_DIM> layout),
 // zero-padded to 16 * ROW_TILES rows and HEAD_DIM columns, in two steps: load() reads this
 // thread's 8-column pieces into registers (element loads: q is a few hundred bytes), store()
@@ -27,18 +48,8 @@ struct DecodeQPack {
 #pragma unroll
         for (int it = 0; it < kItems; ++it) {
             const int i = threadIdx.x + it * THREADS;
-            const int r = i / kChunks, col = (i % kChunks) * 8;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) w[it][e] = 0u;
-            if (i < 16 * ROW_TILES * kChunks && r < rows) {
-                const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;
-                    const u32 hi = col + 2 * e + 1 < d ? src[2 * e + 1] : 0u;
-                    w[it][e] = lo | (hi << 16);
-                }
-            }
+            decode_q_piece<HEAD_DIM>(w[it], q, q_sb, q_sh, q_sn, b, hk, group, nq, rows, d, i,
+                                     i < 16 * ROW_TILES * kChunks);
         }
     }
     __device__ __forceinline__ void store(u16* sQ) const {
@@ -58,18 +69,10 @@ __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i
     constexpr int kChunks = HEAD_DIM / 8;
     const int rows = group * nq;
     for (int i = threadIdx.x; i < 16 * ROW_TILES * kChunks; i += THREADS) {
-        const int r = i / kChunks, col = (i % kChunks) * 8;
-        u32 w[4] = {0u, 0u, 0u, 0u};
-        if (r < rows) {
-            const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;
-                const u32 hi = col + 2 * e + 1 < d ? src[2 * e + 1] : 0u;
-                w[e] = lo | (hi << 16);
-            }
-        }
-        *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(r, col)) = make_uint4(w[0], w[1], w[2], w[3]);
+        u32 w[4];
+        decode_q_piece<HEAD_DIM>(w, q, q_sb, q_sh, q_sn, b, hk, group, nq, rows, d, i, true);
+        *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
+            make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
