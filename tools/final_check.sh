@@ -4,6 +4,7 @@
 # others), merged into bench.json, and summary.json by tools/summarize.py.
 #
 #   OUT=dir GIT_COMMIT=<sha> bash tools/final_check.sh
+# (write the sha out on this side: git on the device machine reports an older HEAD than the tree it runs)
 set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT}"
