@@ -59,9 +59,18 @@ def _bits(a):
     return to_numpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-@pytest.mark.parametrize("b,hq,hkv,nk", [(2, 8, 2, 5000), (1, 4, 4, 70000), (3, 4, 1, 700)],
-                         ids=["cluster-split", "combine-split", "one-block"])
-def test_decode_replays(async_pool, b, hq, hkv, nk):
+@pytest.mark.parametrize("b,hq,hkv,nk,pdl_combine", [(2, 8, 2, 5000, False), (1, 4, 4, 70000, False),
+                                                     (1, 4, 4, 70000, True), (3, 4, 1, 700, False)],
+                         ids=["cluster-split", "combine-split", "combine-split-pdl", "one-block"])
+def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine):
+    # (pdl_combine: the combine kernel launched as the split kernel's programmatic dependent, as
+    # for caches of 512 MiB and more: the capture must keep that edge, and the replay be exact)
+    from cuflash import gpu_decode, pdl
+
+    if pdl_combine:
+        if not pdl.available():
+            pytest.skip("programmatic dependent launch needs sm_90 and cuda-bindings")
+        monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
     rng = np.random.default_rng([b, hq, nk, 61])
     q = cupy.empty((b, hq, 1, 128), FLOAT16)
     k, v = (cupy.empty((b, hkv, nk, 128), FLOAT16) for _ in range(2))
