@@ -33,7 +33,7 @@ if os.environ.get("DECODE_SMEM_PAD"):  # occupancy probe: every cp.async decode 
 
 quick = "--quick" in sys.argv
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
-CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
+from decode_cells import CELLS, decode_inputs  # the peers' decode grid (tools/, this script's folder)
 CANDS = [(16, 4, 2), (16, 4, 3)]
 WAVES = (1, 2)
 TMA_CANDS = [(4, 6), (4, 4), (4, 3), (4, 2), (8, 3), (8, 2), (2, 8), (2, 4), (6, 4)]
@@ -59,9 +59,7 @@ if "--cluster" in sys.argv:
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    nbytes = 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
     row = {"L": L, "B": B, "hkv": hkv, "tbps": {}, "ms": {}}
     for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         with sdpa_kernel([be]):

@@ -31,7 +31,7 @@ from cuflash import _build, gpu_decode  # noqa: E402
 from cuflash._problem import validate_forward  # noqa: E402
 
 gpu_decode.CLUSTER_SIZES = (2, 3, 4, 5, 6, 7, 8)  # the kernel takes any size up to 8; the library instantiates 2, 4, 8
-CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
+from decode_cells import CELLS, decode_inputs  # noqa: E402  # the peers' decode grid (tools/, this script's folder)
 if "--split-cells" in sys.argv:
     CELLS = [c for c in CELLS if c[1] * c[2] < 132]
 if "--many-cells" in sys.argv:
@@ -116,9 +116,7 @@ timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    nbytes = 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn_ms, _ = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

@@ -21,13 +21,11 @@ from cuflash import gpu_decode, pdl  # noqa: E402
 from cuflash._problem import validate_forward  # noqa: E402
 
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
-CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
+from decode_cells import CELLS, decode_inputs  # noqa: E402  # the peers' decode grid (tools/, this script's folder)
 out = []
 for L, B, hkv in CELLS:
     hq, d = 32, 128
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    nbytes = 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     p = validate_forward(qc, kc, vc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
