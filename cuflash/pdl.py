@@ -36,7 +36,9 @@ def available() -> bool:
         return False
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability) >= 90
+    from .gpu_decode import _runs_clusters  # compute capability >= 9.0, read once per device
+
+    return _runs_clusters(cupy.cuda.Device().id)
 
 
 def _param_bytes(arg) -> bytes:

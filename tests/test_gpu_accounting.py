@@ -13,29 +13,15 @@ import cuflash
 from cuflash import accounting, gpu_decode
 from cuflash._arrays import BFLOAT16
 from cuflash._problem import validate_forward
-from cuflash.testing import random_inputs
+from cuflash.testing import random_inputs, recorded_allocations
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 def _recorded(fn):
-    pool = cupy.get_default_memory_pool()
-    fn()  # compile and warm up first
-    cupy.cuda.Device().synchronize()
-    sizes = []
-
-    def malloc(nbytes):
-        sizes.append(nbytes)
-        return pool.malloc(nbytes)
-
-    cupy.cuda.set_allocator(malloc)
-    try:
-        result = fn()
-        cupy.cuda.Device().synchronize()
-    finally:
-        cupy.cuda.set_allocator(pool.malloc)
-    del result
-    return sizes
+    """The allocation sizes of fn's second call (the first compiles and warms up)."""
+    fn()
+    return recorded_allocations(fn)[1]
 
 
 def _predicted(report, categories):

@@ -26,6 +26,7 @@ from cuflash.testing import (
     naive_attention_in_dtype,
     random_array,
     random_inputs,
+    recorded_allocations,
     reference64,
 )
 
@@ -328,18 +329,11 @@ def test_no_device_allocation_beyond_lse(rng, dtype):
     q, k, v = device_inputs(rng, (2, 4, 500, 128), (2, 2, 600, 128), dtype)
     out = poisoned(q.shape, dtype)
     cuflash.attention(q, k, v, causal=True, return_lse=True, out=out)  # compile and warm up
-    cupy.cuda.Device().synchronize()
     pool = cupy.get_default_memory_pool()
-    requests = []
-
-    def recording_malloc(nbytes):
-        requests.append(nbytes)
-        return pool.malloc(nbytes)
-
     raw(out).fill(_NAN_BITS[np.dtype(dtype)])
+    cupy.cuda.Device().synchronize()
     used_before = pool.used_bytes()
-    with cupy.cuda.using_allocator(recording_malloc):
-        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, out=out)
+    (o, lse), requests = recorded_allocations(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True, out=out))
     used_after = pool.used_bytes()
     assert o is out
     assert requests == [lse.nbytes], f"device allocations during the forward: {requests}, want only lse ({lse.nbytes} B)"

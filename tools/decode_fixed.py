@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.peers import Timer
 from cuflash import gpu_decode, schedule
 from cuflash._problem import validate_forward
+from decode_cells import decode_inputs  # tools/, this script's folder
 
 flushed = Timer(warmup=3, repeats=40, seconds_per_impl=0.3)
 warm = Timer(warmup=3, repeats=40, seconds_per_impl=0.3)
@@ -23,8 +24,7 @@ cluster = {"1": True, "0": False}.get(os.environ.get("CLUSTER", ""))
 for splits in [int(x) for x in os.environ.get("SPLITS", "5,1,2,10").split(",")]:
     for L in (1024, 2048, 4096, 8192, 16384):
         B, hq, hkv, d = 8, 32, 8, 128
-        q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q, k, v, _ = decode_inputs(L, B, hkv, hq, d)
         qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
         p = validate_forward(qc, kc, vc)
         o4 = cp.empty_like(qc)

@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import _build, gpu_decode  # noqa: E402
 from cuflash._problem import validate_forward  # noqa: E402
+from decode_cells import decode_inputs  # noqa: E402  (tools/, this script's folder)
 
 launched = []
 _get_function = gpu_decode.get_function
@@ -67,8 +68,7 @@ warm = WarmTimer(warmup=3, repeats=40, seconds_per_impl=0.3)
 out = []
 for L in (16, 256, 1024, 4096, 16384):
     B, hq, hkv, d = 8, 32, 8, 128
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v, _ = decode_inputs(L, B, hkv, hq, d)
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     p = validate_forward(qc, kc, vc)
     o4 = cp.empty_like(qc)
