@@ -83,14 +83,6 @@ struct HopperFwdTraits {
 #ifndef CUFLASH_FWD_STALE_MIN_D
 #define CUFLASH_FWD_STALE_MIN_D 256
 #endif
-// (probe, off by default) the exponentials of every CUFLASH_FWD_POLY_EVERY-th 8-key column tile
-// by poly_exp2 on the FMA pipes, at head dims up to CUFLASH_FWD_POLY_MAX_D.
-#ifndef CUFLASH_FWD_POLY_EVERY
-#define CUFLASH_FWD_POLY_EVERY 0
-#endif
-#ifndef CUFLASH_FWD_POLY_MAX_D
-#define CUFLASH_FWD_POLY_MAX_D 64
-#endif
 #ifdef CUFLASH_FWD_TRACE
 __device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][6];
 __device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles, unsigned long long ready,
@@ -370,8 +362,6 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
         // (d=192 not measured: off. A probe lowers the bound: -DCUFLASH_FWD_STALE_MIN_D=192.)
         constexpr bool kStale = HEAD_DIM >= CUFLASH_FWD_STALE_MIN_D;
-        constexpr int kPoly = HEAD_DIM <= CUFLASH_FWD_POLY_MAX_D ? CUFLASH_FWD_POLY_EVERY : 0;
-        constexpr int kPolyDeg = T::is_bf16 ? 3 : 4;  // each below half an ulp of the 16-bit P
         bool moved = true;
         auto rescale_o = [&]() {
             if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
@@ -469,7 +459,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 if (n_tiles == 1) mbar_arrive(empty_q);  // the tile's last read of Q
             }
             mask(0);
-            moved = softmax.template probs<1, kNS, kStale, kPoly, kPolyDeg>(acc_s, scale_log2, alpha);  // (O is zero: its rescale in step 0 is harmless)
+            moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);  // (O is zero: its rescale in step 0 is harmless)
             if constexpr (!kWaitAtStart) to_p();
         }
         // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
@@ -525,7 +515,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     if (j + 2 == n_tiles) mbar_arrive(empty_q);  // the tile's last read of Q
                 }
                 mask(j + 1);
-                moved = softmax.template probs<1, kNS, kStale, kPoly, kPolyDeg>(acc_s, scale_log2, alpha);
+                moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);
             }
             if (!kWaitAtStart || !kNext) {  // (warp-specialized: the tile's last step, before the epilogue)
                 retire_pv();

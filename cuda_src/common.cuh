@@ -56,31 +56,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x on the FMA pipes instead of the SFU (FlashAttention-4's trick): where the softmax waits on
-// the SFU, a share of a tile's exponentials computed here runs beside the ex2s on the other pipes.
-// x is split as j + f (j = floor(x) by the 1.5 * 2^23 rounding trick, f in [0, 1)), 2^f is a
-// minimax polynomial with p(0) = 1 exactly, and j goes into the exponent by an integer add.
-// Relative error (float32 Horner, 20k points): degree 3 8.6e-5 (bf16's half ulp: 2.0e-3), degree
-// 4 3.0e-6 (fp16's: 2.4e-4). x = -inf (masked keys) gives exactly 0: x is clamped to -127, so f = 0,
-// p = 1 and the exponent add lands on +0. Valid for x <= 127.
-template <int DEG>
-__device__ __forceinline__ float poly_exp2(float x) {
-    static_assert(DEG == 3 || DEG == 4, "fitted degrees");
-    constexpr float kRound = 12582912.f;     // 1.5 * 2^23: x + kRound, rounded down, is floor(x) in the low bits
-    x = fmaxf(x, -127.f);
-    const float t = __fadd_rd(x, kRound);
-    const float f = x - (t - kRound);        // exact: j = t - kRound is an integer in float
-    float p;
-    if constexpr (DEG == 3) {
-        p = fmaf(fmaf(fmaf(0.07706717401742935f, f, 0.22764484584331512f), f, 0.6951168179512024f), f, 1.f);
-    } else {
-        p = fmaf(fmaf(fmaf(fmaf(0.013426700606942177f, f, 0.052242446690797806f), f, 0.2412802129983902f), f,
-                      0.6930448412895203f), f, 1.f);
-    }
-    // bits(t) = bits(kRound) + j, and bits(kRound) << 23 wraps to 0: the shift leaves j << 23.
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

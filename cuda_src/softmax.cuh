@@ -26,9 +26,7 @@ struct OnlineSoftmax {
     // Turn the score tile s into unnormalized probabilities (in place), update the running max and
     // sum, and return in alpha[r] the factor that O's row r must be multiplied by. Returns whether
     // any of this thread's rows moved its max.
-    // POLY_EVERY = k > 0: the exponentials of every k-th 8-column tile (ni % k == k - 1) come from
-    // poly_exp2<POLY_DEG> on the FMA pipes, the rest from the SFU.
-    template <int MMA_M, int NS, bool STALE = false, int POLY_EVERY = 0, int POLY_DEG = 3>
+    template <int MMA_M, int NS, bool STALE = false>
     __device__ __forceinline__ bool probs(float (&s)[MMA_M][NS][4], float scale_log2, float (&alpha)[ROWS]) {
         bool moved = false;
 #pragma unroll
@@ -55,9 +53,7 @@ struct OnlineSoftmax {
                 for (int ni = 0; ni < NS; ++ni)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float x = fmaf(s[mi][ni][2 * hf + e], scale_log2, -base);
-                        const float p = POLY_EVERY > 0 && ni % POLY_EVERY == POLY_EVERY - 1 ? poly_exp2<POLY_DEG>(x)
-                                                                                           : fast_exp2(x);
+                        const float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -base));
                         s[mi][ni][2 * hf + e] = p;
                         sum += p;
                     }

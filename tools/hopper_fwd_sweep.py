@@ -40,7 +40,7 @@ def T(bn, wg, st, kind="", wg_epilogue=False):
 CANDIDATES = {
     64: [T(128, 3, 2, "pp"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 3, 2, "ppp", True),
          T(192, 2, 2, "pp"), T(192, 2, 2, "ppp", True),  # 192-key tiles: slower (eighth session)
-         T(128, 3, 3, "pp"), T(128, 2, 3, "ppp", True)],  # 3 stages (cuDNN's d=64 kernel holds 134 KB)
+         T(128, 3, 3, "pp"), T(128, 2, 3, "ppp", True)],  # 3 stages: 1-3% slower (evidence-20261130h)
     128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 2, 2, "ptma", True),
           T(128, 2, 2, "tma", True)],  # the table tile with each warpgroup storing its own O rows
     192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True)],
