@@ -203,6 +203,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     using TileKV = typename Tr::TileKV;
     constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
+    // Each math warpgroup stops at its own rows' last key tile (n_mine in math()).
+    constexpr bool kWgExtent = TMA && !SPLIT;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
 #ifdef CUFLASH_FWD_TRACE
     const unsigned long long trace_t0 = trace_clock();
@@ -434,7 +436,25 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
         // the early wait: the late one spills in the d=256 band kernel.)
         constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
-        if (n_tiles > 0) {  // S_0 and its probabilities before the loop (O is still zero)
+        // (TMA) The key tiles this warpgroup's own rows see: under a causal mask the tile's first 64
+        // rows end up to kBM - 64 keys before its last (the 192-row d=64 tile, the 80- and 96-key
+        // tiles at d=256 / 192), and a warpgroup whose rows all lie past nq sees none. It computes
+        // n_mine tiles and only takes its turns and releases its ring slots for the rest, leaving
+        // the tensor cores to the other warpgroups.
+        int n_mine = n_tiles;
+        if constexpr (kWgExtent) {
+            const int wg_rows = min(64, rows_valid - 64 * wg);
+            int wg_end = nk_b;
+            if constexpr (kHi) wg_end = max(0, min(nk_b, m0 + 64 * wg + wg_rows + hi));
+            n_mine = wg_rows > 0 ? min(n_tiles, (wg_end + BLOCK_N - 1) / BLOCK_N) : 0;
+        }
+        if constexpr (PINGPONG) {  // (n_mine == 0) the turn of S_0, passed on
+            if (n_mine == 0 && n_tiles > 0) {
+                turn_wait();
+                turn_pass(false);
+            }
+        }
+        if (n_mine > 0) {  // S_0 and its probabilities before the loop (O is still zero)
             if constexpr (PRODUCER) {
                 mbar_wait(full_q, q_phase);
                 mbar_wait(full_k(kv0 % STAGES), (kv0 / STAGES) & 1);
@@ -456,7 +476,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             fence_regs(acc_s[0]);
             if constexpr (PRODUCER) mbar_arrive(empty_k(kv0 % STAGES));
             if constexpr (PERSISTENT) {
-                if (n_tiles == 1) mbar_arrive(empty_q);  // the tile's last read of Q
+                if (n_mine == 1) mbar_arrive(empty_q);  // the tile's last read of Q
             }
             mask(0);
             moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);  // (O is zero: its rescale in step 0 is harmless)
@@ -506,13 +526,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
             issue_pv(j);
             wgmma_commit();
-            if constexpr (PINGPONG) turn_pass(!kNext);
+            if constexpr (PINGPONG) turn_pass(!kNext && (!kWgExtent || j + 1 == n_tiles));
             if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
                 wgmma_wait<1>();
                 fence_regs(acc_s[0]);
                 if constexpr (PRODUCER) mbar_arrive(empty_k((g + 1) % STAGES));
                 if constexpr (PERSISTENT) {
-                    if (j + 2 == n_tiles) mbar_arrive(empty_q);  // the tile's last read of Q
+                    if (j + 2 == n_mine) mbar_arrive(empty_q);  // the tile's last read of Q
                 }
                 mask(j + 1);
                 moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);
@@ -526,14 +546,35 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 }
             }
         };
-        for (int j = 0; j + 1 < n_tiles; ++j) step(j, true);
-        if (n_tiles > 0) step(n_tiles - 1, false);
+        for (int j = 0; j + 1 < n_mine; ++j) step(j, true);
+        if (n_mine > 0) step(n_mine - 1, false);
+        if constexpr (kWgExtent) {
+            // O is retired on every path here: else ptxas injects that wait at the first join after
+            // the loop, inside the loop below, and then serializes every wgmma (C7518).
+            wgmma_wait<0>();
+            fence_regs(acc_o[0]);
+            // The tiles past this warpgroup's rows: its turn passed on, each slot released once its
+            // tile has landed (the producer refills a slot only after every release of its previous
+            // tile, so waiting for "full" first keeps this release in the right phase).
+            for (int j = n_mine; j < n_tiles; ++j) {
+                const int g = kv0 + j, s = g % STAGES;
+                const u32 parity = (g / STAGES) & 1;
+                if constexpr (PINGPONG) {
+                    turn_wait();
+                    turn_pass(j + 1 == n_tiles);
+                }
+                mbar_wait(full_k(s), parity);
+                mbar_arrive(empty_k(s));
+                mbar_wait(full_v(s), parity);
+                mbar_arrive(empty_v(s));
+            }
+        }
 #ifdef CUFLASH_FWD_TRACE
         trace_loop = trace_clock();
 #endif
         // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
         if constexpr (PRODUCER) {
-            if (n_tiles == 0) {
+            if (n_mine == 0) {
                 mbar_wait(full_q, q_phase);  // Q's copies may still be landing in the rows reused below
                 if constexpr (PERSISTENT) mbar_arrive(empty_q);
             }

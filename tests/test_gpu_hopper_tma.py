@@ -117,6 +117,22 @@ def test_warpgroup_schedules(rng, pingpong, warpgroups, causal, d):
         run_and_check(rng, FLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])
+@pytest.mark.parametrize("causal", [pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")])
+@pytest.mark.parametrize("d", [64, 192, 256])
+def test_warpgroup_key_extent(rng, pingpong, causal, d):
+    # Each math warpgroup stops at its own rows' last key tile and only passes on its turns and
+    # releases its ring slots for the rest (192-row tiles at d=64, 80 / 96-key tiles at d=256 /
+    # 192): warpgroups with fewer tiles than the block (1000 x 1000, 450 x 1300), with none while
+    # another has some (300 x 150 bottom_right: the first tile's warpgroups 0 and 1 see no key,
+    # warpgroup 2 one tile), and with no valid rows (ragged last tiles).
+    tile = tma_tile(d, pingpong=pingpong)
+    for nq, nk in ((1000, 1000), (450, 1300), (300, 150)):
+        run_and_check(rng, BFLOAT16, (2,), 2, 1, nq, nk, d, causal=causal, tile=tile)
+    wge = dataclasses.replace(schedule.HOPPER_FORWARD_TILES[d], pingpong=False, wg_epilogue=True, reason="")
+    run_and_check(rng, FLOAT16, (1,), 3, 1, 1000, 1000, d, causal=causal, tile=wge)
+
+
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [128, 192, 256])
 def test_warpgroup_epilogue(rng, causal, d):
