@@ -4,7 +4,7 @@
 # alternated (tools/fwd_ab.sh), the d=192 table tile likewise (tools/hopper_fwd_sweep.py), the
 # sanitizers on small launches whose warpgroups stop at different key tiles, then the forward GPU
 # tests.
-#   OUT=dir bash tools/extent_probe.sh
+#   OUT=dir [SAN=0] [AB_TESTS=...] bash tools/extent_probe.sh
 set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT}"
@@ -30,6 +30,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/d192_*_*.json")):
 for k in sorted(r, key=str):
     print("AB192", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
 PY
+[ "${SAN:-1}" = 0 ] || {
 san() {  # tool, tiny_fwd args...
     local tool=$1; shift
     timeout 90 compute-sanitizer --tool "$tool" --report-api-errors no python3 tools/tiny_fwd.py "$@" > "$OUT/san.tmp" 2>&1
@@ -42,6 +43,7 @@ san synccheck 1 2 450 256 bf16 true tma
 san memcheck 2 2 515 64 bf16 true pppersist
 san racecheck 1 2 300 192 fp16 true pp
 rm -f "$OUT/san.tmp"
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu_hopper_tma.py tests/test_gpu_forward.py \
+}
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_tma.py tests/test_gpu_forward.py} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/tests.log" 2>&1; echo "tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -12
 mkdir -p "$OUT/raw" && mv "$OUT"/fwd_*_*.json "$OUT"/fwd_*_*.log "$OUT"/d192_* "$OUT/raw/" 2>/dev/null; tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$OUT/raw"
