@@ -203,8 +203,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     using TileKV = typename Tr::TileKV;
     constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
-    // Each math warpgroup stops at its own rows' last key tile (n_mine in math()).
-    constexpr bool kWgExtent = TMA && !SPLIT;
+    // Each math warpgroup stops at its own rows' last key tile (n_mine in math()): causal only.
+    // A B A B next to cuDNN (H200, evidence-20261130h/extent-01e8c21): causal d=64 N=4k (192-row
+    // tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
+    // 0.89 -> 0.91, d=128 unchanged; without a mask (where only a ragged last tile's warpgroups
+    // gain) d=64 / d=128 lost 1-3.5% to the loop's extra register moves.
+    constexpr bool kWgExtent = TMA && !SPLIT && CAUSAL;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
 #ifdef CUFLASH_FWD_TRACE
     const unsigned long long trace_t0 = trace_clock();
@@ -452,7 +456,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             // and every forward 5-10% slower (H200, evidence-20261130h/extent-c089ad2).
             n_mine = __shfl_sync(0xffffffffu, n_mine, 0);
         }
-        if constexpr (PINGPONG) {  // (n_mine == 0) the turn of S_0, passed on
+        if constexpr (PINGPONG && kWgExtent) {  // (n_mine == 0) the turn of S_0, passed on
             if (n_mine == 0 && n_tiles > 0) {
                 turn_wait();
                 turn_pass(false);
