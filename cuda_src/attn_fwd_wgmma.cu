@@ -252,7 +252,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = split_tile / (m_count * n_heads);
     }
     int hk = h / group;
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, wg = warp_uniform(tid >> 7), warp = warp_uniform((tid >> 5) & 3), lane = tid & 31;
     int m0 = m_block * kBM;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the
     // plain kernel keeps nk and causal_off (its hi) as the parameters they are.

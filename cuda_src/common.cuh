@@ -56,6 +56,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// x, which the caller knows to be the same in every lane (a warp or warpgroup index), as ptxas can
+// see it: read from lane 0. Derived from threadIdx, it counts as per-thread, so everything computed
+// from it (shared-memory addresses, wgmma descriptors, ring slots) stays in vector registers and
+// reaches the uniform datapath through R2UR (CUTLASS's canonical_warp_group_idx does the same).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
