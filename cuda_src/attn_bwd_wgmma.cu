@@ -159,7 +159,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
-    const int tid = threadIdx.x, wg = warp_uniform(tid >> 7), warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
 #ifdef CUFLASH_BWD_TRACE
     const unsigned long long trace_t0 = trace_clock();
 #endif

@@ -252,7 +252,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = split_tile / (m_count * n_heads);
     }
     int hk = h / group;
-    const int tid = threadIdx.x, wg = warp_uniform(tid >> 7), warp = warp_uniform((tid >> 5) & 3), lane = tid & 31;
+    // The warpgroup and warp indices as ptxas sees them (warp_uniform): A B A B next to cuDNN
+    // (H200, evidence-20261130h/uniform-09ce6a1) read from lane 0 d=64 +0-3%, d=128 causal +1.5-2%,
+    // d=256 +0.5-1%, but d=128 without a mask -1.2-3.7%, which keeps them per-thread.
+    constexpr bool kUniformIdx = !(HEAD_DIM == 128 && !CAUSAL);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = kUniformIdx ? warp_uniform(tid >> 7) : tid >> 7;
+    const int warp = kUniformIdx ? warp_uniform((tid >> 5) & 3) : (tid >> 5) & 3;
     int m0 = m_block * kBM;
     // Rows of this sequence: [q_row0, q_row0 + nq_b) of q, keys [k_row0, k_row0 + nk_b); the
     // plain kernel keeps nk and causal_off (its hi) as the parameters they are.
