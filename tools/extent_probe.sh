@@ -19,17 +19,7 @@ for s in A HEAD A HEAD; do
         --tiles 128x96wg2s2PP --json "$OUT/d192_${s}_$i.json" > "$OUT/d192_${s}_$i.log" 2>&1; echo "d192 $s rc=$?")
 done
 export PYTHONPATH=$root
-python3 - "$OUT" <<'PY' | tee -a "$OUT/ab_summary.txt"
-import glob, json, sys
-from collections import defaultdict
-r = defaultdict(lambda: defaultdict(list))
-for f in sorted(glob.glob(sys.argv[1] + "/d192_*_*.json")):
-    s = f.rsplit("/", 1)[1].split("_")[1]
-    for row in json.load(open(f)):
-        r[(192, row["n"], row["causal"])][s].append(row["vs_cudnn"])
-for k in sorted(r, key=str):
-    print("AB192", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
-PY
+python3 tools/ab_summary.py AB192 "$OUT/d192_*_*.json" | tee -a "$OUT/ab_summary.txt"
 [ "${SAN:-1}" = 0 ] || {
 san() {  # tool, tiny_fwd args...
     local tool=$1; shift

@@ -18,21 +18,7 @@ for s in ${SNAPS:-A HEAD A HEAD}; do
     echo "snap$s bench rc=$?"
 done
 cd "$root" && export PYTHONPATH=$PWD
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-from collections import defaultdict
-r = defaultdict(lambda: defaultdict(list))
-for f in sorted(glob.glob(sys.argv[1] + "/fwd_*_*.json")):
-    s = f.rsplit("/", 1)[1].split("_")[1]
-    ms = defaultdict(dict)
-    for row in json.load(open(f)).get("bench", []):
-        ms[(row["dtype"], row["d"], row["nq"], row["causal"])][row["impl"]] = row["ms"]
-    for k, v in ms.items():
-        if "cuflash" in v and "torch-cudnn" in v:
-            r[k][s].append(v["torch-cudnn"] / v["cuflash"])
-for k in sorted(r, key=str):
-    print("AB", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
-PY
+python3 tools/ab_summary.py AB "$OUT/fwd_*_*.json"
 [ "${TEST_TIMEOUT:-200}" = 0 ] && exit 0
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_tma.py tests/test_gpu_forward.py} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/tests.log" 2>&1; echo "tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -8

@@ -16,21 +16,7 @@ for var in $VARIANTS; do
         --max-seconds $(( ${BENCH_TIMEOUT:-60} - 8 )) --out "$OUT/ab_${name}_$i.json" > "$OUT/ab_${name}_$i.log" 2>&1
     echo "$name ($opts) bench rc=$?"
 done
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-from collections import defaultdict
-r = defaultdict(lambda: defaultdict(list))
-for f in sorted(glob.glob(sys.argv[1] + "/ab_*_*.json"), key=lambda f: int(f.rsplit("_", 1)[1].split(".")[0])):
-    s = f.rsplit("/", 1)[1].split("_")[1]
-    ms = defaultdict(dict)
-    for row in json.load(open(f)).get("bench", []):
-        ms[(row["op"], row["dtype"], row["d"], row["nq"], row["causal"])][row["impl"]] = row["ms"]
-    for k, v in ms.items():
-        if "cuflash" in v and "torch-cudnn" in v:
-            r[k][s].append(v["torch-cudnn"] / v["cuflash"])
-for k in sorted(r, key=str):
-    print("AB", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
-PY
+python3 tools/ab_summary.py AB "$OUT/ab_*_*.json"
 [ "${TEST_TIMEOUT:-150}" = 0 ] && exit 0
 CUFLASH_NVRTC_OPTIONS="${TEST_OPTS:-}" timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu ${AB_TESTS:-tests/test_gpu_hopper_tma.py} \
     -p no:cacheprovider -rfE -n 4 > "$OUT/tests.log" 2>&1; echo "tests ($TEST_OPTS) rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -12

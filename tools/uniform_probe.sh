@@ -15,19 +15,5 @@ for s in A HEAD A HEAD; do
     (cd "$dir" && PYTHONPATH=$PWD timeout 80 python3 benchmarks/peers.py --ops bwd --impls cuflash,torch-cudnn --d 64,128,256 \
         --n 4096 --seconds-per-impl 0.6 --max-seconds 70 --out "$OUT/bwd_${s}_$i.json" > "$OUT/bwd_${s}_$i.log" 2>&1; echo "bwd $s rc=$?")
 done
-python3 - "$OUT" <<'PY' | tee -a "$OUT/ab_summary.txt"
-import glob, json, sys
-from collections import defaultdict
-r = defaultdict(lambda: defaultdict(list))
-for f in sorted(glob.glob(sys.argv[1] + "/bwd_*_*.json")):
-    s = f.rsplit("/", 1)[1].split("_")[1]
-    ms = defaultdict(dict)
-    for row in json.load(open(f)).get("bench", []):
-        ms[(row["dtype"], row["d"], row["nq"], row["causal"])][row["impl"]] = row["ms"]
-    for k, v in ms.items():
-        if "cuflash" in v and "torch-cudnn" in v:
-            r[k][s].append(v["torch-cudnn"] / v["cuflash"])
-for k in sorted(r, key=str):
-    print("ABBWD", *k, " ".join(f"{s}: " + "/".join(f"{x:.3f}" for x in r[k][s]) for s in sorted(r[k])))
-PY
+python3 tools/ab_summary.py ABBWD "$OUT/bwd_*_*.json" | tee -a "$OUT/ab_summary.txt"
 mkdir -p "$OUT/raw" && mv "$OUT"/fwd_*_*.json "$OUT"/fwd_*_*.log "$OUT"/bwd_*_*.json "$OUT"/bwd_*_*.log "$OUT/raw/" 2>/dev/null; tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$OUT/raw"
