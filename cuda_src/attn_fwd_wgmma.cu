@@ -255,7 +255,11 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // The warpgroup and warp indices as ptxas sees them (warp_uniform): A B A B next to cuDNN
     // (H200, evidence-20261130h/uniform-09ce6a1) read from lane 0 d=64 +0-3%, d=128 causal +1.5-2%,
     // d=256 +0.5-1%, but d=128 without a mask -1.2-3.7%, which keeps them per-thread.
-    constexpr bool kUniformIdx = !(HEAD_DIM == 128 && !CAUSAL);
+    // (probe: -DCUFLASH_FWD_UNIFORM_ALL=1 reads them from lane 0 in every instantiation)
+#ifndef CUFLASH_FWD_UNIFORM_ALL
+#define CUFLASH_FWD_UNIFORM_ALL 0
+#endif
+    constexpr bool kUniformIdx = CUFLASH_FWD_UNIFORM_ALL || !(HEAD_DIM == 128 && !CAUSAL);
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = kUniformIdx ? warp_uniform(tid >> 7) : tid >> 7;
     const int warp = kUniformIdx ? warp_uniform((tid >> 5) & 3) : (tid >> 5) & 3;
