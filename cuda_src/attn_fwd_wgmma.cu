@@ -461,10 +461,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             int wg_end = nk_b;
             if constexpr (kHi) wg_end = max(0, min(nk_b, m0 + 64 * wg + wg_rows + hi));
             n_mine = wg_rows > 0 ? min(n_tiles, (wg_end + BLOCK_N - 1) / BLOCK_N) : 0;
-            // Broadcast from lane 0, so that ptxas sees a warp-uniform loop bound: derived from
-            // threadIdx, it kept the ring's counters and barrier addresses in per-thread registers
-            // and every forward 5-10% slower (H200, evidence-20261130h/extent-c089ad2).
-            n_mine = __shfl_sync(0xffffffffu, n_mine, 0);
+            // A warp-uniform loop bound for ptxas: derived from threadIdx, it kept the ring's
+            // counters and barrier addresses in per-thread registers and every forward 5-10% slower
+            // (H200, evidence-20261130h/extent-c089ad2).
+            n_mine = warp_uniform(n_mine);
         }
         if constexpr (PINGPONG && kWgExtent) {  // (n_mine == 0) the turn of S_0, passed on
             if (n_mine == 0 && n_tiles > 0) {
