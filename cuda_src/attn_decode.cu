@@ -65,7 +65,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // (probe, off by default: -DCUFLASH_DECODE_UNIFORM_WARP=1 reads the warp index from lane 0,
+    // warp_uniform, so that ptxas may keep the ring's addresses on the uniform datapath)
+#ifndef CUFLASH_DECODE_UNIFORM_WARP
+#define CUFLASH_DECODE_UNIFORM_WARP 0
+#endif
+    const int warp = CUFLASH_DECODE_UNIFORM_WARP ? warp_uniform(threadIdx.x >> 5) : threadIdx.x >> 5, lane = threadIdx.x & 31;
     u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages
     float* s_stat = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM + WARPS * Tr::kRingElems);  // [WARPS][kRows][2]
 
