@@ -1,6 +1,6 @@
 """Table of an A/B run's ratios (cuDNN ms / cuflash ms), one line per cell, each variant's runs in
 run order. Files are <prefix>_<variant>_<run>.json: benchmarks/peers.py output ({"bench": rows},
-keyed by op, dtype, d, nq, causal) or tools/hopper_fwd_sweep.py output (rows with vs_cudnn,
+keyed by op, dtype, d, nq, causal; decode by op, dtype, d, b, hkv, nk) or tools/hopper_fwd_sweep.py output (rows with vs_cudnn,
 keyed by d, n, causal, tile).
 
     python3 tools/ab_summary.py AB "$OUT/fwd_*_*.json"
@@ -18,7 +18,10 @@ def ratios(path):
         return {(r["d"], r["n"], r["causal"], r["tile"]): r["vs_cudnn"] for r in data}
     ms = defaultdict(dict)
     for row in data.get("bench", []):
-        ms[(row["op"], row["dtype"], row["d"], row["nq"], row["causal"])][row["impl"]] = row["ms"]
+        cell = (row["op"], row["dtype"], row["d"], row["nq"], row["causal"])
+        if row["op"] == "decode":  # one query token: the cells differ in batch, K/V heads and cache length
+            cell = (row["op"], row["dtype"], row["d"], row["b"], row["hkv"], row["nk"])
+        ms[cell][row["impl"]] = row["ms"]
     return {k: v["torch-cudnn"] / v["cuflash"] for k, v in ms.items() if "cuflash" in v and "torch-cudnn" in v}
 
 
