@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A/B of warp_uniform (the warpgroup index read from lane 0 in the wgmma forward and backward) in
-# one device call: forward and backward next to cuDNN, snapA (before; prepare: git archive
-# <before> | tar -x -C snapA) and this tree alternated, in one process per run.
+# A/B of a kernel change in one device call, forward (d 64/128/256, N 1k-4k) and backward (N=4k)
+# next to cuDNN: snapA (before; prepare: git archive <before> | tar -x -C snapA) and this tree
+# alternated, in one process per run. Written for warp_uniform (09ce6a1, whose backward also read
+# its warpgroup index from lane 0; since 34dd81e only the forward does, outside non-causal d=128).
 #   OUT=dir bash tools/uniform_probe.sh
 set -u
 cd "$(dirname "$0")/.." || exit 2
