@@ -44,33 +44,6 @@ struct DecodeTraits {
     static_assert((BLOCK_N * kChunks) % 32 == 0, "a warp loads its tiles evenly");
 };
 
-// One warp's key tile: keys [n0, n0 + BLOCK_N) of K and V (gK / gV: the (sequence, head)'s rows,
-// contiguous cache) into dk / dv, rows at or past s1 zero-filled.
-template <int HEAD_DIM, int BLOCK_N, bool VEC>
-__device__ __forceinline__ void decode_warp_load(u16* dk, u16* dv, const u16* __restrict__ k, const u16* __restrict__ v,
-                                                 const u16* gK, const u16* gV, const int* __restrict__ block_table,
-                                                 i64 bt_sb, int page_shift, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
-                                                 i64 v_sh, i64 v_sn, int b, int hk, int n0, int s1, int d, int lane) {
-    if (block_table == nullptr) {
-        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-        load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
-    } else {
-        // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
-        // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
-        // s1 are zero-filled without looking their page up.
-#pragma unroll
-        for (int g = 0; g < BLOCK_N / 16; ++g) {
-            const int n = n0 + 16 * g;
-            const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
-            const int in_page = n & ((1 << page_shift) - 1);
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
-                                                  k_sn, s1 - n, d, lane);
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
-                                                  v_sn, s1 - n, d, lane);
-        }
-    }
-}
-
 // One block of the split-KV launch: its split's keys, then the block's end - decode_merge_store
 // (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
 // (CLUSTER splits form one cluster; part_o / part_lse unused).
@@ -111,9 +84,26 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
     auto load = [&](int t, int slot) {
         const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        decode_warp_load<HEAD_DIM, BLOCK_N, VEC>(ring + slot * Tr::kTileKV, ring + (STAGES + slot) * Tr::kTileKV, k, v,
-                                                 gK, gV, block_table, bt_sb, page_shift, k_sb, k_sh, k_sn, v_sb, v_sh,
-                                                 v_sn, b, hk, n0, s1, d, lane);
+        u16* dk = ring + slot * Tr::kTileKV;
+        u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
+        if (block_table == nullptr) {
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+        } else {
+            // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
+            // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
+            // s1 are zero-filled without looking their page up.
+#pragma unroll
+            for (int g = 0; g < BLOCK_N / 16; ++g) {
+                const int n = n0 + 16 * g;
+                const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
+                const int in_page = n & ((1 << page_shift) - 1);
+                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
+                                                      k_sn, s1 - n, d, lane);
+                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
+                                                      v_sn, s1 - n, d, lane);
+            }
+        }
     };
     // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
     // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
@@ -227,173 +217,6 @@ attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
         q, k, v, o, lse, nullptr, nullptr, DECODE_TAIL_ARGS);
 }
 #endif
-// ---- Stream decode: the keys of all (sequence, K/V head) pairs cut evenly over the blocks ----
-//
-// With a block per pair, 2 blocks per SM and pairs not a multiple of 2 x SMs, the last wave leaves
-// SMs idle and an SM running one block finishes early (block traces, H200: SM busy 94%, blocks
-// 97-133 us at B=64 Hkv=8 L=4k). Here the pairs' keys, in units of one block step (WARPS x BLOCK_N
-// keys), are laid end to end and block g takes units [g U / G, (g + 1) U / G): every block the same
-// work, a range that may cross pair boundaries (Stream-K's idea, as LeanAttention applies it).
-// Each warp streams its interleaved tiles through its ring without a break at a boundary: there it
-// writes its normalized partial O and log-sum-exp for the pair that ended (a slot per block and
-// warp) and starts the next pair from its packed Q (staged for all of the block's pairs at the
-// start). The last warp to write a pair's partial (a counter per pair) merges all of them in slot
-// order - the same order whichever warp merges - stores O and LSE and zeroes the counter for the
-// next launch.
-template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
-struct DecodeStreamTraits {
-    using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
-    static constexpr int kQSlots = 3;  // pairs a block's range may touch (the host sizes the grid for it)
-    static constexpr int kUnit = WARPS * BLOCK_N;
-    static constexpr int kSmemBytes = (kQSlots * Tr::kRows * HEAD_DIM + WARPS * Tr::kRingElems) * 2;
-};
-
-// The block whose range holds unit x: the largest g with floor(g U / G) <= x.
-__device__ __forceinline__ int stream_block_of(i64 x, i64 units, int blocks) {
-    return (int)(((x + 1) * blocks + units - 1) / units) - 1;
-}
-
-template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC>
-__global__ void __launch_bounds__(WARPS * 32)
-attn_decode_stream(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
-                   float* __restrict__ part_lse, unsigned* __restrict__ counts, const int* __restrict__ block_table,
-                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int n_pairs,
-                   int nq, int nk, int d, int group, int align, float scale_log2, int keys, int max_seg) {
-    using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
-    using St = DecodeStreamTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
-    constexpr int kRows = Tr::kRows, kUnit = St::kUnit, kC4 = HEAD_DIM / 4;
-    extern __shared__ __align__(128) u16 smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rows = group * nq;
-    const int upp = (keys + kUnit - 1) / kUnit;  // units per pair
-    const i64 units = (i64)n_pairs * upp;
-    const int g = blockIdx.x, blocks = gridDim.x;
-    const i64 u0 = (i64)g * units / blocks, u1 = (i64)(g + 1) * units / blocks;
-    const int n_units = (int)(u1 - u0);
-    if (n_units <= 0) return;  // (the host launches at most `units` blocks)
-    const int p_first = (int)(u0 / upp);
-    const int n_pairs_here = (int)((u1 - 1) / upp) - p_first + 1;  // <= kQSlots (host)
-    u16* ring = smem + St::kQSlots * kRows * HEAD_DIM + warp * Tr::kRingElems;
-    // hi0 (the causal limit of packed row r: token + hi0), as the split kernel's; every pair reads
-    // keys [0, keys).
-    const DecodeSpan<CAUSAL, false> span(nullptr, 0, nk, nq, align, 0, nk, 0, 0);
-
-    // The load cursor: pair lp, unit lk within it, advanced one unit per load in order.
-    int lp = p_first, lk = (int)(u0 - (i64)p_first * upp);
-    auto load = [&](int slot) {
-        const int b = lp / hkv, hk = lp - b * hkv;
-        const int n0 = lk * kUnit + warp * BLOCK_N;
-        decode_warp_load<HEAD_DIM, BLOCK_N, VEC>(ring + slot * Tr::kTileKV, ring + (STAGES + slot) * Tr::kTileKV, k, v,
-                                                 k + b * k_sb + hk * k_sh, v + b * v_sb + hk * v_sh, block_table, bt_sb,
-                                                 page_shift, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, b, hk, n0, keys, d, lane);
-        if (++lk == upp) {
-            lk = 0;
-            ++lp;
-        }
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_units) load(s);
-        cp_async_commit();
-    }
-    for (int i = 0; i < n_pairs_here; ++i) {
-        const int pr = p_first + i, b = pr / hkv;
-        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(smem + i * kRows * HEAD_DIM, q, q_sb, q_sh, q_sn, b,
-                                                         pr - b * hkv, group, nq, d);
-    }
-    __syncthreads();
-    const u32 sbase = smem_addr(smem);
-    const u32 rbase = sbase + (St::kQSlots * kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
-    const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-    const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-    const DecodeRowTokens<ROW_TILES, false> row_tokens(lane, nq);
-
-    float acc_o[ROW_TILES][HEAD_DIM / 8][4];
-    OnlineSoftmax<2 * ROW_TILES> softmax;
-    zero_acc(acc_o);
-    int cp = p_first, ck = (int)(u0 - (i64)p_first * upp);  // the compute cursor
-    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
-    for (int t = 0; t < n_units; ++t) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
-        if (t + STAGES - 1 < n_units) load((t + STAGES - 1) % STAGES);
-        cp_async_commit();
-        const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
-        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, false>(qa, aK, aV, slot, slot, ck * kUnit + warp * BLOCK_N,
-                                                                         keys, row_tokens, 0, span.hi0, nq, lane,
-                                                                         softmax, acc_o, scale_log2);
-        if (++ck < upp && t + 1 < n_units) continue;
-        // The end of pair cp in this block: this warp's partial, then the merge if it is the last.
-        const int g_first = stream_block_of((i64)cp * upp, units, blocks);
-        const int n_seg = stream_block_of((i64)(cp + 1) * upp - 1, units, blocks) - g_first + 1;
-        const i64 pbase = (i64)cp * max_seg * WARPS;  // the pair's first slot
-        const i64 slot_idx = pbase + (i64)(g - g_first) * WARPS + warp;
-#pragma unroll
-        for (int mi = 0; mi < ROW_TILES; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = mi * 16 + (lane >> 2) + 8 * hf;
-                const float l = quad_sum(softmax.l[2 * mi + hf]);
-                const float inv = l > 0.f ? 1.f / l : 0.f;
-                if (r < rows) {
-                    float* dst = part_o + (slot_idx * rows + r) * HEAD_DIM + 2 * (lane & 3);
-#pragma unroll
-                    for (int ni = 0; ni < HEAD_DIM / 8; ++ni)
-                        *reinterpret_cast<float2*>(dst + ni * 8) =
-                            make_float2(acc_o[mi][ni][2 * hf] * inv, acc_o[mi][ni][2 * hf + 1] * inv);
-                    // base-2 log-sum-exp of the scaled scores
-                    if ((lane & 3) == 0)
-                        part_lse[slot_idx * rows + r] = l > 0.f ? softmax.m[2 * mi + hf] * scale_log2 + __log2f(l) : -INFINITY;
-                }
-            }
-        __threadfence();  // the partial is visible device-wide before the count says so
-        __syncwarp();
-        unsigned seen = 0;
-        if (lane == 0) seen = atomicAdd(counts + cp, 1u);
-        seen = __shfl_sync(0xffffffffu, seen, 0);
-        if (seen == (unsigned)(n_seg * WARPS - 1)) {
-            __threadfence();
-            const int n_slots = n_seg * WARPS;
-            const int b = cp / hkv, hk = cp - b * hkv;
-            for (int i = lane; i < rows * kC4; i += 32) {
-                const int r = i / kC4, c = (i - r * kC4) * 4;
-                float mx = -INFINITY;
-#pragma unroll 4
-                for (int s = 0; s < n_slots; ++s) mx = fmaxf(mx, __ldcg(part_lse + (pbase + s) * rows + r));
-                float wsum = 0.f;
-                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-                for (int s = 0; s < n_slots; ++s) {
-                    const float l = __ldcg(part_lse + (pbase + s) * rows + r);
-                    const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
-                    const float4 x = __ldcg(reinterpret_cast<const float4*>(part_o + ((pbase + s) * rows + r) * HEAD_DIM + c));
-                    wsum += w;
-                    acc.x += w * x.x;
-                    acc.y += w * x.y;
-                    acc.z += w * x.z;
-                    acc.w += w * x.w;
-                }
-                const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-                const int h = hk * group + r / nq, tok = r % nq;
-                u16* dst = o + b * o_sb + h * o_sh + tok * o_sn + c;
-                const float vals[4] = {acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv};
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (c + e < d) dst[e] = from_float<T>(vals[e]);
-                if (c == 0) lse[((i64)b * hq + h) * nq + tok] = wsum > 0.f ? (mx + __log2f(wsum)) * 0.6931471805599453f : -INFINITY;
-            }
-            if (lane == 0) counts[cp] = 0u;  // every partial of this pair is in: ready for the next launch
-        }
-        softmax = OnlineSoftmax<2 * ROW_TILES>();
-        zero_acc(acc_o);
-        ck = 0;
-        if (++cp < p_first + n_pairs_here) qa = DecodeQ<HEAD_DIM, ROW_TILES>(sbase + (cp - p_first) * kRows * HEAD_DIM * 2, lane);
-    }
-    cp_async_wait<0>();
-}
-
 #undef DECODE_PARAMS
 #undef DECODE_TAIL_PARAMS
 #undef DECODE_TAIL_ARGS

@@ -103,97 +103,6 @@ def combine_spec(dtype, d):
     return KernelSpec("attn_decode.cu", f"attn_decode_combine<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}>", _COMBINE_THREADS, 0)
 
 
-# ---- Stream decode (attn_decode_stream): every block the same share of all pairs' keys ----
-STREAM_Q_SLOTS = 3  # DecodeStreamTraits::kQSlots: pairs one block's range may touch
-STREAM_BLOCKS_PER_SM = 2  # the many-blocks tile's design point (2 x 111 KB of shared memory per SM)
-SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on sm_90 (each block also reserves 1 KB)
-
-
-def _stream_base_tile(d):
-    hd, t = schedule.decode_tile(d)
-    return schedule.DECODE_TILES_MANY_BLOCKS.get(hd, t)
-
-
-def stream_tile(p):
-    """The stream kernel's tile: the many-blocks tile where the head dim has one, else the table's
-    (key tile shrunk for the packed rows as attn_decode's)."""
-    return _launch_tile(_stream_base_tile(p.d), row_tiles_for(p))
-
-
-@functools.lru_cache(maxsize=None)
-def stream_spec(dtype, d, row_tiles, t, causal):
-    hd, _ = schedule.decode_tile(d)
-    params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, true"
-    smem = (STREAM_Q_SLOTS * 16 * row_tiles * hd + t.warps * 2 * t.stages * t.block_n * hd) * 2
-    return KernelSpec("attn_decode.cu", f"attn_decode_stream<{params}>", t.threads, smem)
-
-
-class StreamPlan(NamedTuple):
-    blocks: int  # grid: an equal share of all pairs' key units each
-    max_seg: int  # partial slots per pair and warp: the most blocks one pair's units span
-    keys: int  # keys each (sequence, K/V head) pair reads
-
-
-def stream_plan(p, t, sm_count: int, smem_bytes: int) -> StreamPlan:
-    """Blocks for up to STREAM_BLOCKS_PER_SM per SM (as many as their shared memory lets reside)
-    in as many equal waves as keep each block's range within 2 pairs' keys (so that it touches at
-    most STREAM_Q_SLOTS pairs)."""
-    blocks_per_sm = max(1, min(STREAM_BLOCKS_PER_SM, SM_SHARED_BYTES // (smem_bytes + 1024)))
-    keys = span_keys(p)
-    if p.causal is not None:  # the last token's causal limit (DecodeSpan without kv_lens)
-        from . import masks
-
-        off = masks.causal_offset(p.causal, p.nq, p.nk)
-        keys = max(0, min(keys, p.nq + off))
-    unit = t.warps * t.block_n
-    pairs = p.batch * p.hkv
-    units = pairs * -(-max(keys, 1) // unit)
-    slots = blocks_per_sm * sm_count
-    blocks = min(units, slots * -(-pairs // (2 * slots)))
-    return StreamPlan(blocks, -(-blocks // pairs) + 1, keys)
-
-
-def stream_applies(p, kv_lens, paged) -> bool:
-    """Equal keys in every pair (no kv_lens, no window) and packed rows its tile holds."""
-    rt = row_tiles_for(p)
-    return kv_lens is None and p.window is None and rt is not None and rt <= _stream_base_tile(p.d).max_row_tiles
-
-
-# None: stream_auto decides; True / False: wherever it applies / never (tests, probes).
-STREAM = None
-
-
-def stream_auto(p, dev, kv_lens, paged) -> bool:
-    """Whether a default launch takes the stream kernel: (pending its measurement) never."""
-    return False
-
-
-def _forward_stream(p, dev, q4, k4, v4, o4, lse3, strides, shift, table):
-    import cupy
-
-    from .gpu_hopper import split_flags
-
-    rt = row_tiles_for(p)
-    t = stream_tile(p)
-    spec = stream_spec(p.dtype, p.d, rt, t, p.causal is not None)
-    sp = stream_plan(p, t, _sm_count(dev), spec.smem_bytes)
-    hd, _ = schedule.decode_tile(p.d)
-    pairs, rows = p.batch * p.hkv, p.group * p.nq
-    slots = pairs * sp.max_seg * t.warps
-    part_o = cupy.empty((slots, rows, hd), dtype=np.float32)
-    part_lse = cupy.empty((slots, rows), dtype=np.float32)
-    counts = split_flags(pairs)
-    main, _ = _launch_scalars(p, strides, shift, 0)
-    # main: (page stride, page shift, q/k/v/o strides (12), hq, nq, nk, d, group, align, chunk, scale, lo, hi)
-    pages, qkvo = main[:2], main[2:14]
-    _, nq, nk, d, group, align, _, scale = main[14:22]
-    get_function(spec)((sp.blocks,), (spec.threads,),
-                       (q4, k4, v4, o4, lse3, part_o, part_lse, counts, table, *pages, *qkvo, np.int32(p.hq),
-                        np.int32(p.hkv), np.int32(pairs), nq, nk, d, group, align, scale, np.int32(sp.keys),
-                        np.int32(sp.max_seg)),
-                       shared_mem=spec.smem_bytes)
-
-
 def tma_spec(dtype, d, row_tiles, causal, tile=None):
     """attn_decode_tma's instantiation (d is 64 or 128 exactly: rows are whole 128-byte boxes)."""
     t = tile or schedule.DECODE_TMA_TILES[d]
@@ -222,11 +131,6 @@ def all_decode_specs():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
                     specs.append(tma_spec(dtype, hd, rt, causal)[0])
-        for hd, t in schedule.DECODE_TILES.items():
-            many = schedule.DECODE_TILES_MANY_BLOCKS.get(hd, t)
-            for rt in range(1, many.max_row_tiles + 1):
-                for causal in (False, True):
-                    specs.append(stream_spec(dtype, hd, rt, _launch_tile(many, rt), causal))
     return list(dict.fromkeys(specs))
 
 
@@ -409,7 +313,7 @@ def _launch_scalars(p, strides, paged_shift, chunk):
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
-            cluster=None, stream=None):
+            cluster=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
     kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
@@ -429,14 +333,6 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
                table.strides[0] // table.itemsize if paged is not None else 0)
     shift = paged[1].bit_length() - 1 if paged is not None else None
-    if stream is None and splits is None and tile is None and waves is None and cluster is None:
-        stream = (STREAM if STREAM is not None else stream_auto(p, dev, kv_lens, paged)) and stream_applies(p, kv_lens, paged)
-    if stream:
-        if not stream_applies(p, kv_lens, paged):
-            raise ValueError("stream=True: the stream decode kernel needs equal cache lengths (no kv_lens), no window "
-                             "and at most its tile's packed rows")
-        _forward_stream(p, dev, q4, k4, v4, o4, lse3, strides, shift, table)
-        return
     lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
     middle, combine_tail = _launch_scalars(p, strides, shift, lp.chunk)
     spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
