@@ -81,16 +81,20 @@ def _forward_spec(kernel, dtype, d, flags, tile):
 
 def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
     """The TMA tile the dispatch picks for this shape: HOPPER_FORWARD_PERSISTENT's persistent
-    kernel while a query tile sees few key tiles on average, else the table's. `causal`: None,
-    False or the mask kind (masks.normalize_causal's)."""
+    kernel while a query tile sees few key tiles on average, HOPPER_FORWARD_LONG_ROWS' longer key
+    tile while rows see many keys, else the table's. `causal`: None, False or the mask kind
+    (masks.normalize_causal's)."""
     hd = schedule.head_dim_bucket(d)
     rule = schedule.HOPPER_FORWARD_PERSISTENT.get(hd)
-    if rule is not None and nq > 0:
+    long_rows = schedule.HOPPER_FORWARD_LONG_ROWS.get(hd)
+    if (rule is not None or long_rows is not None) and nq > 0:
         from . import masks
 
-        pairs = masks.pair_count(masks.normalize_causal(causal), nq, nk)
-        if pairs // nq <= rule.max_key_tiles * rule.tile.block_n:  # mean visible keys per row, whole keys
+        mean_keys = masks.pair_count(masks.normalize_causal(causal), nq, nk) // nq  # per row, whole keys
+        if rule is not None and mean_keys <= rule.max_key_tiles * rule.tile.block_n:
             return rule.tile
+        if long_rows is not None and mean_keys >= long_rows.min_keys:
+            return long_rows.tile
     return _table_tile(hd, bool(causal))
 
 
@@ -228,6 +232,7 @@ def all_hopper_forward_specs():
                                    dataclasses.replace(t, pingpong=False, persistent=False, reason=""),
                                    *persistent_variants(t, hd), cp_async_tile(hd),
                                    *([schedule.HOPPER_FORWARD_PERSISTENT[hd].tile] if hd in schedule.HOPPER_FORWARD_PERSISTENT else []),
+                                   *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile] if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
                                    *([schedule.HOPPER_FORWARD_CAUSAL_TILES[hd]] if causal and hd in schedule.HOPPER_FORWARD_CAUSAL_TILES else []),
                                    warp_specialized(cp_async_tile(hd))))
     ]

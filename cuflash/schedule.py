@@ -134,6 +134,28 @@ HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
                         "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),
 }
 
+@dataclass(frozen=True)
+class LongRowsRule:
+    """When a longer key tile replaces the table tile: while a row's mean number of visible keys
+    is at least min_keys - long rows, where fewer, longer steps pay each step's fixed waiting (the
+    ring's barriers, the wgmma's own latency, the turn of the softmax) less often, and the longer
+    fill before the first P V is spread over many steps."""
+
+    tile: HopperTile
+    min_keys: int
+    reason: str
+
+
+# Measured by tools/hopper_fwd_sweep.py on the H200 (twice in one call, evidence-20261130i/long-rows/,
+# x = cuDNN ms / ours, the table's 128-key tile -> 192): full N=8k/16k 0.99/0.97 -> 1.02/1.00 (fp16 16k
+# 0.95 -> 0.97), causal N=8k/16k 1.06/1.07 -> 1.08/1.10 (fp16 16k 1.07 -> 1.11); N=4k ties (full
+# 0.98/0.98, causal 1.02/1.02); N=2k loses 2-3% (0.94 -> 0.92).
+HOPPER_FORWARD_LONG_ROWS: dict[int, LongRowsRule] = {
+    128: LongRowsRule(HopperTile(192, 2, 2, "128x192, 2 stages = 225 KiB (S 96 + O 64 + P 48 regs of 240)", tma=True),
+                      4096, "mean visible keys per row >= 4096: +2-3% at N >= 8k, N=4k ties, N=2k -2-3%"),
+}
+
+
 # The key split (attn_fwd_wgmma_tma_split, full attention on the per-tile TMA kernel): with one
 # block per SM, a grid of fewer query tiles than SMs leaves most SMs idle; each tile then runs as
 # `splits` key ranges, merged by its last piece (H200, tools/split_probe.py,

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import cuflash
 from cuflash import _problem, gpu_hopper, schedule
 from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash._layout import to_bhsd
@@ -99,6 +100,37 @@ def test_gqa_batch_and_layouts(rng, dtype, layout, d):
 def test_other_tiles(rng, d, block_n, stages):
     run_and_check(rng, BFLOAT16, (2,), 2, 1, 515, 700, d, causal=False, tile=tma_tile(d, block_n, stages))
     run_and_check(rng, BFLOAT16, (1,), 2, 1, 700, 515, d, causal="top_left", tile=tma_tile(d, block_n, stages))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [72, 128])
+def test_long_rows_tile(rng, dtype, causal, d):
+    # HOPPER_FORWARD_LONG_ROWS' 192-key tile: ragged query and key ends (not multiples of 192 or
+    # 128), Nq != Nk both ways, GQA.
+    tile = schedule.HOPPER_FORWARD_LONG_ROWS[128].tile
+    run_and_check(rng, dtype, (2,), 4, 2, 331, 1000, d, causal=causal, tile=tile)
+    run_and_check(rng, dtype, (1,), 2, 1, 1000, 385, d, causal=causal, tile=tile)
+
+
+def test_long_rows_dispatch(rng, monkeypatch):
+    # The dispatch takes the long-rows tile once rows see min_keys keys on average (min_keys
+    # lowered so that a smaller problem qualifies: rows past the persistent rule's 2048 keys,
+    # enough query tiles that no key split applies) and the result is right.
+    from cuflash import gpu
+
+    rule = schedule.HOPPER_FORWARD_LONG_ROWS[128]
+    monkeypatch.setattr(schedule, "HOPPER_FORWARD_LONG_ROWS", {128: dataclasses.replace(rule, min_keys=2100)})
+    seen = []
+    real = gpu.launch_forward
+    monkeypatch.setattr(gpu, "launch_forward", lambda spec, *a, **kw: seen.append(spec.expression) or real(spec, *a, **kw))
+    sq, skv = shapes("bhsd", (4,), 4, 4, 2100, 2100, 128)
+    q, k, v = device_inputs(rng, sq, skv, BFLOAT16)
+    before = [raw(a).copy() for a in (q, k, v)]
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert_unchanged((q, k, v), before)
+    check_rows(o, lse, q, k, v, causal=False, layout="bhsd", rng=rng)
+    assert seen and all(", 128, 192, 2, 2," in e for e in seen), seen
 
 
 @pytest.mark.parametrize("pingpong", [False, True], ids=["own-pace", "pingpong"])

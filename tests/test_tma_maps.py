@@ -58,7 +58,7 @@ def test_tma_ok_rules():
         (128, None, 2048, True),  # 16 key tiles
         (128, None, 4096, False),
         (128, "top_left", 4096, True),
-        (128, "top_left", 16384, False),
+        (128, "top_left", 16384, False),  # long rows: HOPPER_FORWARD_LONG_ROWS' tile
         (256, None, 128, False),  # no persistent rule: the O tile does not fit next to 80-key stages
         (192, "bottom_right", 128, False),
     ],
@@ -70,8 +70,22 @@ def test_default_tile_follows_the_persistent_rule(d, causal, n, persistent):
         rule = schedule.HOPPER_FORWARD_PERSISTENT[d]
         assert t == rule.tile and t.tma and t.persistent
         assert t.smem_bytes(d) <= H200.smem_per_block_optin
+    elif d in schedule.HOPPER_FORWARD_LONG_ROWS and n * (0.5 if causal else 1) >= schedule.HOPPER_FORWARD_LONG_ROWS[d].min_keys:
+        assert t == schedule.HOPPER_FORWARD_LONG_ROWS[d].tile
     else:
         assert t == schedule.HOPPER_FORWARD_TILES[d]
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+@pytest.mark.parametrize("n", [2048, 4095, 4096, 8192, 16384])
+def test_default_tile_follows_the_long_rows_rule(causal, n):
+    # Mean visible keys per row >= min_keys: the longer key tile; just below it the table's (or,
+    # for few key tiles, the persistent rule's).
+    rule = schedule.HOPPER_FORWARD_LONG_ROWS[128]
+    t = gpu_hopper.default_tile(128, causal, n, n)
+    mean = (n * (n + 1) // 2 if causal else n * n) // n
+    assert (t == rule.tile) == (mean >= rule.min_keys)
+    assert rule.tile.smem_bytes(128) <= H200.smem_per_block_optin
 
 
 def test_persistent_tile_smem_counts_the_o_tile_and_barrier():
