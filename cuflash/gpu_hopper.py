@@ -80,33 +80,28 @@ def _forward_spec(kernel, dtype, d, flags, tile):
 
 
 def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
-    """The TMA tile the dispatch picks for this shape: HOPPER_FORWARD_PERSISTENT's persistent
-    kernel while a query tile sees few key tiles on average, HOPPER_FORWARD_LONG_ROWS' longer key
-    tile while rows see many keys, else the table's. `causal`: None, False or the mask kind
+    """The TMA tile the dispatch picks for this shape: a persistent kernel while a query tile sees
+    few key tiles on average (schedule.persistent_rule), HOPPER_FORWARD_LONG_ROWS' longer key tile
+    while rows see many keys, else the table's. `causal`: None, False or the mask kind
     (masks.normalize_causal's)."""
-    hd = schedule.head_dim_bucket(d)
-    rule = schedule.HOPPER_FORWARD_PERSISTENT.get(hd)
-    long_rows = schedule.HOPPER_FORWARD_LONG_ROWS.get(hd)
-    if (rule is not None or long_rows is not None) and nq > 0:
-        from . import masks
+    from . import masks
 
-        mean_keys = masks.pair_count(masks.normalize_causal(causal), nq, nk) // nq  # per row, whole keys
-        if rule is not None and mean_keys <= rule.max_key_tiles * rule.tile.block_n:
+    hd = schedule.head_dim_bucket(d)
+    if nq > 0:
+        kind = masks.normalize_causal(causal)
+        mean_keys = masks.pair_count(kind, nq, nk) // nq  # visible keys per row, whole keys
+        rule = schedule.persistent_rule(hd, kind is not None, mean_keys)
+        if rule is not None:
             return rule.tile
+        long_rows = schedule.HOPPER_FORWARD_LONG_ROWS.get(hd)
         if long_rows is not None and mean_keys >= long_rows.min_keys:
             return long_rows.tile
-    return _table_tile(hd, bool(causal))
-
-
-def _table_tile(hd: int, causal: bool) -> schedule.HopperTile:
-    """The TMA table's tile, or for a causal mask HOPPER_FORWARD_CAUSAL_TILES' where it has one."""
-    return (causal and schedule.HOPPER_FORWARD_CAUSAL_TILES.get(hd)) or schedule.HOPPER_FORWARD_TILES[hd]
+    return schedule.HOPPER_FORWARD_TILES[hd]
 
 
 def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices (no tile: the
-    table's, or the causal table's)."""
-    tile = tile or _table_tile(schedule.head_dim_bucket(d), causal)
+    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices (no tile: the table's)."""
+    tile = tile or schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
     return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
 
 
@@ -114,7 +109,7 @@ def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
     tile (the table's by default), every query tile split into key ranges."""
     hd = schedule.head_dim_bucket(d)
-    t = tile or _table_tile(hd, False)
+    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
     if not t.tma or t.persistent:
         raise ValueError("tile: the key split runs the per-tile TMA kernel (tma=True, persistent=False)")
     if hd not in schedule.SPLIT_HEAD_DIMS:
@@ -141,7 +136,7 @@ def auto_split(p, sm_count: int):
     (split_plan on the full-attention table tile, which then replaces a persistent tile), else None."""
     if p.causal is not None or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS:
         return None
-    t = _table_tile(schedule.head_dim_bucket(p.d), False)
+    t = schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(p.d)]
     splits = split_plan(p, t, sm_count)
     return None if splits is None else (t, splits)
 
@@ -206,7 +201,8 @@ def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.
     """The persistent forms of a TMA tile (own-pace and ping-pong, block-wide or per-warpgroup
     epilogue) whose extra O tile still fits
     a block's shared memory on the H200; none for the others (d = 192, 256). At most 2 math
-    warpgroups: with 3 (d = 64), the causal unit loop spills at 160 registers per math thread."""
+    warpgroups (the tiles probes sweep); d=64's 3-warpgroup persistent tile is a rule of its own
+    (schedule.HOPPER_FORWARD_PERSISTENT)."""
     from .device_limits import H200
 
     out = []
@@ -228,12 +224,12 @@ def all_hopper_forward_specs():
         for dtype in (FLOAT16, BFLOAT16)
         for hd, t in schedule.HOPPER_FORWARD_TILES.items()
         for causal in (False, True)
-        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, reason=""),
-                                   dataclasses.replace(t, pingpong=False, persistent=False, reason=""),
+        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, wg_epilogue=False, reason=""),
+                                   dataclasses.replace(t, pingpong=False, persistent=False, wg_epilogue=False, reason=""),
                                    *persistent_variants(t, hd), cp_async_tile(hd),
-                                   *([schedule.HOPPER_FORWARD_PERSISTENT[hd].tile] if hd in schedule.HOPPER_FORWARD_PERSISTENT else []),
+                                   *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ())
+                                     if r.masks == "any" or (r.masks == "causal") == causal),
                                    *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile] if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
-                                   *([schedule.HOPPER_FORWARD_CAUSAL_TILES[hd]] if causal and hd in schedule.HOPPER_FORWARD_CAUSAL_TILES else []),
                                    warp_specialized(cp_async_tile(hd))))
     ]
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant

@@ -97,42 +97,57 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
     64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32) taking turns round robin (ping-pong): 0.88-1.11x cuDNN, own pace 0.71-1.08x, 2-warpgroup tiles 0.88-0.93x (probe ff5a2e2, 9bb0f2d)", tma=True, pingpong=True),
     128: HopperTile(128, 2, 2, "128x128, 240 regs per math thread; 2 stages (3 measured no faster): 0.88-1.08x cuDNN; ping-pong within noise of it, 160-key tiles no faster", tma=True),
     192: HopperTile(96, 2, 2, "96-key tiles fit 2 stages in 193 KiB: 0.90-1.12x cuDNN, 64-key tiles 0.87-1.00x; ping-pong ~1% ahead", tma=True, pingpong=True),
-    256: HopperTile(80, 2, 2, "O is 128 regs + S 40 + P 20; 80-key tiles, 2 stages = 225 KiB (96 do not fit): 0.90-1.14x cuDNN, 64-key tiles 0.88-1.06x (8e248d9)", tma=True),
+    256: HopperTile(64, 2, 2, "O is 128 regs + S 32 + P 16; 64-key tiles, each warpgroup storing its own O rows: 1-2.5% "
+                    "ahead of 80-key tiles (N 1k-16k, causal and not; evidence-20261130i/short-tiles, twice in one call) "
+                    "since the late wgmma wait and the stale max (80 keys were +4-12% when chosen at 8e248d9)",
+                    tma=True, wg_epilogue=True),
 }
-
-# Causal problems at these head dims run this tile instead of the table's (tools/wgepi_probe.sh,
-# A B A B in one process on the H200, evidence-20261130d/wgepi-probe-87d3788/).
-HOPPER_FORWARD_CAUSAL_TILES: dict[int, HopperTile] = {
-    256: HopperTile(80, 2, 2, "the table tile with each warpgroup storing its own O rows (no block-wide barrier at "
-                    "the end): causal N=1k/2k/4k 0.166/0.252/0.403 -> 0.163/0.249/0.400 ms, 16k equal; not for full "
-                    "attention (equal, at N=16k up to 2% slower; d=128 full 1-2% slower)", tma=True, wg_epilogue=True),
-}
-
 
 @dataclass(frozen=True)
 class PersistentRule:
     """When the persistent TMA kernel (one block per SM walking the query tiles, the next tile's
     loads overlapping this one's end) replaces the table tile: while a query tile's mean number of
-    key tiles (visible pairs / rows / block_n) is at most max_key_tiles - short sequences, where
-    a fresh block per tile leaves its prologue and epilogue exposed."""
+    key tiles (visible pairs / rows / block_n) is at most max_key_tiles (None: any) - short
+    sequences, where a fresh block per tile leaves its prologue and epilogue exposed - for the
+    masks named: "any", "causal" (only under a causal mask) or "full" (only without one)."""
 
     tile: HopperTile
-    max_key_tiles: int
+    max_key_tiles: int | None
     reason: str
+    masks: str = "any"
 
 
-# Measured by tools/persistent_probe.sh on the H200 (commit 9bb0f2d, bf16, x = cuDNN ms / ours).
-HOPPER_FORWARD_PERSISTENT: dict[int, PersistentRule] = {
-    64: PersistentRule(HopperTile(128, 2, 2, "128x128 ping-pong, persistent, per-warpgroup epilogue", tma=True, pingpong=True,
-                                  persistent=True, wg_epilogue=True), 8,
-                       "causal N=1k 0.89x vs 0.74x for the table tile, N=2k and full N=1k ties (0.90 / 0.89 vs 0.88-0.90); "
-                       "beyond, the table tile (0.97-1.11x vs 0.90-0.91x)"),
-    128: PersistentRule(HopperTile(128, 2, 2, "128x128 own pace, persistent, per-warpgroup epilogue", tma=True,
-                                   persistent=True, wg_epilogue=True), 16,
-                        "causal N=1k/2k/4k 1.01/1.01/1.02x vs 0.88/0.94/0.99x, full N=1k/2k 0.93/0.95x vs 0.88/0.94x; "
-                        "per-warpgroup epilogue, own pace (b051d56 sweep): full N=1k/2k 0.97/0.98x, causal 1.03/1.05x; "
-                        "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),
+# The first rule that matches a problem wins. Measured by tools/persistent_probe.sh and
+# tools/hopper_fwd_sweep.py on the H200 (x = cuDNN ms / ours, bf16).
+_PERSIST_64 = HopperTile(128, 2, 2, "128x128 ping-pong, persistent, per-warpgroup epilogue", tma=True, pingpong=True,
+                         persistent=True, wg_epilogue=True)
+_PERSIST_64_WG3 = HopperTile(128, 3, 3, "192x128, 3 math warpgroups taking turns, 3 stages, persistent, per-warpgroup "
+                             "epilogue", tma=True, pingpong=True, persistent=True, wg_epilogue=True)
+HOPPER_FORWARD_PERSISTENT: dict[int, tuple[PersistentRule, ...]] = {
+    64: (PersistentRule(_PERSIST_64, 8, "causal N=1k/2k 0.92/0.94x against 0.85/0.92x for the 3-warpgroup persistent "
+                        "tile and 0.80/0.93x for the table's (evidence-20261130i/short-tiles, two runs)", "causal"),
+         PersistentRule(_PERSIST_64_WG3, 16, "causal N=4k 1.05x against the table's 1.01x; at 8k / 16k the table's "
+                        "is ahead (1.10 vs 1.09x, 1.13-1.15 vs 1.09-1.11x)", "causal"),
+         PersistentRule(_PERSIST_64_WG3, None, "full N=1k/2k/4k/8k/16k 0.96/1.06-1.08/1.08-1.09/1.13-1.14/1.10-1.14x "
+                        "against 0.94 (128x128 persistent)/1.01/1.05/1.11-1.12/1.09-1.14x for the table's", "full")),
+    128: (PersistentRule(HopperTile(128, 2, 2, "128x128 own pace, persistent, per-warpgroup epilogue", tma=True,
+                                    persistent=True, wg_epilogue=True), 16,
+                         "causal N=1k/2k/4k 1.01/1.01/1.02x vs 0.88/0.94/0.99x, full N=1k/2k 0.93/0.95x vs 0.88/0.94x; "
+                         "per-warpgroup epilogue, own pace (b051d56 sweep): full N=1k/2k 0.97/0.98x, causal 1.03/1.05x; "
+                         "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),),
 }
+
+
+def persistent_rule(hd: int, causal: bool, mean_keys: int) -> PersistentRule | None:
+    """The first of HOPPER_FORWARD_PERSISTENT[hd]'s rules for this mask whose bound the mean
+    visible keys per row (whole keys) meet, or None."""
+    for rule in HOPPER_FORWARD_PERSISTENT.get(hd, ()):
+        if rule.masks != "any" and (rule.masks == "causal") != causal:
+            continue
+        if rule.max_key_tiles is None or mean_keys <= rule.max_key_tiles * rule.tile.block_n:
+            return rule
+    return None
+
 
 @dataclass(frozen=True)
 class LongRowsRule:

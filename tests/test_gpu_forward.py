@@ -284,14 +284,15 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
 
     monkeypatch.setattr(gpu, "get_function", recording)
     # A short key range runs the persistent kernel where HOPPER_FORWARD_PERSISTENT has a rule
-    # (d = 64, 128), a long one the table's tile: both are what gpu_hopper.default_tile names.
-    for nk, persistent in ((150, d in schedule.HOPPER_FORWARD_PERSISTENT), (4000, False)):
+    # (d = 64, 128; d=64 without a mask at any length), a long one the table's tile: both are what
+    # gpu_hopper.default_tile names.
+    for nk in (150, 4000):
         launched.clear()
         q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, nk, d), dtype)
         o, lse = forward_poisoned(q, k, v)
         tile = gpu_hopper.default_tile(d, None, 130, nk)
-        assert tile.persistent == persistent
-        assert tile == (schedule.HOPPER_FORWARD_PERSISTENT[d].tile if persistent else schedule.HOPPER_FORWARD_TILES[d])
+        rule = schedule.persistent_rule(schedule.head_dim_bucket(d), False, nk)
+        assert tile == (rule.tile if rule else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)])
         # (a grid of fewer query tiles than SMs runs the key split on the table's tile)
         p = _problem.validate_forward(q, k, v)
         auto = gpu_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])

@@ -192,6 +192,18 @@ def test_persistent_schedule(rng, epilogue, blocks, pingpong, causal, d):
         run_and_check(rng, FLOAT16, (batch,), hq, hkv, nq, nk, d, causal=causal, tile=tile, persistent_blocks=blocks)
 
 
+@pytest.mark.parametrize("blocks", [None, 1, 5], ids=["per-SM", "one-block", "five-blocks"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_persistent_three_warpgroups(rng, blocks, causal, dtype):
+    # d=64's 3-warpgroup persistent tile (192-row query tiles, 3 stages, turns round robin, each
+    # warpgroup storing its own O rows): ragged query tiles whose last warpgroups have no rows,
+    # key-tile counts 0, 1 and many, GQA, units that do not divide among the blocks.
+    tile = schedule._PERSIST_64_WG3
+    for batch, hq, hkv, nq, nk in ((3, 3, 1, 515, 700), (2, 4, 2, 300, 129), (1, 2, 2, 1000, 257), (1, 2, 1, 70, 70)):
+        run_and_check(rng, dtype, (batch,), hq, hkv, nq, nk, 64, causal=causal, tile=tile, persistent_blocks=blocks)
+
+
 def test_persistent_many_tiles_per_sm(rng):
     # One block per SM with about 4 tiles each (132 SMs on the H200), bshd layout.
     tile = gpu_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]

@@ -48,32 +48,37 @@ def test_tma_ok_rules():
 # --------------------------------------------------------------------------- persistent dispatch
 
 
+_P64, _P64_WG3 = schedule._PERSIST_64, schedule._PERSIST_64_WG3
+_P128 = schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile
+_LONG128 = schedule.HOPPER_FORWARD_LONG_ROWS[128].tile
+
+
 @pytest.mark.parametrize(
-    "d,causal,n,persistent",
+    "d,causal,n,want",
     [
-        (64, None, 1024, True),  # 8 key tiles of 128 per query tile: the rule's bound
-        (64, None, 1025, False),
-        (64, "bottom_right", 2048, True),  # causal: 8 on average
-        (64, "bottom_right", 4096, False),
-        (128, None, 2048, True),  # 16 key tiles
-        (128, None, 4096, False),
-        (128, "top_left", 4096, True),
-        (128, "top_left", 16384, False),  # long rows: HOPPER_FORWARD_LONG_ROWS' tile
-        (256, None, 128, False),  # no persistent rule: the O tile does not fit next to 80-key stages
-        (192, "bottom_right", 128, False),
+        (64, None, 1024, _P64_WG3),  # full attention: the 3-warpgroup persistent tile at any length
+        (64, None, 16384, _P64_WG3),
+        (64, "bottom_right", 2048, _P64),  # causal: 1024 keys per row on average, 8 key tiles
+        (64, "bottom_right", 2050, _P64_WG3),  # 1025
+        (64, "bottom_right", 4096, _P64_WG3),  # 2048: 16 key tiles
+        (64, "bottom_right", 4098, None),  # 2049: the table's
+        (128, None, 2048, _P128),  # 16 key tiles
+        (128, None, 2049, None),
+        (128, None, 4096, _LONG128),  # long rows: HOPPER_FORWARD_LONG_ROWS' tile
+        (128, "top_left", 4096, _P128),
+        (128, "top_left", 16384, _LONG128),
+        (256, None, 128, None),  # no persistent rule: the O tile does not fit next to the K/V stages
+        (256, "bottom_right", 4096, None),
+        (192, "bottom_right", 128, None),
     ],
 )
-def test_default_tile_follows_the_persistent_rule(d, causal, n, persistent):
+def test_default_tile_follows_the_rules(d, causal, n, want):
     t = gpu_hopper.default_tile(d, causal, n, n)
-    assert t.persistent == persistent
-    if persistent:
-        rule = schedule.HOPPER_FORWARD_PERSISTENT[d]
-        assert t == rule.tile and t.tma and t.persistent
-        assert t.smem_bytes(d) <= H200.smem_per_block_optin
-    elif d in schedule.HOPPER_FORWARD_LONG_ROWS and n * (0.5 if causal else 1) >= schedule.HOPPER_FORWARD_LONG_ROWS[d].min_keys:
-        assert t == schedule.HOPPER_FORWARD_LONG_ROWS[d].tile
-    else:
-        assert t == schedule.HOPPER_FORWARD_TILES[d]
+    assert t == (want or schedule.HOPPER_FORWARD_TILES[d])
+    assert t.tma and t.smem_bytes(d) <= H200.smem_per_block_optin
+    if want is not None and want.persistent:
+        rule = schedule.persistent_rule(d, causal is not None, (n * (n + 1) // 2 if causal else n * n) // n)
+        assert rule is not None and rule.tile == t
 
 
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
@@ -89,6 +94,6 @@ def test_default_tile_follows_the_long_rows_rule(causal, n):
 
 
 def test_persistent_tile_smem_counts_the_o_tile_and_barrier():
-    t = schedule.HOPPER_FORWARD_PERSISTENT[128].tile
+    t = schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile
     per_tile = dataclasses.replace(t, persistent=False)
     assert t.smem_bytes(128) - per_tile.smem_bytes(128) == 128 * 128 * 2 + 8

@@ -82,18 +82,16 @@ def test_shared_memory_by_hand():
     assert hop(64, 3, 5).smem_bytes == (192 + 640) * 256 + 1024 == 214016
 
 
-def test_causal_table_tile():
-    # HOPPER_FORWARD_CAUSAL_TILES: causal d=256 runs the table tile with the per-warpgroup
-    # epilogue; full attention keeps the table's, and CI compiles both.
-    t = schedule.HOPPER_FORWARD_CAUSAL_TILES[256]
-    table = schedule.HOPPER_FORWARD_TILES[256]
-    assert replace(t, wg_epilogue=False, reason="") == replace(table, reason="")
+def test_d256_table_tile():
+    # d=256: one table tile for causal and full attention (64 keys, per-warpgroup epilogue), and
+    # the dispatch runs it for both.
+    t = schedule.HOPPER_FORWARD_TILES[256]
+    assert t.block_n == 64 and t.wg_epilogue and t.tma and not t.pingpong
     assert gpu_hopper.default_tile(256, "bottom_right", 4096, 4096) is t
-    assert gpu_hopper.default_tile(256, None, 4096, 4096) is table
-    causal_spec = gpu_hopper.forward_spec(BFLOAT16, 256, True)[0]
-    assert causal_spec.expression == "attn_fwd_wgmma_tma<Bf16, 256, 80, 2, 2, true, false, true>"
-    assert gpu_hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 80, 2, 2, false, false>"
-    assert causal_spec in gpu_hopper.all_hopper_forward_specs()
+    assert gpu_hopper.default_tile(256, None, 4096, 4096) is t
+    assert gpu_hopper.forward_spec(BFLOAT16, 256, True)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, true, false, true>"
+    assert gpu_hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, false, false, true>"
+    assert all(gpu_hopper.forward_spec(BFLOAT16, 256, c)[0] in gpu_hopper.all_hopper_forward_specs() for c in (False, True))
     assert hopper_forward_violations(256, t) == []
     assert any("epilogue" in v for v in hopper_forward_violations(256, replace(t, pingpong=True)))
 
@@ -127,7 +125,7 @@ def test_key_split_applies_to_full_attention_on_per_tile_tiles():
     short = replace(small, nq=2048, nk=2048, hq=4, hkv=4)
     assert gpu_hopper.default_tile(128, None, 2048, 2048).persistent
     assert gpu_hopper.auto_split(short, 132) == (t, 2)
-    assert gpu_hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128].tile, 132) is None
+    assert gpu_hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile, 132) is None
     assert gpu_hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
     spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]
     assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
