@@ -41,11 +41,12 @@ CANDIDATES = {
     64: [T(128, 3, 2, "pp"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 3, 2, "ppp", True),
          T(192, 2, 2, "pp"), T(192, 2, 2, "ppp", True),  # 192-key tiles: slower (eighth session)
          T(128, 3, 3, "pp"), T(128, 2, 3, "ppp", True),  # 3 stages: 1-3% slower (evidence-20261130h)
-         T(128, 3, 3, "ppp", True)],
+         T(128, 3, 3, "ppp", True), T(64, 2, 3, "ppp", True), T(64, 2, 4, "ppp", True)],
     128: [T(128, 2, 2, "tma"), T(128, 2, 2, "ppp"), T(128, 2, 2, "ppp", True), T(128, 2, 2, "ptma", True),
           T(128, 2, 2, "tma", True),  # the table tile with each warpgroup storing its own O rows
           T(128, 2, 2, "pp"),  # ping-pong per tile (with -DCUFLASH_FWD_UNIFORM_ALL=1: twelfth session)
-          T(160, 2, 2, "tma"), T(176, 2, 2, "tma"), T(176, 2, 2, "pp"), T(192, 2, 2, "tma")],  # longer key tiles (FA3: 176 without a mask)
+          T(160, 2, 2, "tma"), T(176, 2, 2, "tma"), T(176, 2, 2, "pp"), T(192, 2, 2, "tma"),
+          T(128, 2, 3, "tma"), T(128, 2, 3, "tma", True)],  # longer key tiles (FA3: 176 without a mask)
     192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True)],
     256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp"), T(80, 2, 2, "tma", True),
           T(64, 2, 2, "pp"), T(64, 2, 2, "tma", True)],
