@@ -47,7 +47,8 @@ CANDIDATES = {
           T(128, 2, 2, "pp"),  # ping-pong per tile (with -DCUFLASH_FWD_UNIFORM_ALL=1: twelfth session)
           T(160, 2, 2, "tma"), T(176, 2, 2, "tma"), T(176, 2, 2, "pp"), T(192, 2, 2, "tma"),
           T(128, 2, 3, "tma"), T(128, 2, 3, "tma", True)],  # longer key tiles (FA3: 176 without a mask)
-    192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True)],
+    192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True),
+          T(64, 2, 2, "tma"), T(64, 2, 2, "tma", True), T(64, 2, 2, "pp")],
     256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp"), T(80, 2, 2, "tma", True),
           T(64, 2, 2, "pp"), T(64, 2, 2, "tma", True)],
 }
