@@ -208,11 +208,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
     // 0.89 -> 0.91, d=128 unchanged; without a mask (where only a ragged last tile's warpgroups
     // gain) d=64 / d=128 lost 1-3.5% to the loop's extra register moves.
-    // Without a mask, the 3-warpgroup persistent tile (d=64) has the same: a ragged last query tile
-    // (192-row tiles: N = 1k / 2k / 4k end in 64 / 128 / 64 rows) leaves warpgroups with no rows,
-    // which then skip their key tiles too (n_mine = 0), and its units run in a rotated order (below).
-    constexpr bool kSkipRowless = TMA && !SPLIT && !CAUSAL && PERSISTENT && WARPGROUPS == 3;
-    constexpr bool kWgExtent = TMA && !SPLIT && (CAUSAL || kSkipRowless);
+    constexpr bool kWgExtent = TMA && !SPLIT && CAUSAL;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
 #ifdef CUFLASH_FWD_TRACE
     const unsigned long long trace_t0 = trace_clock();
@@ -323,13 +319,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int units_per_head = (m_blocks + unit_tiles - 1) / unit_tiles;
     const int n_units = PERSISTENT ? units_per_head * n_heads * n_batch : 1;
     // Query tile k (0, 1) of unit u, -1 for none; both roles loop over u = blockIdx.x, + G, ...
-    // (kSkipRowless) a head's tiles in an order rotated by the head's index: with a grid stride that
-    // is a multiple of the tiles per head (132 SMs; 6 / 11 / 22 tiles per head at N = 1k / 2k / 4k)
-    // every block would otherwise get the same row position in every head, and the cheap ragged
-    // last tiles would all fall to the same few blocks.
     auto unit_tile = [&](int u, int k) {
-        int pair = u % units_per_head;
-        if constexpr (kSkipRowless) pair = (pair + u / units_per_head) % units_per_head;
+        const int pair = u % units_per_head;
         if (k == 0) return m_blocks - 1 - pair;
         return CAUSAL && pair != m_blocks - 1 - pair ? pair : -1;
     };
