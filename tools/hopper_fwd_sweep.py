@@ -46,7 +46,8 @@ CANDIDATES = {
           T(128, 2, 2, "tma", True),  # the table tile with each warpgroup storing its own O rows
           T(128, 2, 2, "pp"),  # ping-pong per tile (with -DCUFLASH_FWD_UNIFORM_ALL=1: twelfth session)
           T(160, 2, 2, "tma"), T(176, 2, 2, "tma"), T(176, 2, 2, "pp"), T(192, 2, 2, "tma"),
-          T(128, 2, 3, "tma"), T(128, 2, 3, "tma", True)],  # longer key tiles (FA3: 176 without a mask)
+          T(128, 2, 3, "tma"), T(128, 2, 3, "tma", True),
+          T(64, 3, 2, "pp"), T(64, 3, 3, "pp"), T(64, 3, 2, "ppp", True), T(80, 3, 2, "pp")],  # 3 math warpgroups at 160 regs  # longer key tiles (FA3: 176 without a mask)
     192: [T(64, 2, 2), T(96, 2, 2, "pp"), T(96, 2, 2, "tma"), T(96, 2, 2, "tma", True),
           T(64, 2, 2, "tma"), T(64, 2, 2, "tma", True), T(64, 2, 2, "pp")],
     256: [T(64, 2, 2), T(64, 2, 2, "tma"), T(80, 2, 2, "tma"), T(80, 2, 2, "pp"), T(80, 2, 2, "tma", True),
