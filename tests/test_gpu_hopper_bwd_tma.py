@@ -174,5 +174,8 @@ def test_warp_specialized_tail_split(monkeypatch, tma_backward, dtype, d):
             assert split and all(s is not None and s >= 2 for s in split), split
     split.clear()
     _run(rng, 1, 3, 3, 515, 700, d, dtype, "bottom_right")
+    assert not any(split), split
+    tma_backward.clear()
     _run(rng, 1, 3, 3, 515, 700, d, dtype, False, deterministic=True)
     assert not any(split), split
+    assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of a forward kernel change in one device call: the forward benchmark (cuflash next to cuDNN,
+# A/B of a kernel change in one device call: the forward (AB_OPS=bwd: backward) benchmark (cuflash next to cuDNN,
 # same process) of snapshots (snapX: git archive <commit> | tar -x -C snapX) and of this tree
 # (HEAD), alternated against drift (SNAPS, default "A HEAD A HEAD"), then the forward GPU tests of
 # this tree (AB_TESTS; TEST_TIMEOUT=0 skips them).
@@ -13,7 +13,7 @@ i=0
 for s in ${SNAPS:-A HEAD A HEAD}; do
     i=$((i + 1)); dir=$root/snap$s; [ "$s" = HEAD ] && dir=$root
     cd "$dir" && export PYTHONPATH=$PWD
-    timeout ${BENCH_TIMEOUT:-100} python3 benchmarks/peers.py --ops fwd --impls cuflash,torch-cudnn --d ${AB_D:-64,128,256} \
+    timeout ${BENCH_TIMEOUT:-100} python3 benchmarks/peers.py --ops ${AB_OPS:-fwd} --impls cuflash,torch-cudnn --d ${AB_D:-64,128,256} \
         --n ${AB_N:-1024,2048,4096,16384} --max-seconds $(( ${BENCH_TIMEOUT:-100} - 10 )) --out "$OUT/fwd_${s}_$i.json" > "$OUT/fwd_${s}_$i.log" 2>&1
     echo "snap$s bench rc=$?"
 done
