@@ -54,64 +54,6 @@ struct BwdUnits {
     int kv_tiles = 1, hkv = 1, count = 1;  // key tiles, K/V heads, units = key tiles x K/V heads x batch
 };
 
-// (TAIL, attn_bwd_kv_wgmma_ws_tail) the last partial wave split by queries: a 1-D grid whose first
-// `full` blocks each do unit blockIdx.x (key tile fastest, then K/V head, then batch entry) and
-// whose last units each run as `pieces` blocks over consecutive ranges of the unit's steps. A unit
-// after the whole ones would otherwise hold a few SMs for a whole block's time while the rest idle
-// (4096 blocks at d=64, N=4k: 31.03 waves of 132). Each piece writes its float32 dK/dV partial (in
-// accumulator order) to slot unit * pieces + piece and counts itself in flags[unit]; the last to
-// count adds all the pieces' partials in piece order (the same sum whichever piece is last), stores
-// dK/dV, and zeroes flags[unit] for the next launch.
-struct BwdTail {
-    int kv_tiles = 1, hkv = 1, full = 0, pieces = 1;
-    float* part = nullptr;
-    unsigned* flags = nullptr;
-};
-
-// The end of a piece (every math thread, its dK/dV accumulators): false for a piece that is not
-// the last of its unit (nothing left to store), true with the unit's sums in dk / dv for the last.
-// s_seen: a shared word free by now (the block's row-statistics rows) to pass the count on.
-template <int kND, int kMath>
-__device__ __forceinline__ bool bwd_tail_merge(const BwdTail& tail, int tid, float (&dk)[kND][4], float (&dv)[kND][4],
-                                               volatile unsigned* s_seen) {
-    const int idx = blockIdx.x - tail.full, unit = idx / tail.pieces, piece = idx - unit * tail.pieces;
-    float4* part = reinterpret_cast<float4*>(tail.part);
-    auto at = [&](int p, int which, int ni) { return (((i64)unit * tail.pieces + p) * 2 * kND + which * kND + ni) * kMath + tid; };
-#pragma unroll
-    for (int ni = 0; ni < kND; ++ni) {
-        part[at(piece, 0, ni)] = make_float4(dk[ni][0], dk[ni][1], dk[ni][2], dk[ni][3]);
-        part[at(piece, 1, ni)] = make_float4(dv[ni][0], dv[ni][1], dv[ni][2], dv[ni][3]);
-    }
-    __threadfence();  // the partial is visible device-wide before the count says so
-    named_barrier(1, kMath);
-    if (tid == 0) *s_seen = atomicAdd(tail.flags + unit, 1u);
-    named_barrier(1, kMath);
-    if (*s_seen != (unsigned)(tail.pieces - 1)) return false;
-    __threadfence();
-    // (from memory, this piece's own too: the sum is then the same code whichever piece is last)
-    auto merge = [&](float (&acc)[kND][4], int which) {
-#pragma unroll
-        for (int ni = 0; ni < kND; ++ni) {
-            float4 sum = __ldcg(part + at(0, which, ni));
-            for (int p = 1; p < tail.pieces; ++p) {
-                const float4 x = __ldcg(part + at(p, which, ni));
-                sum.x += x.x;
-                sum.y += x.y;
-                sum.z += x.z;
-                sum.w += x.w;
-            }
-            acc[ni][0] = sum.x;
-            acc[ni][1] = sum.y;
-            acc[ni][2] = sum.z;
-            acc[ni][3] = sum.w;
-        }
-    };
-    merge(dk, 0);
-    merge(dv, 1);
-    if (tid == 0) tail.flags[unit] = 0u;  // every piece has counted itself: ready for the next launch
-    return true;
-}
-
 template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
 struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
@@ -166,8 +108,7 @@ struct HopperBwdTraits {
         int g = 0;                                                                                \
         _Pragma("unroll 1") for (int u = unit0(); u < n_units(); u += unit_stride()) {            \
             const Unit t = unit_at(u);                                                            \
-            int h = t.hk * group + (TAIL ? t.s0 / t.per_head : 0);                                \
-            int mt = t.m_begin + (TAIL ? t.s0 % t.per_head : 0);                                  \
+            int h = t.hk * group, mt = t.m_begin;                                                 \
             _Pragma("unroll 1") for (int step = 0; step < t.n_steps; ++step, ++g) {               \
                 const int m0 = mt * BLOCK_M;                                                      \
                 __VA_ARGS__                                                                       \
@@ -176,7 +117,7 @@ struct HopperBwdTraits {
         }                                                                                         \
     }
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
-          bool PERSISTENT = false, bool MATH_STATS = true, bool TAIL = false>
+          bool PERSISTENT = false, bool MATH_STATS = true>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -184,14 +125,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps,
-                       BwdUnits units = BwdUnits{}, BwdTail tail = BwdTail{}) {
+                       BwdUnits units = BwdUnits{}) {
     using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
     static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
     // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
     // keys split of dQ syncs each warpgroup alone on barrier 1 + wg, which WS uses for the block.
     static_assert(!WS || (WARPGROUPS == 2 && Tr::kDqBlockSync), "WS: 2 math warpgroups, dQ split by rows or columns");
     static_assert(!PERSISTENT || WS, "PERSISTENT: the warp-specialized kernel");
-    static_assert(!TAIL || (WS && !PERSISTENT && !CAUSAL), "TAIL: the warp-specialized kernel, one unit per block, full attention");
     // (WS) lse and D by the math threads a step ahead (cp.async), or by the producer's warp 0 with
     // the Q/dO boxes; PERSISTENT needs the former (the producer spills the per-row loads there).
     static_assert(MATH_STATS || (WS && !PERSISTENT), "producer-loaded row statistics: the plain WS kernel");
@@ -239,7 +179,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     auto n_units = [&] { return PERSISTENT ? units.count : 1; };
     auto unit_stride = [&] { return PERSISTENT ? (int)gridDim.x : 1; };
     struct Unit {
-        int hk, b, n0, m_begin, per_head, n_steps, s0;  // s0: (TAIL) the piece's first step
+        int hk, b, n0, m_begin, per_head, n_steps;
     };
     auto unit_at = [&](int u) {
         Unit t;
@@ -251,14 +191,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             n_block = pos.rank;
             t.hk = pos.head % gridDim.y;
             t.b = pos.head / gridDim.y;
-        }
-        if constexpr (TAIL) {
-            const int x = blockIdx.x;
-            const int unit = x < tail.full ? x : tail.full + (x - tail.full) / tail.pieces;
-            n_block = unit % tail.kv_tiles;
-            const int head_batch = unit / tail.kv_tiles;
-            t.hk = head_batch % tail.hkv;
-            t.b = head_batch / tail.hkv;
         }
         if constexpr (PERSISTENT) {
             n_block = u % units.kv_tiles;
@@ -275,15 +207,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         t.m_begin = CAUSAL ? max(0, t.n0 - causal_off) / BLOCK_M : 0;
         t.per_head = max(0, (nq + BLOCK_M - 1) / BLOCK_M - t.m_begin);
         t.n_steps = t.per_head * group;  // (head, query tile) pairs, head-major
-        t.s0 = 0;
-        if constexpr (TAIL) {
-            const int x = blockIdx.x;
-            if (x >= tail.full) {  // piece (x - full) % pieces: steps [piece n / pieces, (piece + 1) n / pieces)
-                const int piece = (x - tail.full) % tail.pieces, n = t.n_steps;
-                t.s0 = piece * n / tail.pieces;
-                t.n_steps = (piece + 1) * n / tail.pieces - t.s0;
-            }
-        }
         return t;
     };
 
@@ -370,7 +293,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     for (int u = unit0(); u < n_units(); u += unit_stride(), ++units_done) {
         const Unit t = unit_at(u);
         const int hk = t.hk, b = t.b, n0 = t.n0, m_begin = t.m_begin, per_head = t.per_head, n_steps = t.n_steps;
-        const int s0 = TAIL ? t.s0 : 0;  // (TAIL) step `step` of this block is the unit's step s0 + step
         const int keys_valid = min(kBN, nk - n0);
         if constexpr (PERSISTENT) {
             // K and V by TMA (keys past nk zero-filled), once the previous unit's dK/dV, staged in
@@ -392,8 +314,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             load_sw128<HEAD_DIM, kBN, kLoaders>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
         }
         auto load_step = [&](int step, int buf) {
-            const int h = hk * group + (s0 + step) / per_head;
-            const int m0 = (m_begin + (s0 + step) % per_head) * BLOCK_M;
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
             const int rows = min(BLOCK_M, nq - m0);
             if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
                 if (tid == 0) {
@@ -414,8 +336,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         // (WS, MATH_STATS) the math threads copy each step's lse and D themselves, a step ahead
         // (cp.async), instead of the producer's warp 0.
         auto load_stats = [&](int step, int buf) {
-            const int h = hk * group + (s0 + step) / per_head;
-            const int m0 = (m_begin + (s0 + step) % per_head) * BLOCK_M;
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
             load_row_stats_async<BLOCK_M, kMathThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0,
                                                         min(BLOCK_M, nq - m0), tid);
         };
@@ -444,7 +366,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // This thread's row statistics of the step have landed: into their stored form
             // (kProducerStats: stored so by the producer).
             if constexpr (!kProducerStats)
-                fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + (s0 + step) % per_head) * BLOCK_M), tid);
+                fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
             fence_proxy_async();
             if constexpr (WS) {
                 // K/V (step 0) landed everywhere; (math stats) the other threads' rows fixed and
@@ -461,8 +383,8 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
                 cp_async_commit();
             }
-            const int h = hk * group + (s0 + step) / per_head;
-            const int m0 = (m_begin + (s0 + step) % per_head) * BLOCK_M;
+            const int h = hk * group + step / per_head;
+            const int m0 = (m_begin + step % per_head) * BLOCK_M;
             const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
             const u32 tds = sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
             const float* tL = sL + buf * BLOCK_M;
@@ -630,14 +552,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
         }
         cp_async_wait<0>();
-        if constexpr (TAIL) {
-            // (sL: every step's statistics were read before the math warpgroups' last barrier)
-            if (blockIdx.x >= tail.full &&
-                !bwd_tail_merge<kND, kMathThreads>(tail, tid, acc_dk, acc_dv, reinterpret_cast<volatile unsigned*>(sL))) {
-                g += n_steps;
-                continue;  // another piece of this unit stores dK and dV
-            }
-        }
 
         // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
         const float scale = scale_log2 / kLog2e;
@@ -751,17 +665,6 @@ __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
     attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS>(
         BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do});
-}
-
-// attn_bwd_kv_wgmma_ws (full attention) on a 1-D grid whose last partial wave is split by
-// queries (BwdTail): blocks 0 .. full-1 do units 0 .. full-1 whole, the rest `pieces` blocks per
-// remaining unit, merged by each unit's last piece through `part` (float32) and `flags` (zeroed).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool MATH_STATS>
-__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_bwd_kv_wgmma_ws_tail(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS,
-                          int kv_tiles, int hkv, int full, int pieces, float* __restrict__ part, unsigned* __restrict__ flags) {
-    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, false, true, true, true, false, MATH_STATS, true>(
-        BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do}, BwdUnits{}, BwdTail{kv_tiles, hkv, full, pieces, part, flags});
 }
 
 // attn_bwd_kv_wgmma_ws over a grid of at most one block per SM (K and V through tensor maps

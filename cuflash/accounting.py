@@ -432,24 +432,6 @@ def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
     return schedule.hopper_backward_tile(hd, causal is not None).ws
 
 
-def _backward_tail(p, hd, causal, deterministic):
-    """(float32 partials, pieces, units split) of the backward's tail split on the modelled GPU
-    (gpu_hopper.backward_tail_pieces: full attention on the warp-specialized kernel), or None."""
-    if causal is not None or not _backward_frag_dq(p.dtype, hd, causal, deterministic):
-        return None
-    from . import gpu_hopper
-
-    t = gpu_hopper.backward_kv_spec(p.dtype, p.d, False, False)[1]
-    if t.persistent:
-        return None
-    units = -(-p.nk // t.block_n) * p.hkv * p.batch
-    pieces = gpu_hopper.backward_tail_pieces(units, H200_SM_COUNT, -(-p.nq // t.block_m) * (p.hq // p.hkv))
-    if pieces is None:
-        return None
-    rest = units % H200_SM_COUNT
-    return rest * pieces * 2 * t.block_n * schedule.hopper_backward_head_dim(hd), pieces, rest
-
-
 def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=None, hq=None):
     """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
     on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
@@ -663,15 +645,6 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
             E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
                               phase="bwd"),
                   MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
-            tail = _backward_tail(p, hd, causal, deterministic)
-            if tail is not None:
-                floats, pieces, rest = tail
-                E.append(MemoryEntry("dK/dV partials (tail split)", WORKSPACE, floats * ACC_ITEMSIZE,
-                                     f"float32: the {rest} K/V tiles past the last whole wave of one block per SM, each "
-                                     f"run as {pieces} pieces over its query steps (gpu_hopper.backward_tail_pieces)",
-                                     phase="bwd"))
-                notes.append("the backward's tail split also keeps a 4 KiB counter buffer per device and stream "
-                             "(shared with the forward's key split; zeroed again by every launch; not counted per call)")
         if fwd and dec is not None:
             f = dec
             merge = f", {dec.splits} splits merged in a thread-block cluster" if dec.cluster else ""

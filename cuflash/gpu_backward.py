@@ -231,31 +231,17 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                     if hopper_kv[1].persistent:  # and K, V boxes of the block's keys
                         maps += (tma.bhsd_map(k4[sl], kv_block_n), tma.bhsd_map(v4[sl], kv_block_n))
                 grid = (n_blocks, p.hkv, nz)
-                kv_spec = specs["kv"]
                 if hopper_kv is not None and hopper_kv[1].persistent:  # units walked by <= one block per SM
                     units = n_blocks * p.hkv * nz
                     grid = (min(units, _PERSISTENT_BLOCKS or gpu_decode._sm_count(cupy.cuda.Device().id)), 1, 1)
                     extra = (np.int32(n_blocks), np.int32(p.hkv), np.int32(units))
-                elif hopper_kv is not None and hopper_kv[1].ws and p.causal is None and not band:
-                    # the last partial wave split by queries (gpu_hopper.backward_tail_pieces)
-                    units = n_blocks * p.hkv * nz
-                    sms = gpu_decode._sm_count(cupy.cuda.Device().id)
-                    pieces = gpu_hopper.backward_tail_pieces(units, sms, -(-p.nq // hopper_kv[1].block_m) * p.group)
-                    if pieces is not None:
-                        rest = units % sms
-                        kv_spec = gpu_hopper.backward_tail_spec(p.dtype, p.d, hopper_kv[1])
-                        grid = (units - rest + rest * pieces, 1, 1)
-                        part = cupy.empty(rest * pieces * 2 * kv_block_n * schedule.hopper_backward_head_dim(hd),
-                                          dtype=np.float32)
-                        extra = (np.int32(n_blocks), np.int32(p.hkv), np.int32(units - rest), np.int32(pieces), part,
-                                 gpu_hopper.split_flags(rest))
-                get_function(kv_spec)(
-                    grid, (kv_spec.threads,),
+                get_function(specs["kv"])(
+                    grid, (specs["kv"].threads,),
                     (*maps, q4[sl], k4[sl], v4[sl], do4[sl], lse3[sl], dsum[sl], dq_acc[sl], dk4[sl], dv4[sl],
                      *common, *_strides3(dk4), *_strides3(dv4),
                      np.int32(p.hq), np.int32(p.nq), np.int32(p.nk), np.int32(p.d), np.int32(p.group), off, scale_log2,
                      *extra),
-                    shared_mem=kv_spec.smem_bytes,
+                    shared_mem=specs["kv"].smem_bytes,
                 )
             if deterministic and n_rows_q > 0:
                 get_function(specs["dq"])(

@@ -334,32 +334,6 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
-# The backward's last partial wave split by queries (attn_bwd_kv_wgmma_ws_tail): at most this
-# many pieces per unit - each piece costs its start (K/V, the ring's fill) and the last one reads
-# every piece's float32 dK/dV partial (64 KiB at d=64) through one SM.
-BWD_TAIL_MAX_PIECES = 12
-
-
-def backward_tail_pieces(units: int, sm_count: int, steps: int) -> int | None:
-    """Pieces per unit for the units past the last whole wave of one block per SM, or None: only
-    when that partial wave fills at most half the SMs, each piece keeping at least 2 steps."""
-    rest = units % sm_count
-    if units <= sm_count or rest == 0 or rest > sm_count // 2:
-        return None
-    pieces = min(sm_count // rest, steps // 2, BWD_TAIL_MAX_PIECES)
-    return pieces if pieces >= 2 else None
-
-
-def backward_tail_spec(dtype, d: int, t: schedule.HopperBwdTile) -> KernelSpec:
-    """attn_bwd_kv_wgmma_ws_tail for the warp-specialized tile t (full attention, atomic dQ)."""
-    hd = schedule.hopper_backward_head_dim(schedule.head_dim_bucket(d))
-    if not t.ws or t.persistent or t.split_d:
-        raise ValueError("tile: the tail split runs the warp-specialized per-unit kernel")
-    expr = (f"attn_bwd_kv_wgmma_ws_tail<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
-            f"{'true' if t.math_stats else 'false'}>")
-    return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd))
-
-
 def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
     """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
     from .gpu_backward import _CONVERT_THREADS
@@ -388,8 +362,4 @@ def all_hopper_backward_specs():
     ]
     specs += [dq_convert_frag_spec(dtype, schedule.hopper_backward_head_dim(hd))
               for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
-    # the tail split of the warp-specialized tiles the dispatch launches (full attention)
-    specs += [backward_tail_spec(dtype, hd, backward_kv_spec(dtype, hd, False, False)[1])
-              for dtype in (FLOAT16, BFLOAT16) for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-              if backward_kv_spec(dtype, hd, False, False)[1].ws and not backward_kv_spec(dtype, hd, False, False)[1].persistent]
     return list(dict.fromkeys(specs))

@@ -144,38 +144,3 @@ def test_warp_specialized_persistent(monkeypatch, tma_backward, blocks, d, causa
     tma_backward.clear()
     _run(rng, 1, 2, 1, 130, 97, d, BFLOAT16, causal, deterministic=True)
     assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
-def test_warp_specialized_tail_split(monkeypatch, tma_backward, dtype, d):
-    # attn_bwd_kv_wgmma_ws_tail: the units past the last whole wave (SM count lowered so that
-    # small problems have one) run as several blocks over consecutive step ranges, each writing its
-    # float32 dK/dV partial, the unit's last piece adding them in piece order. Uneven step splits,
-    # GQA (a piece's steps cross heads), ragged keys and queries, bshd, each shape twice (the
-    # counters must be back at zero); causal and deterministic runs do not split.
-    from cuflash import gpu_decode
-
-    t = schedule.HOPPER_BACKWARD_TILES[d]
-    monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d, dataclasses.replace(gpu_hopper.backward_tma(t), ws=True))
-    split = []
-    real = gpu_hopper.backward_tail_pieces
-    monkeypatch.setattr(gpu_hopper, "backward_tail_pieces", lambda *a: split.append(real(*a)) or split[-1])
-    rng = np.random.default_rng([d, dtype.itemsize, 83])
-    block_n = 128
-    for sms, (b, hq, hkv, nq, nk, layout) in [(4, (1, 3, 3, 515, 700, "bhsd")), (10, (2, 8, 2, 300, 1000, "bhsd")),
-                                              (7, (1, 4, 2, 300, 1290, "bshd"))]:
-        monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev, n=sms: n)
-        units = b * hkv * -(-nk // block_n)
-        assert 0 < units % sms <= sms // 2 < units  # a partial wave that the rule splits
-        for _ in range(2):
-            split.clear()
-            _run(rng, b, hq, hkv, nq, nk, d, dtype, False, layout=layout)
-            assert split and all(s is not None and s >= 2 for s in split), split
-    split.clear()
-    _run(rng, 1, 3, 3, 515, 700, d, dtype, "bottom_right")
-    assert not any(split), split
-    tma_backward.clear()
-    _run(rng, 1, 3, 3, 515, 700, d, dtype, False, deterministic=True)
-    assert not any(split), split
-    assert tma_backward and all("attn_bwd_kv_wgmma_tma<" in e for e in tma_backward), tma_backward

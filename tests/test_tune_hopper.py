@@ -500,18 +500,3 @@ def test_gpu_forward_passes_the_tuned_tile_to_the_wgmma_launch(monkeypatch, env)
     q4, k4, v4, o4 = (_DeviceArrayStandIn((2, 16, 1024, 128)) for _ in range(4))
     gpu.forward(p, q4, k4, v4, o4, _DeviceArrayStandIn((2, 16, 1024), 4))
     assert asked == [p] and launched == [tuned if env == "1" else None]
-
-
-def test_backward_tail_pieces():
-    # The backward's last partial wave is split only when it fills at most half the SMs, into at
-    # most BWD_TAIL_MAX_PIECES pieces of at least 2 steps each.
-    assert gpu_hopper.backward_tail_pieces(4096, 132, 32) == gpu_hopper.BWD_TAIL_MAX_PIECES  # d=64 N=4k: 4 left over
-    assert gpu_hopper.backward_tail_pieces(4096, 132, 6) == 3
-    assert gpu_hopper.backward_tail_pieces(2048, 132, 64) is None  # 68 left over: more than half the SMs
-    assert gpu_hopper.backward_tail_pieces(4224, 132, 32) is None  # whole waves
-    assert gpu_hopper.backward_tail_pieces(100, 132, 32) is None  # one partial wave: nothing to gain
-    assert gpu_hopper.backward_tail_pieces(4096, 132, 3) is None  # 1 step per piece
-    specs = gpu_hopper.all_hopper_backward_specs()
-    for d in (64, 128):
-        t = gpu_hopper.backward_kv_spec(BFLOAT16, d, False, False)[1]
-        assert t.ws and gpu_hopper.backward_tail_spec(BFLOAT16, d, t) in specs
