@@ -227,8 +227,7 @@ def all_hopper_forward_specs():
         for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, wg_epilogue=False, reason=""),
                                    dataclasses.replace(t, pingpong=False, persistent=False, wg_epilogue=False, reason=""),
                                    *persistent_variants(t, hd), cp_async_tile(hd),
-                                   *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ())
-                                     if r.masks == "any" or (r.masks == "causal") == causal),
+                                   *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ()) if r.for_mask(causal)),
                                    *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile] if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
                                    warp_specialized(cp_async_tile(hd))))
     ]

@@ -116,6 +116,10 @@ class PersistentRule:
     reason: str
     masks: str = "any"
 
+    def for_mask(self, causal: bool) -> bool:
+        """Whether the rule is one for problems with (causal) or without a causal mask."""
+        return self.masks == "any" or (self.masks == "causal") == causal
+
 
 # The first rule that matches a problem wins. Measured by tools/persistent_probe.sh and
 # tools/hopper_fwd_sweep.py on the H200 (x = cuDNN ms / ours, bf16).
@@ -142,7 +146,7 @@ def persistent_rule(hd: int, causal: bool, mean_keys: int) -> PersistentRule | N
     """The first of HOPPER_FORWARD_PERSISTENT[hd]'s rules for this mask whose bound the mean
     visible keys per row (whole keys) meet, or None."""
     for rule in HOPPER_FORWARD_PERSISTENT.get(hd, ()):
-        if rule.masks != "any" and (rule.masks == "causal") != causal:
+        if not rule.for_mask(causal):
             continue
         if rule.max_key_tiles is None or mean_keys <= rule.max_key_tiles * rule.tile.block_n:
             return rule
