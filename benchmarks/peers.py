@@ -133,14 +133,17 @@ def forward_grid(ds=GRID_D, ns=GRID_N, dtypes=("bfloat16",)):
     return cases
 
 
-def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None):
-    """The list of Cases to run, in order. `quick` keeps a few shapes for a smoke run."""
+def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=None):
+    """The list of Cases to run, in order. `quick` keeps a few shapes for a smoke run. `dtypes`
+    (fwd/bwd): every head dim in each of these dtypes, instead of the default grid (bf16 at every
+    head dim, fp16 at d=128 only, which keeps the final check's run under its time limit)."""
     if quick:
         base = forward_grid(ds=(64, 128), ns=(1024, 4096))
         decode = [Case("decode", "bfloat16", DECODE_D, 8, 32, 8, 1, 4096, False),
                   Case("decode", "bfloat16", DECODE_D, 8, 32, 32, 1, 4096, False)]
     else:
-        base = forward_grid() + forward_grid(ds=(128,), dtypes=("float16",))
+        base = (forward_grid(dtypes=tuple(dtypes)) if dtypes
+                else forward_grid() + forward_grid(ds=(128,), dtypes=("float16",)))
         decode = [Case("decode", "bfloat16", DECODE_D, b, hq, hkv, 1, L, False)
                   for L in DECODE_LENGTHS for (b, hq, hkv) in DECODE_HEADS]
     plan = []
@@ -708,6 +711,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a few shapes: d 64/128, N 1024/4096, bf16")
     ap.add_argument("--d", default="", help="comma list: keep only these head dims")
     ap.add_argument("--n", default="", help="comma list: keep only these key lengths")
+    ap.add_argument("--dtypes", default="",
+                    help="comma list of bfloat16, float16: the forward/backward grid at every head dim in each "
+                         "(default: bf16 everywhere, fp16 at d=128)")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=30, help="most timed repeats per implementation")
@@ -729,6 +735,9 @@ def parse_args(argv=None):
         ap.error(f"--impls: unknown {bad}; expected some of {IMPLS}")
     args.d = [int(x) for x in args.d.split(",") if x]
     args.n = [int(x) for x in args.n.split(",") if x]
+    args.dtypes = [t for t in args.dtypes.split(",") if t]
+    if set(args.dtypes) - {"bfloat16", "float16"}:
+        ap.error(f"--dtypes: expected a comma list of bfloat16, float16; got {','.join(args.dtypes)!r}")
     return args
 
 
@@ -736,7 +745,7 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.monotonic()
     deadline = started + args.max_seconds
-    plan = build_plan(args.ops, args.quick, args.d, args.n)
+    plan = build_plan(args.ops, args.quick, args.d, args.n, args.dtypes)
     if args.dry_run:
         print(plan_table(plan))
         print(f"{len(plan)} cases, {sum(c.flops() for c in plan) / 1e12:.1f} TFLOP in one pass of each")

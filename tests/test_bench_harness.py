@@ -87,6 +87,22 @@ def test_peers_dry_run_quick_plan_with_backward_and_decode(tmp_path):
         assert c["logical_bytes"] == 2 * (2 * c["b"] * c["hkv"] * c["nk"] * c["d"] + 2 * c["b"] * c["hq"] * c["d"])
 
 
+def test_peers_dry_run_dtypes_grid_covers_every_head_dim_in_each_dtype(tmp_path):
+    # the Hopper issue's grid: bf16 and fp16 at every head dim, forward and backward
+    plan, _ = dry_run(tmp_path, "--ops", "fwd,bwd", "--dtypes", "bfloat16,float16", "--n", "1024,8192")
+    seen = {(c["op"], c["dtype"], c["d"], c["nq"], c["causal"]) for c in plan}
+    assert seen == {(op, t, d, n, c) for op in ("fwd", "bwd") for t in ("bfloat16", "float16")
+                    for d in (64, 128, 256) for n in (1024, 8192) for c in (False, True)}
+    assert len(plan) == len(seen)
+
+
+def test_peers_rejects_an_unknown_dtype(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, str(PEERS), "--dry-run", "--out", str(out), "--dtypes", "float32"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dtypes" in proc.stderr and not out.exists()
+
+
 def test_peers_reference_is_planned_only_where_s_and_p_fit():
     big = peers.Case("fwd", "bfloat16", 64, 1, 32, 32, 16384, 16384, False)
     small = peers.Case("fwd", "bfloat16", 128, 16, 16, 16, 1024, 1024, False)
