@@ -8,7 +8,8 @@
 #       (final_check.sh's grid is bf16 + fp16 at d=128 only, N without 8k: its time limit);
 #       PASSES passes (default 2: the ratios' run-to-run spread), fwd_<p>.json / bwd_<p>.json.
 # ncu:  tools/ncu_peers.py under ncu with --profile-from-start off: every kernel of one call of
-#       each op (cuDNN's and cuflash's), tensor-pipe and issue activity and the stall reasons
+#       each op (cuDNN's and cuflash's), tensor-pipe and issue activity, instructions executed, the
+#       SMs' active share of the kernel's cycles (idle tails) and the stall reasons
 #       (warps stalled per issued instruction), summarized per kernel in ncu_short.txt.
 # Everything but the summaries goes into grid.tar.gz (a device call brings back at most 8 files).
 set -u
@@ -30,7 +31,7 @@ if [ "$PART" != ncu ]; then
     cat "$OUT/grid.txt"
 fi
 if [ "$PART" != grid ]; then
-    metrics="regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active|sm__inst_executed_pipe_xu\.avg\.pct_of_peak_sustained_active|smsp__issue_active\.avg\.pct_of_peak_sustained_active|dram__throughput\.avg\.pct_of_peak_sustained_elapsed|gpu__time_duration\.sum)$"
+    metrics="regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active|sm__inst_executed_pipe_xu\.avg\.pct_of_peak_sustained_active|smsp__issue_active\.avg\.pct_of_peak_sustained_active|dram__throughput\.avg\.pct_of_peak_sustained_elapsed|gpu__time_duration\.sum|smsp__inst_executed\.sum|sm__cycles_active\.avg|sm__cycles_elapsed\.avg)$"
     # fwd: d, N, causal; bwd likewise; decode: B, Hkv, L
     export NCU_OPS=${NCU_OPS:-"fwd:64,1024,0;fwd:64,1024,1;fwd:64,2048,1;fwd:128,1024,0;fwd:128,4096,0;fwd:256,1024,0;fwd:256,1024,1;bwd:64,4096,0;bwd:128,4096,0;decode:8,32,4096"}
     timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off --metrics "$metrics" \
