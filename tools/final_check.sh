@@ -27,10 +27,20 @@ echo "tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -
 fi
 [ "$PART" = tests ] && exit 0
 tmp=$(mktemp -d)
-timeout "${FWD_TIMEOUT:-170}" python3 benchmarks/peers.py --ops fwd --d 64,128,256 --n 1024,2048,4096,16384 --max-seconds "$(( ${FWD_TIMEOUT:-170} - 20 ))" \
+# GRID=full (with PART=bench: the whole call for it): forward and backward at every head dim in
+# bf16 and fp16, N = 1k..16k - the Hopper issue's whole grid, 120 cells; otherwise the smaller grid
+# that fits next to the tests in one call (bf16, fp16 at d=128; no 8k; backward at 4k and 16k).
+if [ "${GRID:-}" = full ]; then
+    fwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); FWD_TIMEOUT=${FWD_TIMEOUT:-270}
+    bwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); BWD_TIMEOUT=${BWD_TIMEOUT:-200}
+else
+    fwd_grid=(--d 64,128,256 --n 1024,2048,4096,16384); FWD_TIMEOUT=${FWD_TIMEOUT:-170}
+    bwd_grid=(--d 64,128,256 --n 4096,16384); BWD_TIMEOUT=${BWD_TIMEOUT:-140}
+fi
+timeout "$FWD_TIMEOUT" python3 benchmarks/peers.py --ops fwd "${fwd_grid[@]}" --max-seconds "$(( FWD_TIMEOUT - 20 ))" \
     --out "$tmp/fwd.json" > "$tmp/fwd.log" 2>&1; echo "fwd bench rc=$?"
-timeout 140 python3 benchmarks/peers.py --ops bwd --d 64,128,256 --n 4096,16384 --impls cuflash,torch-flash,torch-cudnn \
-    --max-seconds 125 --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
+timeout "$BWD_TIMEOUT" python3 benchmarks/peers.py --ops bwd "${bwd_grid[@]}" --impls cuflash,torch-flash,torch-cudnn \
+    --max-seconds "$(( BWD_TIMEOUT - 15 ))" --out "$tmp/bwd.json" > "$tmp/bwd.log" 2>&1; echo "bwd bench rc=$?"
 timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
     --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
 timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1; echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
