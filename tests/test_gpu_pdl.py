@@ -13,11 +13,18 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 SOURCE = r"""
+// The primary spins until the dependent has recorded its start (times[1], zeroed before) or
+// spin_ns have passed: a dependent that can start early ends the spin, one that cannot (an
+// ordinary launch) starts only after the full spin. (A fixed 2 ms spin raced the host: a busy CPU
+// could submit the dependent after the primary had already ended.)
 extern "C" __global__ void primary(unsigned long long spin_ns, unsigned long long* times, int* flag) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < spin_ns);
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
+    while (t - t0 < spin_ns && *(volatile unsigned long long*)&times[1] == 0ull);
+    t0 = t;  // 10 us more, so that the end's timestamp is past the start's at any timer resolution
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < 10000ull);
     *flag = 1;
     __threadfence();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -47,7 +54,7 @@ def test_dependent_starts_before_the_primary_ends(kernels, wait):
     times = cupy.zeros(2, dtype=np.uint64)
     flag = cupy.zeros(1, dtype=np.int32)
     seen = cupy.full(1, -1, dtype=np.int32)
-    primary((1,), (32,), (np.uint64(2_000_000), times, flag))  # 2 ms
+    primary((1,), (32,), (np.uint64(2_000_000_000), times, flag))  # until the dependent starts, at most 2 s
     pdl.launch(dependent, (1,), (32,), (times, np.int32(wait)))
     after((1,), (1,), (flag, seen))
     cupy.cuda.Device().synchronize()
