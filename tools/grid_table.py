@@ -2,7 +2,7 @@
 
     python3 tools/grid_table.py fwd_1.json bwd_1.json fwd_2.json ... (benchmarks/peers.py outputs)
 
-Per cell (op, dtype, d, N, causal): cuDNN ms / cuflash ms in each pass (same process, same inputs),
+Per cell (op, dtype, d, N, causal; decode also B and heads): cuDNN ms / cuflash ms in each pass (same process, same inputs),
 their min and max, and whether the cell meets the issue's bar (1.05; decode 1.0; no bar for the
 backward past d=128) in every pass (met), in none (short) or in some (split).
 """
@@ -26,16 +26,17 @@ def main(paths):
         for r in doc.get("bench", []):
             if r.get("ms") is None or r.get("status") not in ("ok", None):
                 continue
-            cells[(r["op"], r["dtype"], r["d"], r["nk"], bool(r["causal"]))][r["impl"]] = r["ms"]
+            cells[(r["op"], r["dtype"], r["d"], r["nk"], bool(r["causal"]), r["b"], r["hq"], r["hkv"])][r["impl"]] = r["ms"]
         for cell, ms in cells.items():
             if "cuflash" in ms and "torch-cudnn" in ms:
                 ratios[cell].append(ms["torch-cudnn"] / ms["cuflash"])
             if "cuflash" in ms and "torch-flash" in ms:
                 fa2[cell].append(ms["torch-flash"] / ms["cuflash"])
-    print(f"{'op':4} {'dtype':9} {'d':>4} {'N':>6} {'mask':6}  x cuDNN per pass            min    max   bar  x FA2")
+    print(f"{'op':6} {'dtype':9} {'d':>4} {'N':>6} {'mask':6} {'':11} x cuDNN per pass            min    max   bar  x FA2")
     short = []
     for cell in sorted(ratios):
-        op, dtype, d, n, causal = cell
+        op, dtype, d, n, causal, b, hq, hkv = cell
+        shape = f"B{b} H{hq}/{hkv}" if op == "decode" else ""
         rs = ratios[cell]
         lo, hi = min(rs), max(rs)
         bar = 1.0 if op == "decode" else BAR  # the decode issue's bar; backward's bar is at d <= 128
@@ -45,8 +46,8 @@ def main(paths):
         per = " ".join(f"{r:.3f}" for r in rs)
         f = fa2.get(cell)
         vs_fa2 = f"{min(f):.2f}" if f else "-"
-        print(f"{op:4} {dtype:9} {d:>4} {n:>6} {'causal' if causal else 'full':6}  {per:26} {lo:.3f}  {hi:.3f}  "
-              f"{verdict:5} {vs_fa2}")
+        print(f"{op:6} {dtype:9} {d:>4} {n:>6} {'causal' if causal else 'full':6} {shape:11} {per:26} {lo:.3f}  "
+              f"{hi:.3f}  {verdict:5} {vs_fa2}")
     judged = sum(1 for c in ratios if not (c[0] == "bwd" and c[2] > 128))
     print(f"\n{judged} cells under the bar ({BAR}; decode 1.0); met in every pass by {judged - len(short)}; "
           f"short in some pass: {len(short)}")
