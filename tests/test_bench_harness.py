@@ -359,3 +359,44 @@ def test_peak_live_bytes_counts_what_the_call_holds():
     _, peak_after = bench.peak_live_bytes(cupy, lambda: cupy.empty(100, dtype=cupy.float32))
     assert peak_after == 400  # requested bytes, not the pool's 512-byte rounding
     del held
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/grid_table.py: per-cell ratios over passes and the bar verdicts
+
+
+def _bench_row(op, impl, ms, d=64, n=1024, causal=False, b=16, hq=32, hkv=32, dtype="bfloat16", status="ok"):
+    return {"op": op, "impl": impl, "ms": ms, "d": d, "nq": 1 if op == "decode" else n, "nk": n,
+            "causal": causal, "b": b, "hq": hq, "hkv": hkv, "dtype": dtype, "status": status}
+
+
+def test_grid_table_verdicts_over_passes(tmp_path):
+    def pass_file(name, fwd_cf, bwd_cf, dec_a, dec_b):
+        rows = [_bench_row("fwd", "torch-cudnn", 1.0), _bench_row("fwd", "cuflash", fwd_cf),
+                _bench_row("bwd", "torch-cudnn", 1.0, d=128), _bench_row("bwd", "cuflash", bwd_cf, d=128),
+                _bench_row("bwd", "torch-cudnn", 1.0, d=256), _bench_row("bwd", "cuflash", 2.0, d=256),
+                # two decode cells that differ only in batch and K/V heads stay two cells
+                _bench_row("decode", "torch-cudnn", 1.0, d=128, b=8, hkv=8), _bench_row("decode", "cuflash", dec_a, d=128, b=8, hkv=8),
+                _bench_row("decode", "torch-cudnn", 1.0, d=128, b=64, hkv=8),
+                _bench_row("decode", "cuflash", dec_b, d=128, b=64, hkv=8),
+                _bench_row("fwd", "cuflash", 0.5, n=2048, status="mismatch"),  # never counted
+                _bench_row("fwd", "torch-cudnn", 1.0, n=2048)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"bench": rows}))
+        return str(path)
+
+    a = pass_file("a.json", 1 / 1.06, 1 / 1.04, 1 / 1.01, 1 / 0.99)
+    b = pass_file("b.json", 1 / 1.07, 1 / 1.06, 1 / 1.02, 1 / 0.98)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "grid_table.py"), a, b],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = {tuple(line.split()[:5]): line for line in proc.stdout.splitlines() if line[:3] in ("fwd", "bwd", "dec")}
+    assert lines[("fwd", "bfloat16", "64", "1024", "full")].split()[-2] == "met"      # 1.06, 1.07
+    assert lines[("bwd", "bfloat16", "128", "1024", "full")].split()[-2] == "split"   # 1.04, 1.06
+    assert lines[("bwd", "bfloat16", "256", "1024", "full")].split()[-2] == "-"       # outside the bar
+    decode = [line for line in proc.stdout.splitlines() if line.startswith("decode")]
+    assert len(decode) == 2  # keyed by batch and heads too
+    assert any("B8 H32/8" in line and " met " in line for line in decode)            # 1.01, 1.02 >= 1.0
+    assert any("B64 H32/8" in line and " short " in line for line in decode)         # 0.99, 0.98
+    assert ("fwd", "bfloat16", "64", "2048", "full") not in lines  # a mismatching result is no ratio
+    assert "4 cells under the bar" in proc.stdout and "met in every pass by 2" in proc.stdout
