@@ -122,11 +122,12 @@ def all_decode_specs():
                         specs += [main, combine]
                         specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window)
                                   for size in CLUSTER_SIZES]
-        for hd, t in schedule.DECODE_TILES_MANY_BLOCKS.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+        for table in (schedule.DECODE_TILES_MANY_BLOCKS, schedule.DECODE_TILES_MANY_WAVES):
+            for hd, t in table.items():
+                for rt in range(1, t.max_row_tiles + 1):
+                    for causal in (False, True):
+                        for window in (False, True):
+                            specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
         for hd, t in schedule.DECODE_TMA_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -177,11 +178,15 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
 
 def default_tile(p, sm_count: int, waves=None):
     """(tile, waves): the table's tile, or with a (sequence, K/V head) block for every SM the
-    deeper-ring tile in one wave (no split, no combine)."""
+    deeper-ring tile in one wave (no split, no combine), or with DECODE_MANY_WAVES blocks per SM
+    or more the 8-warp tile (one block per SM, no split)."""
     hd, t = schedule.decode_tile(p.d)
-    many = schedule.DECODE_TILES_MANY_BLOCKS.get(hd)
-    if many is not None and p.batch * p.hkv >= sm_count and row_tiles_for(p) <= many.max_row_tiles:
-        return many, waves or 1
+    blocks, rows = p.batch * p.hkv, row_tiles_for(p)
+    for table, min_blocks in ((schedule.DECODE_TILES_MANY_WAVES, schedule.DECODE_MANY_WAVES * sm_count),
+                              (schedule.DECODE_TILES_MANY_BLOCKS, sm_count)):
+        many = table.get(hd)
+        if many is not None and blocks >= min_blocks and rows <= many.max_row_tiles:
+            return many, waves or 1
     return t, waves
 
 

@@ -455,6 +455,17 @@ DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 3, 2, "one (sequence, head) block per SM or more: no split, 3-stage rings (2 blocks per SM)"),
 }
 
+# With several waves of (sequence, K/V head) blocks, one 8-warp block per SM (132 KiB) streams one
+# pair's K and V at a time instead of two pairs' with 4 warps each. Decode probe on the H200, three
+# alternating runs (evidence-20261130j/decode-many/), TB/s 16x4 s3 -> 16x8 s2: B=64 Hkv=8 (3.9
+# blocks per SM) L=4k 4.36 -> 4.36-4.37, 16k 4.54 -> 4.63, 64k 4.58 -> 4.68 (cuDNN 4.43 / 4.56 /
+# 4.60); B=8 Hkv=32 (1.9 per SM) 0.5-0.9% slower, so the rule starts between the two: at
+# DECODE_MANY_WAVES blocks per SM.
+DECODE_MANY_WAVES = 3
+DECODE_TILES_MANY_WAVES: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 8, 2, 2, "three or more (sequence, head) blocks per SM: no split, one 8-warp block per SM"),
+}
+
 
 def decode_tile(d: int) -> tuple[int, DecodeTile]:
     hd = head_dim_bucket(d)

@@ -127,10 +127,25 @@ def test_trailing_splits_may_be_empty():
     assert lp.cluster and lp.splits == 8 and lp.chunk == 48 and 7 * lp.chunk > 300
 
 
+@pytest.mark.parametrize("batch,hkv,want", [(8, 8, "table"), (8, 32, "many_blocks"), (79, 5, "many_blocks"),
+                                             (99, 4, "many_waves"), (64, 8, "many_waves")])
+def test_default_tile_by_blocks_per_sm(batch, hkv, want):
+    # One (sequence, K/V head) block per SM: the 3-stage 4-warp tile; DECODE_MANY_WAVES per SM
+    # (396 on 132 SMs): the 8-warp tile; fewer: the table's tile with splits. None of them split.
+    p = _problem(batch, 4 * hkv, hkv, 1, 16384, 128)
+    tile, waves = gpu_decode.default_tile(p, H200_SMS)
+    expect = {"table": schedule.DECODE_TILES[128], "many_blocks": schedule.DECODE_TILES_MANY_BLOCKS[128],
+              "many_waves": schedule.DECODE_TILES_MANY_WAVES[128]}[want]
+    assert tile == expect
+    if want != "table":
+        assert waves == 1 and gpu_decode.launch_plan(p, H200_SMS).splits == 1
+    assert (batch * hkv >= schedule.DECODE_MANY_WAVES * H200_SMS) == (want == "many_waves")
+
+
 _FEW_BLOCKS = [(8, 32, 8, 1, 4096, 128), (4, 32, 8, 1, 8192, 128), (8, 16, 8, 7, 4096, 128),
                (8, 8, 2, 16, 4096, 64), (8, 4, 4, 16, 4096, 256), (2, 40, 1, 1, 4096, 32), (2, 64, 1, 1, 4096, 32),
                (8, 8, 2, 7, 4096, 40), (8, 32, 8, 1, 500, 128)]
-_MANY_BLOCKS = [(8, 32, 32, 1, 4096, 128), (64, 32, 8, 1, 4096, 128)]  # no split (forcing a cluster there is a probe's experiment)
+_MANY_BLOCKS = [(8, 32, 32, 1, 4096, 128), (64, 32, 8, 1, 4096, 128), (64, 32, 8, 7, 4096, 128)]  # no split (forcing a cluster there is a probe's experiment)
 
 
 @pytest.mark.parametrize("shape,cluster", [(s, c) for s in _FEW_BLOCKS for c in (None, False, True)]

@@ -116,3 +116,54 @@ def test_decode_window_split_counts(splits):
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
     gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))
+
+
+def _record_launches(monkeypatch):
+    launched = []
+    real = gpu_decode.get_function
+    monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
+    return launched
+
+
+@pytest.mark.parametrize("which", ["many_blocks", "many_waves"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
+@pytest.mark.parametrize("nq", [1, 7])  # GQA group 4: one and two packed row tiles
+def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
+    # The tiles the planner takes with a (sequence, head) block per SM or several waves of them
+    # (schedule.DECODE_TILES_MANY_BLOCKS / _MANY_WAVES), forced on a small batch: kv_lens 0, 1,
+    # mid-tile and full, output and LSE poisoned.
+    from cuflash import schedule
+
+    tile = (schedule.DECODE_TILES_MANY_BLOCKS if which == "many_blocks" else schedule.DECODE_TILES_MANY_WAVES)[128]
+    launched = _record_launches(monkeypatch)
+    rng = np.random.default_rng([nq, len(which), len(str(causal))])
+    b, hq, hkv, nk, d = 4, 32, 8, 1700, 128
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
+    lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    p = validate_forward(qg, kg, vg, causal=causal)
+    o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+    lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, tile=tile, splits=1)
+    check_per_sequence(o4, lse3, q, k, v, lens, causal, BFLOAT16)
+    assert any(f", {tile.block_n}, {tile.warps}, {tile.stages}," in e for e in launched), launched
+
+
+def test_decode_several_waves_of_heads_take_the_eight_warp_tile(monkeypatch):
+    # Through the API with a paged cache: B x Hkv >= DECODE_MANY_WAVES blocks per SM launches the
+    # 8-warp tile, no split; shuffled pages, NaN spare pages, kv_lens 0 and 1 among the sequences.
+    from cuflash import schedule
+
+    from test_paged import run_paged
+
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    hkv = 8
+    b = -(-schedule.DECODE_MANY_WAVES * sms // hkv)
+    launched = _record_launches(monkeypatch)
+    rng = np.random.default_rng(b)
+    lens = rng.integers(2, 600, size=b).astype(np.int32)
+    lens[:3] = [0, 1, 600]
+    run_paged(cupy, rng, BFLOAT16, b, 32, hkv, 1, 600, 128, 64, lens, "bottom_right")
+    t = schedule.DECODE_TILES_MANY_WAVES[128]
+    assert any(e.startswith("attn_decode<") and f", {t.block_n}, {t.warps}, {t.stages}," in e for e in launched), launched
+    assert not any("combine" in e for e in launched)
