@@ -452,7 +452,8 @@ DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
 # decode probe on the H200 (evidence-20261129/decode-probe-7366127): 16x4 s3, one wave, 3.5-4.5
 # TB/s vs 3.2-4.2 for s2 at B=64 and Hkv=32; with few blocks s2 and two waves of splits stay best.
 DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 4, 3, 2, "one (sequence, head) block per SM or more: no split, 3-stage rings (2 blocks per SM)"),
+    128: DecodeTile(16, 4, 3, 2, "one to DECODE_MANY_WAVES (sequence, head) blocks per SM: no split, 3-stage rings "
+                    "(2 blocks per SM)"),
 }
 
 # With several waves of (sequence, K/V head) blocks, one 8-warp block per SM (132 KiB) streams one

@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import gpu_decode
+from cuflash import gpu_decode, schedule
 from cuflash._arrays import BFLOAT16, FLOAT16
 from cuflash._layout import to_bhsd
 from cuflash._problem import validate_forward
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence
+from test_decode_cluster import _launch  # records the expressions gpu_decode launches
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -118,13 +119,6 @@ def test_decode_window_split_counts(splits):
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))
 
 
-def _record_launches(monkeypatch):
-    launched = []
-    real = gpu_decode.get_function
-    monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
-    return launched
-
-
 @pytest.mark.parametrize("which", ["many_blocks", "many_waves"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
 @pytest.mark.parametrize("nq", [1, 7])  # GQA group 4: one and two packed row tiles
@@ -132,10 +126,8 @@ def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
     # The tiles the planner takes with a (sequence, head) block per SM or several waves of them
     # (schedule.DECODE_TILES_MANY_BLOCKS / _MANY_WAVES), forced on a small batch: kv_lens 0, 1,
     # mid-tile and full, output and LSE poisoned.
-    from cuflash import schedule
-
     tile = (schedule.DECODE_TILES_MANY_BLOCKS if which == "many_blocks" else schedule.DECODE_TILES_MANY_WAVES)[128]
-    launched = _record_launches(monkeypatch)
+    launched = _launch(monkeypatch)
     rng = np.random.default_rng([nq, len(which), len(str(causal))])
     b, hq, hkv, nk, d = 4, 32, 8, 1700, 128
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
@@ -152,14 +144,12 @@ def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
 def test_decode_several_waves_of_heads_take_the_eight_warp_tile(monkeypatch):
     # Through the API with a paged cache: B x Hkv >= DECODE_MANY_WAVES blocks per SM launches the
     # 8-warp tile, no split; shuffled pages, NaN spare pages, kv_lens 0 and 1 among the sequences.
-    from cuflash import schedule
-
     from test_paged import run_paged
 
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     hkv = 8
     b = -(-schedule.DECODE_MANY_WAVES * sms // hkv)
-    launched = _record_launches(monkeypatch)
+    launched = _launch(monkeypatch)
     rng = np.random.default_rng(b)
     lens = rng.integers(2, 600, size=b).astype(np.int32)
     lens[:3] = [0, 1, 600]
