@@ -48,7 +48,7 @@ struct DecodeTraits {
 // (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
 // (CLUSTER splits form one cluster; part_o / part_lse unused).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER, bool WINDOW>
+          int CLUSTER, bool WINDOW, int RING>
 __device__ __forceinline__ void
 attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
@@ -80,74 +80,171 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 
     const u16* gK = k + b * k_sb + hk * k_sh;
     const u16* gV = v + b * v_sb + hk * v_sh;
-    // Warp w takes tiles w, w + WARPS, ... of this split.
-    const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
-    auto load = [&](int t, int slot) {
-        const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        u16* dk = ring + slot * Tr::kTileKV;
-        u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
-        if (block_table == nullptr) {
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
-        } else {
-            // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
-            // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
-            // s1 are zero-filled without looking their page up.
-#pragma unroll
-            for (int g = 0; g < BLOCK_N / 16; ++g) {
-                const int n = n0 + 16 * g;
-                const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
-                const int in_page = n & ((1 << page_shift) - 1);
-                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
-                                                      k_sn, s1 - n, d, lane);
-                load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
-                                                      v_sn, s1 - n, d, lane);
-            }
-        }
-    };
-    // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
-    // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
-    // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
-    // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
-    // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
-    // (d=192; d=64 with two row tiles and a window).
-    using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-    constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
-    QPack qpack;
-    if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < my_tiles) load(s, s);
-        cp_async_commit();
-    }
-    if constexpr (kQFirst)
-        qpack.store(sQ);
-    else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
-        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-    __syncthreads();
-    const u32 sbase = smem_addr(smem);
-    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
-#ifdef CUFLASH_DECODE_TRACE
-    const unsigned long long trace_ready = trace_clock();
-#endif
-    const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
-    const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-    const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-
     float acc_o[ROW_TILES][kNO][4];
     OnlineSoftmax<2 * ROW_TILES> softmax;
     zero_acc(acc_o);
     const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
-
-    for (int t = 0; t < my_tiles; ++t) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
-        if (t + STAGES - 1 < my_tiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
-        cp_async_commit();
-        const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
-        const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
-                                                                         span.hi0, nq, lane, softmax, acc_o, scale_log2);
+#ifdef CUFLASH_DECODE_TRACE
+    unsigned long long trace_ready = 0;
+    int trace_tiles = 0;
+#endif
+    if constexpr (RING > 0) {
+        // Block ring: the block's WARPS x BLOCK_N-key step is one K and one V tile copied by all
+        // threads into STAGES shared slots (one barrier per step); warp w computes its BLOCK_N keys
+        // of each step - the same keys, in the same order, as its per-warp ring would, so the result
+        // is the same bit for bit. RING 1 copies a step's K and V together; RING 2 copies K after
+        // the step's barrier and V after the softmax, each a step ahead (FA2's order: K_{j+1}
+        // loads under P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
+        constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
+        static_assert(STAGES >= 2, "the block ring keeps a step in flight");
+        const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
+        u16* ringK = sQ + kRows * HEAD_DIM;
+        u16* ringV = ringK + STAGES * kStepTile;
+        auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
+            const int n0 = s0 + t * kStepN;
+            if (block_table == nullptr) {
+                if (do_k)
+                    load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                        ringK + slot * kStepTile, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
+                if (do_v)
+                    load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                        ringV + slot * kStepTile, gV + n0 * v_sn, v_sn, s1 - n0, d, threadIdx.x);
+            } else {
+                // Paged: warp w copies the 16-key groups of its own keys (each group in one page).
+#pragma unroll
+                for (int i = 0; i < BLOCK_N / 16; ++i) {
+                    const int row = warp * BLOCK_N + 16 * i, n = n0 + row;
+                    const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
+                    const int in_page = n & ((1 << page_shift) - 1);
+                    if (do_k)
+                        load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                            ringK + slot * kStepTile + row * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
+                            k_sn, s1 - n, d, lane);
+                    if (do_v)
+                        load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                            ringV + slot * kStepTile + row * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
+                            v_sn, s1 - n, d, lane);
+                }
+            }
+        };
+        using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
+        constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
+        QPack qpack;
+        if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < n_steps) load_step(s, s, true, RING == 1);
+            cp_async_commit();
+            if constexpr (RING == 2) {
+                if (s < n_steps) load_step(s, s, false, true);
+                cp_async_commit();
+            }
+        }
+        if constexpr (kQFirst)
+            qpack.store(sQ);
+        else
+            decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+        __syncthreads();
+        const u32 sbase = smem_addr(smem);
+        DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+#ifdef CUFLASH_DECODE_TRACE
+        trace_ready = trace_clock();
+        trace_tiles = n_steps;
+#endif
+        const u32 kbase = sbase + (kRows * HEAD_DIM + warp * BLOCK_N * HEAD_DIM) * 2;
+        const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+        const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+        // Groups after the one a wait needs: RING 1, the later steps' (STAGES - 2); RING 2, V_t
+        // and the later steps' K and V (before Q K^T), or the later steps' and K_{t+STAGES-1} (before P V).
+        constexpr int kAfter = RING == 1 ? STAGES - 2 : 2 * STAGES - 3;
+        for (int t = 0; t < n_steps; ++t) {
+            cp_async_wait<kAfter>();
+            __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
+            const int next = t + STAGES - 1, next_slot = next % STAGES;
+            if (next < n_steps) load_step(next, next_slot, true, RING == 1);
+            cp_async_commit();
+            auto v_ahead = [&]() {
+                if constexpr (RING == 2) {
+                    cp_async_wait<kAfter>();
+                    __syncthreads();  // V_t visible
+                    if (next < n_steps) load_step(next, next_slot, false, true);
+                    cp_async_commit();
+                }
+            };
+            const u32 slot = (t % STAGES) * kStepTile * 2;
+            const int n0 = s0 + t * kStepN + warp * BLOCK_N;
+            if (n0 < s1)
+                decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
+                    qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
+                    v_ahead);
+            else
+                v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
+        }
+    } else {
+        // Warp w takes tiles w, w + WARPS, ... of this split.
+        const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
+        auto load = [&](int t, int slot) {
+            const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
+            u16* dk = ring + slot * Tr::kTileKV;
+            u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
+            if (block_table == nullptr) {
+                load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+                load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+            } else {
+                // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
+                // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
+                // s1 are zero-filled without looking their page up.
+#pragma unroll
+                for (int g = 0; g < BLOCK_N / 16; ++g) {
+                    const int n = n0 + 16 * g;
+                    const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
+                    const int in_page = n & ((1 << page_shift) - 1);
+                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
+                                                          k_sn, s1 - n, d, lane);
+                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
+                                                          v_sn, s1 - n, d, lane);
+                }
+            }
+        };
+        // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
+        // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
+        // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
+        // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
+        // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
+        // (d=192; d=64 with two row tiles and a window).
+        using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
+        constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
+        QPack qpack;
+        if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < my_tiles) load(s, s);
+            cp_async_commit();
+        }
+        if constexpr (kQFirst)
+            qpack.store(sQ);
+        else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
+            decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+        __syncthreads();
+        const u32 sbase = smem_addr(smem);
+        DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+#ifdef CUFLASH_DECODE_TRACE
+        trace_ready = trace_clock();
+        trace_tiles = my_tiles;
+#endif
+        const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
+        const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+        const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+        for (int t = 0; t < my_tiles; ++t) {
+            cp_async_wait<STAGES - 2>();
+            __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
+            if (t + STAGES - 1 < my_tiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+            cp_async_commit();
+            const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
+            const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
+            decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
+                                                                             span.hi0, nq, lane, softmax, acc_o, scale_log2);
+        }
     }
     cp_async_wait<0>();
 #ifdef CUFLASH_DECODE_TRACE
@@ -174,7 +271,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         cuflash_decode_trace[block][0] = trace_t0;
         cuflash_decode_trace[block][1] = trace_clock();
         cuflash_decode_trace[block][2] = trace_smid();
-        cuflash_decode_trace[block][3] = (unsigned long long)my_tiles;
+        cuflash_decode_trace[block][3] = (unsigned long long)trace_tiles;
         cuflash_decode_trace[block][4] = trace_ready;
         cuflash_decode_trace[block][5] = trace_loop;
     }
@@ -198,11 +295,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 // the time the last split ends, instead of launching after it. WINDOW: a sliding window
 // (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          bool WINDOW = false>
+          bool WINDOW = false, int RING = 0>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS) {
     pdl_launch_dependents();
-    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW>(
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW, RING>(
         q, k, v, o, lse, part_o, part_lse, DECODE_TAIL_ARGS);
 }
 
@@ -210,10 +307,10 @@ attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_
 // Grid (CLUSTER, Hkv, B), the cluster size fixed at compile time (a plain launch then forms the
 // clusters): the CLUSTER splits of one (K/V head, sequence) merge in distributed shared memory.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER, bool WINDOW = false>
+          int CLUSTER, bool WINDOW = false, int RING = 0>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
 attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
-    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW>(
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW, RING>(
         q, k, v, o, lse, nullptr, nullptr, DECODE_TAIL_ARGS);
 }
 #endif

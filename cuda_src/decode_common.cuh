@@ -148,12 +148,21 @@ struct DecodeRowTokens {
     }
 };
 
-template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV>
+// Nothing to do between a step's softmax and its P V product (the per-warp rings).
+struct DecodeNoStep {
+    __device__ __forceinline__ void operator()() const {}
+};
+
+// One warp's key tile: S = Q K^T, masks, the online softmax, O += P V. `before_pv` runs between the
+// softmax and P V (the block ring's wait for V and its next V copy, attn_decode_block RING 2).
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV,
+          typename BeforePV = DecodeNoStep>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
                                                  const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
                                                  const DecodeRowTokens<ROW_TILES, WINDOW>& rows, int lo0, int hi0,
                                                  int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
-                                                 float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2) {
+                                                 float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2,
+                                                 const BeforePV& before_pv = BeforePV{}) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
     zero_acc(acc_s);
@@ -183,6 +192,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
             }
     }
     softmax.template update<ROW_TILES, kNS, kNO, true, CUFLASH_DECODE_STALE>(acc_s, acc_o, scale_log2);
+    before_pv();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
 }

@@ -65,6 +65,8 @@ def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
     tile t; window: the instantiation that masks a sliding window."""
     params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
     tail = ", true" if window else ""
+    if t.ring:
+        tail = f", {_b(window)}, {t.ring}"
     if cluster:
         if cluster not in CLUSTER_SIZES:
             raise ValueError(f"cluster size {cluster}: attn_decode_cluster is instantiated for {CLUSTER_SIZES}")

@@ -385,6 +385,11 @@ class DecodeTile:
     stages: int  # tiles in flight per warp
     max_row_tiles: int  # packed (GQA head, token) rows per block, in 16-row mma tiles
     reason: str
+    # 0: each warp streams its own key tiles through a private ring (no block barrier in the loop);
+    # 1: the block copies each step's warps x block_n keys of K and V together into one ring (a
+    # barrier per step); 2: the same ring, K a step ahead from the step's start and V from its
+    # softmax (FA2's order, two barriers per step). The same keys per warp in every mode.
+    ring: int = 0
 
     @property
     def threads(self) -> int:

@@ -157,3 +157,48 @@ def test_decode_several_waves_of_heads_take_the_eight_warp_tile(monkeypatch):
     t = schedule.DECODE_TILES_MANY_WAVES[128]
     assert any(e.startswith("attn_decode<") and f", {t.block_n}, {t.warps}, {t.stages}," in e for e in launched), launched
     assert not any("combine" in e for e in launched)
+
+
+@pytest.mark.parametrize("ring", [1, 2])
+@pytest.mark.parametrize("shape", [(16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", ["lens-br", "paged-tl", "window", "split-cluster", "split-combine"])
+def test_decode_block_rings(monkeypatch, ring, shape, case):
+    # The block rings (DecodeTile.ring 1 / 2) give each warp the keys its private ring would, in the
+    # same order: the output must equal the per-warp ring's bit for bit, and both the reference
+    # (float64, naive-error rule). kv_lens 0 / 1 / mid-step / full; pages shuffled; a window
+    # cutting steps mid-way; splits whose chunks end mid-step; outputs poisoned.
+    from cuflash._problem import validate_paged
+    from test_paged import paged_cache
+
+    bn, warps, stages = shape
+    rng = np.random.default_rng([ring, bn, warps, stages, len(case)])
+    b, hq, hkv, nk, d = 4, 32, 8, 1700, 128
+    nq = 7 if case == "window" else 1
+    causal = {"lens-br": "bottom_right", "paged-tl": "top_left", "window": "bottom_right"}.get(case, False)
+    window = (300, 0) if case == "window" else None
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
+    lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
+    kw = dict(splits=1)
+    if case.startswith("split"):
+        kw = dict(splits=4, cluster=case == "split-cluster")
+    qg, lg = cupy.asarray(q), cupy.asarray(lens)
+    if case == "paged-tl":
+        kc, vc, table = (cupy.asarray(a) for a in paged_cache(rng, k, v, lens, 64))
+        p, block = validate_paged(qg, kc, vc, table, causal=causal)
+        args, kw = (qg, kc, vc), dict(kw, paged=(table, block))
+    else:
+        kg, vg = cupy.asarray(k), cupy.asarray(v)
+        p = validate_forward(qg, kg, vg, causal=causal, window=window)
+        args = (qg, kg, vg)
+    launched = _launch(monkeypatch)
+    outs = []
+    for r in (0, ring):
+        o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+        lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+        gpu_decode.forward(p, *args, o4, lse3, kv_lens=lg, tile=schedule.DecodeTile(bn, warps, stages, 2, "test", r),
+                           **kw)
+        outs.append((o4.get(), lse3.get()))
+    assert any(e.endswith(f", {ring}>") for e in launched), launched
+    check_per_sequence(outs[1][0], outs[1][1], q, k, v, lens, causal, BFLOAT16, window=window)
+    np.testing.assert_array_equal(outs[1][0].view(np.uint16), outs[0][0].view(np.uint16))
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
