@@ -124,7 +124,8 @@ def all_decode_specs():
                         specs += [main, combine]
                         specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window)
                                   for size in CLUSTER_SIZES]
-        for table in (schedule.DECODE_TILES_MANY_BLOCKS, schedule.DECODE_TILES_MANY_WAVES):
+        for table in (schedule.DECODE_TILES_MANY_BLOCKS, schedule.DECODE_TILES_MANY_WAVES,
+                      schedule.DECODE_TILES_ONE_WAVE, schedule.DECODE_TILES_LONG_SPLITS):
             for hd, t in table.items():
                 for rt in range(1, t.max_row_tiles + 1):
                     for causal in (False, True):
@@ -179,15 +180,19 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
 
 
 def default_tile(p, sm_count: int, waves=None):
-    """(tile, waves): the table's tile, or with a (sequence, K/V head) block for every SM the
-    deeper-ring tile in one wave (no split, no combine), or with DECODE_MANY_WAVES blocks per SM
-    or more the 8-warp tile (one block per SM, no split)."""
+    """(tile, waves): the table's tile (with splits), or with a (sequence, K/V head) block for
+    every SM one of the no-split tiles, first match: DECODE_MANY_WAVES blocks per SM or more of
+    at least DECODE_MANY_WAVES_MIN_KEYS keys, the 8-warp tile; at most two per SM, the 2-stage
+    FA2-order tile; else the 3-stage tile."""
     hd, t = schedule.decode_tile(p.d)
     blocks, rows = p.batch * p.hkv, row_tiles_for(p)
-    for table, min_blocks in ((schedule.DECODE_TILES_MANY_WAVES, schedule.DECODE_MANY_WAVES * sm_count),
-                              (schedule.DECODE_TILES_MANY_BLOCKS, sm_count)):
+    rules = ((schedule.DECODE_TILES_MANY_WAVES,
+              blocks >= schedule.DECODE_MANY_WAVES * sm_count and span_keys(p) >= schedule.DECODE_MANY_WAVES_MIN_KEYS),
+             (schedule.DECODE_TILES_ONE_WAVE, sm_count <= blocks <= 2 * sm_count),
+             (schedule.DECODE_TILES_MANY_BLOCKS, blocks >= sm_count))
+    for table, applies_here in rules:
         many = table.get(hd)
-        if many is not None and blocks >= min_blocks and rows <= many.max_row_tiles:
+        if many is not None and applies_here and rows <= many.max_row_tiles:
             return many, waves or 1
     return t, waves
 
@@ -240,7 +245,8 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
     split count and the merge from here too."""
     rt = row_tiles_for(p)
-    if tile is None:
+    table_tile = tile is None
+    if table_tile:
         tile, waves = default_tile(p, sm_count, waves)
     tma = isinstance(tile, schedule.DecodeTmaTile)
     if tma:
@@ -261,7 +267,12 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
             return DecodePlan(rt, t, n, -(-chunk // step) * step, True)
     chunk = -(-max(keys, 1) // n)
     chunk = -(-chunk // step) * step
-    return DecodePlan(rt, t, -(-max(keys, 1) // chunk), chunk, False)
+    splits = -(-max(keys, 1) // chunk)
+    long = schedule.DECODE_TILES_LONG_SPLITS.get(schedule.head_dim_bucket(p.d))
+    if (table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK and long is not None
+            and rt <= long.max_row_tiles and (long.block_n, long.warps) == (t.block_n, t.warps)):
+        t = _launch_tile(long, rt)  # the combine kernel merges long splits: FA2's order (same key tiles)
+    return DecodePlan(rt, t, splits, chunk, False)
 
 
 def plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True):

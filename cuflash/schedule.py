@@ -457,8 +457,27 @@ DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
 # decode probe on the H200 (evidence-20261129/decode-probe-7366127): 16x4 s3, one wave, 3.5-4.5
 # TB/s vs 3.2-4.2 for s2 at B=64 and Hkv=32; with few blocks s2 and two waves of splits stay best.
 DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 4, 3, 2, "one to DECODE_MANY_WAVES (sequence, head) blocks per SM: no split, 3-stage rings "
+    128: DecodeTile(16, 4, 3, 2, "two to DECODE_MANY_WAVES (sequence, head) blocks per SM: no split, 3-stage rings "
                     "(2 blocks per SM)"),
+}
+
+# One wave of two (sequence, K/V head) blocks per SM at most: 2-stage rings in FA2's order (ring 2:
+# K a step ahead from the step's start, V from its softmax). Decode probe on the H200, four passes
+# (evidence-20261130k/rings/), B=8 Hkv=32 (1.9 blocks per SM) us, 16x4 s3 -> 16x4 s2 ring 2:
+# L=4k 126.0 -> 124.7, 16k 480.1 -> 479.6, 64k 1890 -> 1876 (cuDNN 126.2 / 478.1 / 1875). Its 70 KiB
+# let three blocks share an SM, which more blocks would fill: at B=64 Hkv=8 (3.9 per SM) it took
+# 283 us against 248 (16x4 s3), hence the bound.
+DECODE_TILES_ONE_WAVE: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 4, 2, 2, "one to two (sequence, head) blocks per SM: no split, 2-stage rings in FA2's order",
+                    ring=2),
+}
+
+# Splits merged by the combine kernel (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
+# tile in FA2's order. Decode probe, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys): 4.43-4.44
+# -> 4.46-4.47 TB/s; at 4k / 16k (cluster merge, 1k / 4k keys per split) ring 2 was 0.5-1% slower.
+DECODE_TILES_LONG_SPLITS: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 4, 2, 2, "splits of more than CLUSTER_MAX_CHUNK keys: the table's tile in FA2's order",
+                    ring=2),
 }
 
 # With several waves of (sequence, K/V head) blocks, one 8-warp block per SM (132 KiB) streams one
@@ -467,9 +486,13 @@ DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
 # blocks per SM) L=4k 4.36 -> 4.36-4.37, 16k 4.54 -> 4.63, 64k 4.58 -> 4.68 (cuDNN 4.43 / 4.56 /
 # 4.60); B=8 Hkv=32 (1.9 per SM) 0.5-0.9% slower, so the rule starts between the two: at
 # DECODE_MANY_WAVES blocks per SM.
+# At 4k keys per block the 8-warp tile was 1.1% behind 16x4 s3 in four passes of evidence-20261130k/rings/
+# (249.9 vs 247.8 us at B=64 Hkv=8; equal in evidence-20261130j): it starts at DECODE_MANY_WAVES_MIN_KEYS.
 DECODE_MANY_WAVES = 3
+DECODE_MANY_WAVES_MIN_KEYS = 8192
 DECODE_TILES_MANY_WAVES: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 8, 2, 2, "three or more (sequence, head) blocks per SM: no split, one 8-warp block per SM"),
+    128: DecodeTile(16, 8, 2, 2, "three or more (sequence, head) blocks per SM of at least DECODE_MANY_WAVES_MIN_KEYS "
+                    "keys: no split, one 8-warp block per SM"),
 }
 
 

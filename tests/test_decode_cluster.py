@@ -127,19 +127,42 @@ def test_trailing_splits_may_be_empty():
     assert lp.cluster and lp.splits == 8 and lp.chunk == 48 and 7 * lp.chunk > 300
 
 
-@pytest.mark.parametrize("batch,hkv,want", [(8, 8, "table"), (8, 32, "many_blocks"), (79, 5, "many_blocks"),
-                                             (99, 4, "many_waves"), (64, 8, "many_waves")])
-def test_default_tile_by_blocks_per_sm(batch, hkv, want):
-    # One (sequence, K/V head) block per SM: the 3-stage 4-warp tile; DECODE_MANY_WAVES per SM
-    # (396 on 132 SMs): the 8-warp tile; fewer: the table's tile with splits. None of them split.
-    p = _problem(batch, 4 * hkv, hkv, 1, 16384, 128)
+@pytest.mark.parametrize("batch,hkv,nk,want", [(8, 8, 16384, "table"), (8, 32, 16384, "one_wave"),
+                                                (33, 8, 16384, "one_wave"), (67, 4, 16384, "many_blocks"),
+                                                (79, 5, 16384, "many_blocks"), (99, 4, 16384, "many_waves"),
+                                                (64, 8, 16384, "many_waves"), (64, 8, 8191, "many_blocks"),
+                                                (64, 8, 8192, "many_waves")])
+def test_default_tile_by_blocks_per_sm(batch, hkv, nk, want):
+    # (sequence, K/V head) blocks per SM on 132 SMs: fewer than one, the table's tile with splits;
+    # one to two (264), the FA2-order 2-stage tile; more, the 3-stage tile; DECODE_MANY_WAVES (396)
+    # or more with DECODE_MANY_WAVES_MIN_KEYS keys, the 8-warp tile. None of the others split.
+    p = _problem(batch, 4 * hkv, hkv, 1, nk, 128)
     tile, waves = gpu_decode.default_tile(p, H200_SMS)
-    expect = {"table": schedule.DECODE_TILES[128], "many_blocks": schedule.DECODE_TILES_MANY_BLOCKS[128],
+    expect = {"table": schedule.DECODE_TILES[128], "one_wave": schedule.DECODE_TILES_ONE_WAVE[128],
+              "many_blocks": schedule.DECODE_TILES_MANY_BLOCKS[128],
               "many_waves": schedule.DECODE_TILES_MANY_WAVES[128]}[want]
     assert tile == expect
     if want != "table":
         assert waves == 1 and gpu_decode.launch_plan(p, H200_SMS).splits == 1
-    assert (batch * hkv >= schedule.DECODE_MANY_WAVES * H200_SMS) == (want == "many_waves")
+    assert (batch * hkv <= 2 * H200_SMS) == (want in ("table", "one_wave"))
+    if want == "many_waves":
+        assert batch * hkv >= schedule.DECODE_MANY_WAVES * H200_SMS and nk >= schedule.DECODE_MANY_WAVES_MIN_KEYS
+
+
+@pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (16384, None, 0), (65536, None, 2),
+                                                   (65536, False, 2), (16384, False, 0)])
+def test_long_splits_take_the_fa2_order(nk, cluster, want_ring):
+    # Splits merged by the combine kernel and longer than CLUSTER_MAX_CHUNK keys run the
+    # DECODE_TILES_LONG_SPLITS tile (the table's key tiles, so the same chunk); a caller's tile stands.
+    p = _problem(8, 32, 8, 1, nk, 128)
+    lp = gpu_decode.launch_plan(p, H200_SMS, cluster=cluster)
+    assert lp.splits > 1 and not lp.cluster if want_ring else True
+    assert lp.tile.ring == want_ring
+    assert (lp.chunk > gpu_decode.CLUSTER_MAX_CHUNK and not lp.cluster) == (want_ring == 2)
+    table = schedule.DECODE_TILES[128]
+    assert (lp.tile.block_n, lp.tile.warps, lp.tile.stages) == (table.block_n, table.warps, table.stages)
+    forced = gpu_decode.launch_plan(p, H200_SMS, cluster=cluster, tile=table)
+    assert forced.tile.ring == 0 and forced.chunk == lp.chunk and forced.splits == lp.splits
 
 
 _FEW_BLOCKS = [(8, 32, 8, 1, 4096, 128), (4, 32, 8, 1, 8192, 128), (8, 16, 8, 7, 4096, 128),

@@ -119,14 +119,15 @@ def test_decode_window_split_counts(splits):
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))
 
 
-@pytest.mark.parametrize("which", ["many_blocks", "many_waves"])
+@pytest.mark.parametrize("which", ["many_blocks", "many_waves", "one_wave"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
 @pytest.mark.parametrize("nq", [1, 7])  # GQA group 4: one and two packed row tiles
 def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
     # The tiles the planner takes with a (sequence, head) block per SM or several waves of them
     # (schedule.DECODE_TILES_MANY_BLOCKS / _MANY_WAVES), forced on a small batch: kv_lens 0, 1,
     # mid-tile and full, output and LSE poisoned.
-    tile = (schedule.DECODE_TILES_MANY_BLOCKS if which == "many_blocks" else schedule.DECODE_TILES_MANY_WAVES)[128]
+    tile = {"many_blocks": schedule.DECODE_TILES_MANY_BLOCKS, "many_waves": schedule.DECODE_TILES_MANY_WAVES,
+            "one_wave": schedule.DECODE_TILES_ONE_WAVE}[which][128]
     launched = _launch(monkeypatch)
     rng = np.random.default_rng([nq, len(which), len(str(causal))])
     b, hq, hkv, nk, d = 4, 32, 8, 1700, 128
@@ -141,21 +142,26 @@ def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
     assert any(f", {tile.block_n}, {tile.warps}, {tile.stages}," in e for e in launched), launched
 
 
-def test_decode_several_waves_of_heads_take_the_eight_warp_tile(monkeypatch):
-    # Through the API with a paged cache: B x Hkv >= DECODE_MANY_WAVES blocks per SM launches the
-    # 8-warp tile, no split; shuffled pages, NaN spare pages, kv_lens 0 and 1 among the sequences.
+@pytest.mark.parametrize("which", ["many_waves", "one_wave"])
+def test_decode_api_takes_the_no_split_tiles(monkeypatch, which):
+    # Through the API with a paged cache, on a stand-in device of 8 SMs (gpu_decode._sm_count): B x
+    # Hkv >= DECODE_MANY_WAVES blocks per SM over DECODE_MANY_WAVES_MIN_KEYS keys launches the
+    # 8-warp tile, one to two per SM the FA2-order tile, neither split; shuffled pages, NaN spare
+    # pages, kv_lens 0 and 1 among the sequences.
     from test_paged import run_paged
 
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    hkv = 8
-    b = -(-schedule.DECODE_MANY_WAVES * sms // hkv)
+    sms, hkv = 8, 8
+    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: sms)
+    b = -(-schedule.DECODE_MANY_WAVES * sms // hkv) if which == "many_waves" else 2 * sms // hkv
+    n = schedule.DECODE_MANY_WAVES_MIN_KEYS
     launched = _launch(monkeypatch)
-    rng = np.random.default_rng(b)
-    lens = rng.integers(2, 600, size=b).astype(np.int32)
-    lens[:3] = [0, 1, 600]
-    run_paged(cupy, rng, BFLOAT16, b, 32, hkv, 1, 600, 128, 64, lens, "bottom_right")
-    t = schedule.DECODE_TILES_MANY_WAVES[128]
-    assert any(e.startswith("attn_decode<") and f", {t.block_n}, {t.warps}, {t.stages}," in e for e in launched), launched
+    rng = np.random.default_rng([b, n])
+    lens = rng.integers(2, n, size=b).astype(np.int32)
+    lens[:3] = [0, 1, n][: b]
+    run_paged(cupy, rng, BFLOAT16, b, 32, hkv, 1, n, 128, 64, lens, "bottom_right")
+    t = (schedule.DECODE_TILES_MANY_WAVES if which == "many_waves" else schedule.DECODE_TILES_ONE_WAVE)[128]
+    want = f", {t.block_n}, {t.warps}, {t.stages}, true, true" + (f", false, {t.ring}>" if t.ring else ">")
+    assert any(e.startswith("attn_decode<") and e.endswith(want) for e in launched), launched
     assert not any("combine" in e for e in launched)
 
 
