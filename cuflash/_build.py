@@ -84,6 +84,7 @@ def arch_options(cc: int) -> tuple[str, ...]:
 
 _modules: dict = {}
 _raw_modules: dict = {}  # the same keys: the RawModule of each kernel (get_module)
+_smem_optin: dict = {}  # the same keys: the dynamic shared memory the function is opted in to
 _lock = threading.Lock()
 
 
@@ -94,7 +95,9 @@ def get_function(spec: KernelSpec):
     dev = cupy.cuda.Device()
     key = (dev.id, spec.source, source_hash(spec.source), spec.expression)
     fn = _modules.get(key)
-    if fn is not None:
+    # Two specs may share an expression with different shared memory (a decode tile capped at two
+    # blocks per SM asks for more): the opt-in follows the largest asked for so far.
+    if fn is not None and (spec.smem_bytes <= 48 * 1024 or spec.smem_bytes <= _smem_optin.get(key, 0)):
         return fn
     with _lock:
         fn = _modules.get(key)
@@ -106,10 +109,11 @@ def get_function(spec: KernelSpec):
                 name_expressions=(spec.expression,),
             )
             fn = mod.get_function(spec.expression)
-            if spec.smem_bytes > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = spec.smem_bytes
             _raw_modules[key] = mod
             _modules[key] = fn
+        if spec.smem_bytes > max(48 * 1024, _smem_optin.get(key, 0)):
+            fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+            _smem_optin[key] = spec.smem_bytes
     return fn
 
 

@@ -124,8 +124,7 @@ def all_decode_specs():
                         specs += [main, combine]
                         specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window)
                                   for size in CLUSTER_SIZES]
-        for table in (schedule.DECODE_TILES_MANY_BLOCKS, schedule.DECODE_TILES_MANY_WAVES,
-                      schedule.DECODE_TILES_ONE_WAVE, schedule.DECODE_TILES_LONG_SPLITS):
+        for table in (schedule.DECODE_TILES_NO_SPLIT, schedule.DECODE_TILES_LONG_SPLITS):
             for hd, t in table.items():
                 for rt in range(1, t.max_row_tiles + 1):
                     for causal in (False, True):
@@ -180,20 +179,12 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
 
 
 def default_tile(p, sm_count: int, waves=None):
-    """(tile, waves): the table's tile (with splits), or with a (sequence, K/V head) block for
-    every SM one of the no-split tiles, first match: DECODE_MANY_WAVES blocks per SM or more of
-    at least DECODE_MANY_WAVES_MIN_KEYS keys, the 8-warp tile; at most two per SM, the 2-stage
-    FA2-order tile; else the 3-stage tile."""
+    """(tile, waves): with a (sequence, K/V head) block for every SM the no-split tile in one wave
+    (schedule.DECODE_TILES_NO_SPLIT), else the table's tile (split into about WAVES blocks per SM)."""
     hd, t = schedule.decode_tile(p.d)
-    blocks, rows = p.batch * p.hkv, row_tiles_for(p)
-    rules = ((schedule.DECODE_TILES_MANY_WAVES,
-              blocks >= schedule.DECODE_MANY_WAVES * sm_count and span_keys(p) >= schedule.DECODE_MANY_WAVES_MIN_KEYS),
-             (schedule.DECODE_TILES_ONE_WAVE, sm_count <= blocks <= 2 * sm_count),
-             (schedule.DECODE_TILES_MANY_BLOCKS, blocks >= sm_count))
-    for table, applies_here in rules:
-        many = table.get(hd)
-        if many is not None and applies_here and rows <= many.max_row_tiles:
-            return many, waves or 1
+    one = schedule.DECODE_TILES_NO_SPLIT.get(hd)
+    if one is not None and p.batch * p.hkv >= sm_count and row_tiles_for(p) <= one.max_row_tiles:
+        return one, waves or 1
     return t, waves
 
 

@@ -390,6 +390,9 @@ class DecodeTile:
     # barrier per step); 2: the same ring, K a step ahead from the step's start and V from its
     # softmax (FA2's order, two barriers per step). The same keys per warp in every mode.
     ring: int = 0
+    # At most this many blocks per SM (0: as many as fit): the launch asks for more shared memory
+    # than max_blocks_per_sm + 1 blocks could share on an H200 SM (device_limits.H200).
+    max_blocks_per_sm: int = 0
 
     @property
     def threads(self) -> int:
@@ -397,7 +400,14 @@ class DecodeTile:
 
     def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
         rows = 16 * row_tiles
-        return (rows * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2 + self.warps * rows * 2 * 4
+        need = (rows * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2 + self.warps * rows * 2 * 4
+        if self.max_blocks_per_sm:
+            from .device_limits import H200
+
+            # one byte more than max_blocks_per_sm + 1 blocks' equal share (with the driver's reservation)
+            floor = H200.smem_per_sm // (self.max_blocks_per_sm + 1) - H200.smem_reserved_per_block + 1
+            need = max(need, -(-floor // 128) * 128)
+        return need
 
 
 # Split-KV decoding (few query tokens, long cache): memory bound, so the tile is sized for bytes in
@@ -453,46 +463,27 @@ DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
 }
 
 
-# With at least one (sequence, K/V head) block per SM no split is needed, and a deeper ring pays:
-# decode probe on the H200 (evidence-20261129/decode-probe-7366127): 16x4 s3, one wave, 3.5-4.5
-# TB/s vs 3.2-4.2 for s2 at B=64 and Hkv=32; with few blocks s2 and two waves of splits stay best.
-DECODE_TILES_MANY_BLOCKS: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 4, 3, 2, "two to DECODE_MANY_WAVES (sequence, head) blocks per SM: no split, 3-stage rings "
-                    "(2 blocks per SM)"),
-}
-
-# One wave of two (sequence, K/V head) blocks per SM at most: 2-stage rings in FA2's order (ring 2:
-# K a step ahead from the step's start, V from its softmax). Decode probe on the H200, four passes
-# (evidence-20261130k/rings/), B=8 Hkv=32 (1.9 blocks per SM) us, 16x4 s3 -> 16x4 s2 ring 2:
-# L=4k 126.0 -> 124.7, 16k 480.1 -> 479.6, 64k 1890 -> 1876 (cuDNN 126.2 / 478.1 / 1875). Its 70 KiB
-# let three blocks share an SM, which more blocks would fill: at B=64 Hkv=8 (3.9 per SM) it took
-# 283 us against 248 (16x4 s3), hence the bound.
-DECODE_TILES_ONE_WAVE: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 4, 2, 2, "one to two (sequence, head) blocks per SM: no split, 2-stage rings in FA2's order",
-                    ring=2),
+# With at least one (sequence, K/V head) block per SM no split is needed. The tile: 2-stage rings in
+# FA2's order (ring 2), at most two blocks per SM (its 70 KiB would let three share an SM, and a
+# third pair's streams cost 12%: 283 vs 248 us at B=64 Hkv=8 L=4k). Decode probe on the H200
+# (evidence-20261130k/rings/, pad/), three passes each, TB/s against the tiles it replaces:
+#   B=8 Hkv=32 (1.9 blocks per SM; was 16x4 s3): 4k 4.25-4.27 -> 4.30-4.32, 16k 4.47 -> 4.49,
+#     64k 4.54-4.55 -> 4.58 (cuDNN 4.24-4.26 / 4.49-4.50 / 4.58);
+#   B=64 Hkv=8 (3.9 per SM; was one 8-warp 16x8 s2 block per SM, which had beaten 16x4 s3 by 2%
+#     at 16k / 64k, evidence-20261130j/decode-many/): 4k 4.29-4.34 -> 4.38-4.39, 16k 4.53-4.54 ->
+#     4.54-4.55, 64k 4.58 -> 4.58-4.59 (cuDNN 4.39-4.40 / 4.50-4.52 / 4.52-4.53).
+DECODE_TILES_NO_SPLIT: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 4, 2, 2, "a (sequence, head) block for every SM: no split, 2-stage rings in FA2's order, "
+                    "two blocks per SM", ring=2, max_blocks_per_sm=2),
 }
 
 # Splits merged by the combine kernel (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
 # tile in FA2's order. Decode probe, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys): 4.43-4.44
 # -> 4.46-4.47 TB/s; at 4k / 16k (cluster merge, 1k / 4k keys per split) ring 2 was 0.5-1% slower.
+# (No block cap: the 4-block clusters need the third block slot of an SM, see HOPPER.md's occupancy probe.)
 DECODE_TILES_LONG_SPLITS: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 2, 2, "splits of more than CLUSTER_MAX_CHUNK keys: the table's tile in FA2's order",
                     ring=2),
-}
-
-# With several waves of (sequence, K/V head) blocks, one 8-warp block per SM (132 KiB) streams one
-# pair's K and V at a time instead of two pairs' with 4 warps each. Decode probe on the H200, three
-# alternating runs (evidence-20261130j/decode-many/), TB/s 16x4 s3 -> 16x8 s2: B=64 Hkv=8 (3.9
-# blocks per SM) L=4k 4.36 -> 4.36-4.37, 16k 4.54 -> 4.63, 64k 4.58 -> 4.68 (cuDNN 4.43 / 4.56 /
-# 4.60); B=8 Hkv=32 (1.9 per SM) 0.5-0.9% slower, so the rule starts between the two: at
-# DECODE_MANY_WAVES blocks per SM.
-# At 4k keys per block the 8-warp tile was 1.1% behind 16x4 s3 in four passes of evidence-20261130k/rings/
-# (249.9 vs 247.8 us at B=64 Hkv=8; equal in evidence-20261130j): it starts at DECODE_MANY_WAVES_MIN_KEYS.
-DECODE_MANY_WAVES = 3
-DECODE_MANY_WAVES_MIN_KEYS = 8192
-DECODE_TILES_MANY_WAVES: dict[int, DecodeTile] = {
-    128: DecodeTile(16, 8, 2, 2, "three or more (sequence, head) blocks per SM of at least DECODE_MANY_WAVES_MIN_KEYS "
-                    "keys: no split, one 8-warp block per SM"),
 }
 
 

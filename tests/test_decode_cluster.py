@@ -7,6 +7,7 @@ with kv_lens 0 and 1 and lengths that leave splits empty, causal bottom_right, G
 head dim below its bucket, paged caches; outputs poisoned with NaN before each launch.
 """
 
+import dataclasses
 import types
 
 import numpy as np
@@ -127,26 +128,32 @@ def test_trailing_splits_may_be_empty():
     assert lp.cluster and lp.splits == 8 and lp.chunk == 48 and 7 * lp.chunk > 300
 
 
-@pytest.mark.parametrize("batch,hkv,nk,want", [(8, 8, 16384, "table"), (8, 32, 16384, "one_wave"),
-                                                (33, 8, 16384, "one_wave"), (67, 4, 16384, "many_blocks"),
-                                                (79, 5, 16384, "many_blocks"), (99, 4, 16384, "many_waves"),
-                                                (64, 8, 16384, "many_waves"), (64, 8, 8191, "many_blocks"),
-                                                (64, 8, 8192, "many_waves")])
-def test_default_tile_by_blocks_per_sm(batch, hkv, nk, want):
-    # (sequence, K/V head) blocks per SM on 132 SMs: fewer than one, the table's tile with splits;
-    # one to two (264), the FA2-order 2-stage tile; more, the 3-stage tile; DECODE_MANY_WAVES (396)
-    # or more with DECODE_MANY_WAVES_MIN_KEYS keys, the 8-warp tile. None of the others split.
-    p = _problem(batch, 4 * hkv, hkv, 1, nk, 128)
+@pytest.mark.parametrize("batch,hkv,want", [(8, 8, "table"), (8, 16, "table"), (33, 4, "no_split"),
+                                             (8, 32, "no_split"), (79, 5, "no_split"), (64, 8, "no_split")])
+def test_default_tile_by_blocks_per_sm(batch, hkv, want):
+    # (sequence, K/V head) blocks on 132 SMs: fewer than one per SM, the table's tile with splits;
+    # one per SM or more, the no-split tile (one wave or several; never split).
+    p = _problem(batch, 4 * hkv, hkv, 1, 16384, 128)
     tile, waves = gpu_decode.default_tile(p, H200_SMS)
-    expect = {"table": schedule.DECODE_TILES[128], "one_wave": schedule.DECODE_TILES_ONE_WAVE[128],
-              "many_blocks": schedule.DECODE_TILES_MANY_BLOCKS[128],
-              "many_waves": schedule.DECODE_TILES_MANY_WAVES[128]}[want]
-    assert tile == expect
-    if want != "table":
+    assert tile == {"table": schedule.DECODE_TILES[128], "no_split": schedule.DECODE_TILES_NO_SPLIT[128]}[want]
+    assert (batch * hkv >= H200_SMS) == (want == "no_split")
+    if want == "no_split":
         assert waves == 1 and gpu_decode.launch_plan(p, H200_SMS).splits == 1
-    assert (batch * hkv <= 2 * H200_SMS) == (want in ("table", "one_wave"))
-    if want == "many_waves":
-        assert batch * hkv >= schedule.DECODE_MANY_WAVES * H200_SMS and nk >= schedule.DECODE_MANY_WAVES_MIN_KEYS
+    else:
+        assert gpu_decode.launch_plan(p, H200_SMS).splits > 1
+
+
+def test_no_split_tile_holds_two_blocks_per_sm():
+    # The no-split tile's 70 KiB would let three blocks share an H200 SM; its launch asks for enough
+    # shared memory that exactly two do (max_blocks_per_sm), with one or two row tiles.
+    from cuflash.device_limits import H200, occupancy
+
+    t = schedule.DECODE_TILES_NO_SPLIT[128]
+    assert t.max_blocks_per_sm == 2
+    for rt in range(1, t.max_row_tiles + 1):
+        uncapped = dataclasses.replace(t, max_blocks_per_sm=0)
+        assert occupancy(H200, t.threads, 168, uncapped.smem_bytes(128, rt)).blocks_per_sm == 3
+        assert occupancy(H200, t.threads, 168, t.smem_bytes(128, rt)).blocks_per_sm == 2
 
 
 @pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (16384, None, 0), (65536, None, 2),

@@ -119,15 +119,14 @@ def test_decode_window_split_counts(splits):
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))
 
 
-@pytest.mark.parametrize("which", ["many_blocks", "many_waves", "one_wave"])
+@pytest.mark.parametrize("which", ["no_split", "long_splits"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
 @pytest.mark.parametrize("nq", [1, 7])  # GQA group 4: one and two packed row tiles
 def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
-    # The tiles the planner takes with a (sequence, head) block per SM or several waves of them
-    # (schedule.DECODE_TILES_MANY_BLOCKS / _MANY_WAVES), forced on a small batch: kv_lens 0, 1,
-    # mid-tile and full, output and LSE poisoned.
-    tile = {"many_blocks": schedule.DECODE_TILES_MANY_BLOCKS, "many_waves": schedule.DECODE_TILES_MANY_WAVES,
-            "one_wave": schedule.DECODE_TILES_ONE_WAVE}[which][128]
+    # The tiles the planner takes with a (sequence, head) block per SM and for long splits
+    # (schedule.DECODE_TILES_NO_SPLIT / _LONG_SPLITS), forced on a small batch (one split): kv_lens 0,
+    # 1, mid-tile and full, output and LSE poisoned.
+    tile = {"no_split": schedule.DECODE_TILES_NO_SPLIT, "long_splits": schedule.DECODE_TILES_LONG_SPLITS}[which][128]
     launched = _launch(monkeypatch)
     rng = np.random.default_rng([nq, len(which), len(str(causal))])
     b, hq, hkv, nk, d = 4, 32, 8, 1700, 128
@@ -142,27 +141,24 @@ def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
     assert any(f", {tile.block_n}, {tile.warps}, {tile.stages}," in e for e in launched), launched
 
 
-@pytest.mark.parametrize("which", ["many_waves", "one_wave"])
-def test_decode_api_takes_the_no_split_tiles(monkeypatch, which):
-    # Through the API with a paged cache, on a stand-in device of 8 SMs (gpu_decode._sm_count): B x
-    # Hkv >= DECODE_MANY_WAVES blocks per SM over DECODE_MANY_WAVES_MIN_KEYS keys launches the
-    # 8-warp tile, one to two per SM the FA2-order tile, neither split; shuffled pages, NaN spare
-    # pages, kv_lens 0 and 1 among the sequences.
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+def test_decode_api_takes_the_no_split_tile(monkeypatch, per_sm):
+    # Through the API with a paged cache, on a stand-in device of 8 SMs (gpu_decode._sm_count): one,
+    # two and four (sequence, K/V head) blocks per SM launch the no-split tile (ring 2), no split, no
+    # combine; shuffled pages, NaN spare pages, kv_lens 0 and 1 among the sequences.
     from test_paged import run_paged
 
-    sms, hkv = 8, 8
+    sms, hkv, n = 8, 8, 3000
     monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: sms)
-    b = -(-schedule.DECODE_MANY_WAVES * sms // hkv) if which == "many_waves" else 2 * sms // hkv
-    n = schedule.DECODE_MANY_WAVES_MIN_KEYS
+    b = per_sm * sms // hkv
     launched = _launch(monkeypatch)
     rng = np.random.default_rng([b, n])
     lens = rng.integers(2, n, size=b).astype(np.int32)
-    lens[:3] = [0, 1, n][: b]
+    lens[:2] = [0, 1] if b > 1 else [n]
     run_paged(cupy, rng, BFLOAT16, b, 32, hkv, 1, n, 128, 64, lens, "bottom_right")
-    t = (schedule.DECODE_TILES_MANY_WAVES if which == "many_waves" else schedule.DECODE_TILES_ONE_WAVE)[128]
-    want = f", {t.block_n}, {t.warps}, {t.stages}, true, true" + (f", false, {t.ring}>" if t.ring else ">")
-    assert any(e.startswith("attn_decode<") and e.endswith(want) for e in launched), launched
-    assert not any("combine" in e for e in launched)
+    t = schedule.DECODE_TILES_NO_SPLIT[128]
+    want = f"attn_decode<Bf16, 128, 1, {t.block_n}, {t.warps}, {t.stages}, true, true, false, {t.ring}>"
+    assert launched == [want], launched
 
 
 @pytest.mark.parametrize("ring", [1, 2])
@@ -208,3 +204,31 @@ def test_decode_block_rings(monkeypatch, ring, shape, case):
     check_per_sequence(outs[1][0], outs[1][1], q, k, v, lens, causal, BFLOAT16, window=window)
     np.testing.assert_array_equal(outs[1][0].view(np.uint16), outs[0][0].view(np.uint16))
     np.testing.assert_array_equal(outs[1][1], outs[0][1])
+
+
+def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
+    # DECODE_TILES_LONG_SPLITS and DECODE_TILES_NO_SPLIT launch the same instantiation, the second
+    # with more shared memory (its two-blocks-per-SM cap): fetched in that order in a fresh kernel
+    # cache, the second launch must still run (the opt-in follows the larger request) and give the
+    # same bits.
+    from cuflash import _build
+
+    for cache in ("_modules", "_raw_modules", "_smem_optin"):
+        monkeypatch.setattr(_build, cache, {})
+    small, large = schedule.DECODE_TILES_LONG_SPLITS[128], schedule.DECODE_TILES_NO_SPLIT[128]
+    assert small.smem_bytes(128, 1) < large.smem_bytes(128, 1)
+    assert gpu_decode.decode_specs(BFLOAT16, 128, 1, False, True, small)[0].expression == \
+        gpu_decode.decode_specs(BFLOAT16, 128, 1, False, True, large)[0].expression
+    rng = np.random.default_rng(77)
+    b, hq, hkv, nk, d = 2, 32, 8, 900, 128
+    q, k, v = random_inputs(rng, (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    p = validate_forward(qg, kg, vg)
+    outs = []
+    for tile in (small, large):
+        o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+        lse3 = cupy.full((b, hq, 1), np.nan, dtype=np.float32)
+        gpu_decode.forward(p, qg, kg, vg, o4, lse3, tile=tile, splits=1)
+        outs.append(o4.get())
+    check_per_sequence(outs[1], lse3, q, k, v, [nk] * b, False, BFLOAT16)
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
