@@ -5,7 +5,8 @@ launch hidden behind a GPU spin), plus the host time of one cuflash.attention ca
     python tools/decode_probe.py out.json [--quick]
     DECODE_SMEM_PAD=110000 python tools/decode_probe.py out.json --split-cells   # same code, fewer blocks per SM
     DECODE_CANDS="16,4,4;32,4,3;16,4,2,1" python tools/decode_probe.py out.json --many-cells   # other
-        tiles on the cells without splits (block_n, warps, stages[, ring]; DECODE_WAVES, default 1)
+        tiles on the cells without splits (block_n, warps, stages[, ring[, max blocks per SM]];
+        DECODE_WAVES, default 1)
     python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
         cluster (cluster2/4/8) vs the combine kernel (combine = its own split count, combine2/4/8),
         every cell; "api" is the planner's choice (row["plan"])
@@ -95,8 +96,9 @@ for L, B, hkv in CELLS:
     lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
     ref = cp.empty_like(qc)
     gpu_decode.forward(p, qc, kc, vc, ref, lse3, tile=schedule.DecodeTile(16, 4, 2, 2, "reference"), cluster=False)
-    variants = [(f"{c[0]}x{c[1]}s{c[2]}v{wv}" + (f"r{c[3]}" if len(c) > 3 and c[3] else ""),
-                 dict(tile=schedule.DecodeTile(c[0], c[1], c[2], 2, "probe", *c[3:4]), waves=wv))
+    variants = [(f"{c[0]}x{c[1]}s{c[2]}v{wv}" + (f"r{c[3]}" if len(c) > 3 and c[3] else "")
+                 + (f"b{c[4]}" if len(c) > 4 and c[4] else ""),
+                 dict(tile=schedule.DecodeTile(c[0], c[1], c[2], 2, "probe", *c[3:5]), waves=wv))
                 for c in CANDS for wv in WAVES]
     variants += [(f"tma{cw}s{st}v{wv}", dict(tma_tile=schedule.DecodeTmaTile(cw, st, 2, "probe"), waves=wv))
                  for cw, st in TMA_CANDS for wv in TMA_WAVES]
