@@ -94,12 +94,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         // of each step - the same keys, in the same order, as its per-warp ring would, so the result
         // is the same bit for bit. RING 1 copies a step's K and V together; RING 2 copies K after
         // the step's barrier and V after the softmax, each a step ahead (FA2's order: K_{j+1}
-        // loads under P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step). RING 3 is cuDNN's
-        // single buffer (STAGES 1): K_{t+1} copied once every warp is past Q K_t^T, V_{t+1} once
-        // every warp is past P V_t (four barriers per step, at most one tile of K or V in flight
-        // beside the one a warp waits for).
+        // loads under P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
         constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
-        static_assert(RING == 3 ? STAGES == 1 : STAGES >= 2, "rings 1/2 keep a step in flight; ring 3 has one slot");
+        static_assert(STAGES >= 2, "the block ring keeps a step in flight");
         const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
         u16* ringK = sQ + kRows * HEAD_DIM;
         u16* ringV = ringK + STAGES * kStepTile;
@@ -134,12 +131,6 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
         QPack qpack;
         if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-        if constexpr (RING == 3) {
-            if (n_steps > 0) load_step(0, 0, true, false);
-            cp_async_commit();
-            if (n_steps > 0) load_step(0, 0, false, true);
-            cp_async_commit();
-        }
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_steps) load_step(s, s, true, RING == 1);
@@ -165,59 +156,29 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
         // Groups after the one a wait needs: RING 1, the later steps' (STAGES - 2); RING 2, V_t
         // and the later steps' K and V (before Q K^T), or the later steps' and K_{t+STAGES-1} (before P V).
-        constexpr int kAfter = RING == 1 ? STAGES - 2 : RING == 2 ? 2 * STAGES - 3 : 0;
-        if constexpr (RING == 3) {
-            for (int t = 0; t < n_steps; ++t) {
-                if (t > 0) {
-                    __syncthreads();  // every warp is past P V_{t-1}: the V slot refills
-                    load_step(t, 0, false, true);
+        constexpr int kAfter = RING == 1 ? STAGES - 2 : 2 * STAGES - 3;
+        for (int t = 0; t < n_steps; ++t) {
+            cp_async_wait<kAfter>();
+            __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
+            const int next = t + STAGES - 1, next_slot = next % STAGES;
+            if (next < n_steps) load_step(next, next_slot, true, RING == 1);
+            cp_async_commit();
+            auto v_ahead = [&]() {
+                if constexpr (RING == 2) {
+                    cp_async_wait<kAfter>();
+                    __syncthreads();  // V_t visible
+                    if (next < n_steps) load_step(next, next_slot, false, true);
                     cp_async_commit();
                 }
-                cp_async_wait<1>();  // K_t (V_t may still be in flight)
-                __syncthreads();
-                auto k_ahead = [&]() {
-                    __syncthreads();  // every warp is past Q K_t^T: the K slot refills
-                    if (t + 1 < n_steps) load_step(t + 1, 0, true, false);
-                    cp_async_commit();
-                };
-                auto v_wait = [&]() {
-                    cp_async_wait<1>();  // V_t (K_{t+1} may still be in flight)
-                    __syncthreads();
-                };
-                const int n0 = s0 + t * kStepN + warp * BLOCK_N;
-                if (n0 < s1) {
-                    decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
-                        qa, aK, aV, 0u, 0u, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                        v_wait, k_ahead);
-                } else {
-                    k_ahead();
-                    v_wait();
-                }
-            }
-        } else {
-            for (int t = 0; t < n_steps; ++t) {
-                cp_async_wait<kAfter>();
-                __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
-                const int next = t + STAGES - 1, next_slot = next % STAGES;
-                if (next < n_steps) load_step(next, next_slot, true, RING == 1);
-                cp_async_commit();
-                auto v_ahead = [&]() {
-                    if constexpr (RING == 2) {
-                        cp_async_wait<kAfter>();
-                        __syncthreads();  // V_t visible
-                        if (next < n_steps) load_step(next, next_slot, false, true);
-                        cp_async_commit();
-                    }
-                };
-                const u32 slot = (t % STAGES) * kStepTile * 2;
-                const int n0 = s0 + t * kStepN + warp * BLOCK_N;
-                if (n0 < s1)
-                    decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
-                        qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                        v_ahead);
-                else
-                    v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
-            }
+            };
+            const u32 slot = (t % STAGES) * kStepTile * 2;
+            const int n0 = s0 + t * kStepN + warp * BLOCK_N;
+            if (n0 < s1)
+                decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
+                    qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
+                    v_ahead);
+            else
+                v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
         }
     } else {
         // Warp w takes tiles w, w + WARPS, ... of this split.

@@ -154,17 +154,15 @@ struct DecodeNoStep {
 };
 
 // One warp's key tile: S = Q K^T, masks, the online softmax, O += P V. `before_pv` runs between the
-// softmax and P V (the block ring's wait for V and its next V copy, attn_decode_block RING 2 / 3),
-// `after_s` right after Q K^T (RING 3's next K copy into the slot K_t leaves).
+// softmax and P V (the block ring's wait for V and its next V copy, attn_decode_block RING 2).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV,
-          typename BeforePV = DecodeNoStep, typename AfterS = DecodeNoStep>
+          typename BeforePV = DecodeNoStep>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
                                                  const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
                                                  const DecodeRowTokens<ROW_TILES, WINDOW>& rows, int lo0, int hi0,
                                                  int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                  float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2,
-                                                 const BeforePV& before_pv = BeforePV{},
-                                                 const AfterS& after_s = AfterS{}) {
+                                                 const BeforePV& before_pv = BeforePV{}) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
     zero_acc(acc_s);
@@ -184,7 +182,6 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
             }
         }
     }
-    after_s();
     if (n0 + BLOCK_N > s1 || CAUSAL || WINDOW) {
 #pragma unroll
         for (int mi = 0; mi < ROW_TILES; ++mi)
