@@ -1,0 +1,75 @@
+"""Where one decode call's host time goes (GPU machine): each layer of cuflash.attention timed on
+its own, back-to-back calls queued behind a GPU spin (so the host never waits for the GPU).
+
+    python3 tools/decode_host_parts.py [--calls 2000]
+"""
+import argparse
+import time
+
+import cupy as cp
+import numpy as np
+import torch
+
+import cuflash
+from cuflash import api, gpu_decode
+from cuflash._layout import to_bhsd
+from cuflash._problem import validate_forward
+
+
+def per_call_us(fn, calls):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(calls * 1.9e3 * 2))  # ~2 us of GPU spin per call: the queue never drains
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args()
+    b, hq, hkv, nk, d = 8, 32, 8, 4096, 128
+    q = cp.random.standard_normal((b, hq, 1, d)).astype(cp.float16)
+    k = cp.random.standard_normal((b, hkv, nk, d)).astype(cp.float16)
+    v = cp.random.standard_normal((b, hkv, nk, d)).astype(cp.float16)
+    p = validate_forward(q, k, v)
+    q4, k4, v4 = (to_bhsd(a, p, h, n) for a, h, n in ((q, hq, 1), (k, hkv, nk), (v, hkv, nk)))
+    o4 = cp.empty_like(q4)
+    lse3 = cp.empty((b, hq, 1), dtype=cp.float32)
+    dev = cp.cuda.Device().id
+    lp = gpu_decode.launch_plan(p, gpu_decode._sm_count(dev))
+    spec = gpu_decode.launch_spec(p.dtype, p.d, False, lp)
+    fn = gpu_decode.get_function(spec)
+    main_args, _ = gpu_decode._launch_scalars(p, tuple(gpu_decode._elem_strides(a) for a in (q4, k4, v4, o4)) + (0,),
+                                              None, lp.chunk)
+    grid = (lp.splits, p.hkv, p.batch)
+    launch_args = (q4, k4, v4, o4, lse3, np.uint64(0), np.uint64(0), *main_args)
+    parts = {
+        "attention (public, interop wrapper)": lambda: cuflash.attention(q, k, v),
+        "api.attention.__wrapped__ (no interop)": lambda: api.attention.__wrapped__(q, k, v),
+        "validate_forward": lambda: validate_forward(q, k, v),
+        "two outputs (cupy.empty)": lambda: (cp.empty(q.shape, q.dtype), cp.empty((b, hq, 1), cp.float32)),
+        "gpu_decode.forward (outputs given)": lambda: gpu_decode.forward(p, q4, k4, v4, o4, lse3),
+        "launch_plan": lambda: gpu_decode.launch_plan(p, gpu_decode._sm_count(dev)),
+        "bare launch (same kernel, cached args)": lambda: fn(grid, (spec.threads,), launch_args,
+                                                             shared_mem=spec.smem_bytes),
+        "torch sdpa cuDNN (for scale)": None,
+    }
+    tq, tk, tv = (torch.from_dlpack(a) for a in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+    parts["torch sdpa cuDNN (for scale)"] = sdpa
+    for name, f in parts.items():
+        print(f"{name:45s} {per_call_us(f, args.calls):7.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
