@@ -12,6 +12,7 @@ import torch
 
 import cuflash
 from cuflash import api, gpu_decode
+from cuflash.gpu import _elem_strides
 from cuflash._layout import to_bhsd
 from cuflash._problem import validate_forward
 
@@ -44,7 +45,7 @@ def main():
     lp = gpu_decode.launch_plan(p, gpu_decode._sm_count(dev))
     spec = gpu_decode.launch_spec(p.dtype, p.d, False, lp)
     fn = gpu_decode.get_function(spec)
-    main_args, _ = gpu_decode._launch_scalars(p, tuple(gpu_decode._elem_strides(a) for a in (q4, k4, v4, o4)) + (0,),
+    main_args, _ = gpu_decode._launch_scalars(p, tuple(_elem_strides(a) for a in (q4, k4, v4, o4)) + (0,),
                                               None, lp.chunk)
     grid = (lp.splits, p.hkv, p.batch)
     launch_args = (q4, k4, v4, o4, lse3, np.uint64(0), np.uint64(0), *main_args)
