@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import api, gpu_decode
+from cuflash import _problem, api, gpu, gpu_decode
 from cuflash.gpu import _elem_strides
 from cuflash._layout import to_bhsd
 from cuflash._problem import validate_forward
@@ -56,6 +56,16 @@ def main():
         "two outputs (cupy.empty)": lambda: (cp.empty(q.shape, q.dtype), cp.empty((b, hq, 1), cp.float32)),
         "gpu_decode.forward (outputs given)": lambda: gpu_decode.forward(p, q4, k4, v4, o4, lse3),
         "launch_plan": lambda: gpu_decode.launch_plan(p, gpu_decode._sm_count(dev)),
+        "api._forward_outputs": lambda: api._forward_outputs(p, None),
+        "_problem.warn_if_capture_unsafe": lambda: _problem.warn_if_capture_unsafe(),
+        "cupy get_current_stream().is_capturing()": lambda: cp.cuda.get_current_stream().is_capturing(),
+        "to_bhsd x3": lambda: (to_bhsd(q, p, hq, 1), to_bhsd(k, p, hkv, nk), to_bhsd(v, p, hkv, nk)),
+        "gpu.forward (outputs given)": lambda: gpu.forward(p, q4, k4, v4, o4, lse3),
+        "gpu_decode.applies": lambda: gpu_decode.applies(p, k4, v4),
+        "launch_spec": lambda: gpu_decode.launch_spec(p.dtype, p.d, False, lp),
+        "_launch_scalars (cached)": lambda: gpu_decode._launch_scalars(
+            p, tuple(_elem_strides(a) for a in (q4, k4, v4, o4)) + (0,), None, lp.chunk),
+        "with cupy.cuda.Device(0)": lambda: cp.cuda.Device(0).__enter__() and None,
         "bare launch (same kernel, cached args)": lambda: fn(grid, (spec.threads,), launch_args,
                                                              shared_mem=spec.smem_bytes),
         "torch sdpa cuDNN (for scale)": None,
