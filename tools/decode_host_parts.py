@@ -29,6 +29,11 @@ def per_call_us(fn, calls):
     return (t1 - t0) / calls * 1e6
 
 
+def _device_context():
+    with cp.cuda.Device(0):
+        pass
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
@@ -65,7 +70,7 @@ def main():
         "launch_spec": lambda: gpu_decode.launch_spec(p.dtype, p.d, False, lp),
         "_launch_scalars (cached)": lambda: gpu_decode._launch_scalars(
             p, tuple(_elem_strides(a) for a in (q4, k4, v4, o4)) + (0,), None, lp.chunk),
-        "with cupy.cuda.Device(0)": lambda: cp.cuda.Device(0).__enter__() and None,
+        "with cupy.cuda.Device(0): pass": _device_context,
         "bare launch (same kernel, cached args)": lambda: fn(grid, (spec.threads,), launch_args,
                                                              shared_mem=spec.smem_bytes),
         "torch sdpa cuDNN (for scale)": None,
