@@ -84,53 +84,76 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     OnlineSoftmax<2 * ROW_TILES> softmax;
     zero_acc(acc_o);
     const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
-#ifdef CUFLASH_DECODE_TRACE
-    unsigned long long trace_ready = 0;
-    int trace_tiles = 0;
-#endif
-    if constexpr (RING > 0) {
-        // Block ring: the block's WARPS x BLOCK_N-key step is one K and one V tile copied by all
-        // threads into STAGES shared slots (one barrier per step); warp w computes its BLOCK_N keys
-        // of each step - the same keys, in the same order, as its per-warp ring would, so the result
-        // is the same bit for bit. RING 1 copies a step's K and V together; RING 2 copies K after
-        // the step's barrier and V after the softmax, each a step ahead (FA2's order: K_{j+1}
-        // loads under P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
-        constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
-        static_assert(STAGES >= 2, "the block ring keeps a step in flight");
-        const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
-        u16* ringK = sQ + kRows * HEAD_DIM;
-        u16* ringV = ringK + STAGES * kStepTile;
-        auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
-            const int n0 = s0 + t * kStepN;
-            if (block_table == nullptr) {
-                if (do_k)
-                    load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                        ringK + slot * kStepTile, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
-                if (do_v)
-                    load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                        ringV + slot * kStepTile, gV + n0 * v_sn, v_sn, s1 - n0, d, threadIdx.x);
-            } else {
-                // Paged: warp w copies the 16-key groups of its own keys (each group in one page).
+    // Warp w computes key tiles w, w + WARPS, ... of this split, one BLOCK_N-key tile per step of
+    // WARPS x BLOCK_N keys. RING 0: each warp copies its own tiles into a private ring (no block
+    // barrier in the loop). RING > 0: the block copies each step's K and V tiles into one shared
+    // ring of STAGES slots - the same keys for each warp, in the same order, so the result is the
+    // same bit for bit; RING 1 copies a step's K and V together after the step's barrier, RING 2
+    // copies K there and V after the softmax, each a step ahead (FA2's order: K_{j+1} loads under
+    // P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
+    constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
+    static_assert(RING == 0 || STAGES >= 2, "the block ring keeps a step in flight");
+    const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
+    const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
+    u16* ringK = sQ + kRows * HEAD_DIM;  // (RING > 0)
+    u16* ringV = ringK + STAGES * kStepTile;
+    // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a power of
+    // two >= 16 keys, so each 16-key group lies in one page; groups at or past s1 are zero-filled
+    // without looking their page up. One warp copies the group of keys n .. n + 15.
+    auto load_page_group = [&](u16* dk, u16* dv, int n, bool do_k, bool do_v) {
+        const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
+        const int in_page = n & ((1 << page_shift) - 1);
+        if (do_k)
+            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                dk, k + page * k_sb + hk * k_sh + in_page * k_sn, k_sn, s1 - n, d, lane);
+        if (do_v)
+            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                dv, v + page * v_sb + hk * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
+    };
+    // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
+    auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
+        const int n0 = s0 + t * kStepN;
+        u16* dk = ringK + slot * kStepTile;
+        u16* dv = ringV + slot * kStepTile;
+        if (block_table == nullptr) {
+            if (do_k)
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                    dk, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
+            if (do_v)
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                    dv, gV + n0 * v_sn, v_sn, s1 - n0, d, threadIdx.x);
+        } else {
 #pragma unroll
-                for (int i = 0; i < BLOCK_N / 16; ++i) {
-                    const int row = warp * BLOCK_N + 16 * i, n = n0 + row;
-                    const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
-                    const int in_page = n & ((1 << page_shift) - 1);
-                    if (do_k)
-                        load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                            ringK + slot * kStepTile + row * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
-                            k_sn, s1 - n, d, lane);
-                    if (do_v)
-                        load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                            ringV + slot * kStepTile + row * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
-                            v_sn, s1 - n, d, lane);
-                }
+            for (int i = 0; i < BLOCK_N / 16; ++i) {
+                const int row = warp * BLOCK_N + 16 * i;
+                load_page_group(dk + row * HEAD_DIM, dv + row * HEAD_DIM, n0 + row, do_k, do_v);
             }
-        };
-        using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-        constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
-        QPack qpack;
-        if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+        }
+    };
+    // RING 0: this warp's tile t into its ring's slot `slot`.
+    auto load = [&](int t, int slot) {
+        const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
+        u16* dk = ring + slot * Tr::kTileKV;
+        u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
+        if (block_table == nullptr) {
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+        } else {
+#pragma unroll
+            for (int g = 0; g < BLOCK_N / 16; ++g) load_page_group(dk + 16 * g * HEAD_DIM, dv + 16 * g * HEAD_DIM, n0 + 16 * g, true, true);
+        }
+    };
+    // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
+    // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
+    // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
+    // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
+    // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
+    // (d=192; d=64 with two row tiles and a window).
+    using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
+    constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
+    QPack qpack;
+    if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+    if constexpr (RING > 0) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_steps) load_step(s, s, true, RING == 1);
@@ -140,17 +163,26 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 cp_async_commit();
             }
         }
-        if constexpr (kQFirst)
-            qpack.store(sQ);
-        else
-            decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-        __syncthreads();
-        const u32 sbase = smem_addr(smem);
-        DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+    } else {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < my_tiles) load(s, s);
+            cp_async_commit();
+        }
+    }
+    if constexpr (kQFirst)
+        qpack.store(sQ);
+    else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
+        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+    __syncthreads();
+    const u32 sbase = smem_addr(smem);
+    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
 #ifdef CUFLASH_DECODE_TRACE
-        trace_ready = trace_clock();
-        trace_tiles = n_steps;
+    const unsigned long long trace_ready = trace_clock();
+    const int trace_tiles = RING > 0 ? n_steps : my_tiles;
 #endif
+
+    if constexpr (RING > 0) {
         const u32 kbase = sbase + (kRows * HEAD_DIM + warp * BLOCK_N * HEAD_DIM) * 2;
         const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
         const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
@@ -181,57 +213,6 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
         }
     } else {
-        // Warp w takes tiles w, w + WARPS, ... of this split.
-        const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
-        auto load = [&](int t, int slot) {
-            const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-            u16* dk = ring + slot * Tr::kTileKV;
-            u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
-            if (block_table == nullptr) {
-                load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-                load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
-            } else {
-                // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a
-                // power of two >= 16 keys, so each 16-key group lies in one page; groups at or past
-                // s1 are zero-filled without looking their page up.
-#pragma unroll
-                for (int g = 0; g < BLOCK_N / 16; ++g) {
-                    const int n = n0 + 16 * g;
-                    const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
-                    const int in_page = n & ((1 << page_shift) - 1);
-                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk + 16 * g * HEAD_DIM, k + page * k_sb + hk * k_sh + in_page * k_sn,
-                                                          k_sn, s1 - n, d, lane);
-                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv + 16 * g * HEAD_DIM, v + page * v_sb + hk * v_sh + in_page * v_sn,
-                                                          v_sn, s1 - n, d, lane);
-                }
-            }
-        };
-        // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
-        // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
-        // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
-        // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
-        // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
-        // (d=192; d=64 with two row tiles and a window).
-        using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-        constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
-        QPack qpack;
-        if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < my_tiles) load(s, s);
-            cp_async_commit();
-        }
-        if constexpr (kQFirst)
-            qpack.store(sQ);
-        else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
-            decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-        __syncthreads();
-        const u32 sbase = smem_addr(smem);
-        DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
-#ifdef CUFLASH_DECODE_TRACE
-        trace_ready = trace_clock();
-        trace_tiles = my_tiles;
-#endif
         const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
         const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
         const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
