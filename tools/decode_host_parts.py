@@ -1,10 +1,10 @@
 """Where one decode call's host time goes (GPU machine): each layer of cuflash.attention timed on
-its own, back-to-back calls queued behind a GPU spin (so the host never waits for the GPU).
+its own, back-to-back calls queued behind a GPU spin (decode_host_profile.host_us: the host never
+waits for the GPU).
 
     python3 tools/decode_host_parts.py [--calls 2000]
 """
 import argparse
-import time
 
 import cupy as cp
 import numpy as np
@@ -15,18 +15,7 @@ from cuflash import _problem, api, gpu, gpu_decode
 from cuflash.gpu import _elem_strides
 from cuflash._layout import to_bhsd
 from cuflash._problem import validate_forward
-
-
-def per_call_us(fn, calls):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(calls * 1.9e3 * 2))  # ~2 us of GPU spin per call: the queue never drains
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+from decode_host_profile import host_us  # (tools/, this script's folder)
 
 
 def _device_context():
@@ -84,7 +73,7 @@ def main():
             return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
     parts["torch sdpa cuDNN (for scale)"] = sdpa
     for name, f in parts.items():
-        print(f"{name:45s} {per_call_us(f, args.calls):7.1f} us", flush=True)
+        print(f"{name:45s} {host_us(f, args.calls):7.1f} us", flush=True)
 
 
 if __name__ == "__main__":
