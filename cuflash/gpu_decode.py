@@ -321,6 +321,51 @@ def _launch_scalars(p, strides, paged_shift, chunk):
     return main, combine
 
 
+class DecodeLaunch(NamedTuple):
+    """One decode call's launches for a geometry: the split kernel and, with splits merged by a
+    second kernel, attn_decode_combine. The arrays are supplied per call (main_args /
+    combine_args), so a repeated geometry can keep this (cuflash.prepared)."""
+
+    plan: DecodePlan
+    spec: KernelSpec
+    grid: tuple
+    middle: tuple  # attn_decode's scalars after the page table (_launch_scalars)
+    combine_tail: tuple  # attn_decode_combine's scalars after its arrays, before the split count
+    rows: int  # packed (head, token) rows of one (sequence, K/V head)
+
+    @property
+    def combines(self) -> bool:
+        """The splits' partials go through a float32 workspace to attn_decode_combine."""
+        return self.plan.splits > 1 and not self.plan.cluster
+
+    def workspace_shapes(self, p):
+        """(partial O, partial LSE) float32 shapes, or None without the combine kernel."""
+        if not self.combines:
+            return None
+        head = (p.batch, p.hkv, self.plan.splits, self.rows)
+        return head + (p.d,), head
+
+    def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, lens, table):
+        if self.plan.cluster:  # the cluster merges in shared memory: no workspace parameters
+            return (q4, k4, v4, o4, lse3, lens, table, *self.middle)
+        return (q4, k4, v4, o4, lse3, part_o, part_lse, lens, table, *self.middle)
+
+    def combine_args(self, part_o, part_lse, o4, lse3):
+        return (part_o, part_lse, o4, lse3, *self.combine_tail, np.int32(self.plan.splits))
+
+    def combine_grid(self, p):
+        return (self.rows, p.hkv, p.batch)
+
+
+def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None):
+    """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
+    table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
+    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
+    middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk)
+    spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
+    return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq)
+
+
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
             cluster=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
@@ -342,24 +387,18 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
                table.strides[0] // table.itemsize if paged is not None else 0)
     shift = paged[1].bit_length() - 1 if paged is not None else None
-    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
-    middle, combine_tail = _launch_scalars(p, strides, shift, lp.chunk)
-    spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
-    grid = (lp.splits, p.hkv, p.batch)
-    if lp.cluster:  # the cluster merges in shared memory: no workspace
-        get_function(spec)(grid, (spec.threads,), (q4, k4, v4, o4, lse3, lens_ptr, table, *middle),
-                           shared_mem=spec.smem_bytes)
-        return
-    rows = p.group * p.nq
-    if lp.splits > 1:
-        part_o = cupy.empty((p.batch, p.hkv, lp.splits, rows, p.d), dtype=np.float32)
-        part_lse = cupy.empty((p.batch, p.hkv, lp.splits, rows), dtype=np.float32)
-    else:
-        part_o = part_lse = cupy.empty((0,), dtype=np.float32)
-    get_function(spec)(grid, (spec.threads,), (q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, table, *middle),
+    dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
+    ws = dl.workspace_shapes(p)
+    if ws is not None:
+        part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)
+    else:  # one split writes o and lse itself: null workspace pointers
+        part_o = part_lse = np.uint64(0)
+    spec = dl.spec
+    get_function(spec)(dl.grid, (spec.threads,), dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, table),
                        shared_mem=spec.smem_bytes)
-    if lp.splits > 1:
-        _launch_combine(p, part_o, part_lse, o4, lse3, combine_tail, lp.splits)
+    if dl.combines:
+        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p), dl.plan.splits,
+                        combine_programmatic(p))
 
 
 # The combine kernel runs as the split kernel's programmatic dependent (pdl.launch) when the
@@ -369,15 +408,18 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 PDL_COMBINE_MIN_BYTES = 512 << 20
 
 
-def _launch_combine(p, part_o, part_lse, o4, lse3, tail, splits):
+def combine_programmatic(p) -> bool:
+    """Whether the combine kernel runs as the split kernel's programmatic dependent."""
+    return 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES
+
+
+def _launch_combine(p, args, grid, splits, programmatic):
     """attn_decode_combine: the splits' partial O and LSE merged by the log-sum-exp rule (it waits
     for the partials on the device: griddepcontrol.wait)."""
     from . import pdl
 
     fn = get_function(combine_spec(p.dtype, p.d))
-    args = (part_o, part_lse, o4, lse3, *tail, np.int32(splits))
-    grid = (p.group * p.nq, p.hkv, p.batch)
-    if 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES:
+    if programmatic:
         pdl.launch(fn, grid, (_COMBINE_THREADS,), args, 4 * splits)
     else:
         fn(grid, (_COMBINE_THREADS,), args, shared_mem=4 * splits)
@@ -414,5 +456,6 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
         shared_mem=spec.smem_bytes,
     )
     if splits > 1:
-        _launch_combine(p, part_o, part_lse, o4, lse3, (*os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq),
-                                                        np.int32(p.group), np.int32(p.d)), splits)
+        args = (part_o, part_lse, o4, lse3, *os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group),
+                np.int32(p.d), np.int32(splits))
+        _launch_combine(p, args, (rows, p.hkv, p.batch), splits, combine_programmatic(p))

@@ -64,6 +64,15 @@ def main():
                                                              shared_mem=spec.smem_bytes),
         "torch sdpa cuDNN (for scale)": None,
     }
+    run = cuflash.prepare_attention(q, k, v)
+    packed = run._decode.main
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, o4.data.ptr, lse3.data.ptr)
+    stream = cp.cuda.get_current_stream().ptr
+    parts.update({
+        "prepare_attention call (cupy)": lambda: run(q, k, v),
+        "prepare_attention call (cupy, out=)": lambda: run(q, k, v, out=o4),
+        "PackedLaunch.launch (same kernel)": lambda: packed.launch(stream, *ptrs),
+    })
     tq, tk, tv = (torch.from_dlpack(a) for a in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -72,6 +81,9 @@ def main():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
     parts["torch sdpa cuDNN (for scale)"] = sdpa
+    trun = cuflash.prepare_attention(tq, tk, tv)
+    parts["prepare_attention call (torch)"] = lambda: trun(tq, tk, tv)
+    parts["attention (public, torch tensors)"] = lambda: cuflash.attention(tq, tk, tv)
     for name, f in parts.items():
         print(f"{name:45s} {host_us(f, args.calls):7.1f} us", flush=True)
 

@@ -4,6 +4,7 @@ launch hidden behind a GPU spin), plus the host time of one cuflash.attention ca
 
     python tools/decode_probe.py out.json [--quick]
     DECODE_SMEM_PAD=110000 python tools/decode_probe.py out.json --split-cells   # same code, fewer blocks per SM
+    DECODE_LENS=4096,8192 ...   # other cache lengths than the grid's 4k / 16k / 64k
     DECODE_CANDS="16,4,4;32,4,3;16,4,2,1" python tools/decode_probe.py out.json --many-cells   # other
         tiles on the cells without splits (block_n, warps, stages[, ring[, max blocks per SM]];
         DECODE_WAVES, default 1)
@@ -39,6 +40,8 @@ CANDS = [(16, 4, 2), (16, 4, 3)]
 WAVES = (1, 2)
 TMA_CANDS = [(4, 6), (4, 4), (4, 3), (4, 2), (8, 3), (8, 2), (2, 8), (2, 4), (6, 4)]
 TMA_WAVES = (1, 2, 3, 4)
+if os.environ.get("DECODE_LENS"):  # other cache lengths on the same (B, Hkv) pairs, e.g. "4096,8192,16384"
+    CELLS = [(L, B, hkv) for L in map(int, os.environ["DECODE_LENS"].split(",")) for B, hkv in ((8, 8), (64, 8), (8, 32))]
 if quick:
     CELLS, TMA_CANDS = CELLS[:3], TMA_CANDS[:3]
 if "--default-only" in sys.argv:  # the API's own choice against the peers, every cell

@@ -7,7 +7,9 @@ function. What is recorded per commit:
 * ``time_*``: asv's wall-clock time of one call including the synchronize;
 * ``track_gpu_ms``: median CUDA-event time of the call alone, L2 flushed between repeats;
 * ``track_peak_bytes``: the most bytes one call's own allocations from CuPy's memory pool held
-  at once (a memory hook; the output is counted, the inputs are not).
+  at once (a memory hook; the output is counted, the inputs are not);
+* ``track_host_us`` (decode): host time of one call, calls queued behind a GPU spin so the host
+  never waits for the device (what a decoding loop without a CUDA graph pays per step).
 
 All are "larger is worse", which is how asv and tools/asv_regressions.py read them; rates
 (TFLOP/s) are left to benchmarks/peers.py. ``setup`` raises NotImplementedError, which asv
@@ -84,6 +86,31 @@ def event_ms(cp, fn, repeats=EVENT_REPEATS):
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))
     return float(np.median(times))
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+def host_us(cp, fn, calls=500):
+    """Host microseconds per fn() call: `calls` back-to-back calls after a one-thread GPU spin
+    long enough that the launch queue never drains (so no call waits for the GPU)."""
+    fn()
+    cp.cuda.Device().synchronize()
+    spin = cp.RawKernel(_SPIN, "spin")
+    import time
+
+    spin((1,), (1,), (np.int64(calls * 400_000),))  # ~0.2 ms per call at ~2 GHz: longer than any call
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    cp.cuda.Device().synchronize()
+    return (t1 - t0) / calls * 1e6
 
 
 def peak_live_bytes(cp, fn):
@@ -266,6 +293,24 @@ class CuflashDecode(_Decode):
         self._run()
 
     def time_decode(self, cache_len, b_hq_hkv):
+        self._run()
+
+    def track_host_us(self, cache_len, b_hq_hkv):
+        return host_us(self.cp, self.op)
+
+    track_host_us.unit = "us"
+
+
+class CuflashDecodePrepared(CuflashDecode):
+    """The same decode step through cuflash.prepare_attention: validated and planned once, the
+    kernel launched from a packed parameter block (compare track_host_us with CuflashDecode's)."""
+
+    def setup(self, cache_len, b_hq_hkv):
+        self.make_inputs(cache_len, b_hq_hkv)
+        import cuflash
+
+        run = cuflash.prepare_attention(self.q, self.k, self.v)
+        self.op = lambda: run(self.q, self.k, self.v)
         self._run()
 
 

@@ -1,0 +1,339 @@
+"""Prepared attention: validate and plan once for a geometry, then call it many times.
+
+A decoding loop calls attention with the same shapes, strides and dtypes on every token; only
+the data (and the lengths in kv_lens) change. ``cuflash.attention`` re-validates and re-plans
+each call, and CuPy converts every kernel argument on every launch: about 90 us of host time per
+decode call on the H200 machine, more than the kernel itself on a 4k cache (tools/
+decode_host_parts.py). ``prepare_attention`` does that work once, like a cuDNN graph or
+FlashInfer's plan/run: a call then checks that its arrays have the prepared geometry, allocates
+the outputs and launches the decode kernel through a packed parameter block (cuflash._launch).
+
+What a call may change: the arrays' data (their addresses), kv_lens' and block_table's values.
+What it may not: kinds (CuPy, torch, ...), device, shapes, strides, dtypes, which of kv_lens /
+block_table are given - a call that differs raises ValueError naming the argument.
+
+The fast path covers what runs the split-KV decode kernel (float16/bfloat16 CuPy arrays or
+CUDA torch tensors, few query rows per K/V head, see gpu_decode.applies); every other prepared
+problem (NumPy, prefill shapes, other array kinds) calls ``cuflash.attention`` with the prepared
+options after the same geometry check, so results never depend on which path ran. Results are
+bitwise those of ``cuflash.attention`` on the same inputs (tests/test_gpu_prepared.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _problem, api, interop
+from ._arrays import dtype_name
+from ._layout import is_view_of, to_bhsd
+
+_ARRAYS = ("q", "k", "v", "kv_lens", "block_table")
+
+
+def _geometry(kind, a):
+    """What must stay fixed for one array between prepare and call (None: not given)."""
+    if a is None:
+        return None
+    if kind == interop.TORCH:
+        return ("torch", type(a), tuple(a.shape), a.stride(), a.dtype, a.device)
+    if kind == interop.CUPY:
+        return ("cupy", type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+    if kind == interop.NUMPY:
+        return ("numpy", type(a), a.shape, a.strides, a.dtype)
+    return ("other", type(a), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None))
+
+
+def _describe(g) -> str:
+    if g is None:
+        return "not given"
+    if g[0] == "torch":
+        return f"torch shape {g[2]} strides {g[3]} {g[4]} on {g[5]}"
+    if g[0] == "cupy":
+        return f"cupy shape {g[2]} strides {g[3]} (bytes) {dtype_name(g[4])} on cuda:{g[5]}"
+    if g[0] == "numpy":
+        return f"numpy shape {g[2]} strides {g[3]} (bytes) {dtype_name(g[4])}"
+    return f"{g[1].__name__} shape {g[2]} dtype {g[3]}"
+
+
+def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None,
+                      block_table=None, window=None, validate=True):
+    """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None)`` equal to
+    ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens, block_table=block_table,
+    out=out)`` for arrays of the geometry given here (same kinds, device, shapes, strides, dtypes;
+    kv_lens / block_table given iff given here). The arguments are checked here as attention
+    checks them; the example arrays' values are not read (but kv_lens' and block_table's with
+    validate=True, as attention would).
+
+    ``validate`` applies to every call: True copies kv_lens / block_table to the host each call
+    to check their values (as attention does); False skips that (out-of-range kv_lens are clamped
+    by the decode kernel; block_table entries are trusted), and a call then needs no host read:
+    it can be captured in a CUDA graph. A call's ``out`` must be an array like the result (q's
+    shape, dtype, kind and device, C-contiguous) that overlaps no input.
+
+    The returned object's ``path`` says how calls run: "decode" (validated once, the decode kernel
+    launched from a packed parameter block) or "attention" (cuflash.attention per call)."""
+    return PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
+                                           window=window, validate=validate), kv_lens, block_table)
+
+
+class PreparedAttention:
+    """See :func:`prepare_attention`."""
+
+    def __init__(self, q, k, v, options, kv_lens, block_table):
+        _problem.check_flag("return_lse", options["return_lse"])
+        _problem.check_flag("validate", options["validate"])
+        given = {"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}
+        where = interop.common_placement([(n, a) for n, a in given.items() if a is not None])
+        self._kind = where.kind
+        self._geometry = {n: _geometry(self._kind, a) for n, a in given.items()}
+        self._options = options
+        with interop.ForeignCall(where) as call:
+            checked = _Checked(call, given, options)
+            self._decode = None
+            if self._kind in (interop.CUPY, interop.TORCH) and where.device is not None:
+                self._decode = _DecodeCall.prepare(where, checked, options)
+        self.path = "attention" if self._decode is None else "decode"
+        self.kernel = None if self._decode is None else self._decode.kernel_names
+
+    def _check_call(self, arrays):
+        for name in _ARRAYS:
+            got = _geometry(self._kind, arrays[name])
+            want = self._geometry[name]
+            if got != want:
+                raise ValueError(f"{name}: prepared for {_describe(want)}, got {_describe(got)}; "
+                                 "prepare_attention again for another geometry")
+
+    def __call__(self, q, k, v, *, kv_lens=None, block_table=None, out=None):
+        arrays = {"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}
+        self._check_call(arrays)
+        if self._decode is not None:
+            result = self._decode(arrays, out)
+            if result is not None:
+                return result
+        return api.attention(q, k, v, kv_lens=kv_lens, block_table=block_table, out=out, **self._options)
+
+    def __repr__(self):
+        return f"PreparedAttention(path={self.path!r}, kernel={self.kernel!r})"
+
+
+class _Checked:
+    """The arguments as NumPy/CuPy arrays, checked as cuflash.attention checks them: the problem,
+    the paged cache's block size, kv_lens on the device and (validate=True) on the host."""
+
+    def __init__(self, call, given, options):
+        self.native = {n: (None if a is None else call.to_native(n, a)) for n, a in given.items()}
+        q, k, v, lens, table = (self.native[n] for n in _ARRAYS)
+        masking = {n: options[n] for n in ("causal", "scale", "layout", "window")}
+        if table is not None:
+            self.p, self.block_size = _problem.validate_paged(q, k, v, table, **masking)
+        else:
+            self.p, self.block_size = _problem.validate_forward(q, k, v, **masking), None
+        self.lens_dev, lens_host = _problem.check_kv_lens(lens, self.p, options["validate"])
+        if table is not None and options["validate"]:
+            full = np.full(self.p.batch, self.p.nk, dtype=np.int64)
+            _problem.check_block_table(table, full if lens_host is None else lens_host, self.block_size, k.shape[0])
+
+
+class _CupyArrays:
+    """Per-call array operations of the decode fast path for CuPy arrays."""
+
+    def __init__(self, device):
+        import cupy
+
+        self.cupy = cupy
+        self.device = device
+
+    def on_device(self) -> bool:
+        return self.cupy.cuda.runtime.getDevice() == self.device
+
+    def device_context(self):
+        return self.cupy.cuda.Device(self.device)
+
+    def stream(self) -> int:
+        _problem.warn_if_capture_unsafe(stacklevel=6)  # the buffers allocated below, under capture
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def empty(self, shape, like=None):
+        return self.cupy.empty(shape, dtype=np.float32 if like is None else like.dtype)
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.data.ptr
+
+    @staticmethod
+    def native(a):
+        return a
+
+    def check_out(self, out, shape, dtype, inputs):
+        _problem.check_out("out", out, shape, dtype, self.cupy, inputs)
+        if not out.flags.c_contiguous:
+            raise ValueError("out: a prepared call writes C-contiguous outputs; pass a contiguous array")
+
+
+class _TorchArrays:
+    """Per-call array operations of the decode fast path for CUDA torch tensors (torch's
+    allocator and current stream, as cuflash.interop runs torch calls)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device
+
+    def on_device(self) -> bool:
+        return self.torch.cuda.current_device() == self.device
+
+    def device_context(self):
+        return self.torch.cuda.device(self.device)
+
+    def stream(self) -> int:
+        return self.torch.cuda.current_stream(self.device).cuda_stream
+
+    def empty(self, shape, like=None):
+        dtype = self.torch.float32 if like is None else like.dtype
+        return self.torch.empty(shape, dtype=dtype, device=f"cuda:{self.device}")
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.data_ptr()
+
+    def native(self, a):
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            return interop._import_torch(a)
+
+    def check_out(self, out, shape, dtype, inputs):
+        torch = self.torch
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor like the inputs, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+        if out.dtype != dtype:
+            raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+        if out.device != inputs[0][1].device:
+            raise ValueError(f"out: is on {out.device} but q is on {inputs[0][1].device}")
+        if not out.is_contiguous():
+            raise ValueError("out: a prepared call writes C-contiguous outputs; pass a contiguous tensor")
+        lo = out.data_ptr()
+        hi = lo + out.numel() * out.element_size()
+        for name, t in inputs:
+            if not t.numel() or not out.numel():
+                continue
+            a0 = t.data_ptr()
+            a1 = a0 + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if lo < a1 and a0 < hi:
+                raise ValueError(f"out: must not overlap input {name}")
+
+
+class _DecodeCall:
+    """The decode fast path of one prepared geometry: per call the outputs are allocated and the
+    packed launches made; everything else was decided at prepare time."""
+
+    @classmethod
+    def prepare(cls, where, checked, options):
+        """A _DecodeCall, or None when the prepared problem does not run the decode kernel on plain
+        views of the caller's arrays (calls then go through cuflash.attention)."""
+        import cupy
+
+        from . import gpu_decode
+        from .gpu import _elem_strides
+
+        p, bs = checked.p, checked.block_size
+        q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
+        if p.xp is np or p.nq == 0 or p.batch == 0 or p.hq == 0:
+            return None
+        q4 = to_bhsd(q, p, p.hq, p.nq)
+        k4, v4 = (k, v) if table is not None else (to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk))
+        views = ((q4, q), (k4, k), (v4, v))
+        if not all(is_view_of(a4, a) and (p.d == 1 or a4.strides[-1] == a4.itemsize) for a4, a in views):
+            return None  # attention would copy an input first
+        if checked.lens_dev is not None and checked.lens_dev.data.ptr != lens.data.ptr:
+            return None  # a strided kv_lens: attention copies it
+        if table is not None and not table.flags.c_contiguous:
+            return None  # attention copies it
+        if not gpu_decode.applies(p, k4, v4):
+            return None
+        o_template = cupy.empty(p.q_shape(), dtype=p.dtype)
+        o4 = to_bhsd(o_template, p, p.hq, p.nq)
+        strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
+                   table.strides[0] // table.itemsize if table is not None else 0)
+        dl = gpu_decode.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
+        offsets = tuple(a4.data.ptr - a.data.ptr for a4, a in views) + (o4.data.ptr - o_template.data.ptr,)
+        return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None)
+
+    def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks):
+        from . import gpu_decode, pdl
+        from ._build import get_function
+        from ._launch import POINTER, PackedLaunch
+
+        self.arrays = _TorchArrays(where.device) if where.kind == interop.TORCH else _CupyArrays(where.device)
+        self.p = p
+        self.block_size = block_size
+        self.validate = options["validate"]
+        self.return_lse = options["return_lse"]
+        self.offsets = offsets  # where q4, k4, v4, o4 start relative to the arrays' own addresses
+        self.workspace = dl.workspace_shapes(p)
+        part = POINTER if self.workspace is not None else np.uint64(0)
+        spec = dl.spec
+        # Array slots in order: q, k, v, o, lse, [part_o, part_lse], [kv_lens], [block_table].
+        self.num_blocks = num_blocks
+        lens = POINTER if has_lens else np.uint64(0)
+        table = POINTER if block_size is not None else np.uint64(0)
+        self.main = PackedLaunch(get_function(spec), dl.grid, (spec.threads,),
+                                 dl.main_args(*(POINTER,) * 5, part, part, lens, table), spec.smem_bytes)
+        self.combine = None
+        names = [spec.short_name]
+        if self.workspace is not None:
+            cspec = gpu_decode.combine_spec(p.dtype, p.d)
+            # As cuflash.attention launches it: a programmatic dependent for long reads where available.
+            programmatic = gpu_decode.combine_programmatic(p) and pdl.available()
+            self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(p), (gpu_decode._COMBINE_THREADS,),
+                                        dl.combine_args(*(POINTER,) * 4), 4 * dl.plan.splits, programmatic)
+            names.append(cspec.short_name)
+        self.kernel_names = tuple(names)
+
+    def __call__(self, arrays, out):
+        """The result, or None when this call cannot take the fast path (K/V rows not 16-byte
+        aligned: attention then runs the prefill kernel)."""
+        lib = self.arrays
+        if not lib.on_device():
+            with lib.device_context():
+                return self(arrays, out)
+        q, k, v, lens, table = (arrays[n] for n in _ARRAYS)
+        _, ok, ov, oo = self.offsets
+        if (lib.ptr(k) + ok) % 16 or (lib.ptr(v) + ov) % 16:
+            return None
+        p = self.p
+        if self.validate and (lens is not None or table is not None):
+            self._check_values(lib.native(lens) if lens is not None else None,
+                               lib.native(table) if table is not None else None)
+        if out is not None:
+            lib.check_out(out, p.q_shape(), q.dtype, (("q", q), ("k", k), ("v", v)))
+        stream = lib.stream()
+        o = out if out is not None else lib.empty(p.q_shape(), like=q)
+        lse = lib.empty((p.batch, p.hq, p.nq))
+        o_ptr, lse_ptr = lib.ptr(o) + oo, lib.ptr(lse)
+        ptrs = [lib.ptr(q) + self.offsets[0], lib.ptr(k) + ok, lib.ptr(v) + ov, o_ptr, lse_ptr]
+        if self.workspace is not None:
+            ws = [lib.empty(shape) for shape in self.workspace]
+            ptrs += [lib.ptr(w) for w in ws]
+        if lens is not None:
+            ptrs.append(lib.ptr(lens))
+        if table is not None:
+            ptrs.append(lib.ptr(table))
+        self.main.launch(stream, *ptrs)
+        if self.combine is not None:
+            self.combine.launch(stream, ptrs[5], ptrs[6], o_ptr, lse_ptr)
+        if self.return_lse:
+            return o, lse.reshape(p.lse_shape())
+        return o
+
+    def _check_values(self, lens, table):
+        """validate=True: kv_lens' values and the pages they use, on the host, as attention checks them."""
+        p = self.p
+        _, lens_host = _problem.check_kv_lens(lens, p, True)
+        if table is not None:
+            if lens_host is None:
+                lens_host = np.full(p.batch, p.nk, dtype=np.int64)
+            _problem.check_block_table(table, lens_host, self.block_size, self.num_blocks)
