@@ -130,6 +130,11 @@ def all_decode_specs():
                     for causal in (False, True):
                         for window in (False, True):
                             specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+        for hd, t in schedule.DECODE_TILES_LONG_CLUSTER_SPLITS.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    for window in (False, True):
+                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
         for hd, t in schedule.DECODE_TMA_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -203,6 +208,9 @@ class DecodePlan(NamedTuple):
 # (52.8 / 159.6 / 581.4). So: 3-8 wanted splits become 4 (2 stay 2), merged in a cluster up to
 # CLUSTER_MAX_CHUNK keys per split, by the combine kernel beyond.
 CLUSTER_MAX_CHUNK = 4096
+# Cluster-merged splits of at least this many keys take schedule.DECODE_TILES_LONG_CLUSTER_SPLITS
+# (ring 1: +1% at 2k and 4k keys per split; ring 0 stays ahead at 1k).
+CLUSTER_RING_MIN_CHUNK = 2048
 
 
 def _merge_plan(nk, n, min_chunk, explicit, cluster):
@@ -255,15 +263,26 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
         if in_cluster:
             # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
             chunk = -(-max(keys, 1) // n)
-            return DecodePlan(rt, t, n, -(-chunk // step) * step, True)
+            chunk = -(-chunk // step) * step
+            if table_tile and chunk >= CLUSTER_RING_MIN_CHUNK:
+                t = _same_keys_tile(schedule.DECODE_TILES_LONG_CLUSTER_SPLITS, p, rt, t)
+            return DecodePlan(rt, t, n, chunk, True)
     chunk = -(-max(keys, 1) // n)
     chunk = -(-chunk // step) * step
     splits = -(-max(keys, 1) // chunk)
-    long = schedule.DECODE_TILES_LONG_SPLITS.get(schedule.head_dim_bucket(p.d))
-    if (table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK and long is not None
-            and rt <= long.max_row_tiles and (long.block_n, long.warps) == (t.block_n, t.warps)):
-        t = _launch_tile(long, rt)  # the combine kernel merges long splits: FA2's order (same key tiles)
+    if table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK:
+        t = _same_keys_tile(schedule.DECODE_TILES_LONG_SPLITS, p, rt, t)  # FA2's order for long splits
     return DecodePlan(rt, t, splits, chunk, False)
+
+
+def _same_keys_tile(table, p, rt, t):
+    """The table's tile for p's head dim in place of launch tile t where it splits the keys the
+    same way (same key tile and warps: the chunk stays a whole number of steps), else t."""
+    other = table.get(schedule.head_dim_bucket(p.d))
+    if other is None or rt > other.max_row_tiles:
+        return t
+    other = _launch_tile(other, rt)
+    return other if (other.block_n, other.warps) == (t.block_n, t.warps) else t
 
 
 def plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True):

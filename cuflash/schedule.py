@@ -486,6 +486,15 @@ DECODE_TILES_LONG_SPLITS: dict[int, DecodeTile] = {
                     ring=2),
 }
 
+# Cluster-merged splits of at least gpu_decode.CLUSTER_RING_MIN_CHUNK keys: the table's tile with the
+# block copying each step's K and V together (ring 1). Decode probe, three alternating passes, B=8
+# Hkv=8 (4 splits in a cluster; evidence-20261130l/split-rings/): L=8k (2k keys per split) 3.87-3.89
+# -> 3.92-3.94 TB/s, L=16k (4k per split) 4.16-4.17 -> 4.19-4.21 (cuDNN 4.19-4.21); at L=4k (1k per
+# split) ring 0 stays ahead (3.45-3.57 vs 3.44-3.48).
+DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
+    128: DecodeTile(16, 4, 2, 2, "cluster-merged splits of 2k-4k keys: one block-wide K+V copy per step", ring=1),
+}
+
 
 def decode_tile(d: int) -> tuple[int, DecodeTile]:
     hd = head_dim_bucket(d)

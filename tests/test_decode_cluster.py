@@ -156,17 +156,21 @@ def test_no_split_tile_holds_two_blocks_per_sm():
         assert occupancy(H200, t.threads, 168, t.smem_bytes(128, rt)).blocks_per_sm == 2
 
 
-@pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (16384, None, 0), (65536, None, 2),
-                                                   (65536, False, 2), (16384, False, 0)])
-def test_long_splits_take_the_fa2_order(nk, cluster, want_ring):
+@pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (8192, None, 1), (16384, None, 1), (65536, None, 2),
+                                                   (65536, False, 2), (16384, False, 0), (16384, True, 1)])
+def test_split_rings_by_chunk(nk, cluster, want_ring):
     # Splits merged by the combine kernel and longer than CLUSTER_MAX_CHUNK keys run the
-    # DECODE_TILES_LONG_SPLITS tile (the table's key tiles, so the same chunk); a caller's tile stands.
+    # DECODE_TILES_LONG_SPLITS tile (ring 2), cluster-merged splits of CLUSTER_RING_MIN_CHUNK keys
+    # or more DECODE_TILES_LONG_CLUSTER_SPLITS' (ring 1), shorter ones the table's (ring 0): the same
+    # key tiles, so the same chunk. A caller's tile stands.
     p = _problem(8, 32, 8, 1, nk, 128)
     lp = gpu_decode.launch_plan(p, H200_SMS, cluster=cluster)
-    if want_ring:
-        assert lp.splits > 1 and not lp.cluster
+    assert lp.splits > 1
     assert lp.tile.ring == want_ring
-    assert (lp.chunk > gpu_decode.CLUSTER_MAX_CHUNK and not lp.cluster) == (want_ring == 2)
+    if lp.cluster:
+        assert want_ring == (1 if lp.chunk >= gpu_decode.CLUSTER_RING_MIN_CHUNK else 0)
+    else:
+        assert want_ring == (2 if lp.chunk > gpu_decode.CLUSTER_MAX_CHUNK else 0)
     table = schedule.DECODE_TILES[128]
     assert (lp.tile.block_n, lp.tile.warps, lp.tile.stages) == (table.block_n, table.warps, table.stages)
     forced = gpu_decode.launch_plan(p, H200_SMS, cluster=cluster, tile=table)

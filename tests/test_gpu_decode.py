@@ -161,6 +161,26 @@ def test_decode_api_takes_the_no_split_tile(monkeypatch, per_sm):
     assert launched == [want], launched
 
 
+@pytest.mark.parametrize("causal", [False, "top_left"], ids=["full", "tl"])
+def test_decode_api_takes_the_cluster_ring(monkeypatch, causal):
+    # Through the API on a stand-in device of 8 SMs: 4 splits of more than CLUSTER_RING_MIN_CHUNK
+    # keys merge in a cluster and run ring 1 (DECODE_TILES_LONG_CLUSTER_SPLITS); kv_lens 0, 1,
+    # mid-split and full; output and LSE poisoned.
+    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: 8)
+    launched = _launch(monkeypatch)
+    rng = np.random.default_rng([len(str(causal)), 41])
+    b, hq, hkv, nk, d = 4, 16, 1, 9000, 128
+    q, k, v = random_inputs(rng, (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
+    lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    out = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=out)
+    check_per_sequence(o, lse, q, k, v, lens, causal, BFLOAT16)
+    t = schedule.DECODE_TILES_LONG_CLUSTER_SPLITS[128]
+    want = f"attn_decode_cluster<Bf16, 128, 1, {t.block_n}, {t.warps}, {t.stages}, {'true' if causal else 'false'}, true, 4, false, 1>"
+    assert launched == [want], launched
+
+
 @pytest.mark.parametrize("ring", [1, 2])
 @pytest.mark.parametrize("shape", [(16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("case", ["lens-br", "paged-tl", "window", "split-cluster", "split-combine"])

@@ -27,7 +27,7 @@ SHAPES = {
     "cluster-split": (2, 8, 2, 1, 1500),  # 4 splits merged in a cluster
     "combine-split": (1, 4, 4, 1, 70000),  # long splits: the combine kernel
     "no-split": (40, 32, 8, 1, 700),  # a (sequence, head) block per SM: the capped no-split tile
-    "gqa-7-tokens": (3, 16, 2, 7, 2000),  # 56 packed rows
+    "gqa-7-tokens": (3, 16, 4, 7, 2000),  # 28 packed rows (two row tiles)
 }
 
 

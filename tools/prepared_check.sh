@@ -12,7 +12,7 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -
     tests/test_gpu_prepared.py tests/test_gpu_decode.py tests/test_gpu_graph_capture.py tests/test_gpu_pdl.py \
     tests/test_paged.py tests/test_kv_lens.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log"
-(cd tools && timeout 120 python3 decode_host_parts.py --calls 2000) > "$OUT/host_parts.txt" 2>&1
+(cd tools && timeout 120 python3 decode_host_parts.py --calls 300) > "$OUT/host_parts.txt" 2>&1
 echo "host parts rc=$?"; cat "$OUT/host_parts.txt" | tail -30
 if [ "${PROBE:-1}" = 1 ]; then
 for i in 1 2 3; do
