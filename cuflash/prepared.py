@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _problem, api, interop
-from ._arrays import dtype_name
+from ._arrays import byte_range, dtype_name
 from ._layout import is_view_of, to_bhsd
 
 _ARRAYS = ("q", "k", "v", "kv_lens", "block_table")
@@ -34,6 +34,13 @@ def _geometry(kind, a):
     """What must stay fixed for one array between prepare and call (None: not given)."""
     if a is None:
         return None
+    try:
+        return _geometry_of_kind(kind, a)
+    except AttributeError:  # an array of another kind than prepared: it cannot match
+        return ("other", type(a), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None))
+
+
+def _geometry_of_kind(kind, a):
     if kind == interop.TORCH:
         return ("torch", type(a), tuple(a.shape), a.stride(), a.dtype, a.device)
     if kind == interop.CUPY:
@@ -91,7 +98,7 @@ class PreparedAttention:
             checked = _Checked(call, given, options)
             self._decode = None
             if self._kind in (interop.CUPY, interop.TORCH) and where.device is not None:
-                self._decode = _DecodeCall.prepare(where, checked, options)
+                self._decode = _DecodeCall.prepare(where, checked, options, q)
         self.path = "attention" if self._decode is None else "decode"
         self.kernel = None if self._decode is None else self._decode.kernel_names
 
@@ -164,10 +171,10 @@ class _CupyArrays:
     def native(a):
         return a
 
-    def check_out(self, out, shape, dtype, inputs):
+    def explain_out(self, out, shape, dtype, inputs):
+        """Raise the error for an out= that is not like a fresh result (cuflash.attention's checks)."""
         _problem.check_out("out", out, shape, dtype, self.cupy, inputs)
-        if not out.flags.c_contiguous:
-            raise ValueError("out: a prepared call writes C-contiguous outputs; pass a contiguous array")
+        raise ValueError(f"out: expected a C-contiguous array on cuda:{self.device} (a prepared call's result layout)")
 
 
 class _TorchArrays:
@@ -203,7 +210,8 @@ class _TorchArrays:
         with cupy.cuda.Device(self.device):
             return interop._import_torch(a)
 
-    def check_out(self, out, shape, dtype, inputs):
+    def explain_out(self, out, shape, dtype, inputs):
+        """Raise the error for an out= that is not like a fresh result."""
         torch = self.torch
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out: expected a torch.Tensor like the inputs, got {type(out).__name__}")
@@ -211,19 +219,7 @@ class _TorchArrays:
             raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
         if out.dtype != dtype:
             raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
-        if out.device != inputs[0][1].device:
-            raise ValueError(f"out: is on {out.device} but q is on {inputs[0][1].device}")
-        if not out.is_contiguous():
-            raise ValueError("out: a prepared call writes C-contiguous outputs; pass a contiguous tensor")
-        lo = out.data_ptr()
-        hi = lo + out.numel() * out.element_size()
-        for name, t in inputs:
-            if not t.numel() or not out.numel():
-                continue
-            a0 = t.data_ptr()
-            a1 = a0 + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
-            if lo < a1 and a0 < hi:
-                raise ValueError(f"out: must not overlap input {name}")
+        raise ValueError(f"out: expected a contiguous tensor on cuda:{self.device} (a prepared call's result layout)")
 
 
 class _DecodeCall:
@@ -231,7 +227,7 @@ class _DecodeCall:
     packed launches made; everything else was decided at prepare time."""
 
     @classmethod
-    def prepare(cls, where, checked, options):
+    def prepare(cls, where, checked, options, q_given):
         """A _DecodeCall, or None when the prepared problem does not run the decode kernel on plain
         views of the caller's arrays (calls then go through cuflash.attention)."""
         import cupy
@@ -260,9 +256,11 @@ class _DecodeCall:
                    table.strides[0] // table.itemsize if table is not None else 0)
         dl = gpu_decode.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
         offsets = tuple(a4.data.ptr - a.data.ptr for a4, a in views) + (o4.data.ptr - o_template.data.ptr,)
-        return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None)
+        extents = [tuple(x - a.data.ptr for x in byte_range(a)) for a in (q, k, v)]
+        return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None,
+                   extents, q_given)
 
-    def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks):
+    def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks, extents, q_given):
         from . import gpu_decode, pdl
         from ._build import get_function
         from ._launch import POINTER, PackedLaunch
@@ -292,6 +290,12 @@ class _DecodeCall:
                                         dl.combine_args(*(POINTER,) * 4), 4 * dl.plan.splits, programmatic)
             names.append(cspec.short_name)
         self.kernel_names = tuple(names)
+        # out=: the geometry of a fresh result, and the byte extents (first, last + 1) of q, k, v
+        # relative to their addresses, so that a call checks out= with a tuple compare and integers.
+        self.kind = where.kind
+        self.out_geometry = _geometry(self.kind, self.arrays.empty(p.q_shape(), like=q_given))
+        self.out_bytes = int(np.prod(p.q_shape())) * np.dtype(p.dtype).itemsize
+        self.extents = extents
 
     def __call__(self, arrays, out):
         """The result, or None when this call cannot take the fast path (K/V rows not 16-byte
@@ -309,7 +313,7 @@ class _DecodeCall:
             self._check_values(lib.native(lens) if lens is not None else None,
                                lib.native(table) if table is not None else None)
         if out is not None:
-            lib.check_out(out, p.q_shape(), q.dtype, (("q", q), ("k", k), ("v", v)))
+            self._check_out(out, (("q", q), ("k", k), ("v", v)))
         stream = lib.stream()
         o = out if out is not None else lib.empty(p.q_shape(), like=q)
         lse = lib.empty((p.batch, p.hq, p.nq))
@@ -328,6 +332,17 @@ class _DecodeCall:
         if self.return_lse:
             return o, lse.reshape(p.lse_shape())
         return o
+
+    def _check_out(self, out, inputs):
+        lib = self.arrays
+        if _geometry(self.kind, out) != self.out_geometry:
+            lib.explain_out(out, self.p.q_shape(), inputs[0][1].dtype, inputs)
+        lo = lib.ptr(out)
+        hi = lo + self.out_bytes
+        for (name, a), (a_lo, a_hi) in zip(inputs, self.extents):
+            start = lib.ptr(a)
+            if self.out_bytes and a_hi > a_lo and lo < start + a_hi and start + a_lo < hi:
+                raise ValueError(f"out: must not overlap input {name}")
 
     def _check_values(self, lens, table):
         """validate=True: kv_lens' values and the pages they use, on the host, as attention checks them."""

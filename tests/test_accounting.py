@@ -299,7 +299,8 @@ def test_decode_cluster_shape_reports_no_partials():
     lp = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)
     assert lp.cluster and lp.splits in gpu_decode.CLUSTER_SIZES
     assert not any(e.category == "workspace" for e in r.entries)
-    spec = gpu_decode.cluster_spec(BFLOAT16, 128, lp.row_tiles, False, True, lp.splits)
+    spec = gpu_decode.launch_spec(BFLOAT16, 128, False, lp)  # the plan's tile (at 16k: ring 1, the same bytes)
+    assert spec.expression.startswith("attn_decode_cluster<")
     smem = by["shared memory / block (fwd)"]
     assert smem.bytes == spec.smem_bytes == gpu_decode.decode_specs(BFLOAT16, 128, lp.row_tiles, False, True)[0].smem_bytes
     assert spec.short_name in smem.note

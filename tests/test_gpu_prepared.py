@@ -147,8 +147,12 @@ def test_prepared_decode_bad_values_and_geometry():
         run(args[0][:1], *args[1:], **kw)
     with pytest.raises(ValueError, match="^kv_lens: prepared for"):
         run(*args, block_table=kw["block_table"])
-    with pytest.raises(ValueError, match="out: must not overlap"):
+    with pytest.raises(ValueError, match="out: must not overlap input q"):
         run(*args, out=args[0], **kw)
+    with pytest.raises(TypeError, match="out: expected dtype bfloat16"):
+        run(*args, out=cupy.empty(args[0].shape, dtype=np.float16), **kw)
+    with pytest.raises(ValueError, match="out: expected a C-contiguous"):
+        run(*args, out=cupy.empty(args[0].shape[::-1], dtype=BFLOAT16).transpose(3, 2, 1, 0), **kw)
 
 
 @pytest.mark.parametrize("b,hq,hkv,nk,pdl_combine", [(2, 8, 2, 5000, False), (1, 4, 4, 70000, True)],
@@ -208,6 +212,8 @@ def test_prepared_decode_torch(case):
                        host["q"], host["k"], host["v"], host["lens"], True, BFLOAT16)
     with pytest.raises(ValueError, match="^q: prepared for"):
         run(targs[0].float(), *targs[1:], **tkw)
+    with pytest.raises(ValueError, match="^q: prepared for torch"):
+        run(args[0], *targs[1:], **tkw)  # a CuPy array where a tensor was prepared
 
 
 def test_prepared_prefill_runs_attention():

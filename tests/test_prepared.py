@@ -75,6 +75,8 @@ def test_prepared_geometry_contract():
         run(q, k, v, kv_lens=bad)  # validate=True (default) checks each call's values
     with pytest.raises(TypeError):
         run(q, k, v, kv_lens=lens, causal=True)  # options are fixed at prepare time
+    with pytest.raises(ValueError, match=r"^q: prepared for numpy .*, got list"):
+        run(q.tolist(), k, v, kv_lens=lens)
 
 
 def test_prepare_checks_arguments_like_attention():
