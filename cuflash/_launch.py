@@ -97,10 +97,6 @@ class PackedLaunch:
                                          attrs=ctypes.pointer(self._attr), num_attrs=1)
             self._config_ref = ctypes.byref(self._config)
 
-    @property
-    def pointer_count(self) -> int:
-        return len(self._pointer_slots)
-
     def launch(self, stream: int, *pointers: int) -> None:
         """Launch on ``stream`` (a CUstream address, 0 for the legacy default stream) with the
         array arguments' device addresses in the order of the ``POINTER`` entries."""

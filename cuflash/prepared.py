@@ -35,18 +35,14 @@ def _geometry(kind, a):
     if a is None:
         return None
     try:
-        return _geometry_of_kind(kind, a)
+        if kind == interop.TORCH:
+            return ("torch", type(a), tuple(a.shape), a.stride(), a.dtype, a.device)
+        if kind == interop.CUPY:
+            return ("cupy", type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+        if kind == interop.NUMPY:
+            return ("numpy", type(a), a.shape, a.strides, a.dtype)
     except AttributeError:  # an array of another kind than prepared: it cannot match
-        return ("other", type(a), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None))
-
-
-def _geometry_of_kind(kind, a):
-    if kind == interop.TORCH:
-        return ("torch", type(a), tuple(a.shape), a.stride(), a.dtype, a.device)
-    if kind == interop.CUPY:
-        return ("cupy", type(a), a.shape, a.strides, a.dtype, a.data.device_id)
-    if kind == interop.NUMPY:
-        return ("numpy", type(a), a.shape, a.strides, a.dtype)
+        pass
     return ("other", type(a), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None))
 
 
@@ -135,10 +131,18 @@ class _Checked:
             self.p, self.block_size = _problem.validate_paged(q, k, v, table, **masking)
         else:
             self.p, self.block_size = _problem.validate_forward(q, k, v, **masking), None
-        self.lens_dev, lens_host = _problem.check_kv_lens(lens, self.p, options["validate"])
-        if table is not None and options["validate"]:
-            full = np.full(self.p.batch, self.p.nk, dtype=np.int64)
-            _problem.check_block_table(table, full if lens_host is None else lens_host, self.block_size, k.shape[0])
+        self.lens_dev = _check_lens_and_table(self.p, lens, table, self.block_size, k.shape[0], options["validate"])
+
+
+def _check_lens_and_table(p, lens, table, block_size, num_blocks, validate):
+    """kv_lens (and, with validate=True, its values and the pages they use, on the host) as
+    cuflash.attention checks them; returns kv_lens as the kernel reads it."""
+    lens_dev, lens_host = _problem.check_kv_lens(lens, p, validate)
+    if table is not None and validate:
+        if lens_host is None:  # every sequence holds Nk keys
+            lens_host = np.full(p.batch, p.nk, dtype=np.int64)
+        _problem.check_block_table(table, lens_host, block_size, num_blocks)
+    return lens_dev
 
 
 class _CupyArrays:
@@ -310,8 +314,9 @@ class _DecodeCall:
             return None
         p = self.p
         if self.validate and (lens is not None or table is not None):
-            self._check_values(lib.native(lens) if lens is not None else None,
-                               lib.native(table) if table is not None else None)
+            _check_lens_and_table(p, lib.native(lens) if lens is not None else None,
+                                  lib.native(table) if table is not None else None, self.block_size,
+                                  self.num_blocks, True)
         if out is not None:
             self._check_out(out, (("q", q), ("k", k), ("v", v)))
         stream = lib.stream()
@@ -343,12 +348,3 @@ class _DecodeCall:
             start = lib.ptr(a)
             if self.out_bytes and a_hi > a_lo and lo < start + a_hi and start + a_lo < hi:
                 raise ValueError(f"out: must not overlap input {name}")
-
-    def _check_values(self, lens, table):
-        """validate=True: kv_lens' values and the pages they use, on the host, as attention checks them."""
-        p = self.p
-        _, lens_host = _problem.check_kv_lens(lens, p, True)
-        if table is not None:
-            if lens_host is None:
-                lens_host = np.full(p.batch, p.nk, dtype=np.int64)
-            _problem.check_block_table(table, lens_host, self.block_size, self.num_blocks)

@@ -59,12 +59,14 @@ def _bits(a):
     return to_numpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
+@pytest.mark.parametrize("via", ["attention", "prepared"])
 @pytest.mark.parametrize("b,hq,hkv,nk,pdl_combine", [(2, 8, 2, 5000, False), (1, 4, 4, 70000, False),
                                                      (1, 4, 4, 70000, True), (3, 4, 1, 700, False)],
                          ids=["cluster-split", "combine-split", "combine-split-pdl", "one-block"])
-def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine):
+def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine, via):
     # (pdl_combine: the combine kernel launched as the split kernel's programmatic dependent, as
-    # for caches of 512 MiB and more: the capture must keep that edge, and the replay be exact)
+    # for caches of 512 MiB and more: the capture must keep that edge, and the replay be exact;
+    # via "prepared": the step is a cuflash.prepare_attention call, its packed launches captured)
     from cuflash import gpu_decode, pdl
 
     if pdl_combine:
@@ -79,9 +81,15 @@ def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine):
     for a in (q, k, v):
         _fill(rng, a)
     lens[...] = cupy.asarray(rng.integers(0, nk + 1, b).astype(np.int32))
-    cuflash.attention(q, k, v, kv_lens=lens, validate=False)  # compile outside the capture
+    if via == "prepared":
+        run = cuflash.prepare_attention(q, k, v, kv_lens=lens, validate=False)
+        assert run.path == "decode"
+        step = lambda: run(q, k, v, kv_lens=lens, out=out)  # noqa: E731
+    else:
+        step = lambda: cuflash.attention(q, k, v, kv_lens=lens, validate=False, out=out)  # noqa: E731
+    step()  # compile outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)
-    graph, o = _capture(stream, lambda: cuflash.attention(q, k, v, kv_lens=lens, validate=False, out=out))
+    graph, o = _capture(stream, step)
     assert o is out
     for trial in range(3):
         for a in (q, k, v):

@@ -96,15 +96,16 @@ extern "C" __global__ void spin(long long cycles) {
 """
 
 
-def host_us(cp, fn, calls=500):
-    """Host microseconds per fn() call: `calls` back-to-back calls after a one-thread GPU spin
-    long enough that the launch queue never drains (so no call waits for the GPU)."""
+def host_us(cp, fn, calls=200):
+    """Host microseconds per fn() call: `calls` back-to-back calls queued behind a one-thread GPU
+    spin of about 1 ms per call, so the calls' kernels never run while the host is timed (few
+    enough calls that their launches fit the launch queue: more would wait for queue space)."""
     fn()
     cp.cuda.Device().synchronize()
     spin = cp.RawKernel(_SPIN, "spin")
     import time
 
-    spin((1,), (1,), (np.int64(calls * 400_000),))  # ~0.2 ms per call at ~2 GHz: longer than any call
+    spin((1,), (1,), (np.int64(calls * 2_000_000),))  # ~1 ms per call at ~2 GHz
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
