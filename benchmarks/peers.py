@@ -265,9 +265,56 @@ def measure_ceilings(timer):
     dst = torch.empty_like(src)
     ms, _ = timer(lambda: dst.copy_(src))
     copy = 2.0 * (1 << 30) / (ms * 1e-3) / 1e12
-    del src, dst
+    del dst
+    read = max(_read_tbps(timer, src, blocks_per_sm, unroll) for blocks_per_sm in (2, 4, 8) for unroll in (4, 8))
+    del src
     torch.cuda.empty_cache()
-    return {"matmul_tflops": matmul, "copy_tbps": copy}
+    return {"matmul_tflops": matmul, "copy_tbps": copy, "read_tbps": read}
+
+
+# A read-only stream (the decode kernels' traffic, without their math): 16-byte loads that skip L1,
+# a grid-stride loop unrolled UNROLL times, one word written per thread so the loads are not dead.
+_READ_KERNEL = r"""
+template <int UNROLL>
+__global__ void read_only(const uint4* __restrict__ src, long long n, unsigned* __restrict__ sink) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+        uint4 x[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) x[u] = __ldcs(src + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
+    }
+    for (; i < n; i += stride) { uint4 x = __ldcs(src + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+    sink[(long long)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+"""
+
+
+def torch_stream_ptr() -> int:
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _read_tbps(timer, src, blocks_per_sm, unroll):
+    """TB/s of the read-only stream over src (a 1 GiB uint8 torch tensor): the device's read
+    ceiling, which the copy's read + write rate understates for decoding."""
+    import cupy
+
+    module = cupy.RawModule(code=_READ_KERNEL, options=("-std=c++17",), name_expressions=[f"read_only<{unroll}>"])
+    fn = module.get_function(f"read_only<{unroll}>")
+    a = cupy.from_dlpack(src).view(cupy.uint32)
+    n = a.size // 4
+    threads = 512
+    blocks = blocks_per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cupy.empty(blocks * threads, dtype=cupy.uint32)
+    ptr = torch_stream_ptr()
+    with cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr):  # between the timer's events
+        ms, _ = timer(lambda: fn((blocks,), (threads,), (a, cupy.int64(n), sink)))
+    return src.numel() / (ms * 1e-3) / 1e12
 
 
 def sample_rows(nq, seed):
@@ -378,7 +425,7 @@ class Runner:
     # -- helpers ---------------------------------------------------------------------------
     def on_torch_stream(self):
         """Make CuPy launch on torch's current stream so both sit between the same events."""
-        ptr = self.torch.cuda.current_stream().cuda_stream
+        ptr = torch_stream_ptr()
         return self.cupy.cuda.Stream.null if ptr == 0 else self.cupy.cuda.ExternalStream(ptr)
 
     def as_cupy(self, t):
@@ -767,7 +814,8 @@ def main(argv=None):
                      + ("repeat" if args.count_launch else "repeat, then a GPU spin hides host launch time"),
            "ceilings": measure_ceilings(timer), "bench": [], "complete": False}
     print(f"{doc['device']}: matmul {doc['ceilings']['matmul_tflops']:.0f} TFLOP/s, "
-          f"copy {doc['ceilings']['copy_tbps']:.2f} TB/s", flush=True)
+          f"copy {doc['ceilings']['copy_tbps']:.2f} TB/s (read + write), read {doc['ceilings']['read_tbps']:.2f} TB/s",
+          flush=True)
     runner = Runner(args, timer)
     for i, case in enumerate(plan):
         if time.monotonic() > deadline:

@@ -97,6 +97,33 @@ def test_torch_cuda_zero_copy_in_and_out(rng, dtype, launches):
     assert_forward_within_naive_error(from_torch(torch, o), from_torch(torch, lse), q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda t: t, id="contiguous"),
+    pytest.param(lambda t: t.transpose(1, 2), id="transposed"),
+    pytest.param(lambda t: t[1:, :, 3::2], id="offset-and-step"),
+    pytest.param(lambda t: t[:, :1].expand(-1, 3, -1, -1), id="broadcast"),
+    pytest.param(lambda t: t.requires_grad_(True) * 1 if t.is_floating_point() else t, id="requires-grad"),
+])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int32"])
+def test_torch_import_is_the_dlpack_view(rng, make, dtype):
+    # interop._import_torch builds CuPy views from the tensor's pointer and strides (a tenth of
+    # cupy.from_dlpack's host time): the same memory, shape, strides, dtype and values as DLPack's.
+    torch = need_torch_cuda()
+    from cuflash import interop
+
+    base = torch.randn(3, 4, 9, 8, device="cuda").mul(100).to(getattr(torch, dtype))
+    t = make(base)
+    got = interop._import_torch(t)
+    want = cupy.from_dlpack(t.detach().view(torch.int16)).view(BFLOAT16) if dtype == "bfloat16" else cupy.from_dlpack(t.detach())
+    assert (got.data.ptr, got.shape, got.strides, got.dtype) == (want.data.ptr, want.shape, want.strides, want.dtype)
+    assert bool((got == want).all())
+    saved = got.copy()
+    del base, t, want  # the view keeps the tensor's memory alive, as DLPack's does
+    torch.cuda.empty_cache()
+    torch.full((3, 4, 9, 8), 7, device="cuda", dtype=getattr(torch, dtype))  # would land in freed memory
+    assert bool((got == saved).all())
+
+
 def test_torch_side_stream_written_right_before_the_call(rng, launches):
     """Inputs land on a non-default stream behind ~tens of ms of queued GPU work; the call must run
     on that stream (so it reads them, not the NaN placeholders) and hand o back on it."""

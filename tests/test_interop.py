@@ -553,6 +553,11 @@ def test_plain_call_arguments_match_signature_bind(args, kwargs):
         return
     assert fast is not None
     assert fast == {n: bound.arguments.get(n) for n in names}
+    # the wrapper puts converted arrays back where they were given, as bind's arguments would
+    new = {n: ("converted", value) for n, value in fast.items() if value is not None}
+    args2, kwargs2 = interop._array_arguments(sig, names).substitute(args, kwargs, new)
+    bound.arguments.update(new)
+    assert _sample(*args2, **kwargs2) == _sample(*bound.args, **bound.kwargs)
 
 
 def test_plain_call_arguments_decline_var_arguments():

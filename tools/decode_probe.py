@@ -8,6 +8,8 @@ launch hidden behind a GPU spin), plus the host time of one cuflash.attention ca
     DECODE_CANDS="16,4,4;32,4,3;16,4,2,1" python tools/decode_probe.py out.json --many-cells   # other
         tiles on the cells without splits (block_n, warps, stages[, ring[, max blocks per SM]];
         DECODE_WAVES, default 1)
+    DECODE_SPLITS=2 DECODE_CANDS="16,4,2,2,2" python tools/decode_probe.py out.json --many-cells   # each
+        candidate tile also with that many splits per (sequence, head), merged in a cluster
     python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
         cluster (cluster2/4/8) vs the combine kernel (combine = its own split count, combine2/4/8),
         every cell; "api" is the planner's choice (row["plan"])
@@ -103,6 +105,10 @@ for L, B, hkv in CELLS:
                  + (f"b{c[4]}" if len(c) > 4 and c[4] else ""),
                  dict(tile=schedule.DecodeTile(c[0], c[1], c[2], 2, "probe", *c[3:5]), waves=wv))
                 for c in CANDS for wv in WAVES]
+    variants += [(f"{c[0]}x{c[1]}s{c[2]}" + (f"r{c[3]}" if len(c) > 3 and c[3] else "")
+                  + (f"b{c[4]}" if len(c) > 4 and c[4] else "") + f"c{n}",
+                  dict(tile=schedule.DecodeTile(c[0], c[1], c[2], 2, "probe", *c[3:5]), splits=n, cluster=True))
+                 for c in CANDS for n in map(int, filter(None, os.environ.get("DECODE_SPLITS", "").split(",")))]
     variants += [(f"tma{cw}s{st}v{wv}", dict(tma_tile=schedule.DecodeTmaTile(cw, st, 2, "probe"), waves=wv))
                  for cw, st in TMA_CANDS for wv in TMA_WAVES]
     variants += MERGES

@@ -4,7 +4,8 @@
 
 Per cell (op, dtype, d, N, causal; decode also B and heads): cuDNN ms / cuflash ms in each pass (same process, same inputs),
 their min and max, and whether the cell meets the issue's bar (1.05; decode 1.0; no bar for the
-backward past d=128) in every pass (met), in none (short) or in some (split).
+backward past d=128) in every pass (met), in none (short) or in some (split). Decode cells also get
+cuflash's and cuDNN's read rate as a share of the same run's read-only stream (ceilings.read_tbps).
 """
 import json
 import sys
@@ -16,6 +17,7 @@ BAR = 1.05
 def main(paths):
     ratios = defaultdict(list)  # cell -> [ratio per pass]
     fa2 = defaultdict(list)
+    of_read = defaultdict(lambda: defaultdict(list))  # decode cell -> impl -> [tbps / read ceiling]
     for path in paths:
         try:
             doc = json.load(open(path))
@@ -27,6 +29,10 @@ def main(paths):
             if r.get("ms") is None or r.get("status") not in ("ok", None):
                 continue
             cells[(r["op"], r["dtype"], r["d"], r["nk"], bool(r["causal"]), r["b"], r["hq"], r["hkv"])][r["impl"]] = r["ms"]
+        read = doc.get("ceilings", {}).get("read_tbps")
+        for r in doc.get("bench", []):
+            if read and r["op"] == "decode" and r.get("tbps") and r.get("status") in ("ok", None):
+                of_read[(r["nk"], r["b"], r["hkv"])][r["impl"]].append(r["tbps"] / read)
         for cell, ms in cells.items():
             if "cuflash" in ms and "torch-cudnn" in ms:
                 ratios[cell].append(ms["torch-cudnn"] / ms["cuflash"])
@@ -51,6 +57,12 @@ def main(paths):
     judged = sum(1 for c in ratios if not (c[0] == "bwd" and c[2] > 128))
     print(f"\n{judged} cells under the bar ({BAR}; decode 1.0); met in every pass by {judged - len(short)}; "
           f"short in some pass: {len(short)}")
+    if of_read:
+        print("\ndecode read rate / the run's read-only stream (min-max over passes)")
+        for (n, b, hkv), impls in sorted(of_read.items()):
+            shares = "  ".join(f"{impl} {min(v):.3f}-{max(v):.3f}" for impl, v in sorted(impls.items())
+                               if impl in ("cuflash", "torch-cudnn"))
+            print(f"  L={n:>6} B={b:<3} Hkv={hkv:<3} {shares}")
     return 0
 
 
