@@ -265,32 +265,45 @@ def measure_ceilings(timer):
     dst = torch.empty_like(src)
     ms, _ = timer(lambda: dst.copy_(src))
     copy = 2.0 * (1 << 30) / (ms * 1e-3) / 1e12
-    del dst
-    read = max(_read_tbps(timer, src, blocks_per_sm, unroll) for blocks_per_sm in (2, 4, 8) for unroll in (4, 8))
-    del src
+    del src, dst
+    read = read_ceiling(timer)
     torch.cuda.empty_cache()
     return {"matmul_tflops": matmul, "copy_tbps": copy, "read_tbps": read}
 
 
-# A read-only stream (the decode kernels' traffic, without their math): 16-byte loads that skip L1,
-# a grid-stride loop unrolled UNROLL times, one word written per thread so the loads are not dead.
+# A read-only stream (the decode kernels' traffic without their math): 16-byte streaming loads,
+# UNROLL of them in flight per thread, one word written per thread so the loads are not dead.
+# CHUNKED: each block reads its own contiguous share of the buffer (as a decode block streams its
+# (sequence, head)'s cache); else a grid-stride loop (every block in every DRAM page).
 _READ_KERNEL = r"""
-template <int UNROLL>
+template <int UNROLL, bool CHUNKED>
 __global__ void read_only(const uint4* __restrict__ src, long long n, unsigned* __restrict__ sink) {
     unsigned acc = 0;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+    long long i, end, stride;
+    if (CHUNKED) {
+        const long long per = (n + gridDim.x - 1) / gridDim.x;
+        i = blockIdx.x * per + threadIdx.x;
+        end = min(n, (blockIdx.x + 1) * per);
+        stride = blockDim.x;
+    } else {
+        i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+        end = n;
+        stride = (long long)gridDim.x * blockDim.x;
+    }
+    for (; i + (UNROLL - 1) * stride < end; i += UNROLL * stride) {
         uint4 x[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) x[u] = __ldcs(src + i + u * stride);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
     }
-    for (; i < n; i += stride) { uint4 x = __ldcs(src + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+    for (; i < end; i += stride) { uint4 x = __ldcs(src + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
     sink[(long long)blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
 """
+READ_BYTES = 4 << 30  # about 0.9 ms at the H200's rate: the launch's ramp is a small share
+READ_CONFIGS = [(chunked, unroll, threads, blocks_per_sm) for chunked in (True, False) for unroll in (4, 8)
+                for threads, blocks_per_sm in ((256, 4), (256, 8), (512, 2), (512, 4))]
 
 
 def torch_stream_ptr() -> int:
@@ -299,22 +312,31 @@ def torch_stream_ptr() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _read_tbps(timer, src, blocks_per_sm, unroll):
-    """TB/s of the read-only stream over src (a 1 GiB uint8 torch tensor): the device's read
-    ceiling, which the copy's read + write rate understates for decoding."""
+def read_ceiling(timer, detail=None) -> float:
+    """TB/s of the fastest read-only stream over READ_CONFIGS: the device's read rate, which the
+    copy's read + write rate understates for decoding (the highest a plain kernel reached here,
+    not a proven peak)."""
     import cupy
 
-    module = cupy.RawModule(code=_READ_KERNEL, options=("-std=c++17",), name_expressions=[f"read_only<{unroll}>"])
-    fn = module.get_function(f"read_only<{unroll}>")
-    a = cupy.from_dlpack(src).view(cupy.uint32)
-    n = a.size // 4
-    threads = 512
-    blocks = blocks_per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"]
-    sink = cupy.empty(blocks * threads, dtype=cupy.uint32)
+    names = [f"read_only<{u}, {'true' if c else 'false'}>" for c, u, _, _ in READ_CONFIGS]
+    module = cupy.RawModule(code=_READ_KERNEL, options=("-std=c++17",), name_expressions=sorted(set(names)))
+    src = cupy.empty(READ_BYTES // 4, dtype=cupy.uint32)
+    n = READ_BYTES // 16  # 16-byte units
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cupy.empty(max(t * b for _, _, t, b in READ_CONFIGS) * sms, dtype=cupy.uint32)
+    best = 0.0
     ptr = torch_stream_ptr()
     with cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr):  # between the timer's events
-        ms, _ = timer(lambda: fn((blocks,), (threads,), (a, cupy.int64(n), sink)))
-    return src.numel() / (ms * 1e-3) / 1e12
+        src[:] = 0x5A5A5A5A  # on this stream, before the timed reads
+        for name, (_, _, threads, blocks_per_sm) in zip(names, READ_CONFIGS):
+            fn = module.get_function(name)
+            ms, _ = timer(lambda: fn((blocks_per_sm * sms,), (threads,), (src, cupy.int64(n), sink)))
+            best = max(best, READ_BYTES / (ms * 1e-3) / 1e12)
+            if detail is not None:
+                detail.append((name, threads, blocks_per_sm, READ_BYTES / (ms * 1e-3) / 1e12))
+    del src, sink
+    cupy.get_default_memory_pool().free_all_blocks()
+    return best
 
 
 def sample_rows(nq, seed):
