@@ -110,19 +110,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
                 dv, v + page * v_sb + hk * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
     };
-    // (probe, off by default: -DCUFLASH_DECODE_ROTATE=1 starts block i of G at step
-    // i * n_steps / G of its split and wraps, so the blocks' concurrent reads sit at spread
-    // offsets of their caches instead of the same one. RING > 0 only; rounding differs from
-    // the in-order walk, so the ring modes are no longer bitwise equal with it.)
-#ifndef CUFLASH_DECODE_ROTATE
-#define CUFLASH_DECODE_ROTATE 0
-#endif
-    const int rot_shift = CUFLASH_DECODE_ROTATE
-        ? int((i64(n_steps) * grid_linear_block()) / (i64(gridDim.x) * gridDim.y * gridDim.z)) : 0;
-    auto step_of = [&](int t) { const int r = t + rot_shift; return r >= n_steps ? r - n_steps : r; };
     // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
     auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
-        const int n0 = s0 + step_of(t) * kStepN;
+        const int n0 = s0 + t * kStepN;
         u16* dk = ringK + slot * kStepTile;
         u16* dv = ringV + slot * kStepTile;
         if (block_table == nullptr) {
@@ -214,7 +204,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 }
             };
             const u32 slot = (t % STAGES) * kStepTile * 2;
-            const int n0 = s0 + step_of(t) * kStepN + warp * BLOCK_N;
+            const int n0 = s0 + t * kStepN + warp * BLOCK_N;
             if (n0 < s1)
                 decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
                     qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,

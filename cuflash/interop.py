@@ -27,7 +27,7 @@ The NumPy-style functions drop torch's autograd history (results do not require 
 ``cuflash.torch.attention`` is the differentiable path, ``cuflash.jax.attention`` JAX's.
 
 Streams: torch inputs run on ``torch.cuda.current_stream(device)``, made CuPy's current stream for
-the call (as ``cupy.cuda.ExternalStream``); CuPy inputs run on CuPy's current stream; for JAX and
+the call (``external_stream``); CuPy inputs run on CuPy's current stream; for JAX and
 other DLPack producers the protocol itself orders the producer's pending work before CuPy's
 current stream and the consumer's work after it. Memory CuPy allocates during a call (outputs,
 scratch) belongs to CuPy's pool on that stream: like torch's caching allocator, a result used on
@@ -281,6 +281,33 @@ def _export_jax(a, device):
         return jax.lax.bitcast_convert_type(bits, jax.numpy.bfloat16)  # one device copy
 
 
+class _StreamHandle:
+    """A raw cudaStream_t in the CUDA stream protocol, which cupy.cuda.Stream.from_external takes."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device: int):
+    """A CuPy stream for another library's cudaStream_t (0: the legacy default stream).
+
+    CuPy >= 14 deprecates ExternalStream (a DeprecationWarning per call, an error under -W error)
+    for Stream.from_external; older CuPy has only ExternalStream."""
+    import cupy
+
+    if not ptr:
+        return cupy.cuda.Stream.null
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
 class ForeignCall:
     """One call with foreign arrays: context (device, stream), imports, and exports of results."""
 
@@ -314,9 +341,7 @@ class ForeignCall:
         import cupy
 
         torch = _loaded("torch")
-        ptr = torch.cuda.current_stream(dev).cuda_stream
-        stream = cupy.cuda.ExternalStream(ptr, dev) if ptr else cupy.cuda.Stream.null
-        with stream:
+        with external_stream(torch.cuda.current_stream(dev).cuda_stream, dev):
             yield
 
     def to_native(self, name, x, output=False):

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed JAX
 
 import numpy as np
 
-from . import _problem, api
+from . import _problem, api, interop
 
 __all__ = ["attention"]
 
@@ -79,7 +79,7 @@ class _Native:
 
             device = cupy.cuda.Device(self.device)
             device.__enter__()
-            stream = cupy.cuda.ExternalStream(int(self.ctx.stream), self.device)
+            stream = interop.external_stream(int(self.ctx.stream), self.device)
             stream.__enter__()
             self._scopes = [stream, device]
         return self

@@ -124,6 +124,23 @@ def test_torch_import_is_the_dlpack_view(rng, make, dtype):
     assert bool((got == saved).all())
 
 
+def test_torch_call_warns_nothing(rng):
+    # CuPy 14 deprecates ExternalStream with a DeprecationWarning per use: a torch call made
+    # under -W error (or pytest's filterwarnings = error) must still run.
+    import warnings
+
+    torch = need_torch_cuda()
+    q, k, v = random_inputs(rng, SHAPE, SHAPE, FLOAT16)
+    tq, tk, tv = (to_torch(torch, a) for a in (q, k, v))
+    side = torch.cuda.Stream()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.stream(side):  # a stream other than the legacy default one
+            o = cuflash.attention(tq, tk, tv)
+        side.synchronize()
+    assert_forward_within_naive_error(from_torch(torch, o), None, q, k, v)
+
+
 def test_torch_side_stream_written_right_before_the_call(rng, launches):
     """Inputs land on a non-default stream behind ~tens of ms of queued GPU work; the call must run
     on that stream (so it reads them, not the NaN placeholders) and hand o back on it."""

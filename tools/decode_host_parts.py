@@ -89,7 +89,7 @@ def main():
 
     from cuflash import interop
 
-    torch_stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    torch_stream = interop.external_stream(torch.cuda.current_stream().cuda_stream, 0)
 
     def dlpack_imports():
         with torch_stream:
