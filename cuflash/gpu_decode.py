@@ -370,10 +370,15 @@ class DecodeLaunch(NamedTuple):
         return (q4, k4, v4, o4, lse3, part_o, part_lse, lens, table, *self.middle)
 
     def combine_args(self, part_o, part_lse, o4, lse3):
-        return (part_o, part_lse, o4, lse3, *self.combine_tail, np.int32(self.plan.splits))
+        return _combine_args(part_o, part_lse, o4, lse3, self.combine_tail, self.plan.splits)
 
     def combine_grid(self, p):
         return (self.rows, p.hkv, p.batch)
+
+
+def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
+    """attn_decode_combine's arguments (combine_tail: _launch_scalars' second part)."""
+    return (part_o, part_lse, o4, lse3, *combine_tail, np.int32(splits))
 
 
 def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None):
@@ -464,7 +469,9 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
     else:
         part_o = part_lse = cupy.empty((0,), dtype=np.float32)
     hi, lo, align = band_offsets(p)
-    os_ = [np.int64(s) for s in _elem_strides(o4)[:3]]
+    strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4), 0)
+    _, combine_tail = _launch_scalars(p, strides, None, chunk)  # (the TMA maps carry K's and V's strides)
+    os_ = combine_tail[:3]  # o's batch, head and row strides
     spec, _ = tma_spec(p.dtype, p.d, rt, p.causal is not None, tma_tile)
     get_function(spec)(
         (splits, p.hkv, p.batch), (spec.threads,),
@@ -475,6 +482,5 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
         shared_mem=spec.smem_bytes,
     )
     if splits > 1:
-        args = (part_o, part_lse, o4, lse3, *os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group),
-                np.int32(p.d), np.int32(splits))
-        _launch_combine(p, args, (rows, p.hkv, p.batch), splits, combine_programmatic(p))
+        _launch_combine(p, _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits), (rows, p.hkv, p.batch),
+                        splits, combine_programmatic(p))
