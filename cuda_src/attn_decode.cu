@@ -295,6 +295,154 @@ attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
         q, k, v, o, lse, nullptr, nullptr, DECODE_TAIL_ARGS);
 }
 #endif
+// Grid (1, 1, G) with G < B * Hkv (no split): block g runs the (sequence, K/V head) pairs g, g + G,
+// ... (pair p = b * Hkv + hk) one after another through one block ring in FA2's order (RING 2,
+// two stages), and the ring runs on across pairs: the next pair's first K and V are copied while
+// this pair's last step computes and its warps merge and store (into a merge buffer of their own,
+// not the ring). A block per pair leaves its slot with nothing in flight from its last step until
+// the next block's first copies land (block trace, B=64 Hkv=8 L=4k: end 2.6 + start 1.5 us of
+// 120 us blocks). The pairs' results are those of attn_decode's blocks bit for bit (the same keys
+// in the same order per warp, the same merge).
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool WINDOW = false>
+__global__ void __launch_bounds__(WARPS * 32, 2)
+attn_decode_pairs(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS,
+                  int batch) {
+    static_assert(STAGES == 2, "the ring looks one step ahead, also across pairs");
+    using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
+    constexpr int kRows = Tr::kRows, kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* ringK = sQ + kRows * HEAD_DIM;
+    u16* ringV = ringK + STAGES * kStepTile;
+    float* s_stat = reinterpret_cast<float*>(ringV + STAGES * kStepTile);  // [WARPS][kRows][2]
+    float* sO = s_stat + WARPS * kRows * 2;  // the merge buffer, apart from the ring (a slot per warp with one row tile)
+    constexpr int kMergeBytes = (ROW_TILES > 1 ? 1 : WARPS) * kRows * HEAD_DIM * 4;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hkv = hq / group, n_pairs = batch * hkv;
+    int p = blockIdx.z;
+    if (p >= n_pairs) return;
+
+    struct Pair {
+        int b, hk, s0, s1, lo0, hi0, n_steps;
+    };
+    auto pair_at = [&](int i) {
+        Pair r;
+        r.b = i / hkv;
+        r.hk = i - r.b * hkv;
+        const DecodeSpan<CAUSAL, WINDOW> span(kv_lens, r.b, nk, nq, align, 0, chunk, band_lo, band_hi);
+        r.s0 = span.s0, r.s1 = span.s1, r.lo0 = span.lo0, r.hi0 = span.hi0;
+        r.n_steps = (max(0, r.s1 - r.s0) + kStepN - 1) / kStepN;
+        return r;
+    };
+    // The copies: step t of pair P's K and / or V into slot `slot` (paged: each warp its own groups).
+    auto load_step = [&](const Pair P, int t, int slot, bool do_k, bool do_v) {
+        const int n0 = P.s0 + t * kStepN;
+        u16* dk = ringK + slot * kStepTile;
+        u16* dv = ringV + slot * kStepTile;
+        if (block_table == nullptr) {
+            if (do_k)
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                    dk, k + P.b * k_sb + P.hk * k_sh + n0 * k_sn, k_sn, P.s1 - n0, d, threadIdx.x);
+            if (do_v)
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                    dv, v + P.b * v_sb + P.hk * v_sh + n0 * v_sn, v_sn, P.s1 - n0, d, threadIdx.x);
+        } else {
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 16; ++i) {
+                const int row = warp * BLOCK_N + 16 * i, n = n0 + row;
+                const i64 page = n < P.s1 ? block_table[P.b * bt_sb + (n >> page_shift)] : 0;
+                const int in_page = n & ((1 << page_shift) - 1);
+                if (do_k)
+                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                        dk + row * HEAD_DIM, k + page * k_sb + P.hk * k_sh + in_page * k_sn, k_sn, P.s1 - n, d, lane);
+                if (do_v)
+                    load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                        dv + row * HEAD_DIM, v + page * v_sb + P.hk * v_sh + in_page * v_sn, v_sn, P.s1 - n, d, lane);
+            }
+        }
+    };
+    // The copy stream runs one step ahead of the computing: `ahead` (pair index ap, step at) is the
+    // last step copied; next_step() moves it to the following step of the block's pairs (skipping
+    // pairs without keys), or returns false past the last.
+    Pair cur = pair_at(p), ahead = cur;
+    int ap = p, at = -1;
+    auto next_step = [&]() {
+        ++at;
+        while (at >= ahead.n_steps) {
+            ap += gridDim.z;
+            if (ap >= n_pairs) return false;
+            ahead = pair_at(ap);
+            at = 0;
+        }
+        return true;
+    };
+    using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
+    constexpr bool kQRegs = ROW_TILES == 1 && QPack::kItems <= 2;
+    QPack qpack;
+    if constexpr (kQRegs) qpack.load(q, q_sb, q_sh, q_sn, cur.b, cur.hk, group, nq, d);
+    bool copying = next_step();
+    if (copying) load_step(ahead, at, 0, true, false);
+    cp_async_commit();
+    if (copying) load_step(ahead, at, 0, false, true);
+    cp_async_commit();
+    if constexpr (kQRegs)
+        qpack.store(sQ);
+    else
+        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, cur.b, cur.hk, group, nq, d);
+    __syncthreads();
+    const u32 sbase = smem_addr(smem);
+    const u32 kbase = sbase + (kRows * HEAD_DIM + warp * BLOCK_N * HEAD_DIM) * 2;
+    const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+    const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+    const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
+    int item = 0;  // steps computed so far by the block: step `item` sits in slot item % STAGES
+    for (;;) {
+        const DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+        float acc_o[ROW_TILES][HEAD_DIM / 8][4];
+        OnlineSoftmax<2 * ROW_TILES> softmax;
+        zero_acc(acc_o);
+        for (int t = 0; t < cur.n_steps; ++t, ++item) {
+            cp_async_wait<1>();  // this step's K (its V may still be landing)
+            __syncthreads();     // its copies visible; every warp is past the previous step, whose slot refills
+            const int next_slot = (item + 1) % STAGES;
+            copying = copying && next_step();
+            if (copying) load_step(ahead, at, next_slot, true, false);
+            cp_async_commit();
+            auto v_ahead = [&]() {
+                cp_async_wait<1>();
+                __syncthreads();  // this step's V visible
+                if (copying) load_step(ahead, at, next_slot, false, true);
+                cp_async_commit();
+            };
+            const u32 slot = (item % STAGES) * kStepTile * 2;
+            const int n0 = cur.s0 + t * kStepN + warp * BLOCK_N;
+            if (n0 < cur.s1)
+                decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
+                    qa, aK, aV, slot, slot, n0, cur.s1, rows, cur.lo0, cur.hi0, nq, lane, softmax, acc_o, scale_log2,
+                    v_ahead);
+            else
+                v_ahead();
+        }
+        const int np = p + gridDim.z;
+        if constexpr (kQRegs)  // the next pair's Q loads under the merge
+            if (np < n_pairs) qpack.load(q, q_sb, q_sh, q_sn, np / hkv, np % hkv, group, nq, d);
+        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, kMergeBytes>(
+            softmax, acc_o, true, s_stat, sO, warp, lane, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, cur.b, cur.hk,
+            hkv, 0, 1, hq, nq, d, group, scale_log2);
+        if (np >= n_pairs) break;
+        p = np;
+        cur = pair_at(p);
+        // (decode_merge_store ended with a barrier: every warp is past its last read of sQ)
+        if constexpr (kQRegs)
+            qpack.store(sQ);
+        else
+            decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, cur.b, cur.hk, group, nq, d);
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+}
+
 #undef DECODE_PARAMS
 #undef DECODE_TAIL_PARAMS
 #undef DECODE_TAIL_ARGS

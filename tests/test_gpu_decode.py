@@ -252,3 +252,73 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
         outs.append(o4.get())
     check_per_sequence(outs[1], lse3, q, k, v, [nk] * b, False, BFLOAT16)
     np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 7])
+@pytest.mark.parametrize("case", ["plain", "lens-br", "paged-tl", "window", "two-row-tiles", "fp16-causal"])
+def test_decode_pairs(monkeypatch, blocks, case):
+    # attn_decode_pairs: `blocks` blocks each run (sequence, K/V head) pairs g, g + blocks, ...,
+    # copying the next pair's first step during this pair's merge. Each pair's result must be the
+    # one-block-per-pair kernel's bit for bit (same tile, same keys per warp, same merge) and within
+    # the float64 reference's naive-error bound. kv_lens 0 / 1 / mid-step / full (empty pairs
+    # between non-empty ones), shuffled pages, a window cutting steps, 2 row tiles (GQA x tokens =
+    # 28 rows); outputs poisoned.
+    from cuflash._problem import validate_paged
+    from test_paged import paged_cache
+
+    rng = np.random.default_rng([blocks, len(case)])
+    dtype = FLOAT16 if case == "fp16-causal" else BFLOAT16
+    b, hq, hkv, nk, d = 5, 12, 3, 1300, 128
+    nq = {"window": 7, "two-row-tiles": 7, "fp16-causal": 3}.get(case, 1)
+    causal = {"lens-br": "bottom_right", "paged-tl": "top_left", "window": "bottom_right",
+              "fp16-causal": "bottom_right"}.get(case, False)
+    window = (300, 0) if case == "window" else None
+    q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), dtype)
+    lens = None
+    if case in ("lens-br", "paged-tl"):
+        lens = np.array([0, 1, int(rng.integers(2, nk)), nk, 0], dtype=np.int32)
+    qg = cupy.asarray(q)
+    lg = None if lens is None else cupy.asarray(lens)
+    if case == "paged-tl":
+        kc, vc, table = (cupy.asarray(a) for a in paged_cache(rng, k, v, lens, 64))
+        p, block = validate_paged(qg, kc, vc, table, causal=causal)
+        args, kw = (qg, kc, vc), dict(paged=(table, block))
+    else:
+        kg, vg = cupy.asarray(k), cupy.asarray(v)
+        p = validate_forward(qg, kg, vg, causal=causal, window=window)
+        args, kw = (qg, kg, vg), {}
+    tile = schedule.DECODE_TILES_NO_SPLIT[128]
+    launched = _launch(monkeypatch)
+    outs = []
+    for pairs in (False, blocks):
+        o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
+        lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
+        gpu_decode.forward(p, *args, o4, lse3, kv_lens=lg, tile=tile, splits=1, pairs=pairs, **kw)
+        outs.append((o4.get(), lse3.get()))
+    assert launched[-1].startswith("attn_decode_pairs<") and not launched[0].startswith("attn_decode_pairs<"), launched
+    if lens is None:
+        lens = np.full(b, nk, dtype=np.int32)
+    check_per_sequence(outs[1][0], outs[1][1], q, k, v, lens, causal, dtype, window=window)
+    np.testing.assert_array_equal(outs[1][0].view(np.uint16), outs[0][0].view(np.uint16))
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+
+
+def test_decode_pairs_planned_for_many_uniform_pairs(monkeypatch):
+    # The planner's choice on a stand-in device of 4 SMs: more pairs than the no-split tile's
+    # 2 x 4 block slots and no kv_lens -> attn_decode_pairs with 8 blocks through cuflash.attention
+    # (and the prepared call); with kv_lens (pairs of different lengths) -> a block per pair.
+    monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev: 4)
+    rng = np.random.default_rng(5)
+    b, hq, hkv, nk, d = 6, 8, 2, 700, 128
+    q, k, v = random_inputs(rng, (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    launched = _launch(monkeypatch)
+    o, lse = cuflash.attention(qg, kg, vg, return_lse=True)
+    assert launched[-1].startswith("attn_decode_pairs<"), launched
+    check_per_sequence(o.get(), lse.get(), q, k, v, np.full(b, nk, dtype=np.int32), False, BFLOAT16)
+    run = cuflash.prepare_attention(qg, kg, vg)
+    assert run.kernel[0].startswith("attn_decode_pairs<"), run.kernel
+    np.testing.assert_array_equal(run(qg, kg, vg).get().view(np.uint16), o.get().view(np.uint16))
+    lens = cupy.asarray(np.full(b, nk, dtype=np.int32))
+    cuflash.attention(qg, kg, vg, kv_lens=lens)
+    assert launched[-1].startswith("attn_decode<"), launched
