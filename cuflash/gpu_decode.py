@@ -60,16 +60,10 @@ CLUSTER_SIZES = (2, 4, 8)  # cluster sizes attn_decode_cluster is instantiated f
 
 
 @functools.lru_cache(maxsize=None)  # a few dozen keys: tiles and cluster sizes, not lengths
-def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False, pairs=False):
+def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
     """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch
-    tile t; window: the instantiation that masks a sliding window; pairs: attn_decode_pairs (a
-    block runs several (sequence, K/V head) pairs; tile t is a two-stage ring-2 tile)."""
+    tile t; window: the instantiation that masks a sliding window."""
     params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
-    if pairs:
-        if (t.ring, t.stages) != (2, 2) or cluster:
-            raise ValueError("attn_decode_pairs runs two-stage ring-2 tiles without a cluster")
-        return KernelSpec("attn_decode.cu", f"attn_decode_pairs<{params}, {_b(window)}>", t.threads,
-                          t.smem_bytes(hd, row_tiles, merge_buffer=True))
     tail = ", true" if window else ""
     if t.ring:
         tail = f", {_b(window)}, {t.ring}"
@@ -99,19 +93,11 @@ def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None, window=False
 
 
 def launch_spec(dtype, d, causal, plan, window=False):
-    """The cp.async kernel a DecodePlan launches: attn_decode, attn_decode_cluster when its
-    splits merge in a cluster, attn_decode_pairs with pair blocks (plan.tile is the launch tile
-    already: no second shrink)."""
+    """The cp.async kernel a DecodePlan launches: attn_decode, or attn_decode_cluster when its
+    splits merge in a cluster (plan.tile is the launch tile already: no second shrink)."""
     hd, _ = schedule.decode_tile(d)
     return _kernel_spec(dtype, hd, plan.row_tiles, plan.tile, causal, True, plan.splits if plan.cluster else 0,
-                        window, bool(plan.pair_blocks))
-
-
-def pairs_spec(dtype, d, row_tiles, causal, window=False):
-    """attn_decode_pairs with the no-split tile (schedule.DECODE_TILES_NO_SPLIT)."""
-    hd, _ = schedule.decode_tile(d)
-    t = _launch_tile(schedule.DECODE_TILES_NO_SPLIT[hd], row_tiles)
-    return _kernel_spec(dtype, hd, row_tiles, t, causal, True, 0, window, True)
+                        window)
 
 
 def combine_spec(dtype, d):
@@ -144,11 +130,6 @@ def all_decode_specs():
                     for causal in (False, True):
                         for window in (False, True):
                             specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
-        for hd, t in schedule.DECODE_TILES_NO_SPLIT.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        specs.append(pairs_spec(dtype, hd, rt, causal, window))
         for hd, t in schedule.DECODE_TILES_LONG_CLUSTER_SPLITS.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -218,16 +199,6 @@ class DecodePlan(NamedTuple):
     splits: int  # blocks along the keys (grid x)
     chunk: int  # keys per split, a whole number of key tiles
     cluster: bool  # the splits form one thread-block cluster and merge in it (no workspace, no combine)
-    pair_blocks: int = 0  # > 0: attn_decode_pairs, this many blocks walking the (sequence, K/V head) pairs
-
-
-# One split per (sequence, K/V head) pair and more pairs than the no-split tile's block slots
-# (its max_blocks_per_sm x SMs): attn_decode_pairs with one block per slot, each running its
-# pairs back to back with the next pair's first copies in flight during this pair's merge
-# (a block per pair leaves its slot idle between them). Only where every pair has the same
-# length (no kv_lens): the blocks' pairs are fixed (p, p + blocks, ...), which lengths that
-# differ would leave unbalanced where the block scheduler balances blocks per pair.
-PAIR_BLOCKS = True
 
 
 # The automatic merge for a few (sequence, head) blocks (H200, B=8 Hkv=8 Hq=32 d=128, decode probe
@@ -267,14 +238,11 @@ def _merge_plan(nk, n, min_chunk, explicit, cluster):
     return size, -(-nk // size) <= CLUSTER_MAX_CHUNK
 
 
-def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True, ragged=False,
-                pairs=None) -> DecodePlan:
+def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True) -> DecodePlan:
     """The launch's geometry. `cluster`: None picks (see _merge_plan), False
     forces the combine kernel, True the cluster merge (ValueError where it cannot run);
-    `clusters`: whether the device runs thread-block clusters (sm_90); `ragged`: kv_lens is
-    given (pairs of different lengths); `pairs`: None picks (PAIR_BLOCKS), False never runs
-    attn_decode_pairs, an int runs it with that many blocks wherever it can (tests). The
-    accounting reads the split count and the merge from here too."""
+    `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
+    split count and the merge from here too."""
     rt = row_tiles_for(p)
     table_tile = tile is None
     if table_tile:
@@ -304,12 +272,6 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     splits = -(-max(keys, 1) // chunk)
     if table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK:
         t = _same_keys_tile(schedule.DECODE_TILES_LONG_SPLITS, p, rt, t)  # FA2's order for long splits
-    if splits == 1 and not tma and (t.ring, t.stages) == (2, 2) and pairs is not False:
-        slots = (t.max_blocks_per_sm or 2) * sm_count
-        if isinstance(pairs, int) and not isinstance(pairs, bool):
-            return DecodePlan(rt, t, 1, chunk, False, max(1, min(pairs, p.batch * p.hkv)))
-        if PAIR_BLOCKS and table_tile and not ragged and p.batch * p.hkv > slots:
-            return DecodePlan(rt, t, 1, chunk, False, slots)
     return DecodePlan(rt, t, splits, chunk, False)
 
 
@@ -419,28 +381,23 @@ def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
     return (part_o, part_lse, o4, lse3, *combine_tail, np.int32(splits))
 
 
-def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None, ragged=False,
-                  pairs=None):
+def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None):
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
-    table's row stride) and the page shift of a paged cache (None: contiguous K/V); `ragged`:
-    kv_lens given."""
-    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev), ragged, pairs)
+    table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
+    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
     middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk)
     spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
-    if lp.pair_blocks:  # attn_decode_pairs: a 1-D grid over its blocks, the batch size last
-        return DecodeLaunch(lp, spec, (1, 1, lp.pair_blocks), middle + (np.int32(p.batch),), combine_tail,
-                            p.group * p.nq)
     return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq)
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
-            cluster=None, pairs=None):
+            cluster=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
     kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
     splits merge (see launch_plan): None picks, False forces the combine kernel, True the cluster
-    merge (ValueError where it cannot run). `pairs`: see launch_plan."""
+    merge (ValueError where it cannot run)."""
     import cupy
 
     from .gpu import _elem_strides
@@ -454,7 +411,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
                table.strides[0] // table.itemsize if paged is not None else 0)
     shift = paged[1].bit_length() - 1 if paged is not None else None
-    dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster, kv_lens is not None, pairs)
+    dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
     ws = dl.workspace_shapes(p)
     if ws is not None:
         part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)

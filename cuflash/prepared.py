@@ -258,8 +258,7 @@ class _DecodeCall:
         o4 = to_bhsd(o_template, p, p.hq, p.nq)
         strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
                    table.strides[0] // table.itemsize if table is not None else 0)
-        dl = gpu_decode.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None,
-                                      ragged=lens is not None)
+        dl = gpu_decode.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
         offsets = tuple(a4.data.ptr - a.data.ptr for a4, a in views) + (o4.data.ptr - o_template.data.ptr,)
         extents = [tuple(x - a.data.ptr for x in byte_range(a)) for a in (q, k, v)]
         return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None,

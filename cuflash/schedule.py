@@ -398,13 +398,9 @@ class DecodeTile:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def smem_bytes(self, head_dim: int, row_tiles: int, merge_buffer: bool = False) -> int:
-        """Q, the rings and the warps' statistics; with merge_buffer (attn_decode_pairs) also the
-        warps' O merge buffer apart from the ring (a slot per warp with one row tile, else one)."""
+    def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
         rows = 16 * row_tiles
         need = (rows * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2 + self.warps * rows * 2 * 4
-        if merge_buffer:
-            need += (self.warps if row_tiles == 1 else 1) * rows * head_dim * 4
         if self.max_blocks_per_sm:
             from .device_limits import H200
 

@@ -279,7 +279,7 @@ def test_decode_shape_reports_the_decode_kernel_and_its_splits():
     r = cuflash.memory_report((4, 32, 1, 128), (4, 8, 16384, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
     p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=16384, hq=32, hkv=8, group=4, batch=4, causal=None)
-    rt, _, splits, _, cluster = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)[:5]
+    rt, _, splits, _, cluster = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)
     assert splits > 1 and not cluster and by["O partials"].bytes == 4 * 32 * 1 * splits * 128 * 4
     main = gpu_decode.decode_specs(BFLOAT16, 128, rt, False, True)[0]
     smem = by["shared memory / block (fwd)"]
@@ -591,14 +591,14 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
     assert by["K"].reads == by["V"].reads == B * Hkv * keys * d  # not B * H: GQA rows share the pass
     p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=Hkv, group=H // Hkv, batch=B,
                         causal=masks.normalize_causal(causal))
-    _, _, splits, _, cluster = gpu_decode.launch_plan(p, 132)[:5]
+    _, _, splits, _, cluster = gpu_decode.launch_plan(p, 132)
     assert cluster and splits > 1  # B=8, Hkv=8: the splits merge in a cluster, not through memory
     assert by["O partials"].reads == by["O partials"].writes == by["LSE partials"].reads == 0
     # B=2: more splits than a cluster holds, so the combine kernel reads the float32 partials back
     m2 = cuflash.io_model((2, H, nq, d), nk=nk, hkv=Hkv, causal=causal)
     by2 = {e.name: e for e in m2.entries}
     p2 = SimpleNamespace(**{**vars(p), "batch": 2})
-    _, _, splits2, _, cluster2 = gpu_decode.launch_plan(p2, 132)[:5]
+    _, _, splits2, _, cluster2 = gpu_decode.launch_plan(p2, 132)
     rows = 2 * Hkv * splits2 * (H // Hkv) * nq
     assert not cluster2 and splits2 > 8 and by2["O partials"].reads == by2["O partials"].writes == rows * d
     assert m.computed_pairs == B * H * masks.pair_count(masks.normalize_causal(causal), nq, nk)

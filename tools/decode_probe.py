@@ -10,8 +10,6 @@ launch hidden behind a GPU spin), plus the host time of one cuflash.attention ca
         DECODE_WAVES, default 1)
     DECODE_SPLITS=2 DECODE_CANDS="16,4,2,2,2" python tools/decode_probe.py out.json --many-cells   # each
         candidate tile also with that many splits per (sequence, head), merged in a cluster
-    python tools/decode_probe.py out.json --many-cells --default-only --pairs   # attn_decode_pairs
-        (the planner's choice) against a block per (sequence, head) pair
     python tools/decode_probe.py out.json --cluster   # how the splits merge: in a thread-block
         cluster (cluster2/4/8) vs the combine kernel (combine = its own split count, combine2/4/8),
         every cell; "api" is the planner's choice (row["plan"])
@@ -60,8 +58,6 @@ if os.environ.get("DECODE_CANDS"):  # "block_n,warps,stages;..." (e.g. deeper ri
     CANDS = [tuple(int(x) for x in c.split(",")) for c in os.environ["DECODE_CANDS"].split(";")]
     WAVES = tuple(int(x) for x in os.environ.get("DECODE_WAVES", "1").split(","))
 MERGES = []  # (key, forward keywords): the split merge, cluster vs combine kernel, default tile
-if "--pairs" in sys.argv:  # attn_decode_pairs (the planner's choice where it applies, "api") vs a block per pair
-    MERGES = [("blockperpair", dict(pairs=False)), ("pairs", dict(pairs=None))]
 if "--cluster" in sys.argv:
     CANDS, TMA_CANDS = [], []
     MERGES = [("combine", dict(cluster=False))]
