@@ -255,7 +255,7 @@ class Timer:
 def measure_ceilings(timer):
     import torch
 
-    read = read_ceiling(timer)  # first: the matmul's heat might lower it (4.64 alone, 4.54 after it, unexplained)
+    read = read_ceiling(timer)
     n = 8192
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
@@ -332,9 +332,10 @@ def read_ceiling(timer, detail=None) -> float:
         for name, (_, _, threads, blocks_per_sm) in zip(names, READ_CONFIGS):
             fn = module.get_function(name)
             ms, _ = timer(lambda: fn((blocks_per_sm * sms,), (threads,), (src, cupy.int64(n), sink)))
-            best = max(best, READ_BYTES / (ms * 1e-3) / 1e12)
+            tbps = READ_BYTES / (ms * 1e-3) / 1e12
+            best = max(best, tbps)
             if detail is not None:
-                detail.append((name, threads, blocks_per_sm, READ_BYTES / (ms * 1e-3) / 1e12))
+                detail.append((name, threads, blocks_per_sm, tbps))
     del src, sink
     cupy.get_default_memory_pool().free_all_blocks()
     return best

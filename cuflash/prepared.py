@@ -21,6 +21,8 @@ bitwise those of ``cuflash.attention`` on the same inputs (tests/test_gpu_prepar
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import _problem, api, interop
@@ -175,6 +177,11 @@ class _CupyArrays:
     def native(a):
         return a
 
+    @staticmethod
+    def checking():
+        """Where kv_lens / block_table values are read on the host: CuPy's current stream as is."""
+        return contextlib.nullcontext()
+
     def explain_out(self, out, shape, dtype, inputs):
         """Raise the error for an out= that is not like a fresh result (cuflash.attention's checks)."""
         _problem.check_out("out", out, shape, dtype, self.cupy, inputs)
@@ -208,11 +215,20 @@ class _TorchArrays:
     def ptr(a) -> int:
         return a.data_ptr()
 
-    def native(self, a):
+    @staticmethod
+    def native(a):
+        return interop._import_torch(a)
+
+    def checking(self):
+        """Where kv_lens / block_table values are read on the host: the tensors' device, with
+        torch's current stream as CuPy's, so the read follows the tensors' pending writes (the
+        views of interop._import_torch carry no DLPack stream handshake)."""
         import cupy
 
-        with cupy.cuda.Device(self.device):
-            return interop._import_torch(a)
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(self.device))
+        stack.enter_context(interop.external_stream(self.stream(), self.device))
+        return stack
 
     def explain_out(self, out, shape, dtype, inputs):
         """Raise the error for an out= that is not like a fresh result."""
@@ -314,9 +330,10 @@ class _DecodeCall:
             return None
         p = self.p
         if self.validate and (lens is not None or table is not None):
-            _check_lens_and_table(p, lib.native(lens) if lens is not None else None,
-                                  lib.native(table) if table is not None else None, self.block_size,
-                                  self.num_blocks, True)
+            with lib.checking():
+                _check_lens_and_table(p, lib.native(lens) if lens is not None else None,
+                                      lib.native(table) if table is not None else None, self.block_size,
+                                      self.num_blocks, True)
         if out is not None:
             self._check_out(out, (("q", q), ("k", k), ("v", v)))
         stream = lib.stream()

@@ -181,6 +181,27 @@ def test_prepared_decode_torch(case):
         run(args[0], *targs[1:], **tkw)  # a CuPy array where a tensor was prepared
 
 
+def test_prepared_torch_reads_lens_after_their_writes():
+    # validate=True reads kv_lens on the host each call. With torch tensors that read must follow
+    # the writes queued on torch's current stream: here an out-of-range length written behind a
+    # ~25 ms GPU spin on a side stream, so a read that does not wait sees the old, valid lengths.
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(31)
+    shape = SHAPES["cluster-split"]
+    args, kw, _ = _case(rng, shape, BFLOAT16, "lens")
+    targs = [torch.from_dlpack(a) for a in args]
+    lens = torch.from_dlpack(kw["kv_lens"])
+    run = cuflash.prepare_attention(*targs, kv_lens=lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        lens.fill_(shape[-1] + 1)
+        with pytest.raises(ValueError, match=r"^kv_lens: values must lie in"):
+            run(*targs, kv_lens=lens)
+    side.synchronize()
+
+
 def test_prepared_prefill_runs_attention():
     # A prefill shape takes cuflash.attention per call (path "attention"), same results.
     rng = np.random.default_rng(29)

@@ -25,13 +25,12 @@ def main(paths):
             print(f"{path}: unreadable ({exc})")
             continue
         cells = defaultdict(dict)
+        read = doc.get("ceilings", {}).get("read_tbps")
         for r in doc.get("bench", []):
             if r.get("ms") is None or r.get("status") not in ("ok", None):
                 continue
             cells[(r["op"], r["dtype"], r["d"], r["nk"], bool(r["causal"]), r["b"], r["hq"], r["hkv"])][r["impl"]] = r["ms"]
-        read = doc.get("ceilings", {}).get("read_tbps")
-        for r in doc.get("bench", []):
-            if read and r["op"] == "decode" and r.get("tbps") and r.get("status") in ("ok", None):
+            if read and r["op"] == "decode" and r.get("tbps"):
                 of_read[(r["nk"], r["b"], r["hkv"])][r["impl"]].append(r["tbps"] / read)
         for cell, ms in cells.items():
             if "cuflash" in ms and "torch-cudnn" in ms:
