@@ -361,7 +361,7 @@ def test_runs_on_current_stream(rng, dtype):
     cupy.cuda.Device().synchronize()  # inputs and q's poison are in place before the stream starts
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        spin((1,), (1,), (np.int64(khz * 300),))  # ~0.3 s
+        spin((1,), (1,), (np.int64(khz * 1500),))  # ~1.5 s: a host loaded by parallel test workers once took > 0.3 s to queue the rest
         raw(q)[...] = raw(q_src)
         out = poisoned(q.shape, dtype)
         o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, out=out)
