@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 
 import numpy as np
 
@@ -89,6 +90,11 @@ class PackedLaunch:
         self._params = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
         self._params_address = ctypes.addressof(self._params)
         self._config = None
+        # One parameter block per launch object, rewritten per call: a lock keeps two threads'
+        # calls from interleaving (ctypes releases the GIL during the driver call, and the
+        # driver copies the parameters only inside it), which would launch one thread's kernel
+        # with the other's addresses. Uncontended, it costs well under a microsecond.
+        self._lock = threading.Lock()
         if programmatic:
             self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
             self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start)
@@ -103,14 +109,15 @@ class PackedLaunch:
         if len(pointers) != len(self._pointer_slots):
             raise TypeError(f"{self.name}: {len(self._pointer_slots)} array addresses expected, got {len(pointers)}")
         slots = self._slots
-        for i, ptr in zip(self._pointer_slots, pointers):
-            slots[i] = ptr
         launch, launch_ex, _ = _driver()
-        if self._config is None:
-            err = launch(self._function, *self._dims, stream, self._params_address, None)
-        else:
-            self._config.stream = stream
-            err = launch_ex(self._config_ref, self._function, self._params_address, None)
+        with self._lock:
+            for i, ptr in zip(self._pointer_slots, pointers):
+                slots[i] = ptr
+            if self._config is None:
+                err = launch(self._function, *self._dims, stream, self._params_address, None)
+            else:
+                self._config.stream = stream
+                err = launch_ex(self._config_ref, self._function, self._params_address, None)
         if err:
             self._raise(err)
 

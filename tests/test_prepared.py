@@ -115,3 +115,38 @@ def test_launch_structures_match_cuda_h():
     assert ctypes.sizeof(_launch._LaunchConfig) == 56
     assert (_launch._LaunchConfig.shared_mem.offset, _launch._LaunchConfig.stream.offset,
             _launch._LaunchConfig.attrs.offset, _launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+
+
+def test_packed_launch_is_one_call_per_thread(monkeypatch):
+    # ctypes releases the GIL inside the driver call, and the driver copies the parameters only
+    # there: two threads sharing one PackedLaunch (a prepared call, the plan cache of
+    # cuflash.attention) must each launch with their own addresses. A stand-in driver sleeps
+    # (letting the other threads run) before it reads the parameter block, as a slow launch would.
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    seen = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        time.sleep(0.0002)
+        slots = (ctypes.c_void_p * 3).from_address(params)
+        seen.append((stream, tuple(ctypes.c_uint64.from_address(slots[i]).value for i in (0, 2))))
+        return 0
+
+    monkeypatch.setattr(_launch, "_driver", lambda: (fake_launch, None, None))
+    fn = SimpleNamespace(name="k", kernel=SimpleNamespace(ptr=1))
+    packed = _launch.PackedLaunch(fn, (1,), (32,), (_launch.POINTER, np.int32(5), _launch.POINTER), 0)
+
+    def worker(t):
+        for i in range(40):
+            packed.launch(t, 1000 * t + i, 1000 * t + i + 500)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(1, 5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(seen) == 160
+    wrong = [(s, ptrs) for s, ptrs in seen if ptrs[0] // 1000 != s or ptrs[1] != ptrs[0] + 500]
+    assert not wrong, f"{len(wrong)} launches read another thread's addresses, e.g. {wrong[:3]}"
