@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _problem, interop
+from . import _problem, interop, plan_cache
 from ._arrays import may_share_memory
 from ._layout import from_bhsd, is_view_of, to_bhsd
 
@@ -85,7 +85,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     Returns
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
+
+    A decode geometry called twice (same shapes, strides, dtypes, device and options) is planned
+    once and later calls launch from the plan (cuflash.plan_cache): the same checks and results,
+    less host time. ``CUFLASH_PLAN_CACHE=0`` turns that off.
     """
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
+                                 (causal, scale, layout, return_lse, validate, window))
+        if planned is not plan_cache.MISS:
+            return planned
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
     if block_table is not None:
@@ -111,13 +120,14 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
 
 def _forward_outputs(p, out):
     """(o, o4, direct, lse3): o (out or fresh), its (B, Hq, Nq, d) view o4 - a scratch array when
-    out's strides don't merge into one batch axis (direct False: copied in by _forward_result)."""
+    out's strides don't merge into one batch axis or its head dim is strided, which the kernels
+    do not write (direct False: copied in by _forward_result)."""
     xp = p.xp
     if xp is not np:
         _problem.warn_if_capture_unsafe()
     o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
     o4 = to_bhsd(o, p, p.hq, p.nq)
-    direct = is_view_of(o4, o)
+    direct = is_view_of(o4, o) and (p.d == 1 or o4.strides[-1] == o4.itemsize)
     if not direct:
         o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
     return o, o4, direct, xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)

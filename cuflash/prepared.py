@@ -169,6 +169,10 @@ class _CupyArrays:
     def empty(self, shape, like=None):
         return self.cupy.empty(shape, dtype=np.float32 if like is None else like.dtype)
 
+    def fresh_geometry(self, shape, like):
+        """_geometry of empty(shape, like), without allocating (a view over like's memory)."""
+        return _geometry(interop.CUPY, self.cupy.ndarray(shape, dtype=like.dtype, memptr=like.data))
+
     @staticmethod
     def ptr(a) -> int:
         return a.data.ptr
@@ -210,6 +214,11 @@ class _TorchArrays:
     def empty(self, shape, like=None):
         dtype = self.torch.float32 if like is None else like.dtype
         return self.torch.empty(shape, dtype=dtype, device=f"cuda:{self.device}")
+
+    def fresh_geometry(self, shape, like):
+        """_geometry of empty(shape, like), without allocating (a meta tensor's strides)."""
+        meta = self.torch.empty(shape, dtype=like.dtype, device="meta")
+        return _geometry(interop.TORCH, meta)[:5] + (self.torch.device("cuda", self.device),)
 
     @staticmethod
     def ptr(a) -> int:
@@ -270,7 +279,9 @@ class _DecodeCall:
             return None  # attention copies it
         if not gpu_decode.applies(p, k4, v4):
             return None
-        o_template = cupy.empty(p.q_shape(), dtype=p.dtype)
+        # A fresh result's layout, laid over q's memory (never read or written): preparing, which
+        # cuflash.attention's plan cache does inside a call, allocates nothing.
+        o_template = cupy.ndarray(p.q_shape(), dtype=p.dtype, memptr=q.data)
         o4 = to_bhsd(o_template, p, p.hq, p.nq)
         strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
                    table.strides[0] // table.itemsize if table is not None else 0)
@@ -313,7 +324,7 @@ class _DecodeCall:
         # out=: the geometry of a fresh result, and the byte extents (first, last + 1) of q, k, v
         # relative to their addresses, so that a call checks out= with a tuple compare and integers.
         self.kind = where.kind
-        self.out_geometry = _geometry(self.kind, self.arrays.empty(p.q_shape(), like=q_given))
+        self.out_geometry = self.arrays.fresh_geometry(p.q_shape(), q_given)
         self.out_bytes = int(np.prod(p.q_shape())) * np.dtype(p.dtype).itemsize
         self.extents = extents
 
@@ -329,14 +340,15 @@ class _DecodeCall:
         if (lib.ptr(k) + ok) % 16 or (lib.ptr(v) + ov) % 16:
             return None
         p = self.p
+        # In cuflash.attention's order: out=, the capture warning, then the values.
+        if out is not None:
+            self._check_out(out, (("q", q), ("k", k), ("v", v)))
+        stream = lib.stream()
         if self.validate and (lens is not None or table is not None):
             with lib.checking():
                 _check_lens_and_table(p, lib.native(lens) if lens is not None else None,
                                       lib.native(table) if table is not None else None, self.block_size,
                                       self.num_blocks, True)
-        if out is not None:
-            self._check_out(out, (("q", q), ("k", k), ("v", v)))
-        stream = lib.stream()
         o = out if out is not None else lib.empty(p.q_shape(), like=q)
         lse = lib.empty((p.batch, p.hq, p.nq))
         o_ptr, lse_ptr = lib.ptr(o) + oo, lib.ptr(lse)

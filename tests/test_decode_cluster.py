@@ -214,7 +214,11 @@ def test_all_decode_specs_lists_every_cluster_size():
 # ---- GPU: both merges against the float64 reference ----
 
 def _launch(monkeypatch):
-    """Record the expressions gpu_decode fetches (which kernels ran)."""
+    """Record the expressions gpu_decode fetches (which kernels ran), on every call: uncached
+    (a planned geometry, cuflash.plan_cache, launches without fetching)."""
+    from cuflash import plan_cache
+
+    monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
     real = gpu_decode.get_function
     monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))

@@ -236,6 +236,28 @@ def test_head_dim_stride_not_one(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nq,nk", [(200, 300), (2, 3000)], ids=["prefill", "decode"])
+def test_out_with_strided_head_dim(rng, dtype, nq, nk):
+    # out= whose head dim is not contiguous (every other column of a poisoned array, and a
+    # column-major one): the kernels write unit-stride rows, so attention computes into a scratch
+    # array and copies it in. (Until 2026-11-30 the decode kernel wrote such an out= as if its
+    # rows were contiguous, a silent wrong answer, and the prefill path raised ValueError.)
+    q, k, v = device_inputs(rng, (2, 8, nq, 64), (2, 2, nk, 64), dtype)
+    want_o, want_lse = cuflash.attention(q, k, v, return_lse=True)
+    check_rows(want_o, want_lse, q, k, v)
+    big = poisoned((2, 8, nq, 128), dtype)
+    every_other = big[..., ::2]
+    column_major = poisoned(q.shape[::-1], dtype).transpose(3, 2, 1, 0)
+    for out in (every_other, column_major):
+        assert out.strides[-1] != out.itemsize
+        o, lse = cuflash.attention(q, k, v, return_lse=True, out=out)
+        assert o is out
+        np.testing.assert_array_equal(raw(o).get(), raw(want_o).get())
+        np.testing.assert_array_equal(lse.get(), want_lse.get())
+    assert bool(cupy.all(raw(big)[..., 1::2] == _NAN_BITS[np.dtype(dtype)])), "the forward wrote outside out="
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_single_head_2d_inputs(rng, dtype):
     q, k, v = device_inputs(rng, (77, 40), (91, 40), dtype)
     o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, out=poisoned((77, 40), dtype))

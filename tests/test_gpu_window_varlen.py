@@ -90,8 +90,11 @@ def assert_hidden_rows(o, lse, vis, rows_axis):
 def record_launches(monkeypatch):
     """The expressions of every kernel that cuflash's GPU modules fetch, in order (the wgmma
     forward fetches through gpu, the wgmma backward through gpu_backward)."""
-    from cuflash import gpu_decode
+    from cuflash import gpu_decode, plan_cache
 
+    # A planned decode geometry (cuflash.plan_cache) launches what the planner chose when the plan
+    # was made, without fetching again: record the planner's choice on every call.
+    monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
     for mod in (gpu, gpu_backward, gpu_decode):
         real = mod.get_function

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _problem, api, gpu, gpu_decode
+from cuflash import _problem, api, gpu, gpu_decode, plan_cache
 from cuflash.gpu import _elem_strides
 from cuflash._layout import to_bhsd
 from cuflash._problem import validate_forward
@@ -43,8 +43,14 @@ def main():
                                               None, lp.chunk)
     grid = (lp.splits, p.hkv, p.batch)
     launch_args = (q4, k4, v4, o4, lse3, np.uint64(0), np.uint64(0), *main_args)
+    def uncached():
+        with plan_cache.disabled():
+            return cuflash.attention(q, k, v)
+
     parts = {
         "attention (public, interop wrapper)": lambda: cuflash.attention(q, k, v),
+        "attention, plan cache off": uncached,
+        "plan_cache._key": lambda: plan_cache._key(q, k, v, None, None, (False, None, "bhsd", False, True, None)),
         "api.attention.__wrapped__ (no interop)": lambda: api.attention.__wrapped__(q, k, v),
         "validate_forward": lambda: validate_forward(q, k, v),
         "two outputs (cupy.empty)": lambda: (cp.empty(q.shape, q.dtype), cp.empty((b, hq, 1), cp.float32)),
@@ -84,6 +90,11 @@ def main():
     trun = cuflash.prepare_attention(tq, tk, tv)
     parts["prepare_attention call (torch)"] = lambda: trun(tq, tk, tv)
     parts["attention (public, torch tensors)"] = lambda: cuflash.attention(tq, tk, tv)
+
+    def torch_uncached():
+        with plan_cache.disabled():
+            return cuflash.attention(tq, tk, tv)
+    parts["attention (public, torch), plan cache off"] = torch_uncached
     # the torch path's layers (cuflash.interop): imports, the stream context, the result's export
     import inspect
 

@@ -45,6 +45,11 @@ timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,
     --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
 timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1; echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
 cat "$tmp"/fwd.log "$tmp"/bwd.log "$tmp"/decode.log > "$OUT/bench.log"
+# Host time of one decode call, layer by layer (cached plan, uncached, prepared, torch SDPA), into bench.log.
+if [ "${HOST_PARTS:-1}" = 1 ]; then
+    echo "== decode host time (tools/decode_host_parts.py)" >> "$OUT/bench.log"
+    (cd tools && timeout 90 python3 decode_host_parts.py --calls 300) >> "$OUT/bench.log" 2>&1; echo "host parts rc=$?"
+fi
 python3 - "$tmp" "$OUT/bench.json" <<'PY'
 import json, sys, pathlib
 parts = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]

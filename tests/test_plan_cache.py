@@ -1,0 +1,134 @@
+"""cuflash.plan_cache without a GPU: which calls get a key, when a plan is made, what is kept.
+(The plans' results against the uncached path: tests/test_gpu_plan_cache.py.)"""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import plan_cache
+
+
+class _FakeArray:
+    """Stands in for cupy.ndarray: what a key reads."""
+
+    def __init__(self, shape, dtype=np.float16, device=0):
+        self.shape = shape
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * 2 for i in range(len(shape)))
+        self.dtype = np.dtype(dtype)
+        self.data = types.SimpleNamespace(device_id=device)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=_FakeArray))
+    monkeypatch.setattr(plan_cache, "enabled", True)
+    plan_cache.clear()
+    yield
+    plan_cache.clear()
+
+
+OPTS = (False, None, "bhsd", False, True, None)  # causal, scale, layout, return_lse, validate, window
+
+
+def _qkv(nk=512, device=0):
+    return _FakeArray((2, 8, 1, 64), device=device), _FakeArray((2, 2, nk, 64), device=device), \
+        _FakeArray((2, 2, nk, 64), device=device)
+
+
+def test_keys_tell_apart_what_validation_tells_apart(fake_cupy):
+    q, k, v = _qkv()
+    key = plan_cache._key(q, k, v, None, None, OPTS)
+    assert key is not None and key == plan_cache._key(*_qkv(), None, None, OPTS)
+    others = [
+        plan_cache._key(*_qkv(nk=513), None, None, OPTS),
+        plan_cache._key(*_qkv(device=1), None, None, OPTS),
+        plan_cache._key(q, k, v, _FakeArray((2,), np.int32), None, OPTS),
+        plan_cache._key(q, k, v, None, None, (True, None, "bhsd", False, True, None)),
+        plan_cache._key(q, k, v, None, None, (1, None, "bhsd", False, True, None)),  # 1 == True, not the same call
+        plan_cache._key(q, k, v, None, None, (False, 1, "bhsd", False, True, None)),
+        plan_cache._key(q, k, v, None, None, (False, True, "bhsd", False, True, None)),
+        plan_cache._key(q, k, v, None, None, (False, None, "bhsd", False, True, (4, 0))),
+    ]
+    assert None not in others and len({key, *others}) == len(others) + 1
+    # No key: another kind of array, an unhashable or not plainly typed option.
+    assert plan_cache._key(np.zeros((2, 8, 1, 64), np.float16), k, v, None, None, OPTS) is None
+    assert plan_cache._key(q, np.zeros((2, 2, 512, 64), np.float16), v, None, None, OPTS) is None
+    assert plan_cache._key(q, k, v, None, None, (False, None, "bhsd", False, True, [4, 0])) is None
+    assert plan_cache._key(q, k, v, None, None, (False, None, "bhsd", False, True, (np.int64(4), 0))) is None
+    assert plan_cache._key(q, k, v, None, None, (False, [1.0], "bhsd", False, True, None)) is None
+
+
+def test_a_geometry_is_planned_on_its_second_call_and_kept(fake_cupy, monkeypatch):
+    made, calls = [], []
+
+    def plan(arrays, out):
+        calls.append(arrays["k"].shape)
+        return "result"
+
+    def prepare(q, k, v, kv_lens, block_table, options):
+        made.append(k.shape)
+        return plan
+
+    monkeypatch.setattr(plan_cache, "_prepare", prepare)
+    before = plan_cache.stats()
+    assert plan_cache.run(*_qkv(), None, None, None, OPTS) is plan_cache.MISS  # first sighting
+    assert made == []
+    for _ in range(3):
+        assert plan_cache.run(*_qkv(), None, None, None, OPTS) == "result"
+    assert len(made) == 1 and len(calls) == 3
+    after = plan_cache.stats()
+    assert (after["hits"] - before["hits"], after["prepared"] - before["prepared"], after["plans"]) == (3, 1, 1)
+    with plan_cache.disabled():
+        assert plan_cache.run(*_qkv(), None, None, None, OPTS) is plan_cache.MISS
+    assert plan_cache.run(*_qkv(), None, None, None, OPTS) == "result"
+
+
+def test_rejected_and_non_decode_calls(fake_cupy, monkeypatch):
+    # A call the plan rejects (None: invalid values) is not cached; a plan that is not the decode
+    # path is kept as such; a plan's None (e.g. an unaligned K) runs the uncached path.
+    outcome = {"n": 1}
+    monkeypatch.setattr(plan_cache, "_prepare", lambda *a: None)
+    for _ in range(3):
+        assert plan_cache.run(*_qkv(nk=300), None, None, None, OPTS) is plan_cache.MISS
+    assert plan_cache.stats()["plans"] == 0
+    monkeypatch.setattr(plan_cache, "_prepare", lambda *a: plan_cache._NOT_DECODE)
+    for _ in range(3):
+        assert plan_cache.run(*_qkv(nk=301), None, None, None, OPTS) is plan_cache.MISS
+    assert plan_cache.stats()["plans"] == 0 and len(plan_cache._plans) == 1
+
+    def plan(arrays, out):
+        outcome["n"] += 1
+        return None
+
+    monkeypatch.setattr(plan_cache, "_prepare", lambda *a: plan)
+    for _ in range(3):
+        assert plan_cache.run(*_qkv(nk=302), None, None, None, OPTS) is plan_cache.MISS
+    assert outcome["n"] == 3  # called on the second and third sightings
+
+
+def test_plans_and_sightings_are_bounded(fake_cupy, monkeypatch):
+    monkeypatch.setattr(plan_cache, "_prepare", lambda *a: (lambda arrays, out: "r"))
+    for n in range(plan_cache.MAX_PLANS + 5):
+        for _ in range(2):
+            plan_cache.run(*_qkv(nk=1000 + n), None, None, None, OPTS)
+    assert len(plan_cache._plans) == plan_cache.MAX_PLANS
+    newest = plan_cache._key(*_qkv(nk=1000 + plan_cache.MAX_PLANS + 4), None, None, OPTS)
+    oldest = plan_cache._key(*_qkv(nk=1000), None, None, OPTS)
+    assert newest in plan_cache._plans and oldest not in plan_cache._plans
+    for n in range(plan_cache.MAX_SEEN + 10):  # a growing cache: every call a new geometry
+        assert plan_cache.run(*_qkv(nk=5000 + n), None, None, None, OPTS) is plan_cache.MISS
+    assert len(plan_cache._seen) == plan_cache.MAX_SEEN
+
+
+def test_numpy_calls_are_never_planned(monkeypatch):
+    monkeypatch.setattr(plan_cache, "enabled", True)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)
+    before = plan_cache.stats()
+    for _ in range(3):
+        cuflash.attention(q, k, k)
+    assert plan_cache.stats() == before
