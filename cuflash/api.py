@@ -19,8 +19,6 @@ def _backend(p):
     return gpu
 
 
-@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",
-                                outputs=("out",))
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
@@ -86,15 +84,26 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     -------
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
 
-    A decode geometry called twice (same shapes, strides, dtypes, device and options) is planned
-    once and later calls launch from the plan (cuflash.plan_cache): the same checks and results,
-    less host time. ``CUFLASH_PLAN_CACHE=0`` turns that off.
+    A decode geometry called twice (CuPy arrays or CUDA torch tensors with the same shapes,
+    strides, dtypes, device and options) is planned once, and later calls launch from the plan
+    (cuflash.plan_cache): the same checks and results, less host time. ``CUFLASH_PLAN_CACHE=0``
+    turns that off.
     """
     if cu_seqlens_q is None and cu_seqlens_k is None:
         planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
                                  (causal, scale, layout, return_lse, validate, window))
         if planned is not plan_cache.MISS:
             return planned
+    return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
+                      kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+
+
+@interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",
+                                outputs=("out",))
+def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
+               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
+    """attention without a plan: validate, convert foreign arrays (cuflash.interop), plan, run."""
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
     if block_table is not None:

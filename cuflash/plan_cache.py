@@ -4,8 +4,8 @@ validation, planning and CuPy's argument conversion.
 A decode call's kernel takes 10-100 us on a few-thousand-key cache; re-validating, re-planning and
 converting ~35 launch arguments took 90-200 us of host time per call on the H200 machine
 (tools/decode_host_parts.py), so an eager decoding loop was bound by the host. A geometry seen
-twice (same CuPy arrays' shapes, strides, dtypes and device; same options; kv_lens / block_table
-given or not) is prepared once, as ``cuflash.prepare_attention`` does, and later calls of that
+twice (all plain CuPy arrays or all plain CUDA torch tensors, with the same shapes, strides,
+dtypes and device; same options; kv_lens / block_table given or not) is prepared once, as ``cuflash.prepare_attention`` does, and later calls of that
 geometry run its decode fast path: per call the out= / alignment checks, kv_lens / block_table's
 values when validate=True, fresh outputs and a packed launch. Results are bitwise those of the
 uncached path (tests/test_gpu_plan_cache.py), and errors too: any call the prepared plan cannot
@@ -13,7 +13,8 @@ take exactly as attention would (out= of another layout, K/V not 16-byte aligned
 cannot be a dictionary key) runs the uncached path.
 
 A geometry is prepared on its second sighting, so that a loop whose shapes change every call (a
-cache sliced to a growing length) pays only a key and two dictionary lookups. Set
+cache sliced to a growing length) pays only a key and two dictionary lookups. A plan keeps the
+planner's choices of when it was made (CUFLASH_KERNELS and tuning settings read then). Set
 ``CUFLASH_PLAN_CACHE=0`` to turn it off; ``clear()`` empties it; ``stats()`` counts.
 """
 
@@ -38,7 +39,7 @@ _seen: OrderedDict = OrderedDict()
 _counts = {"hits": 0, "prepared": 0, "misses": 0}
 
 
-def _geometry(a, ndarray):
+def _cupy_geometry(a, ndarray):
     if a is None:
         return None
     if type(a) is not ndarray:
@@ -46,17 +47,32 @@ def _geometry(a, ndarray):
     return (a.shape, a.strides, a.dtype, a.data.device_id)
 
 
-def _key(q, k, v, kv_lens, block_table, options):
-    """The dictionary key of a call, or None when it has none (not all CuPy, unhashable options).
-    Option values carry their types: scale=1 and scale=True, or causal=1 and causal=True, are
-    different calls to the validation, so they must be different keys."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
+def _torch_geometry(a, tensor):
+    if a is None:
         return None
-    nd = cupy.ndarray
+    if type(a) is not tensor:
+        raise TypeError  # not a plain torch.Tensor (a subclass, another kind): no key
+    return (a.shape, a.stride(), a.dtype, a.device)
+
+
+def _key(q, k, v, kv_lens, block_table, options):
+    """The dictionary key of a call, or None when it has none: not all plain CuPy arrays or all
+    plain torch tensors, an unhashable option. Option values carry their types: scale=1 and
+    scale=True, or causal=1 and causal=True, are different calls to the validation, so they must
+    be different keys."""
+    cupy = sys.modules.get("cupy")
+    cls = getattr(cupy, "ndarray", None)
+    if cls is not None and type(q) is cls:
+        geometry = _cupy_geometry
+    else:
+        torch = sys.modules.get("torch")
+        cls = getattr(torch, "Tensor", None)
+        if cls is None or type(q) is not cls:
+            return None
+        geometry = _torch_geometry
     try:
-        key = (_geometry(q, nd), _geometry(k, nd), _geometry(v, nd), _geometry(kv_lens, nd),
-               _geometry(block_table, nd), tuple((type(x), x) for x in options))
+        key = (cls, geometry(q, cls), geometry(k, cls), geometry(v, cls), geometry(kv_lens, cls),
+               geometry(block_table, cls), options, tuple(map(type, options)))
         hash(key)
     except (TypeError, AttributeError):
         return None
@@ -98,15 +114,15 @@ def run(q, k, v, kv_lens, block_table, out, options):
     if plan is _NOT_DECODE:
         return MISS
     if out is not None:
-        from . import interop
         from .prepared import _geometry as out_geometry
 
-        if out_geometry(interop.CUPY, out) != plan.out_geometry:
+        if out_geometry(plan.kind, out) != plan.out_geometry:
             return MISS  # attention writes other layouts through a scratch array
     result = plan({"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}, out)
     if result is None:
         return MISS
-    _counts["hits"] += 1
+    with _lock:
+        _counts["hits"] += 1
     return result
 
 

@@ -68,3 +68,14 @@ def kernels(request, monkeypatch):
 
     monkeypatch.setenv(gpu_hopper.ENV, request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_cache():
+    """Each test starts without cuflash.attention's decode plans (cuflash.plan_cache): a plan made
+    in an earlier test would keep the planner choices of that test (monkeypatched tables, kernel
+    selection) for a later test's calls of the same geometry."""
+    from cuflash import plan_cache
+
+    plan_cache.clear()
+    yield

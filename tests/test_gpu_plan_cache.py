@@ -172,3 +172,33 @@ def test_cached_torch_calls():
         assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
         assert torch.equal(o.view(torch.int16), want_o.view(torch.int16)) and torch.equal(lse, want_lse)
     assert plan_cache.stats()["hits"] - hits == 2
+
+
+def test_cached_torch_checks_and_out():
+    # A planned torch geometry: out= (a contiguous tensor, NaN-poisoned) is written in place and
+    # equals the uncached result; an out-of-range kv_lens raises; a CPU tensor geometry is never
+    # planned (the NumPy backend runs it).
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(61)
+    args, kw, _ = _case(rng, SHAPES["cluster-split"], BFLOAT16, "lens")
+    cupy.cuda.Device().synchronize()
+    targs = [torch.from_dlpack(a) for a in args]
+    lens = torch.from_dlpack(kw["kv_lens"])
+    for _ in range(2):
+        cuflash.attention(*targs, kv_lens=lens)
+    assert plan_cache.stats()["plans"] == 1
+    hits = plan_cache.stats()["hits"]
+    out = torch.full_like(targs[0], float("nan"))
+    o = cuflash.attention(*targs, kv_lens=lens, out=out)
+    assert o is out and plan_cache.stats()["hits"] == hits + 1
+    want = _uncached(*targs, kv_lens=lens)
+    assert torch.equal(o.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="^kv_lens: values must lie in"):
+        cuflash.attention(*targs, kv_lens=lens + 10**6)
+    with pytest.raises(ValueError, match="out: must not overlap input q"):
+        cuflash.attention(*targs, kv_lens=lens, out=targs[0])
+    cpu = [t.cpu() for t in targs]
+    plans = plan_cache.stats()["plans"]
+    for _ in range(3):
+        cuflash.attention(*cpu)
+    assert plan_cache.stats()["plans"] == plans

@@ -51,7 +51,7 @@ def main():
         "attention (public, interop wrapper)": lambda: cuflash.attention(q, k, v),
         "attention, plan cache off": uncached,
         "plan_cache._key": lambda: plan_cache._key(q, k, v, None, None, (False, None, "bhsd", False, True, None)),
-        "api.attention.__wrapped__ (no interop)": lambda: api.attention.__wrapped__(q, k, v),
+        "api._attention.__wrapped__ (no interop, no plan)": lambda: api._attention.__wrapped__(q, k, v),
         "validate_forward": lambda: validate_forward(q, k, v),
         "two outputs (cupy.empty)": lambda: (cp.empty(q.shape, q.dtype), cp.empty((b, hq, 1), cp.float32)),
         "gpu_decode.forward (outputs given)": lambda: gpu_decode.forward(p, q4, k4, v4, o4, lse3),
@@ -110,7 +110,7 @@ def main():
         with interop.ForeignCall(interop.Placement(interop.TORCH, 0)):
             pass
 
-    sig = inspect.signature(api.attention.__wrapped__)
+    sig = inspect.signature(api._attention.__wrapped__)
     parts.update({
         "interop._import_torch x3": lambda: [interop._import_torch(t) for t in (tq, tk, tv)],
         "cupy.from_dlpack x3 (torch tensors)": dlpack_imports,
