@@ -302,6 +302,24 @@ class CuflashDecode(_Decode):
     track_host_us.unit = "us"
 
 
+class CuflashDecodeUncached(CuflashDecode):
+    """The same decode step with cuflash.attention's plan cache off (cuflash.plan_cache): each
+    call validates, plans and launches through CuPy (CuflashDecode's later calls run from the
+    plan made on its second call; compare track_host_us)."""
+
+    def setup(self, cache_len, b_hq_hkv):
+        self.make_inputs(cache_len, b_hq_hkv)
+        import cuflash
+        from cuflash import plan_cache
+
+        def op():
+            with plan_cache.disabled():
+                return cuflash.attention(self.q, self.k, self.v)
+
+        self.op = op
+        self._run()
+
+
 class CuflashDecodePrepared(CuflashDecode):
     """The same decode step through cuflash.prepare_attention: validated and planned once, the
     kernel launched from a packed parameter block (compare track_host_us with CuflashDecode's)."""
