@@ -5,8 +5,8 @@ A decode call's kernel takes 10-100 us on a few-thousand-key cache; re-validatin
 converting ~35 launch arguments took 90-200 us of host time per call on the H200 machine
 (tools/decode_host_parts.py), so an eager decoding loop was bound by the host. A geometry seen
 twice (all plain CuPy arrays or all plain CUDA torch tensors, with the same shapes, strides,
-dtypes and device; same options; kv_lens / block_table given or not) is prepared once, as ``cuflash.prepare_attention`` does, and later calls of that
-geometry run its decode fast path: per call the out= / alignment checks, kv_lens / block_table's
+dtypes and device; same options; kv_lens / block_table given or not) is prepared once, as
+``cuflash.prepare_attention`` does, and later calls of that geometry run its decode fast path: per call the out= / alignment checks, kv_lens / block_table's
 values when validate=True, fresh outputs and a packed launch. Results are bitwise those of the
 uncached path (tests/test_gpu_plan_cache.py), and errors too: any call the prepared plan cannot
 take exactly as attention would (out= of another layout, K/V not 16-byte aligned, an option that
@@ -129,7 +129,8 @@ def run(q, k, v, kv_lens, block_table, out, options):
 def _prepare(q, k, v, kv_lens, block_table, options):
     """The decode fast path of this geometry (prepared.PreparedAttention's), _NOT_DECODE, or None
     for a call it rejects (invalid arguments or values): nothing is cached, and the uncached path
-    raises its own error."""
+    raises its own error. Anything else that goes wrong while preparing leaves the geometry to the
+    uncached path for good (_NOT_DECODE), which then fails or succeeds on its own."""
     from .prepared import PreparedAttention
 
     causal, scale, layout, return_lse, validate, window = options
@@ -138,6 +139,8 @@ def _prepare(q, k, v, kv_lens, block_table, options):
                                                    window=window, validate=validate), kv_lens, block_table)
     except (TypeError, ValueError):
         return None
+    except Exception:  # noqa: BLE001 - never fail a call the uncached path might run
+        return _NOT_DECODE
     return prepared._decode if prepared._decode is not None else _NOT_DECODE
 
 

@@ -132,3 +132,27 @@ def test_numpy_calls_are_never_planned(monkeypatch):
     for _ in range(3):
         cuflash.attention(q, k, k)
     assert plan_cache.stats() == before
+
+
+def test_a_failing_prepare_leaves_the_geometry_uncached(fake_cupy, monkeypatch):
+    # Invalid values (ValueError) are not remembered: a later valid call may still be planned. Any
+    # other failure while preparing leaves the geometry to the uncached path for good, so that the
+    # public call never fails where the uncached path would run.
+    from cuflash import prepared
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in preparing")
+
+    monkeypatch.setattr(prepared, "PreparedAttention", broken)
+    for _ in range(4):
+        assert plan_cache.run(*_qkv(nk=777), None, None, None, OPTS) is plan_cache.MISS
+    key = plan_cache._key(*_qkv(nk=777), None, None, OPTS)
+    assert plan_cache._plans[key] is plan_cache._NOT_DECODE
+
+    def invalid(*a, **k):
+        raise ValueError("kv_lens: values must lie in ...")
+
+    monkeypatch.setattr(prepared, "PreparedAttention", invalid)
+    for _ in range(4):
+        assert plan_cache.run(*_qkv(nk=778), None, None, None, OPTS) is plan_cache.MISS
+    assert plan_cache._key(*_qkv(nk=778), None, None, OPTS) not in plan_cache._plans
