@@ -298,9 +298,37 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
                                              int split, int n_splits, int hq, int nq, int d, int group,
                                              float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
+    const int rows = group * nq;
+#ifndef CUFLASH_DECODE_STORE_PER_ELEMENT
+#define CUFLASH_DECODE_STORE_PER_ELEMENT 0
+#endif
+#if CUFLASH_DECODE_STORE_PER_ELEMENT
+    // (A/B probe, off by default: -DCUFLASH_DECODE_STORE_PER_ELEMENT=1 is the store before 1dfb993,
+    // each element reducing its row's statistics itself; same results bit for bit)
+    for (int i = threadIdx.x; i < rows * HEAD_DIM; i += THREADS) {
+        const int r = i / HEAD_DIM, c = i % HEAD_DIM;
+        if (c >= d) continue;
+        float mx, sum;
+        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
+        float acc = sO[i];
+#pragma unroll
+        for (int s = 1; s < SLOTS; ++s) acc += sO[s * 16 * ROW_TILES * HEAD_DIM + i];
+        const float val = sum > 0.f ? acc / sum : 0.f;
+        const float row_lse = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+        const int h = hk * group + r / nq, tok = r % nq;
+        if (n_splits == 1) {
+            o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(val);
+            if (c == 0) lse[((i64)b * hq + h) * nq + tok] = row_lse;
+        } else {
+            const i64 prow = (((i64)b * hkv + hk) * n_splits + split) * rows + r;
+            part_o[prow * d + c] = val;
+            if (c == 0) part_lse[prow] = row_lse;
+        }
+    }
+    return;
+#endif
     constexpr int kGroups = HEAD_DIM / 4;
     static_assert(HEAD_DIM % 4 == 0, "whole 4-column groups");
-    const int rows = group * nq;
     for (int r = threadIdx.x; r < rows; r += THREADS) {
         float mx, sum;
         decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
