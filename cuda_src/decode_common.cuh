@@ -284,10 +284,22 @@ __device__ __forceinline__ void decode_row_stat(const float* s_stat, int r, floa
         }
 }
 
+// Each valid row's statistics over the warps (decode_row_stat) into warp 0's slot of s_stat as
+// (mx, sum): thread r reads and rewrites row r's slots, which no other thread reads meanwhile. The
+// caller's barrier makes them visible.
+template <int ROW_TILES, int WARPS, int THREADS>
+__device__ __forceinline__ void decode_reduce_row_stats(float* s_stat, int rows, float scale_log2) {
+    for (int r = threadIdx.x; r < rows; r += THREADS) {
+        float mx, sum;
+        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
+        *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(mx, sum);
+    }
+}
+
 // The block's result after decode_merge_warps: O and LSE (one split) or the split's normalized
 // partial O and its log-sum-exp (several splits; attn_decode_combine merges them), valid rows only.
-// Each row's statistics are reduced once (thread r, into warp 0's slot of row r, which no other
-// thread reads meanwhile), then each thread writes 4 consecutive columns of a row. (Every element
+// Each row's statistics are reduced once (decode_reduce_row_stats), then each thread writes 4
+// consecutive columns of a row. (Every element
 // reduced its row's statistics itself before: with 4 packed rows, 4 dependent passes per thread,
 // and a block's end took 2.6 us against 1.3 with one row - block trace, B=64 Hkv=8 L=4k.) The
 // arithmetic per element is unchanged, so are the results, bit for bit. All threads of the block
@@ -329,11 +341,7 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
 #endif
     constexpr int kGroups = HEAD_DIM / 4;
     static_assert(HEAD_DIM % 4 == 0, "whole 4-column groups");
-    for (int r = threadIdx.x; r < rows; r += THREADS) {
-        float mx, sum;
-        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
-        *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(mx, sum);
-    }
+    decode_reduce_row_stats<ROW_TILES, WARPS, THREADS>(s_stat, rows, scale_log2);
     __syncthreads();
     for (int i = threadIdx.x; i < rows * kGroups; i += THREADS) {
         const int r = i / kGroups, c0 = (i % kGroups) * 4;
@@ -442,12 +450,7 @@ __device__ __forceinline__ void decode_cluster_store(float* s_stat, float* sO, i
     const int c0 = kEven ? rank * (HEAD_DIM / CLUSTER) : rank * kGroups / CLUSTER * 4;
     const int quads = kEven ? kGroups / CLUSTER : (rank + 1) * kGroups / CLUSTER - rank * kGroups / CLUSTER;
     const int rows = group * nq;
-    // Row r's slot in warp 0 is read and rewritten by thread r alone; other threads read other rows.
-    for (int r = threadIdx.x; r < rows; r += THREADS) {
-        float mx, sum;
-        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
-        *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(mx, sum);
-    }
+    decode_reduce_row_stats<ROW_TILES, WARPS, THREADS>(s_stat, rows, scale_log2);
     if constexpr (SLOTS > 1) {  // the block's slots into slot 0, which the other ranks read
         for (int i = threadIdx.x; i < rows * HEAD_DIM; i += THREADS) {
             float acc = sO[i];
