@@ -123,15 +123,19 @@ def test_plans_and_sightings_are_bounded(fake_cupy, monkeypatch):
     assert len(plan_cache._seen) == plan_cache.MAX_SEEN
 
 
-def test_numpy_calls_are_never_planned(monkeypatch):
-    monkeypatch.setattr(plan_cache, "enabled", True)
+def test_numpy_calls_are_never_planned(fake_cupy):
+    # With a CuPy module loaded (the stand-in), NumPy calls pass through untouched: no key, no
+    # count, no plan, and the same result as with the cache off.
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
     k = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)
+    assert plan_cache._key(q, k, k, None, None, OPTS) is None
     before = plan_cache.stats()
+    with plan_cache.disabled():
+        want = cuflash.attention(q, k, k)
     for _ in range(3):
-        cuflash.attention(q, k, k)
-    assert plan_cache.stats() == before
+        np.testing.assert_array_equal(cuflash.attention(q, k, k), want)
+    assert plan_cache.stats() == before and not plan_cache._plans and not plan_cache._seen
 
 
 def test_a_failing_prepare_leaves_the_geometry_uncached(fake_cupy, monkeypatch):
