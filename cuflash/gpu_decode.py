@@ -130,6 +130,12 @@ def all_decode_specs():
                     for causal in (False, True):
                         for window in (False, True):
                             specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+        for hd, t in schedule.DECODE_TILES_FEW_PAIRS.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    for window in (False, True):
+                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
         for hd, t in schedule.DECODE_TILES_LONG_CLUSTER_SPLITS.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -176,20 +182,30 @@ def span_keys(p) -> int:
 
 
 def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
-    """Enough blocks for about `waves` blocks per SM, each warp keeping >= 4 tiles."""
+    """About `waves` blocks per SM, each warp keeping >= 4 tiles. With fewer (sequence, K/V head)
+    pairs than SMs the count is rounded down, so that the splits fit the SMs' block slots in one
+    round: a few more blocks than slots ran as a second round or a third block on some SMs (H200,
+    bf16 d=128 Hq=32 Hkv=8, us against cuDNN: B=2 L=128k 16 splits 249.9 vs 17 255.3 / 246.5;
+    B=4 L=32k 8 vs 9 130.2 vs 133.1 / 129.3; evidence-20261201/sweep_few.json)."""
     blocks = max(1, p.batch * p.hkv)
-    want = -(-(waves or WAVES) * sm_count // blocks)
+    w = (waves or WAVES) * sm_count
+    want = max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
     per_split_min = tile.warps * tile.block_n * 4
     return max(1, min(want, -(-span_keys(p) // per_split_min)))
 
 
 def default_tile(p, sm_count: int, waves=None):
     """(tile, waves): with a (sequence, K/V head) block for every SM the no-split tile in one wave
-    (schedule.DECODE_TILES_NO_SPLIT), else the table's tile (split into about WAVES blocks per SM)."""
+    (schedule.DECODE_TILES_NO_SPLIT), else the table's tile (split into about WAVES blocks per SM),
+    or for wide heads with fewer pairs than SMs schedule.DECODE_TILES_FEW_PAIRS."""
     hd, t = schedule.decode_tile(p.d)
+    pairs, rt = p.batch * p.hkv, row_tiles_for(p)
     one = schedule.DECODE_TILES_NO_SPLIT.get(hd)
-    if one is not None and p.batch * p.hkv >= sm_count and row_tiles_for(p) <= one.max_row_tiles:
+    if one is not None and pairs >= sm_count and rt <= one.max_row_tiles:
         return one, waves or 1
+    few = schedule.DECODE_TILES_FEW_PAIRS.get(hd)
+    if few is not None and pairs < sm_count and rt <= few.max_row_tiles:
+        return few, waves
     return t, waves
 
 
@@ -205,8 +221,10 @@ class DecodePlan(NamedTuple):
 # of c9371b7, us against cuDNN's 41.6 / 130.1 / 482.2 at L = 4k / 16k / 64k): 4 splits beat the
 # 5 that two waves ask for either way (combine 45.1 / 133.8 / 490.9 vs 46.5 / 136.4 / 495.0); a
 # cluster of 4 helps while splits are short (42.9 / 134.3 / 505.3) and 8-block clusters are slow
-# (52.8 / 159.6 / 581.4). So: 3-8 wanted splits become 4 (2 stay 2), merged in a cluster up to
-# CLUSTER_MAX_CHUNK keys per split, by the combine kernel beyond.
+# (52.8 / 159.6 / 581.4). So: 3-7 wanted splits become 4 (2 stay 2), merged in a cluster up to
+# CLUSTER_MAX_CHUNK keys per split, by the combine kernel beyond. 8 or more (at most 33 pairs)
+# keep their count and the combine kernel: 4 would leave half the SMs' slots empty (B=4 Hkv=8
+# L=32k: 4 in a cluster 153.4 us, 8 combined 130.2, cuDNN 129.3; evidence-20261201/sweep_few.json).
 CLUSTER_MAX_CHUNK = 4096
 # Cluster-merged splits of at least this many keys take schedule.DECODE_TILES_LONG_CLUSTER_SPLITS
 # (ring 1: +1% at 2k and 4k keys per split; ring 0 stays ahead at 1k).
@@ -232,7 +250,7 @@ def _merge_plan(nk, n, min_chunk, explicit, cluster):
         if up is not None and (up == n or -(-nk // up) >= min_chunk or not down):
             return up, True
         return down, True
-    if not CLUSTER_SIZES[0] <= n <= CLUSTER_SIZES[-1]:
+    if not CLUSTER_SIZES[0] <= n < CLUSTER_SIZES[-1]:  # (8 or more: the combine, see above)
         return n, False
     size = 4 if n >= 3 and -(-nk // 4) >= min_chunk else 2
     return size, -(-nk // size) <= CLUSTER_MAX_CHUNK
@@ -429,12 +447,16 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 # cache read is at least this many bytes (~120 us on the H200): its blocks then wait on the device
 # instead of launching after the last split (+0.3% at L=64k, B=8, Hkv=8), but the launch costs
 # ~25-45 us more host time, which a shorter call (host-bound without a CUDA graph) would pay.
+# A packed launch (cuflash.prepared, the plan cache) costs no more host time that way, so it
+# always does: 1-2 us less per call on short caches (B=1 Hkv=8 L=32k, 24 splits: 45.5 vs 47.6 us;
+# L=8k, 16 splits: 21.9 vs 22.8; evidence-20261201/sweep_longpdl_*.json).
 PDL_COMBINE_MIN_BYTES = 512 << 20
 
 
-def combine_programmatic(p) -> bool:
-    """Whether the combine kernel runs as the split kernel's programmatic dependent."""
-    return 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES
+def combine_programmatic(p, packed: bool = False) -> bool:
+    """Whether the combine kernel runs as the split kernel's programmatic dependent (`packed`:
+    launched from a _launch.PackedLaunch)."""
+    return packed or 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES
 
 
 def _launch_combine(p, args, grid, splits, programmatic):

@@ -315,8 +315,8 @@ class _DecodeCall:
         names = [spec.short_name]
         if self.workspace is not None:
             cspec = gpu_decode.combine_spec(p.dtype, p.d)
-            # As cuflash.attention launches it: a programmatic dependent for long reads where available.
-            programmatic = gpu_decode.combine_programmatic(p) and pdl.available()
+            # A programmatic dependent where available (a packed launch costs no more host time that way).
+            programmatic = gpu_decode.combine_programmatic(p, packed=True) and pdl.available()
             self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(p), (gpu_decode._COMBINE_THREADS,),
                                         dl.combine_args(*(POINTER,) * 4), 4 * dl.plan.splits, programmatic)
             names.append(cspec.short_name)

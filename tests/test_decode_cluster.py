@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cuflash import gpu_decode, schedule
+from cuflash.device_limits import H200
 from cuflash._arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
@@ -60,18 +61,18 @@ def test_window_specs_are_compiled():
 
 @pytest.mark.parametrize("nk", [4096, 16384, 65536])
 def test_few_block_cells_merge_in_a_cluster(nk):
-    # B=8, Hkv=8: 64 (sequence, head) blocks want 5 splits for two waves; the planner takes 4 (the
-    # decode probe's fastest either way), merged in a 4-block cluster while a split holds at most
-    # CLUSTER_MAX_CHUNK keys (4k, 16k), by the combine kernel beyond (64k).
+    # B=8, Hkv=8: 64 (sequence, head) blocks take 4 splits for two blocks per SM (264 // 64,
+    # rounded down: the decode probe's fastest either way), merged in a 4-block cluster while a split
+    # holds at most CLUSTER_MAX_CHUNK keys (4k, 16k), by the combine kernel beyond (64k).
     p = _problem(8, 32, 8, 1, nk, 128)
-    assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == 5
+    assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == 4
     lp = gpu_decode.launch_plan(p, H200_SMS)
     assert lp.splits == 4 and lp.cluster == (nk // 4 <= gpu_decode.CLUSTER_MAX_CHUNK) == (nk <= 16384)
     assert lp.chunk % lp.tile.block_n == 0 and lp.chunk * 4 >= nk and lp.chunk * 3 < nk
     assert gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) == (0 if lp.cluster else 8 * 8 * 4 * 4 * (128 + 1) * 4)
-    # forced combine: the 5 splits as before, with their float32 partials
+    # forced combine: the same 4 splits, with their float32 partials
     rt, t, splits, chunk, cluster = gpu_decode.launch_plan(p, H200_SMS, cluster=False)
-    assert not cluster and splits == 5 and gpu_decode.workspace_bytes(p, splits) == 8 * 8 * 5 * 4 * (128 + 1) * 4
+    assert not cluster and splits == 4 and gpu_decode.workspace_bytes(p, splits) == 8 * 8 * 4 * 4 * (128 + 1) * 4
     assert gpu_decode.plan(p, H200_SMS, cluster=False) == (rt, t, splits, chunk)
 
 
@@ -86,11 +87,41 @@ def test_two_splits_cluster_and_no_split_has_neither():
 
 
 def test_many_splits_take_the_combine_kernel():
-    p = _problem(2, 32, 8, 1, 16384, 128)  # 16 blocks want 17 splits: more than a cluster holds
+    p = _problem(2, 32, 8, 1, 16384, 128)  # 16 blocks take 16 splits (264 // 16): more than a cluster holds
     lp = gpu_decode.launch_plan(p, H200_SMS)
-    assert not lp.cluster and lp.splits == 17 and gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) > 0
+    assert not lp.cluster and lp.splits == 16 and gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) > 0
     forced = gpu_decode.launch_plan(p, H200_SMS, cluster=True)
     assert forced.cluster and forced.splits == 8
+
+
+@pytest.mark.parametrize("batch, hkv, want", [(1, 8, 33), (2, 8, 16), (4, 8, 8), (1, 32, 8), (5, 8, 6), (8, 8, 4)])
+def test_few_pairs_fill_the_slots_once(batch, hkv, want):
+    # Fewer (sequence, head) pairs than SMs: the split count rounds down so that pairs x splits fits
+    # two blocks per SM; 8 or more splits merge in the combine kernel (a 4-block cluster would leave
+    # half the slots empty), 3-7 become a 4-block cluster as before (B=5: 6 -> 4).
+    p = _problem(batch, 32, hkv, 1, 65536, 128)
+    assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == want
+    assert batch * hkv * want <= 2 * H200_SMS < batch * hkv * (want + 1)
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.splits == (want if want >= 8 else 4) and lp.cluster is False  # (64k keys: 16k per split of 4)
+    assert gpu_decode.launch_plan(_problem(batch, 32, hkv, 1, 8192, 128), H200_SMS).cluster == (want < 8)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_heads_with_few_pairs_take_two_warp_blocks(d):
+    few = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 16384, d), H200_SMS)
+    assert few.tile == schedule.DECODE_TILES_FEW_PAIRS[d] and few.tile.warps == 2
+    # three (d=256) or four (d=192) such blocks share an SM, against one or two of the table's tile
+    per_sm = lambda t: H200.smem_per_sm // (t.smem_bytes(d, 1) + H200.smem_reserved_per_block)  # noqa: E731
+    assert per_sm(few.tile) >= 3 > per_sm(schedule.DECODE_TILES[d])
+    many = gpu_decode.launch_plan(_problem(64, 32, 8, 1, 4096, d), H200_SMS)  # a pair per SM: the table's tile
+    assert many.tile == schedule.DECODE_TILES[d] and many.splits == 1
+
+
+def test_packed_combines_are_programmatic():
+    small, large = _problem(1, 32, 8, 1, 8192, 128), _problem(8, 32, 8, 1, 65536, 128)
+    assert not gpu_decode.combine_programmatic(small) and gpu_decode.combine_programmatic(large)
+    assert gpu_decode.combine_programmatic(small, packed=True)
 
 
 def test_rounding_down_keeps_each_split_long_enough():

@@ -252,3 +252,37 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
         outs.append(o4.get())
     check_per_sequence(outs[1], lse3, q, k, v, [nk] * b, False, BFLOAT16)
     np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("case", ["lens", "paged", "window", "cluster", "combine"])
+def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
+    # Head dims 192 / 256 with fewer (sequence, K/V head) pairs than SMs run the 2-warp tile
+    # (schedule.DECODE_TILES_FEW_PAIRS) through the API: kv_lens 0, 1, mid-tile and full; a paged
+    # cache with shuffled pages; a window; the splits merged in a cluster and by the combine kernel
+    # (planner's choice, on a stand-in device of 8 SMs so that a small batch splits). Outputs poisoned.
+    from test_paged import run_paged
+
+    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: 8)
+    launched = _launch(monkeypatch)
+    t = schedule.DECODE_TILES_FEW_PAIRS[d]
+    rng = np.random.default_rng([d, len(case)])
+    dtype = FLOAT16 if case in ("lens", "window") else BFLOAT16
+    b, hq, hkv, nq, nk = 4, 8, 1, 2, 3000 if case != "combine" else 20000
+    lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
+    if case == "paged":
+        run_paged(cupy, rng, dtype, b, hq, hkv, nq, nk, d, 64, lens, "bottom_right")
+    else:
+        q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), dtype)
+        qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+        window = (700, 0) if case == "window" else None
+        out = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(dtype)
+        o, lse = cuflash.attention(qg, kg, vg, causal="bottom_right", kv_lens=lg, window=window, return_lse=True,
+                                   out=out)
+        check_per_sequence(o, lse, q, k, v, lens, "bottom_right", dtype, window=window)
+    tile = f"{d}, 1, {t.block_n}, {t.warps}, {t.stages}, true, true"
+    assert launched and tile in launched[0], launched
+    if case == "cluster":  # 4 pairs on 8 SMs: 4 splits of 750 keys, merged in a 4-block cluster
+        assert launched[0].startswith("attn_decode_cluster<") and launched[0].endswith(", 4>"), launched
+    if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, the combine kernel
+        assert launched[-1].startswith("attn_decode_combine<"), launched

@@ -1,44 +1,126 @@
-"""Decode tile/split sweep against torch cuDNN/flash on the peers' decode grid (GPU machine)."""
+"""Decode tile / split sweep on shapes outside the issue grid (GPU machine): cuflash's split-KV
+kernel with explicit tiles and split counts next to cuDNN and FlashAttention-2 (torch SDPA), same
+process and inputs, timed like benchmarks/peers.py (L2 flushed, launch hidden).
+
+    python3 tools/decode_sweep.py out.json SWEEP
+SWEEP: "long" (one to four long sequences, d=128), "d256" (head dim 256), "spec" (several
+query tokens per sequence, d=128). A variant is tile (block_n, warps, stages, ring, max blocks
+per SM) x splits (None: the planner's count for that tile) x cluster (None: the planner's merge).
+"""
 import json
 import sys
 
-import cupy as cp
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
+sys.path.insert(0, ".")
+import cupy as cp  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from cuflash import gpu_decode, schedule
-from cuflash._problem import validate_forward
+import cuflash  # noqa: E402
+from benchmarks.peers import Timer  # noqa: E402
+from cuflash import gpu_decode, schedule  # noqa: E402
+from cuflash._problem import validate_forward  # noqa: E402
 
+SWEEP = sys.argv[2]
+T = lambda *c: schedule.DecodeTile(c[0], c[1], c[2], 2, "sweep", *c[3:5])  # noqa: E731
+if SWEEP == "long":  # (B, Hq, Hkv, nq, L, d)
+    SHAPES = [(1, 32, 8, 1, 131072, 128), (1, 32, 8, 1, 32768, 128), (2, 32, 8, 1, 65536, 128), (4, 32, 8, 1, 32768, 128)]
+    TILES = [("r0", T(16, 4, 2)), ("r2cap", T(16, 4, 2, 2, 2)), ("r2", T(16, 4, 2, 2)), ("r1", T(16, 4, 2, 1))]
+    SPLITS = [None, 16, 24, 32, 48, 64]
+elif SWEEP == "d256":
+    SHAPES = [(8, 32, 8, 1, 16384, 256), (8, 32, 8, 1, 4096, 256), (64, 32, 8, 1, 4096, 256), (1, 32, 8, 1, 65536, 256)]
+    TILES = [("16x4s2", T(16, 4, 2)), ("16x2s2", T(16, 2, 2)), ("16x2s3", T(16, 2, 3)), ("16x4s2r2", T(16, 4, 2, 2)),
+             ("16x2s2r2", T(16, 2, 2, 2)), ("16x1s4", T(16, 1, 4))]
+    SPLITS = [None]
+elif SWEEP == "d256b":  # head dims 192 / 256 on split cells: tiles x split counts
+    SHAPES = [(8, 32, 8, 1, 16384, 256), (8, 32, 8, 1, 65536, 256), (8, 32, 8, 1, 16384, 192), (64, 32, 8, 1, 4096, 192),
+              (8, 32, 32, 1, 16384, 256)]
+    TILES = [("16x4s2", T(16, 4, 2)), ("16x2s2", T(16, 2, 2)), ("16x2s3", T(16, 2, 3)), ("32x2s2", T(32, 2, 2))]
+    SPLITS = [None, 4, 6, 8, 12]
+elif SWEEP == "longpdl":  # few long sequences: the combine as a programmatic dependent at every size
+    gpu_decode.PDL_COMBINE_MIN_BYTES = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    SHAPES = [(1, 32, 8, 1, 32768, 128), (1, 32, 8, 1, 131072, 128), (2, 32, 8, 1, 65536, 128), (4, 32, 8, 1, 32768, 128),
+              (1, 32, 8, 1, 8192, 128)]
+    TILES = [("r0", T(16, 4, 2)), ("r2", T(16, 4, 2, 2))]
+    SPLITS = [None, 16, 24, 32]
+elif SWEEP == "few":  # few (sequence, K/V head) pairs at d=128 / 192 / 256: split counts, combine merge, PDL combine
+    gpu_decode.PDL_COMBINE_MIN_BYTES = 0
+    SHAPES = [(B, 32, 8, 1, L, 128) for B in (1, 2, 4) for L in (8192, 32768, 131072)] + [
+        (8, 32, 8, 1, 16384, 192), (8, 32, 8, 1, 4096, 256), (1, 32, 8, 1, 65536, 256), (2, 32, 8, 1, 32768, 256)]
+    TILES = None  # per head dim below
+    SPLITS = None
+else:
+    SHAPES = [(8, 32, 8, n, 16384, 128) for n in (1, 2, 4, 8, 16)] + [(8, 32, 32, 4, 16384, 128)]
+    TILES = []
+    SPLITS = [None]
+
+timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
 out = []
-cands = [(32, 4, 2), (16, 4, 2), (16, 8, 2), (16, 4, 3), (32, 4, 3), (64, 2, 2), (16, 8, 3)]
-for L, B, hkv in [(4096, 8, 8), (16384, 8, 8), (16384, 64, 8), (16384, 8, 32), (65536, 8, 8)]:
-    hq, d = 32, 128
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    nbytes = 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
-    row = {"L": L, "B": B, "hkv": hkv, "tbps": {}}
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), warmup=10, rep=50, return_mode="median")
-    row["tbps"]["cudnn"] = nbytes / ms / 1e9
+for B, hq, hkv, nq, L, d in SHAPES:
+    dt = torch.bfloat16
+    q = torch.randn(B, hq, nq, d, device="cuda", dtype=dt)
+    k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=dt) for _ in range(2))
+    nbytes = 2 * B * hkv * L * d * 2 + 2 * q.numel() * 2
+    row = {"B": B, "hq": hq, "hkv": hkv, "nq": nq, "L": L, "d": d, "us": {}}
+    mask = None
+    if nq > 1:  # bottom-right causal: the new tokens see the cache and each other in order
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(nq, L)
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+                fn()
+                ms, _ = timer(fn)
+            row["us"][name] = ms * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["us"][name] = repr(e)[:60]
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-    p = validate_forward(qc, kc, vc)
+    kw = {"causal": "bottom_right"} if nq > 1 else {}
+    ref = cuflash.attention(qc, kc, vc, **kw).astype(cp.float32)
+    ms, _ = timer(lambda: cuflash.attention(qc, kc, vc, **kw))
+    row["us"]["api"] = ms * 1e3
+    row["path"] = repr(cuflash.prepare_attention(qc, kc, vc, **kw))[:200]
+    p = validate_forward(qc, kc, vc, causal="bottom_right" if nq > 1 else False)
     o4 = cp.empty_like(qc)
-    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    for bn, w, st in cands:
-        t = schedule.DecodeTile(bn, w, st, 2, "sweep")
-        for waves in (1, 2, 4, 8):
-            key = f"{bn}x{w}s{st}v{waves}"
+    lse3 = cp.empty((B, hq, nq), dtype=cp.float32)
+    if SWEEP == "few":  # (name, tile, splits, cluster): the table's tile, splits filling 2 (d=128) or 3-4 blocks per SM
+        pairs = B * hkv
+        if d == 128:
+            t0 = T(16, 4, 2)
+            fill = max(1, 264 // pairs)
+            variants = [("r0", t0, n, c) for n, c in ((None, None), (fill, False), (min(fill, 8), False), (16, False),
+                                                       (24, False), (32, False), (4, None))]
+        else:
+            t2 = T(16, 2, 2)
+            fill3, fill4 = max(1, 396 // pairs), max(1, 528 // pairs)
+            variants = [("16x4s2", T(16, 4, 2), None, None), ("16x2s2", t2, fill3, False), ("16x2s2", t2, fill4, False),
+                        ("16x2s2", t2, 6, False), ("16x2s2", t2, None, None), ("16x2s2r2", T(16, 2, 2, 2), fill3, False)]
+    else:
+        variants = [(tname, tile, n, None) for tname, tile in TILES for n in SPLITS]
+    for tname, tile, n, cl in variants:
+            key = f"{tname}/{n or 'auto'}{'' if cl is None else 'c' if cl else 'm'}"
             try:
-                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, tile=t, waves=waves)
+                lp = gpu_decode.launch_plan(p, 132, n, tile, cluster=cl)
+                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, splits=n, tile=tile, cluster=cl)  # noqa: E731
+                o4.fill(float("nan"))
                 f()
-                cp.cuda.Device().synchronize()
-                ms = do_bench(f, warmup=10, rep=50, return_mode="median")
-                row["tbps"][key] = nbytes / ms / 1e9
-            except Exception as e:
-                row["tbps"][key] = repr(e)[:80]
-    best = sorted(((v_, k_) for k_, v_ in row["tbps"].items() if isinstance(v_, float)), reverse=True)[:6]
-    print("DECODE", L, B, hkv, [(k_, round(v_, 2)) for v_, k_ in best], flush=True)
+                err = float(cp.abs(o4.astype(cp.float32) - ref).max())
+                ms, _ = timer(f)
+                row["us"][key] = ms * 1e3 if err < 0.05 else f"wrong {err}"
+                key2 = f"{key}[{lp.splits}{'c' if lp.cluster else ''}]"
+                row["us"][key2] = row["us"].pop(key)
+            except Exception as e:  # noqa: BLE001
+                row["us"][key] = repr(e)[:60]
+    us = row["us"]
+    peers = [us[k_] for k_ in ("cudnn", "flash") if isinstance(us.get(k_), float)]
+    best = min(peers) if peers else None
+    ranked = sorted((v_, k_) for k_, v_ in us.items() if isinstance(v_, float) and k_ not in ("cudnn", "flash"))
+    print(f"B{B} H{hq}/{hkv} nq{nq} L{L} d{d}: cudnn {us.get('cudnn')}, flash {us.get('flash')}, api {us['api']:.1f} "
+          f"(x best peer {best / us['api']:.3f}, {nbytes / us['api'] / 1e6:.2f} TB/s) | best: "
+          + ", ".join(f"{k_} {v_:.1f} x{best / v_:.3f}" for v_, k_ in ranked[:12])
+          + " | errors: " + ", ".join(f"{k_}: {v_}" for k_, v_ in us.items() if isinstance(v_, str)), flush=True)
+    print("   ", row["path"], flush=True)
     out.append(row)
-json.dump(out, open(sys.argv[1], "w"), indent=1)
+    del q, k, v, qc, kc, vc, ref
+    json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -146,7 +146,10 @@ for L, B, hkv in CELLS:
             f()
             cp.cuda.Device().synchronize()
             print(f"  {name:10s} {row['us']:6.1f} us x{row['x_cudnn']:.3f} err {row['max_err_vs_cudnn']:.3g} plan {row['plan']}", flush=True)
-            row["trace"] = summarize(cp.asnumpy(trace), nbytes, "    trace")
+            raw = cp.asnumpy(trace)
+            row["trace"] = summarize(raw, nbytes, "    trace")
+            if os.environ.get("TRACE_RAW"):  # every block's row, for a timeline (np.load)
+                np.save(os.path.join(os.environ["TRACE_RAW"], f"trace_{L}_{B}_{hkv}_{name}.npy"), raw[raw[:, 1] > 0])
         except Exception as e:  # noqa: BLE001 - one variant failing must not end the probe
             row["error"] = repr(e)[:300]
             print(f"  {name:10s} error {row['error']}", flush=True)
