@@ -191,7 +191,17 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     w = (waves or WAVES) * sm_count
     want = max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
     per_split_min = tile.warps * tile.block_n * 4
-    return max(1, min(want, -(-span_keys(p) // per_split_min)))
+    n = max(1, min(want, -(-span_keys(p) // per_split_min)))
+    if blocks < sm_count and n >= CLUSTER_SIZES[-1]:
+        # (the combine kernel's splits: at least COMBINE_MIN_CHUNK keys each while 8 remain)
+        n = min(n, max(CLUSTER_SIZES[-1], -(-span_keys(p) // COMBINE_MIN_CHUNK)))
+    return n
+
+
+# Splits that the combine kernel merges hold at least this many keys: each split's block start
+# and partials cost about as much as streaming a few hundred keys (B=1 Hkv=8 L=8k: 16 splits
+# 22.1 us, 32 splits of 256 keys 24.4; evidence-20261201/sweep2_few.json).
+COMBINE_MIN_CHUNK = 512
 
 
 def default_tile(p, sm_count: int, waves=None):

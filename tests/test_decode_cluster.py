@@ -104,7 +104,10 @@ def test_few_pairs_fill_the_slots_once(batch, hkv, want):
     assert batch * hkv * want <= 2 * H200_SMS < batch * hkv * (want + 1)
     lp = gpu_decode.launch_plan(p, H200_SMS)
     assert lp.splits == (want if want >= 8 else 4) and lp.cluster is False  # (64k keys: 16k per split of 4)
-    assert gpu_decode.launch_plan(_problem(batch, 32, hkv, 1, 8192, 128), H200_SMS).cluster == (want < 8)
+    short = gpu_decode.launch_plan(_problem(batch, 32, hkv, 1, 8192, 128), H200_SMS)
+    assert short.cluster == (want < 8)
+    if want >= 8:  # combined splits keep >= COMBINE_MIN_CHUNK keys (B=1: 16 of 512, not 32 of 256)
+        assert short.splits == max(8, min(want, 8192 // gpu_decode.COMBINE_MIN_CHUNK))
 
 
 @pytest.mark.parametrize("d", [192, 256])
