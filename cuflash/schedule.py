@@ -479,10 +479,11 @@ DECODE_TILES_NO_SPLIT: dict[int, DecodeTile] = {
 
 # Wide heads with fewer (sequence, K/V head) pairs than SMs: 2-warp blocks. The table's 4-warp
 # tile takes 137 KiB at d=256 (102 KiB at d=192), so one block (two) per SM and 1.9 rounds of
-# splits; 2 warps take 72 KiB (54 KiB), three (four) blocks per SM. Decode sweep on the H200, bf16
-# Hq=32 Hkv=8, us against FlashAttention-2 (the fastest peer there; evidence-20261201/):
-#   d=256 B=8 L=4k 94.4 -> 74.2 (FA2 76.0), L=16k 312.8 -> 261.2 (246.0), B=1 L=64k 163.8 -> 152.8
-#   (153.0), B=2 L=32k 182.7 -> 150.2 (150.2); d=192 B=8 L=16k 242.6 -> 209.4 (200.7).
+# splits; 2 warps take 72 KiB (54 KiB), three (four) blocks per SM. H200, bf16 Hq=32 Hkv=8, us
+# through the planner before -> after, FlashAttention-2 (the fastest peer there) in brackets
+# (evidence-20261201/sweeps/sweep2_*.json, 0be95e0):
+#   d=256 B=8 L=4k 94.4 -> 74.0 (75.2), L=16k 312.8 -> 265.1 (252.5), B=1 L=64k 163.8 -> 152.6
+#   (152.8), B=2 L=32k 182.7 -> 142.0 (149.2); d=192 B=8 L=16k 242.6 -> 209.1 (199.7).
 # With a pair for every SM the table's tile stays (B=64 L=4k d=256: 2 warps 588.7 vs 489.8 us).
 DECODE_TILES_FEW_PAIRS: dict[int, DecodeTile] = {
     192: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, four per SM"),
