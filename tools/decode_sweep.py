@@ -3,9 +3,13 @@ kernel with explicit tiles and split counts next to cuDNN and FlashAttention-2 (
 process and inputs, timed like benchmarks/peers.py (L2 flushed, launch hidden).
 
     python3 tools/decode_sweep.py out.json SWEEP
-SWEEP: "long" (one to four long sequences, d=128), "d256" (head dim 256), "spec" (several
-query tokens per sequence, d=128). A variant is tile (block_n, warps, stages, ring, max blocks
-per SM) x splits (None: the planner's count for that tile) x cluster (None: the planner's merge).
+SWEEP: "spec" (several query tokens per sequence, d=128), "long" (one to four long sequences,
+d=128), "longpdl [min bytes]" (the same with the combine kernel a programmatic dependent from that
+cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split counts filling two or
+three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts).
+A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
+count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
+(evidence-20261201/sweeps/ holds the H200 runs.)
 """
 import json
 import sys
