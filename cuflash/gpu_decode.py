@@ -190,11 +190,11 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     blocks = max(1, p.batch * p.hkv)
     w = (waves or WAVES) * sm_count
     want = max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
-    per_split_min = tile.warps * tile.block_n * 4
-    n = max(1, min(want, -(-span_keys(p) // per_split_min)))
+    keys, per_split_min = span_keys(p), tile.warps * tile.block_n * 4
+    n = max(1, min(want, -(-keys // per_split_min)))
     if blocks < sm_count and n >= CLUSTER_SIZES[-1]:
         # (the combine kernel's splits: at least COMBINE_MIN_CHUNK keys each while 8 remain)
-        n = min(n, max(CLUSTER_SIZES[-1], -(-span_keys(p) // COMBINE_MIN_CHUNK)))
+        n = min(n, max(CLUSTER_SIZES[-1], -(-keys // COMBINE_MIN_CHUNK)))
     return n
 
 

@@ -6,7 +6,8 @@ process and inputs, timed like benchmarks/peers.py (L2 flushed, launch hidden).
 SWEEP: "spec" (several query tokens per sequence, d=128), "long" (one to four long sequences,
 d=128), "longpdl [min bytes]" (the same with the combine kernel a programmatic dependent from that
 cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split counts filling two or
-three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts).
+three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts),
+"misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k).
 A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
 count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
 (evidence-20261201/sweeps/ holds the H200 runs.)
@@ -47,6 +48,11 @@ elif SWEEP == "longpdl":  # few long sequences: the combine as a programmatic de
               (1, 32, 8, 1, 8192, 128)]
     TILES = [("r0", T(16, 4, 2)), ("r2", T(16, 4, 2, 2))]
     SPLITS = [None, 16, 24, 32]
+elif SWEEP == "misc":  # (B, Hq, Hkv, nq, L, d[, dtype]): the planner's choice only
+    SHAPES = [(8, 32, 8, 1, 16384, 64), (8, 32, 8, 1, 16384, 256), (8, 32, 8, 4, 16384, 256),
+              (8, 32, 8, 1, 16384, 128, torch.float16), (8, 64, 8, 1, 16384, 128), (1, 32, 8, 1, 131072, 128),
+              (32, 32, 8, 1, 2048, 128)]
+    TILES, SPLITS = [], [None]
 elif SWEEP == "few":  # few (sequence, K/V head) pairs at d=128 / 192 / 256: split counts, combine merge, PDL combine
     gpu_decode.PDL_COMBINE_MIN_BYTES = 0
     SHAPES = [(B, 32, 8, 1, L, 128) for B in (1, 2, 4) for L in (8192, 32768, 131072)] + [
@@ -59,13 +65,14 @@ else:
     SPLITS = [None]
 
 timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
+SMS = gpu_decode._sm_count(cp.cuda.Device().id)
 out = []
-for B, hq, hkv, nq, L, d in SHAPES:
-    dt = torch.bfloat16
+for B, hq, hkv, nq, L, d, *dtype in SHAPES:
+    dt = dtype[0] if dtype else torch.bfloat16
     q = torch.randn(B, hq, nq, d, device="cuda", dtype=dt)
     k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=dt) for _ in range(2))
-    nbytes = 2 * B * hkv * L * d * 2 + 2 * q.numel() * 2
-    row = {"B": B, "hq": hq, "hkv": hkv, "nq": nq, "L": L, "d": d, "us": {}}
+    nbytes = 2 * B * hkv * L * d * q.element_size() + 2 * q.numel() * q.element_size()
+    row = {"B": B, "hq": hq, "hkv": hkv, "nq": nq, "L": L, "d": d, "dtype": str(dt)[6:], "us": {}}
     mask = None
     if nq > 1:  # bottom-right causal: the new tokens see the cache and each other in order
         from torch.nn.attention.bias import causal_lower_right
@@ -92,12 +99,12 @@ for B, hq, hkv, nq, L, d in SHAPES:
         pairs = B * hkv
         if d == 128:
             t0 = T(16, 4, 2)
-            fill = max(1, 264 // pairs)
+            fill = max(1, 2 * SMS // pairs)
             variants = [("r0", t0, n, c) for n, c in ((None, None), (fill, False), (min(fill, 8), False), (16, False),
                                                        (24, False), (32, False), (4, None))]
         else:
             t2 = T(16, 2, 2)
-            fill3, fill4 = max(1, 396 // pairs), max(1, 528 // pairs)
+            fill3, fill4 = max(1, 3 * SMS // pairs), max(1, 4 * SMS // pairs)
             variants = [("16x4s2", T(16, 4, 2), None, None), ("16x2s2", t2, fill3, False), ("16x2s2", t2, fill4, False),
                         ("16x2s2", t2, 6, False), ("16x2s2", t2, None, None), ("16x2s2r2", T(16, 2, 2, 2), fill3, False)]
     else:
@@ -105,7 +112,7 @@ for B, hq, hkv, nq, L, d in SHAPES:
     for tname, tile, n, cl in variants:
             key = f"{tname}/{n or 'auto'}{'' if cl is None else 'c' if cl else 'm'}"
             try:
-                lp = gpu_decode.launch_plan(p, 132, n, tile, cluster=cl)
+                lp = gpu_decode.launch_plan(p, SMS, n, tile, cluster=cl)
                 f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, splits=n, tile=tile, cluster=cl)  # noqa: E731
                 o4.fill(float("nan"))
                 f()
@@ -120,7 +127,7 @@ for B, hq, hkv, nq, L, d in SHAPES:
     peers = [us[k_] for k_ in ("cudnn", "flash") if isinstance(us.get(k_), float)]
     best = min(peers) if peers else None
     ranked = sorted((v_, k_) for k_, v_ in us.items() if isinstance(v_, float) and k_ not in ("cudnn", "flash"))
-    print(f"B{B} H{hq}/{hkv} nq{nq} L{L} d{d}: cudnn {us.get('cudnn')}, flash {us.get('flash')}, api {us['api']:.1f} "
+    print(f"B{B} H{hq}/{hkv} nq{nq} L{L} d{d} {row['dtype']}: cudnn {us.get('cudnn')}, flash {us.get('flash')}, api {us['api']:.1f} "
           f"(x best peer {best / us['api']:.3f}, {nbytes / us['api'] / 1e6:.2f} TB/s) | best: "
           + ", ".join(f"{k_} {v_:.1f} x{best / v_:.3f}" for v_, k_ in ranked[:12])
           + " | errors: " + ", ".join(f"{k_}: {v_}" for k_, v_ in us.items() if isinstance(v_, str)), flush=True)
