@@ -6,8 +6,9 @@
 // group times the Nq new tokens - are packed into the rows of one mma tile, so the cache is read
 // once per K/V head, not once per query head (with a block table, the cache is paged). Warps merge
 // their (max, sum, O) in shared memory;
-// with several splits each block writes a normalized partial O and its log-sum-exp, and
-// attn_decode_combine merges the splits with the log-sum-exp rule - or, with 2, 4 or 8 splits on
+// with several splits each block writes a normalized partial O and its log-sum-exp, and the last
+// split of each (K/V head, sequence) to finish merges them with the log-sum-exp rule (or
+// attn_decode_combine, a second kernel, does) - or, with 2, 4 or 8 splits on
 // sm_90, attn_decode_cluster runs the splits of one (K/V head, sequence) as one thread-block
 // cluster that merges them through distributed shared memory (no workspace, no second kernel).
 #include "common.cuh"
@@ -52,7 +53,7 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int S
 __device__ __forceinline__ void
 attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
-                  float* __restrict__ part_lse, const int* __restrict__ kv_lens, const int* __restrict__ block_table,
+                  float* __restrict__ part_lse, int* __restrict__ split_done, const int* __restrict__ kv_lens, const int* __restrict__ block_table,
                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                   int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo,
@@ -236,6 +237,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes>(
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
             part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+        if (split_done != nullptr && n_splits > 1)
+            decode_last_split_merges<T, HEAD_DIM, Tr::kThreads>(split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b,
+                                                                hk, gridDim.y, n_splits, hq, nq, d, group);
     } else {
 #if __CUDA_ARCH__ >= 900
         float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings
@@ -271,17 +275,20 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     kv_lens, block_table, bt_sb, page_shift, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,      \
         o_sn, hq, nq, nk, d, group, align, chunk, scale_log2, band_lo, band_hi
 
-// Grid (splits, Hkv, B); with splits > 1, attn_decode_combine runs next, launched as this
-// kernel's programmatic dependent: its blocks are resident and waiting (griddepcontrol.wait) by
-// the time the last split ends, instead of launching after it. WINDOW: a sliding window
-// (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
+// Grid (splits, Hkv, B). With splits > 1 the partials are merged either by the last split of each
+// (sequence, K/V head) (split_done: a zeroed counter per pair, decode_last_split_merges) or, with
+// split_done null (a CUDA graph capture, where a counter shared by replays on other streams could
+// race), by attn_decode_combine launched next - as this kernel's programmatic dependent where it
+// pays: its blocks are then resident and waiting (griddepcontrol.wait) by the time the last split
+// ends. WINDOW: a sliding window (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool WINDOW = false, int RING = 0>
 __global__ void __launch_bounds__(WARPS * 32)
-attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, DECODE_TAIL_PARAMS) {
+attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_done,
+            DECODE_TAIL_PARAMS) {
     pdl_launch_dependents();
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW, RING>(
-        q, k, v, o, lse, part_o, part_lse, DECODE_TAIL_ARGS);
+        q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS);
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -292,41 +299,22 @@ template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int S
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
 attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW, RING>(
-        q, k, v, o, lse, nullptr, nullptr, DECODE_TAIL_ARGS);
+        q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS);
 }
 #endif
 #undef DECODE_PARAMS
 #undef DECODE_TAIL_PARAMS
 #undef DECODE_TAIL_ARGS
 
-// Merge the splits of one (row, K/V head, sequence): O = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max).
-// Partial O rows are d floats apart (no head-dim padding in the workspace). The split LSEs are
-// staged in shared memory (n_splits floats of dynamic shared memory) and the partial-O loads carry
-// no branch, so they are issued back to back: the kernel is a few dependent L2 round trips long.
+// Merge the splits of every (row, K/V head, sequence) (decode_merge_pair: the rule the last split
+// applies in attn_decode when it merges). Grid (blocks covering a pair's rows x HEAD_DIM / 4 column
+// groups, Hkv, B), one group per thread; launched after the split kernel (or as its programmatic
+// dependent: it may start early and waits for the partials with griddepcontrol.wait).
 template <typename T, int HEAD_DIM>
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                     u16* __restrict__ o, float* __restrict__ lse,
                                     i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int nq, int group, int d, int n_splits) {
-    extern __shared__ float s_lse[];
-    pdl_wait();  // the splits' partials (a programmatic dependent of attn_decode: it may start early)
-    const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int rows = group * nq;
-    const i64 base = (((i64)b * hkv + hk) * n_splits) * rows + r;
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) s_lse[s] = part_lse[base + (i64)s * rows];
-    __syncthreads();
-    float mx = -INFINITY, wsum = 0.f;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, s_lse[s]);
-    for (int s = 0; s < n_splits; ++s) wsum += s_lse[s] != -INFINITY ? __expf(s_lse[s] - mx) : 0.f;
-    const int h = hk * group + r / nq, tok = r % nq;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < n_splits; ++s) {
-            // Every split wrote its row (zeros when it saw no key), so the load needs no guard.
-            const float part = part_o[(base + (i64)s * rows) * d + c];
-            acc += s_lse[s] != -INFINITY ? __expf(s_lse[s] - mx) * part : 0.f;
-        }
-        o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(wsum > 0.f ? acc / wsum : 0.f);
-    }
-    if (threadIdx.x == 0) lse[((i64)b * hq + h) * nq + tok] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+    pdl_wait();
+    decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, blockIdx.z, blockIdx.y, hkv, n_splits,
+                                   hq, nq, d, group, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }

@@ -397,6 +397,106 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
                                                                  scale_log2);
 }
 
+// ---- Merging the splits' partials through memory (attn_decode_combine, or a pair's last split) ----
+// part_o holds each split's normalized partial O, rows of d floats at (((b * hkv + hk) * n_splits +
+// split) * rows + r), part_lse its log-sum-exp; every split wrote every row (zeros and -inf where it
+// saw no key). One thread merges 4 columns of one row in a single pass over the splits by the
+// log-sum-exp rule, kMergeBatch splits' loads in flight at a time (L2 round trips, not arithmetic,
+// are its cost):
+//     O = sum_s w_s O_s / sum_s w_s,  w_s = exp(lse_s - m),  LSE = m + log(sum_s w_s),
+// with m the running maximum (the sums rescaled when it grows). Both merges run this code, so a
+// graph replay (combine kernel) and a direct call (last split) give the same bits.
+constexpr int kMergeBatch = 8;
+
+template <typename T>
+__device__ __forceinline__ void decode_merge_quad(const float* part_o, const float* part_lse, u16* o, float* lse,
+                                                  i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
+                                                  int hq, int nq, int d, int group, int r, int c0) {
+    const int rows = group * nq;
+    const i64 row0 = ((i64)b * hkv + hk) * n_splits * rows + r;  // split s: row0 + s * rows
+    float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < n_splits; s0 += kMergeBatch) {
+        float ls[kMergeBatch];
+        float4 po[kMergeBatch];
+#pragma unroll
+        for (int j = 0; j < kMergeBatch; ++j) {  // independent loads, issued back to back
+            const i64 row = row0 + (i64)(s0 + j) * rows;
+            const bool in = s0 + j < n_splits;
+            // (.cg: another block's stores, read past this SM's L1; d % 8 == 0, so whole float4s)
+            ls[j] = in ? __ldcg(part_lse + row) : -INFINITY;
+            po[j] = in ? __ldcg(reinterpret_cast<const float4*>(part_o + row * d + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        float mb = m;
+#pragma unroll
+        for (int j = 0; j < kMergeBatch; ++j) mb = fmaxf(mb, ls[j]);
+        if (mb == -INFINITY) continue;  // no split so far saw a key of this row
+        const float a = __expf(m - mb);  // (m = -inf: 0, and l, acc are 0)
+        l *= a;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[k] *= a;
+#pragma unroll
+        for (int j = 0; j < kMergeBatch; ++j) {
+            const float w = __expf(ls[j] - mb);  // (lse -inf: weight 0)
+            l += w;
+            acc[0] += w * po[j].x;
+            acc[1] += w * po[j].y;
+            acc[2] += w * po[j].z;
+            acc[3] += w * po[j].w;
+        }
+        m = mb;
+    }
+    const int h = hk * group + r / nq, tok = r % nq;
+    u16* out = o + b * o_sb + h * o_sh + tok * o_sn + c0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        if (c0 + k < d) out[k] = from_float<T>(l > 0.f ? acc[k] / l : 0.f);
+    if (c0 == 0) lse[((i64)b * hq + h) * nq + tok] = l > 0.f ? m + __logf(l) : -INFINITY;
+}
+
+// The 4-column groups first, first + stride, ... of (sequence b, K/V head hk)'s rows, merged.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void decode_merge_pair(const float* part_o, const float* part_lse, u16* o, float* lse,
+                                                  i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
+                                                  int hq, int nq, int d, int group, int first, int stride) {
+    constexpr int kGroups = HEAD_DIM / 4;
+    for (int i = first; i < group * nq * kGroups; i += stride) {
+        const int r = i / kGroups, c0 = (i % kGroups) * 4;
+        if (c0 < d)
+            decode_merge_quad<T>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d, group, r,
+                                 c0);
+    }
+}
+
+// The end of a split block whose pair's splits merge in the last of them (split_done: a counter
+// per (sequence, K/V head), zero at launch): after this block's partials are stored, one thread
+// publishes them (fence, then the count); the block that brings the count to n_splits merges all
+// of them and resets the counter to zero for the next launch on its stream. This replaces the
+// combine kernel's launch, its wait for the whole grid and its start (H200, B=1 Hkv=8 L=32k: the
+// combine ended ~10 us after the split kernel; CUPTI, tools/decode_parts_probe.py). Every thread
+// of the block must call this (block barriers).
+template <typename T, int HEAD_DIM, int THREADS>
+__device__ __forceinline__ void decode_last_split_merges(int* split_done, const float* part_o,
+                                                         const float* part_lse, u16* o, float* lse, i64 o_sb,
+                                                         i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
+                                                         int hq, int nq, int d, int group) {
+    __shared__ int s_last;
+    __syncthreads();  // every thread's partial stores are issued
+    if (threadIdx.x == 0) {
+        int* count = split_done + (i64)b * hkv + hk;
+        __threadfence();  // ... and visible to the device before the count says so
+        const bool last = atomicAdd(count, 1) == n_splits - 1;
+        if (last) {
+            atomicExch(count, 0);  // every split has counted: zero for the next launch
+            __threadfence();       // the other splits' partials are visible to this block's reads
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    if (s_last)
+        decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d,
+                                       group, threadIdx.x, THREADS);
+}
+
 #if __CUDA_ARCH__ >= 900
 // ---- Thread-block clusters (sm_90): the splits of one (K/V head, sequence) as one cluster ----
 

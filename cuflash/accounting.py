@@ -497,9 +497,18 @@ def _forward_key_split(p, causal):
     return None if auto is None else gpu_hopper.split_partials(dims, *auto)
 
 
+def gpu_decode_merges_last() -> bool:
+    """Whether split-KV partials merge in the last split (gpu_decode.MERGE), where the kernels exist."""
+    try:
+        from . import gpu_decode
+    except _NO_KERNEL:
+        return False
+    return gpu_decode.MERGE == "last"
+
+
 def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None.
-    cluster=False: the launch whose splits a combine kernel merges (gpu_decode.launch_plan)."""
+    cluster=False: the launch whose splits merge through memory (gpu_decode.launch_plan)."""
     try:
         from . import gpu_decode
     except _NO_KERNEL:
@@ -513,8 +522,11 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
     main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)
     # cluster: the splits merge in the cluster's distributed shared memory (no partials in memory)
+    # last_merges: the partials go through memory and the last split of each pair merges them
+    last_merges = lp.splits > 1 and not lp.cluster and gpu_decode.MERGE == "last"
     return SimpleNamespace(splits=lp.splits, cluster=lp.cluster, keys=keys, source=main.short_name,
-                           smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n)
+                           smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n,
+                           last_merges=last_merges)
 
 
 def backward_launch(dtype, d, causal=False, deterministic=False):
@@ -585,7 +597,7 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     # memory, and by default the splits it picks on the modelled H200 (132 SMs).
     dec = None
     if method == "tiled" and config is None and pass_ in ("fwd", "fwd+bwd"):
-        # an explicit split count models the launch with partials in memory (the combine kernel's)
+        # an explicit split count models the launch with partials in memory (merged by the last split)
         dec = _decode_launch(p.dtype, p.d, causal, p.batch, p.hq, p.hkv, p.nq, p.nk,
                              cluster=None if splits is None else False)
     if splits is None:
@@ -620,6 +632,10 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                               f"split-KV: float32 B*Hq*Nq*splits*d, splits={splits}", phase="fwd"),
                   MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
+            if dec is not None and gpu_decode_merges_last():
+                notes.append("the last split of each (sequence, K/V head) merges the partials: it also keeps a "
+                             "counter buffer (4 bytes a pair, at least 4 KiB) per device and stream from its first "
+                             "launch on (zeroed again by every launch; not counted per call)")
         hd = schedule.head_dim_bucket(p.d)
         key_split = _forward_key_split(p, causal) if fwd and config is None and dec is None else None
         if key_split is not None:
@@ -871,7 +887,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     if fwd and dec is not None:
         # Split-KV decode: all query rows of a K/V head share one pass over its cache.
         p = prefix("fwd")
-        # partials go through memory only when a combine kernel merges them (not in a cluster)
+        # partials go through memory only when the splits do not merge in a cluster
         part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 and not dec.cluster else 0
         entries += [
             IOEntry(p + "Q", qe, 0, s, "read once"),
@@ -879,8 +895,13 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "V", bhkv * dec.keys * d, 0, s, "once per K/V head"),
             IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
                     f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
-                    else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
+                    else f"float32, {dec.splits} splits: written by the splits, read by the last of them"
+                    if dec.last_merges else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
             IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
+            IOEntry(p + "split counters", bhkv * dec.splits if dec.last_merges else 0,
+                    bhkv * (dec.splits + 1) if dec.last_merges else 0, 4,
+                    "int32 per (sequence, K/V head): an atomic add per split, the last split's reset"
+                    if dec.last_merges else "none: no merge by the last split"),
             IOEntry(p + "O", 0, qe, s, "written once"),
             IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
         ]

@@ -3,21 +3,24 @@
 Used for 16-bit inputs when all query rows that share a K/V head (GQA group x new tokens) fit in
 the decode tile's packed rows. Everything else takes the prefill kernel.
 
-With several splits the blocks' partial results are merged either by a second kernel
-(attn_decode_combine, through a float32 workspace) or, with 2, 4 or 8 splits on sm_90, inside the
-kernel: the splits of one (K/V head, sequence) form a thread-block cluster and merge through
-distributed shared memory (attn_decode_cluster; no workspace, one launch).
+With several splits the blocks' partial results go through a float32 workspace and the last split
+of each (sequence, K/V head) to finish merges them (a counter per pair, cuflash.stream_counters), or, with 2,
+4 or 8 splits on sm_90, the splits of one (K/V head, sequence) form a thread-block cluster and
+merge through distributed shared memory (attn_decode_cluster; no workspace). Either way one
+launch. attn_decode_combine, a second kernel, merges the workspace where asked (merge="kernel")
+and for the TMA kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import NamedTuple
 
 import numpy as np
 
-from . import schedule
+from . import schedule, stream_counters
 from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ._build import KernelSpec, get_function
 
@@ -392,16 +395,35 @@ class DecodeLaunch(NamedTuple):
         head = (p.batch, p.hkv, self.plan.splits, self.rows)
         return head + (p.d,), head
 
-    def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, lens, table):
+    def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table):
+        """split_done: the pairs' split counters (stream_counters.zeroed) for the merge by the last split,
+        or a null pointer (one split, or attn_decode_combine merges)."""
         if self.plan.cluster:  # the cluster merges in shared memory: no workspace parameters
             return (q4, k4, v4, o4, lse3, lens, table, *self.middle)
-        return (q4, k4, v4, o4, lse3, part_o, part_lse, lens, table, *self.middle)
+        return (q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table, *self.middle)
 
     def combine_args(self, part_o, part_lse, o4, lse3):
         return _combine_args(part_o, part_lse, o4, lse3, self.combine_tail, self.plan.splits)
 
     def combine_grid(self, p):
-        return (self.rows, p.hkv, p.batch)
+        return combine_grid(p, self.rows)
+
+
+def combine_grid(p, rows):
+    """attn_decode_combine's grid: a thread per 4-column group of a pair's rows, (blocks, Hkv, B)."""
+    hd, _ = schedule.decode_tile(p.d)
+    return (-(-rows * (hd // 4) // _COMBINE_THREADS), p.hkv, p.batch)
+
+
+# How a launch's workspace partials merge: "last" - the last split of each (sequence, K/V head)
+# merges them inside attn_decode (one launch); "kernel" - attn_decode_combine, a second launch
+# (CUFLASH_DECODE_MERGE=kernel: for A/B probes). On the H200 the combine kernel ended 5-10 us after
+# the split kernel at B=1 Hkv=8 (CUPTI timeline, tools/decode_parts_probe.py), where cuDNN's
+# reduction kernel takes 2.8 us plus a 1 us gap.
+MERGE = os.environ.get("CUFLASH_DECODE_MERGE", "last")
+if MERGE not in ("last", "kernel"):
+    raise ValueError(f"CUFLASH_DECODE_MERGE={MERGE!r}: expected 'last' or 'kernel'")
+
 
 
 def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
@@ -419,15 +441,17 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
-            cluster=None):
+            cluster=None, merge=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
     kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
     splits merge (see launch_plan): None picks, False forces the combine kernel, True the cluster
-    merge (ValueError where it cannot run)."""
+    merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
+    last split of each pair) or "kernel" (attn_decode_combine); None: MERGE."""
     import cupy
 
+    from . import _problem
     from .gpu import _elem_strides
 
     dev = cupy.cuda.Device().id
@@ -441,16 +465,21 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     shift = paged[1].bit_length() - 1 if paged is not None else None
     dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
     ws = dl.workspace_shapes(p)
+    split_done = np.uint64(0)  # (null: one split, a cluster merge, or the combine kernel's)
     if ws is not None:
         part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)
+        if (merge or MERGE) == "last":
+            stream, pairs = cupy.cuda.get_current_stream().ptr, p.batch * p.hkv
+            fresh = cupy.empty((pairs,), dtype=np.int32) if _problem.stream_is_capturing() else None
+            split_done = np.uint64(stream_counters.zeroed(pairs, stream, None if fresh is None else fresh.data.ptr))
     else:  # one split writes o and lse itself: null workspace pointers
         part_o = part_lse = np.uint64(0)
     spec = dl.spec
-    get_function(spec)(dl.grid, (spec.threads,), dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, lens_ptr, table),
+    get_function(spec)(dl.grid, (spec.threads,),
+                       dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table),
                        shared_mem=spec.smem_bytes)
-    if dl.combines:
-        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p), dl.plan.splits,
-                        combine_programmatic(p))
+    if dl.combines and not split_done:
+        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p), combine_programmatic(p))
 
 
 # The combine kernel runs as the split kernel's programmatic dependent (pdl.launch) when the
@@ -469,16 +498,16 @@ def combine_programmatic(p, packed: bool = False) -> bool:
     return packed or 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES
 
 
-def _launch_combine(p, args, grid, splits, programmatic):
+def _launch_combine(p, args, grid, programmatic):
     """attn_decode_combine: the splits' partial O and LSE merged by the log-sum-exp rule (it waits
     for the partials on the device: griddepcontrol.wait)."""
     from . import pdl
 
     fn = get_function(combine_spec(p.dtype, p.d))
     if programmatic:
-        pdl.launch(fn, grid, (_COMBINE_THREADS,), args, 4 * splits)
+        pdl.launch(fn, grid, (_COMBINE_THREADS,), args, 0)
     else:
-        fn(grid, (_COMBINE_THREADS,), args, shared_mem=4 * splits)
+        fn(grid, (_COMBINE_THREADS,), args)
 
 
 def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster):
@@ -514,5 +543,5 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
         shared_mem=spec.smem_bytes,
     )
     if splits > 1:
-        _launch_combine(p, _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits), (rows, p.hkv, p.batch),
-                        splits, combine_programmatic(p))
+        _launch_combine(p, _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits), combine_grid(p, rows),
+                        combine_programmatic(p))

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import schedule
+from . import schedule, stream_counters
 from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ._build import KernelSpec
 
@@ -148,21 +148,6 @@ def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, in
     return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
 
 
-_split_flags_cache: dict = {}
-
-
-def split_flags(n: int):
-    """A zeroed uint32 counter per query tile for the current device and stream, kept across
-    calls: each launch's last pieces zero theirs again, so no launch needs a memset (and a
-    captured graph replays as it ran)."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    flags = _split_flags_cache.get(key)
-    if flags is None or flags.size < n:
-        flags = cupy.zeros(max(n, 1024), dtype=np.uint32)
-        _split_flags_cache[key] = flags
-    return flags
 
 
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
@@ -299,9 +284,14 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
     slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
-    flags = split_flags(tiles)
+    # A counter per query tile (cuflash.stream_counters: kept per stream, left zero by each launch's
+    # last pieces; a captured call's own, zeroed by a memset node on every replay).
+    from ._problem import stream_is_capturing
+
+    fresh = cupy.empty((tiles,), dtype=np.uint32) if stream_is_capturing() else None
+    flags = stream_counters.zeroed(tiles, cupy.cuda.get_current_stream().ptr, None if fresh is None else fresh.data.ptr)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
-                   extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, flags))
+                   extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, np.uint64(flags)))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):

@@ -25,7 +25,7 @@ import contextlib
 
 import numpy as np
 
-from . import _problem, api, interop
+from . import _problem, api, interop, stream_counters
 from ._arrays import byte_range, dtype_name
 from ._layout import is_view_of, to_bhsd
 
@@ -166,6 +166,10 @@ class _CupyArrays:
         _problem.warn_if_capture_unsafe(stacklevel=6)  # the buffers allocated below, under capture
         return self.cupy.cuda.get_current_stream().ptr
 
+    @staticmethod
+    def capturing() -> bool:
+        return _problem.stream_is_capturing()
+
     def empty(self, shape, like=None):
         return self.cupy.empty(shape, dtype=np.float32 if like is None else like.dtype)
 
@@ -210,6 +214,9 @@ class _TorchArrays:
 
     def stream(self) -> int:
         return self.torch.cuda.current_stream(self.device).cuda_stream
+
+    def capturing(self) -> bool:
+        return self.torch.cuda.is_current_stream_capturing()
 
     def empty(self, shape, like=None):
         dtype = self.torch.float32 if like is None else like.dtype
@@ -305,20 +312,23 @@ class _DecodeCall:
         self.workspace = dl.workspace_shapes(p)
         part = POINTER if self.workspace is not None else np.uint64(0)
         spec = dl.spec
-        # Array slots in order: q, k, v, o, lse, [part_o, part_lse], [kv_lens], [block_table].
+        # Array slots in order: q, k, v, o, lse, [part_o, part_lse, split counters], [kv_lens], [block_table].
         self.num_blocks = num_blocks
         lens = POINTER if has_lens else np.uint64(0)
         table = POINTER if block_size is not None else np.uint64(0)
         self.main = PackedLaunch(get_function(spec), dl.grid, (spec.threads,),
-                                 dl.main_args(*(POINTER,) * 5, part, part, lens, table), spec.smem_bytes)
+                                 dl.main_args(*(POINTER,) * 5, part, part, part, lens, table), spec.smem_bytes)
         self.combine = None
+        # The partials merge in the last split of each pair (gpu_decode.MERGE "last"), or in attn_decode_combine.
+        self.merge_last = gpu_decode.MERGE == "last"
+        self.split_counters = stream_counters.zeroed
         names = [spec.short_name]
-        if self.workspace is not None:
+        if self.workspace is not None and not self.merge_last:
             cspec = gpu_decode.combine_spec(p.dtype, p.d)
             # A programmatic dependent where available (a packed launch costs no more host time that way).
             programmatic = gpu_decode.combine_programmatic(p, packed=True) and pdl.available()
             self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(p), (gpu_decode._COMBINE_THREADS,),
-                                        dl.combine_args(*(POINTER,) * 4), 4 * dl.plan.splits, programmatic)
+                                        dl.combine_args(*(POINTER,) * 4), 0, programmatic)
             names.append(cspec.short_name)
         self.kernel_names = tuple(names)
         # out=: the geometry of a fresh result, and the byte extents (first, last + 1) of q, k, v
@@ -356,6 +366,12 @@ class _DecodeCall:
         if self.workspace is not None:
             ws = [lib.empty(shape) for shape in self.workspace]
             ptrs += [lib.ptr(w) for w in ws]
+            pairs = p.batch * p.hkv
+            if self.merge_last:  # (under capture a fresh buffer of the graph: cuflash.stream_counters)
+                ws.append(lib.empty((pairs,)) if lib.capturing() else None)
+                ptrs.append(self.split_counters(pairs, stream, None if ws[-1] is None else lib.ptr(ws[-1])))
+            else:
+                ptrs.append(0)
         if lens is not None:
             ptrs.append(lib.ptr(lens))
         if table is not None:

@@ -1,8 +1,9 @@
-"""Split-KV decode: the splits merged inside a thread-block cluster (attn_decode_cluster) and by
-the combine kernel, forced either way, against the float64 reference (naive-error rule).
+"""Split-KV decode: the splits merged inside a thread-block cluster (attn_decode_cluster), by the
+last split of each pair through the float32 workspace, or by the combine kernel, each forced,
+against the float64 reference (naive-error rule).
 
 CPU: the planner's choice of merge and cluster size, the workspace it implies, and that what it
-launches is in all_decode_specs (compiled by test_compile). GPU: both merges for 2, 4 and 8 splits
+launches is in all_decode_specs (compiled by test_compile). GPU: the three merges for 2, 4 and 8 splits
 with kv_lens 0 and 1 and lengths that leave splits empty, causal bottom_right, GQA groups, a
 head dim below its bucket, paged caches; outputs poisoned with NaN before each launch.
 """
@@ -259,11 +260,23 @@ def _launch(monkeypatch):
     return launched
 
 
-def _check_kernels(launched, cluster, splits):
-    if cluster:
+def _check_kernels(launched, merge, splits):
+    """merge: "cluster" (one cluster launch), "last" (the last split merges: one launch) or
+    "kernel" (the split kernel, then attn_decode_combine)."""
+    if merge == "cluster":
         assert launched and all(e.startswith("attn_decode_cluster<") and e.endswith(f", {splits}>") for e in launched), launched
+    elif merge == "last":
+        assert launched and all(e.startswith("attn_decode<") for e in launched), launched
     else:
         assert launched[0].startswith("attn_decode<") and launched[-1].startswith("attn_decode_combine<"), launched
+
+
+# How the GPU merge tests merge the splits: in a cluster, in the last split, or in the combine kernel.
+MERGES = ["cluster", "last", "kernel"]
+
+
+def _merge_kwargs(merge):
+    return {"cluster": True} if merge == "cluster" else {"cluster": False, "merge": merge}
 
 
 def _poisoned(shape, dtype):
@@ -287,11 +300,11 @@ _SHAPES = [(hq, hkv, nq, d) for hq, hkv, d in ((32, 8, 128), (16, 8, 128), (8, 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
 @pytest.mark.parametrize("hq,hkv,nq,d", _SHAPES)
-def test_merge_kv_lens(rng, monkeypatch, cluster, splits, causal, hq, hkv, nq, d):
+def test_merge_kv_lens(rng, monkeypatch, merge, splits, causal, hq, hkv, nq, d):
     import cupy
 
     from cuflash._problem import validate_forward
@@ -305,15 +318,15 @@ def test_merge_kv_lens(rng, monkeypatch, cluster, splits, causal, hq, hkv, nq, d
     o4 = _poisoned(qg.shape, qg.dtype)  # every element must be written
     lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
     launched = _launch(monkeypatch)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=cluster)
-    _check_kernels(launched, cluster, splits)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, **_merge_kwargs(merge))
+    _check_kernels(launched, merge, splits)
     check_per_sequence(o4, lse3, q, k, v, lens, causal, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
-def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, cluster, causal):
+def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, merge, causal):
     # 300 keys over 8 splits of 48: the cluster's 8th block has no key at all.
     import cupy
 
@@ -326,17 +339,17 @@ def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, clu
     o4 = _poisoned(qg.shape, qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
     launched = _launch(monkeypatch)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=8, cluster=cluster)
-    _check_kernels(launched, cluster, 8)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=8, **_merge_kwargs(merge))
+    _check_kernels(launched, merge, 8)
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, causal, BFLOAT16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "combine"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("hq,hkv,nq,d,causal", [(32, 8, 1, 128, False), (8, 2, 7, 64, "bottom_right")])
-def test_merge_paged(rng, monkeypatch, cluster, splits, bs, hq, hkv, nq, d, causal):
+def test_merge_paged(rng, monkeypatch, merge, splits, bs, hq, hkv, nq, d, causal):
     import cupy
 
     from cuflash._layout import to_bhsd
@@ -354,9 +367,45 @@ def test_merge_paged(rng, monkeypatch, cluster, splits, bs, hq, hkv, nq, d, caus
     lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
     launched = _launch(monkeypatch)
     gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, kv_lens=lg, paged=(tg, block), splits=splits,
-                       cluster=cluster)
-    _check_kernels(launched, cluster, splits)
+                       **_merge_kwargs(merge))
+    _check_kernels(launched, merge, splits)
     check_per_sequence(o4, lse3, q, k, v, lens, causal, BFLOAT16)
+
+
+@pytest.mark.gpu
+def test_last_split_counters_are_left_zero(rng):
+    # The merge by the last split counts each pair's finished splits in a buffer kept per stream
+    # (cuflash.stream_counters), which every launch must leave zero: one geometry run twice, one
+    # with more pairs than the buffer held (it grows), one on another stream, then the first
+    # again - each against the reference, and bitwise equal to its first run. Outputs poisoned.
+    import cupy
+
+    from cuflash._problem import validate_forward
+
+    def run(b, hkv, nk, splits, stream=None):
+        q, k, v = random_inputs(np.random.default_rng([b, hkv, nk, splits]), (b, 2 * hkv, 1, 64), (b, hkv, nk, 64),
+                                BFLOAT16)
+        lens = np.arange(b, dtype=np.int32) * 7 % (nk + 1)  # (0, 1-key and full sequences among them)
+        with stream or cupy.cuda.Stream.null:
+            qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+            p = validate_forward(qg, kg, vg)
+            o4 = _poisoned(qg.shape, qg.dtype)
+            lse3 = cupy.full((b, 2 * hkv, 1), np.nan, dtype=np.float32)
+            gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=False, merge="last")
+            o, lse = o4.get(), lse3.get()
+        check_per_sequence(o, lse, q, k, v, lens, False, BFLOAT16)
+        return o.view(np.uint16), lse
+
+    first = run(3, 2, 900, 5)
+    again = [run(3, 2, 900, 5), run(1040, 1, 300, 2), run(4, 4, 700, 3, cupy.cuda.Stream(non_blocking=True)),
+             run(3, 2, 900, 5)]
+    for o, lse in (again[0], again[3]):
+        np.testing.assert_array_equal(o, first[0])
+        np.testing.assert_array_equal(lse, first[1])
+    from cuflash import stream_counters
+
+    cupy.cuda.Device().synchronize()
+    assert int(cupy.abs(stream_counters.view(1040, cupy.cuda.Stream.null.ptr)).max()) == 0
 
 
 @pytest.mark.gpu
@@ -374,7 +423,7 @@ def test_api_default_takes_the_cluster_on_a_few_block_cell(rng, monkeypatch):
     assert lp.cluster == (int(dev.compute_capability) >= 90)
     launched = _launch(monkeypatch)
     o, lse = cuflash.attention(qg, kg, vg, return_lse=True, out=_poisoned(qg.shape, qg.dtype))
-    _check_kernels(launched, lp.cluster, lp.splits)
+    _check_kernels(launched, "cluster" if lp.cluster else gpu_decode.MERGE, lp.splits)
     check_per_sequence(o, lse, q, k, v, [4096] * 8, False, BFLOAT16)
 
 

@@ -65,7 +65,7 @@ def test_decode_combine_as_dependent(monkeypatch, use_pdl, splits):
     p = validate_forward(qg, kg, vg, causal="bottom_right")
     o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
+    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False, merge="kernel")
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, "bottom_right", BFLOAT16)
 
 
@@ -284,5 +284,6 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
     assert launched and tile in launched[0], launched
     if case == "cluster":  # 4 pairs on 8 SMs: 4 splits of 750 keys, merged in a 4-block cluster
         assert launched[0].startswith("attn_decode_cluster<") and launched[0].endswith(", 4>"), launched
-    if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, the combine kernel
-        assert launched[-1].startswith("attn_decode_combine<"), launched
+    if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, merged through the workspace
+        assert launched[0].startswith("attn_decode<"), launched
+        assert launched[-1].startswith("attn_decode_combine<") == (gpu_decode.MERGE == "kernel"), launched

@@ -62,17 +62,20 @@ def _bits(a):
 @pytest.mark.parametrize("via", ["attention", "prepared"])
 @pytest.mark.parametrize("b,hq,hkv,nk,pdl_combine", [(2, 8, 2, 5000, False), (1, 4, 4, 70000, False),
                                                      (1, 4, 4, 70000, True), (3, 4, 1, 700, False)],
-                         ids=["cluster-split", "combine-split", "combine-split-pdl", "one-block"])
+                         ids=["cluster-split", "last-split-merge", "combine-kernel-pdl", "one-block"])
 def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine, via):
-    # (pdl_combine: the combine kernel launched as the split kernel's programmatic dependent, as
-    # for caches of 512 MiB and more: the capture must keep that edge, and the replay be exact;
-    # via "prepared": the step is a cuflash.prepare_attention call, its packed launches captured)
+    # ("last-split-merge": the last split of each pair merges, with split counters of the graph's
+    # own, zeroed by a memset node on every replay; pdl_combine: the combine kernel instead,
+    # launched as the split kernel's programmatic dependent: the capture must keep that edge, and
+    # the replay be exact; via "prepared": the step is a cuflash.prepare_attention call, its
+    # packed launches captured)
     from cuflash import gpu_decode, pdl
 
     if pdl_combine:
         if not pdl.available():
             pytest.skip("programmatic dependent launch needs sm_90 and cuda-bindings")
         monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
+        monkeypatch.setattr(gpu_decode, "MERGE", "kernel")
     rng = np.random.default_rng([b, hq, nk, 61])
     q = cupy.empty((b, hq, 1, 128), FLOAT16)
     k, v = (cupy.empty((b, hkv, nk, 128), FLOAT16) for _ in range(2))

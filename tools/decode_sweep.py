@@ -7,7 +7,8 @@ SWEEP: "spec" (several query tokens per sequence, d=128), "long" (one to four lo
 d=128), "longpdl [min bytes]" (the same with the combine kernel a programmatic dependent from that
 cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split counts filling two or
 three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts),
-"misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k).
+"misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k),
+"merge" (few pairs: the partials merged by the last split or by the combine kernel, a few split counts).
 A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
 count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
 (evidence-20261201/sweeps/ holds the H200 runs.)
@@ -59,6 +60,11 @@ elif SWEEP == "few":  # few (sequence, K/V head) pairs at d=128 / 192 / 256: spl
         (8, 32, 8, 1, 16384, 192), (8, 32, 8, 1, 4096, 256), (1, 32, 8, 1, 65536, 256), (2, 32, 8, 1, 32768, 256)]
     TILES = None  # per head dim below
     SPLITS = None
+elif SWEEP == "merge":  # the workspace's partials merged by the last split against the combine kernel
+    gpu_decode.PDL_COMBINE_MIN_BYTES = 0
+    SHAPES = [(B, 32, 8, 1, L, 128) for B in (1, 2, 4) for L in (8192, 32768, 131072)] + [
+        (8, 32, 8, 1, 65536, 128), (1, 32, 8, 1, 65536, 256), (2, 32, 8, 1, 32768, 256), (1, 32, 8, 1, 32768, 64)]
+    TILES, SPLITS = None, None
 else:
     SHAPES = [(8, 32, 8, n, 16384, 128) for n in (1, 2, 4, 8, 16)] + [(8, 32, 32, 4, 16384, 128)]
     TILES = []
@@ -107,13 +113,16 @@ for B, hq, hkv, nq, L, d, *dtype in SHAPES:
             fill3, fill4 = max(1, 3 * SMS // pairs), max(1, 4 * SMS // pairs)
             variants = [("16x4s2", T(16, 4, 2), None, None), ("16x2s2", t2, fill3, False), ("16x2s2", t2, fill4, False),
                         ("16x2s2", t2, 6, False), ("16x2s2", t2, None, None), ("16x2s2r2", T(16, 2, 2, 2), fill3, False)]
+    elif SWEEP == "merge":  # the planner's tile; its split count and others, each merged both ways
+        variants = [(m, None, n, False, m) for m in ("last", "kernel") for n in (None, 8, 16, 24, 32)]
     else:
         variants = [(tname, tile, n, None) for tname, tile in TILES for n in SPLITS]
-    for tname, tile, n, cl in variants:
+    for tname, tile, n, cl, *merge in variants:
             key = f"{tname}/{n or 'auto'}{'' if cl is None else 'c' if cl else 'm'}"
+            mg = merge[0] if merge else None
             try:
                 lp = gpu_decode.launch_plan(p, SMS, n, tile, cluster=cl)
-                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, splits=n, tile=tile, cluster=cl)  # noqa: E731
+                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, splits=n, tile=tile, cluster=cl, merge=mg)  # noqa: E731
                 o4.fill(float("nan"))
                 f()
                 err = float(cp.abs(o4.astype(cp.float32) - ref).max())

@@ -10,7 +10,7 @@ and summarizes one traced launch after an L2 flush:
   time p10 / p50 / p90 / max and its start (until Q is in registers), loop and end (merge, stores)
   medians; when 50 / 90 / 100% of blocks had ended.
 
-    python3 tools/decode_trace.py out.json [--split-cells | --many-cells] [--variants api,cluster4,combine6]
+    python3 tools/decode_trace.py out.json [--split-cells | --many-cells | --cells L,B,Hkv;...] [--variants api,cluster4,combine6]
 """
 import json
 import os
@@ -36,6 +36,8 @@ if "--split-cells" in sys.argv:
     CELLS = [c for c in CELLS if c[1] * c[2] < 132]
 if "--many-cells" in sys.argv:
     CELLS = [c for c in CELLS if c[1] * c[2] >= 132]
+if "--cells" in sys.argv:  # cells outside the grid, e.g. "8192,1,8;32768,1,8"
+    CELLS = [tuple(int(x) for x in c.split(",")) for c in sys.argv[sys.argv.index("--cells") + 1].split(";")]
 VARIANTS = ["api"] + [f"cluster{s}" for s in (2, 3, 4, 5, 6, 7, 8)] + [f"combine{s}" for s in (3, 4, 5, 6, 8)]
 if "--variants" in sys.argv:
     VARIANTS = sys.argv[sys.argv.index("--variants") + 1].split(",")
