@@ -497,15 +497,6 @@ def _forward_key_split(p, causal):
     return None if auto is None else gpu_hopper.split_partials(dims, *auto)
 
 
-def gpu_decode_merges_last() -> bool:
-    """Whether split-KV partials merge in the last split (gpu_decode.MERGE), where the kernels exist."""
-    try:
-        from . import gpu_decode
-    except _NO_KERNEL:
-        return False
-    return gpu_decode.MERGE == "last"
-
-
 def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None.
     cluster=False: the launch whose splits merge through memory (gpu_decode.launch_plan)."""
@@ -523,7 +514,7 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)
     # cluster: the splits merge in the cluster's distributed shared memory (no partials in memory)
     # last_merges: the partials go through memory and the last split of each pair merges them
-    last_merges = lp.splits > 1 and not lp.cluster and gpu_decode.MERGE == "last"
+    last_merges = gpu_decode.last_split_merges(lp, p.group * nq, d)
     return SimpleNamespace(splits=lp.splits, cluster=lp.cluster, keys=keys, source=main.short_name,
                            smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n,
                            last_merges=last_merges)
@@ -632,7 +623,7 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
                               f"split-KV: float32 B*Hq*Nq*splits*d, splits={splits}", phase="fwd"),
                   MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
                               f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
-            if dec is not None and gpu_decode_merges_last():
+            if dec is not None and dec.last_merges:
                 notes.append("the last split of each (sequence, K/V head) merges the partials: it also keeps a "
                              "counter buffer (4 bytes a pair, at least 4 KiB) per device and stream from its first "
                              "launch on (zeroed again by every launch; not counted per call)")

@@ -194,17 +194,10 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     w = (waves or WAVES) * sm_count
     want = max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
     keys, per_split_min = span_keys(p), tile.warps * tile.block_n * 4
-    n = max(1, min(want, -(-keys // per_split_min)))
-    if blocks < sm_count and n >= CLUSTER_SIZES[-1]:
-        # (the combine kernel's splits: at least COMBINE_MIN_CHUNK keys each while 8 remain)
-        n = min(n, max(CLUSTER_SIZES[-1], -(-keys // COMBINE_MIN_CHUNK)))
-    return n
-
-
-# Splits that the combine kernel merges hold at least this many keys: each split's block start
-# and partials cost about as much as streaming a few hundred keys (B=1 Hkv=8 L=8k: 16 splits
-# 22.1 us, 32 splits of 256 keys 24.4; evidence-20261201/sweep2_few.json).
-COMBINE_MIN_CHUNK = 512
+    # (With the combine kernel, splits of >= 512 keys had paid: B=1 Hkv=8 L=8k, 16 splits 22.1 us
+    # against 32 of 256 keys 24.4. Merged by the last split, 32 are ahead: 18.0 vs 18.5; cuDNN 19.2;
+    # evidence-20261201b/merge_sweep.json.)
+    return max(1, min(want, -(-keys // per_split_min)))
 
 
 def default_tile(p, sm_count: int, waves=None):
@@ -385,7 +378,8 @@ class DecodeLaunch(NamedTuple):
 
     @property
     def combines(self) -> bool:
-        """The splits' partials go through a float32 workspace to attn_decode_combine."""
+        """The splits' partials go through a float32 workspace (merged by the last split or by
+        attn_decode_combine: last_split_merges)."""
         return self.plan.splits > 1 and not self.plan.cluster
 
     def workspace_shapes(self, p):
@@ -416,13 +410,28 @@ def combine_grid(p, rows):
 
 
 # How a launch's workspace partials merge: "last" - the last split of each (sequence, K/V head)
-# merges them inside attn_decode (one launch); "kernel" - attn_decode_combine, a second launch
-# (CUFLASH_DECODE_MERGE=kernel: for A/B probes). On the H200 the combine kernel ended 5-10 us after
-# the split kernel at B=1 Hkv=8 (CUPTI timeline, tools/decode_parts_probe.py), where cuDNN's
-# reduction kernel takes 2.8 us plus a 1 us gap.
-MERGE = os.environ.get("CUFLASH_DECODE_MERGE", "last")
-if MERGE not in ("last", "kernel"):
-    raise ValueError(f"CUFLASH_DECODE_MERGE={MERGE!r}: expected 'last' or 'kernel'")
+# merges them inside attn_decode (one launch); "kernel" - attn_decode_combine, a second launch;
+# "auto" - the last split where its block has a thread for every 4-column group of the pair's rows
+# (it merges a group per thread, 8 splits' loads in flight: with 4 groups per thread, d=256's
+# 2-warp blocks, the chain of L2 round trips cost more than a second launch), else the combine
+# kernel. H200, bf16 Hq=32 Hkv=8, us (cuDNN) last / kernel: B=1 d=128 L=8k 18.5 / 18.6 (19.2), L=32k
+# 40.7 / 41.8 (40.4), L=128k 127.8 / 128.1 (128.0); d=64 L=32k 24.5 / 24.9; d=256 L=64k 141.9 /
+# 135.5 (FA2 150.8); before either (the old combine kernel, rows of one column per thread) the
+# combine ended 5-10 us after the split kernel at B=1 (CUPTI, tools/decode_parts_probe.py), where
+# cuDNN's reduction takes 2.8 us after a 1 us gap (evidence-20261201b/). CUFLASH_DECODE_MERGE sets it.
+MERGE = os.environ.get("CUFLASH_DECODE_MERGE", "auto")
+if MERGE not in ("auto", "last", "kernel"):
+    raise ValueError(f"CUFLASH_DECODE_MERGE={MERGE!r}: expected 'auto', 'last' or 'kernel'")
+
+
+def last_split_merges(plan, rows: int, d: int, merge=None) -> bool:
+    """Whether the last split of each pair merges plan's workspace partials (`rows` packed rows of
+    head dim d; merge: None for MERGE, or "auto" / "last" / "kernel"), not attn_decode_combine."""
+    merge = merge or MERGE
+    if plan.splits <= 1 or plan.cluster or merge == "kernel":
+        return False
+    hd, _ = schedule.decode_tile(d)
+    return merge == "last" or rows * (hd // 4) <= plan.tile.threads
 
 
 
@@ -448,7 +457,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
     splits merge (see launch_plan): None picks, False forces the combine kernel, True the cluster
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
-    last split of each pair) or "kernel" (attn_decode_combine); None: MERGE."""
+    last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE."""
     import cupy
 
     from . import _problem
@@ -468,7 +477,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     split_done = np.uint64(0)  # (null: one split, a cluster merge, or the combine kernel's)
     if ws is not None:
         part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)
-        if (merge or MERGE) == "last":
+        if last_split_merges(dl.plan, dl.rows, p.d, merge):
             stream, pairs = cupy.cuda.get_current_stream().ptr, p.batch * p.hkv
             fresh = cupy.empty((pairs,), dtype=np.int32) if _problem.stream_is_capturing() else None
             split_done = np.uint64(stream_counters.zeroed(pairs, stream, None if fresh is None else fresh.data.ptr))

@@ -319,8 +319,8 @@ class _DecodeCall:
         self.main = PackedLaunch(get_function(spec), dl.grid, (spec.threads,),
                                  dl.main_args(*(POINTER,) * 5, part, part, part, lens, table), spec.smem_bytes)
         self.combine = None
-        # The partials merge in the last split of each pair (gpu_decode.MERGE "last"), or in attn_decode_combine.
-        self.merge_last = gpu_decode.MERGE == "last"
+        # The partials merge in the last split of each pair, or in attn_decode_combine (gpu_decode.MERGE).
+        self.merge_last = gpu_decode.last_split_merges(dl.plan, dl.rows, p.d)
         self.split_counters = stream_counters.zeroed
         names = [spec.short_name]
         if self.workspace is not None and not self.merge_last:

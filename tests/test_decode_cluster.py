@@ -107,8 +107,9 @@ def test_few_pairs_fill_the_slots_once(batch, hkv, want):
     assert lp.splits == (want if want >= 8 else 4) and lp.cluster is False  # (64k keys: 16k per split of 4)
     short = gpu_decode.launch_plan(_problem(batch, 32, hkv, 1, 8192, 128), H200_SMS)
     assert short.cluster == (want < 8)
-    if want >= 8:  # combined splits keep >= COMBINE_MIN_CHUNK keys (B=1: 16 of 512, not 32 of 256)
-        assert short.splits == max(8, min(want, 8192 // gpu_decode.COMBINE_MIN_CHUNK))
+    if want >= 8:  # as many as fill the slots while each warp keeps 4 key tiles (B=1: 32 of 256 keys)
+        t = schedule.DECODE_TILES[128]
+        assert short.splits == min(want, 8192 // (4 * t.warps * t.block_n))
 
 
 @pytest.mark.parametrize("d", [192, 256])
@@ -120,6 +121,24 @@ def test_wide_heads_with_few_pairs_take_two_warp_blocks(d):
     assert per_sm(few.tile) >= 3 > per_sm(schedule.DECODE_TILES[d])
     many = gpu_decode.launch_plan(_problem(64, 32, 8, 1, 4096, d), H200_SMS)  # a pair per SM: the table's tile
     assert many.tile == schedule.DECODE_TILES[d] and many.splits == 1
+
+
+@pytest.mark.parametrize("d, hkv, nq, last", [(128, 8, 1, True), (64, 8, 1, True), (128, 8, 2, False),
+                                              (256, 8, 1, False), (128, 32, 1, True)])
+def test_the_last_split_merges_with_a_thread_per_column_group(monkeypatch, d, hkv, nq, last):
+    # Splits merged through memory: by their last split where its block has a thread for every
+    # 4-column group of the pair's rows (d=128, 4 rows: 128 groups, 128 threads), else by the
+    # combine kernel (8 rows at d=128; d=256's 2-warp blocks); merge= / MERGE force either.
+    monkeypatch.setattr(gpu_decode, "MERGE", "auto")
+    p = _problem(1, 32, hkv, nq, 65536, d)
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    rows = p.group * nq
+    assert lp.splits > 1 and not lp.cluster
+    assert gpu_decode.last_split_merges(lp, rows, d) == last
+    assert gpu_decode.last_split_merges(lp, rows, d, "last") and not gpu_decode.last_split_merges(lp, rows, d, "kernel")
+    assert not gpu_decode.last_split_merges(gpu_decode.launch_plan(p, H200_SMS, splits=4, cluster=True), rows, d, "last")
+    monkeypatch.setattr(gpu_decode, "MERGE", "kernel")
+    assert not gpu_decode.last_split_merges(lp, rows, d)
 
 
 def test_packed_combines_are_programmatic():
@@ -377,12 +396,13 @@ def test_last_split_counters_are_left_zero(rng):
     # The merge by the last split counts each pair's finished splits in a buffer kept per stream
     # (cuflash.stream_counters), which every launch must leave zero: one geometry run twice, one
     # with more pairs than the buffer held (it grows), one on another stream, then the first
-    # again - each against the reference, and bitwise equal to its first run. Outputs poisoned.
+    # again - each against the reference, and bitwise equal to its first run and to the combine
+    # kernel's merge. Outputs poisoned.
     import cupy
 
     from cuflash._problem import validate_forward
 
-    def run(b, hkv, nk, splits, stream=None):
+    def run(b, hkv, nk, splits, stream=None, merge="last"):
         q, k, v = random_inputs(np.random.default_rng([b, hkv, nk, splits]), (b, 2 * hkv, 1, 64), (b, hkv, nk, 64),
                                 BFLOAT16)
         lens = np.arange(b, dtype=np.int32) * 7 % (nk + 1)  # (0, 1-key and full sequences among them)
@@ -391,7 +411,7 @@ def test_last_split_counters_are_left_zero(rng):
             p = validate_forward(qg, kg, vg)
             o4 = _poisoned(qg.shape, qg.dtype)
             lse3 = cupy.full((b, 2 * hkv, 1), np.nan, dtype=np.float32)
-            gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=False, merge="last")
+            gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=False, merge=merge)
             o, lse = o4.get(), lse3.get()
         check_per_sequence(o, lse, q, k, v, lens, False, BFLOAT16)
         return o.view(np.uint16), lse
@@ -399,7 +419,8 @@ def test_last_split_counters_are_left_zero(rng):
     first = run(3, 2, 900, 5)
     again = [run(3, 2, 900, 5), run(1040, 1, 300, 2), run(4, 4, 700, 3, cupy.cuda.Stream(non_blocking=True)),
              run(3, 2, 900, 5)]
-    for o, lse in (again[0], again[3]):
+    # (the combine kernel runs the same merge code: the same bits)
+    for o, lse in (again[0], again[3], run(3, 2, 900, 5, merge="kernel")):
         np.testing.assert_array_equal(o, first[0])
         np.testing.assert_array_equal(lse, first[1])
     from cuflash import stream_counters
@@ -423,7 +444,8 @@ def test_api_default_takes_the_cluster_on_a_few_block_cell(rng, monkeypatch):
     assert lp.cluster == (int(dev.compute_capability) >= 90)
     launched = _launch(monkeypatch)
     o, lse = cuflash.attention(qg, kg, vg, return_lse=True, out=_poisoned(qg.shape, qg.dtype))
-    _check_kernels(launched, "cluster" if lp.cluster else gpu_decode.MERGE, lp.splits)
+    _check_kernels(launched, "cluster" if lp.cluster else "last" if gpu_decode.last_split_merges(lp, 4, 128) else "kernel",
+                   lp.splits)
     check_per_sequence(o, lse, q, k, v, [4096] * 8, False, BFLOAT16)
 
 

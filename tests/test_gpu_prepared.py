@@ -106,6 +106,7 @@ def test_prepared_decode_combine_as_dependent(monkeypatch):
     if not pdl.available():
         pytest.skip("programmatic dependent launch needs sm_90 and cuda-bindings")
     monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
+    monkeypatch.setattr(gpu_decode, "MERGE", "kernel")  # (by default the last split merges: no combine)
     rng = np.random.default_rng(11)
     b, hq, hkv, nq, nk = SHAPES["combine-split"]
     args, kw, host = _case(rng, SHAPES["combine-split"], BFLOAT16, "lens")
