@@ -8,7 +8,8 @@ d=128), "longpdl [min bytes]" (the same with the combine kernel a programmatic d
 cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split counts filling two or
 three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts),
 "misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k),
-"merge" (few pairs: the partials merged by the last split or by the combine kernel, a few split counts).
+"merge [groups]" (few pairs: the partials merged by the last split or by the combine kernel, a few split
+counts; "groups": shapes with more 4-column groups per pair than a split block has threads).
 A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
 count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
 (evidence-20261201/sweeps/ holds the H200 runs.)
@@ -64,6 +65,9 @@ elif SWEEP == "merge":  # the workspace's partials merged by the last split agai
     gpu_decode.PDL_COMBINE_MIN_BYTES = 0
     SHAPES = [(B, 32, 8, 1, L, 128) for B in (1, 2, 4) for L in (8192, 32768, 131072)] + [
         (8, 32, 8, 1, 65536, 128), (1, 32, 8, 1, 65536, 256), (2, 32, 8, 1, 32768, 256), (1, 32, 8, 1, 32768, 64)]
+    if len(sys.argv) > 3 and sys.argv[3] == "groups":  # more 4-column groups than threads: GQA 8, two tokens, d=192
+        SHAPES = [(1, 64, 8, 1, 8192, 128), (1, 64, 8, 1, 32768, 128), (2, 64, 8, 1, 32768, 128),
+                  (1, 32, 8, 2, 32768, 128), (1, 32, 8, 4, 32768, 128), (1, 32, 8, 1, 32768, 192)]
     TILES, SPLITS = None, None
 else:
     SHAPES = [(8, 32, 8, n, 16384, 128) for n in (1, 2, 4, 8, 16)] + [(8, 32, 32, 4, 16384, 128)]
