@@ -490,7 +490,7 @@ DECODE_TILES_FEW_PAIRS: dict[int, DecodeTile] = {
     256: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, three per SM"),
 }
 
-# Splits merged by the combine kernel (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
+# Splits merged through memory (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
 # tile in FA2's order. Decode probe, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys): 4.43-4.44
 # -> 4.46-4.47 TB/s; at 4k / 16k (cluster merge, 1k / 4k keys per split) ring 2 was 0.5-1% slower.
 # (No block cap: the 4-block clusters need the third block slot of an SM, see HOPPER.md's occupancy probe.)
