@@ -238,8 +238,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
             part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
         if (split_done != nullptr && n_splits > 1)
-            decode_last_split_merges<T, HEAD_DIM, Tr::kThreads>(split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b,
-                                                                hk, gridDim.y, n_splits, hq, nq, d, group);
+            // (the merge stages partials in Q's tile and the rings: free once this block's result is stored)
+            decode_last_split_merges<T, HEAD_DIM, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
+                split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
+                reinterpret_cast<float*>(smem));
     } else {
 #if __CUDA_ARCH__ >= 900
         float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings

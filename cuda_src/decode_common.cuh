@@ -408,13 +408,57 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
 // graph replay (combine kernel) and a direct call (last split) give the same bits.
 constexpr int kMergeBatch = 8;
 
+// One 4-column group's running merge: the max of the splits' LSEs so far, the sum of their
+// weights and the weighted sum of their O columns.
+struct DecodeMergeState {
+    float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+
+    // A batch of kMergeBatch splits (lse -inf past the last split: weight 0): rescale to the batch's
+    // max (false: no split so far saw a key of this row, nothing to add), then add() each split in
+    // order. Split this way so that a merge reading O from shared memory holds one float4 at a time.
+    __device__ __forceinline__ bool rescale(const float (&ls)[kMergeBatch], float& mb) {
+        mb = m;
+#pragma unroll
+        for (int j = 0; j < kMergeBatch; ++j) mb = fmaxf(mb, ls[j]);
+        if (mb == -INFINITY) return false;
+        const float a = __expf(m - mb);  // (m = -inf: 0, and l, acc are 0)
+        l *= a;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[k] *= a;
+        m = mb;
+        return true;
+    }
+    __device__ __forceinline__ void add(float ls, float mb, float4 po) {
+        const float w = __expf(ls - mb);
+        l += w;
+        acc[0] += w * po.x;
+        acc[1] += w * po.y;
+        acc[2] += w * po.z;
+        acc[3] += w * po.w;
+    }
+
+    // O's 4 columns from c0 and (c0 == 0) the row's LSE, for packed row r of (b, hk).
+    template <typename T>
+    __device__ __forceinline__ void store(u16* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hq,
+                                          int nq, int d, int group, int r, int c0) const {
+        const int h = hk * group + r / nq, tok = r % nq;
+        u16* out = o + b * o_sb + h * o_sh + tok * o_sn + c0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (c0 + k < d) out[k] = from_float<T>(l > 0.f ? acc[k] / l : 0.f);
+        if (c0 == 0) lse[((i64)b * hq + h) * nq + tok] = l > 0.f ? m + __logf(l) : -INFINITY;
+    }
+};
+
+// Row r's columns c0..c0+3 of pair (b, hk), each batch's loads straight from global memory (the
+// combine kernel: a thread per group, many blocks).
 template <typename T>
 __device__ __forceinline__ void decode_merge_quad(const float* part_o, const float* part_lse, u16* o, float* lse,
                                                   i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
                                                   int hq, int nq, int d, int group, int r, int c0) {
     const int rows = group * nq;
     const i64 row0 = ((i64)b * hkv + hk) * n_splits * rows + r;  // split s: row0 + s * rows
-    float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    DecodeMergeState st;
     for (int s0 = 0; s0 < n_splits; s0 += kMergeBatch) {
         float ls[kMergeBatch];
         float4 po[kMergeBatch];
@@ -426,31 +470,13 @@ __device__ __forceinline__ void decode_merge_quad(const float* part_o, const flo
             ls[j] = in ? __ldcg(part_lse + row) : -INFINITY;
             po[j] = in ? __ldcg(reinterpret_cast<const float4*>(part_o + row * d + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        float mb = m;
+        float mb;
+        if (st.rescale(ls, mb)) {
 #pragma unroll
-        for (int j = 0; j < kMergeBatch; ++j) mb = fmaxf(mb, ls[j]);
-        if (mb == -INFINITY) continue;  // no split so far saw a key of this row
-        const float a = __expf(m - mb);  // (m = -inf: 0, and l, acc are 0)
-        l *= a;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc[k] *= a;
-#pragma unroll
-        for (int j = 0; j < kMergeBatch; ++j) {
-            const float w = __expf(ls[j] - mb);  // (lse -inf: weight 0)
-            l += w;
-            acc[0] += w * po[j].x;
-            acc[1] += w * po[j].y;
-            acc[2] += w * po[j].z;
-            acc[3] += w * po[j].w;
+            for (int j = 0; j < kMergeBatch; ++j) st.add(ls[j], mb, po[j]);
         }
-        m = mb;
     }
-    const int h = hk * group + r / nq, tok = r % nq;
-    u16* out = o + b * o_sb + h * o_sh + tok * o_sn + c0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        if (c0 + k < d) out[k] = from_float<T>(l > 0.f ? acc[k] / l : 0.f);
-    if (c0 == 0) lse[((i64)b * hq + h) * nq + tok] = l > 0.f ? m + __logf(l) : -INFINITY;
+    st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
 }
 
 // The 4-column groups first, first + stride, ... of (sequence b, K/V head hk)'s rows, merged.
@@ -467,18 +493,86 @@ __device__ __forceinline__ void decode_merge_pair(const float* part_o, const flo
     }
 }
 
+// The last split's merge of its pair: a pair's partials are one contiguous run (splits x rows x d
+// floats, and splits x rows LSEs), so the splits are copied into shared memory (`buffer`,
+// BUFFER_BYTES free there) with 16-byte cp.async and merged from there: one L2 round trip when
+// they all fit, where loading a group's splits 8 at a time took one per 8 splits and per group
+// of the thread. When they do not, runs of `chunk` splits (a multiple of kMergeBatch, so the
+// batches are the combine kernel's) go through in turn, each group's running state parked in
+// shared memory between runs. The arithmetic is the combine kernel's, bit for bit. Where not even
+// kMergeBatch splits fit (64 rows at d=256) it loads from global memory as the combine kernel
+// does. Every thread of the block must call this.
+template <typename T, int HEAD_DIM, int THREADS, int BUFFER_BYTES>
+__device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const float* part_lse, u16* o,
+                                                         float* lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk,
+                                                         int hkv, int n_splits, int hq, int nq, int d, int group,
+                                                         float* buffer) {
+    constexpr int kGroups = HEAD_DIM / 4, kCap = BUFFER_BYTES / 4;  // (floats)
+    constexpr int kState = 6;  // a parked DecodeMergeState: m, l, acc[4]
+    const int rows = group * nq, n_groups = rows * kGroups, per_split = rows * d + rows;  // O rows, then LSEs
+    const bool one_run = n_splits * per_split <= kCap;
+    const int chunk = one_run ? n_splits : (kCap - kState * n_groups) / per_split / kMergeBatch * kMergeBatch;
+    if (chunk <= 0) {
+        decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d,
+                                       group, threadIdx.x, THREADS);
+        return;
+    }
+    const i64 row0 = ((i64)b * hkv + hk) * n_splits * rows;  // the pair's first partial row
+    float* sO = buffer;
+    float* sL = buffer + chunk * rows * d;
+    float* sState = buffer + kCap - kState * n_groups;  // (several runs only: past the runs' floats)
+    for (int s0 = 0; s0 < n_splits; s0 += chunk) {
+        const int ns = min(chunk, n_splits - s0);
+        __syncthreads();  // the previous run's reads are done
+        const float* gO = part_o + (row0 + (i64)s0 * rows) * d;
+        for (int i = threadIdx.x; i < ns * rows * d / 4; i += THREADS) cp_async16(sO + 4 * i, gO + 4 * i, true);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < ns * rows; i += THREADS) sL[i] = __ldcg(part_lse + row0 + (i64)s0 * rows + i);
+        cp_async_wait<0>();
+        __syncthreads();
+        for (int i = threadIdx.x; i < n_groups; i += THREADS) {
+            const int r = i / kGroups, c0 = (i % kGroups) * 4;
+            if (c0 >= d) continue;
+            DecodeMergeState st;
+            if (s0 > 0) {
+                const float* x = sState + kState * i;
+                st.m = x[0], st.l = x[1], st.acc[0] = x[2], st.acc[1] = x[3], st.acc[2] = x[4], st.acc[3] = x[5];
+            }
+            for (int j0 = 0; j0 < ns; j0 += kMergeBatch) {
+                float ls[kMergeBatch], mb;
+#pragma unroll
+                for (int j = 0; j < kMergeBatch; ++j) ls[j] = j0 + j < ns ? sL[(j0 + j) * rows + r] : -INFINITY;
+                if (!st.rescale(ls, mb)) continue;
+#pragma unroll
+                for (int j = 0; j < kMergeBatch; ++j) {
+                    const int sp = j0 + j;
+                    const float4 po = sp < ns ? *reinterpret_cast<const float4*>(sO + (sp * rows + r) * d + c0)
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+                    st.add(ls[j], mb, po);
+                }
+            }
+            if (s0 + ns < n_splits) {
+                float* x = sState + kState * i;
+                x[0] = st.m, x[1] = st.l, x[2] = st.acc[0], x[3] = st.acc[1], x[4] = st.acc[2], x[5] = st.acc[3];
+            } else {
+                st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
+            }
+        }
+    }
+}
+
 // The end of a split block whose pair's splits merge in the last of them (split_done: a counter
 // per (sequence, K/V head), zero at launch): after this block's partials are stored, one thread
 // publishes them (fence, then the count); the block that brings the count to n_splits merges all
-// of them and resets the counter to zero for the next launch on its stream. This replaces the
-// combine kernel's launch, its wait for the whole grid and its start (H200, B=1 Hkv=8 L=32k: the
-// combine ended ~10 us after the split kernel; CUPTI, tools/decode_parts_probe.py). Every thread
-// of the block must call this (block barriers).
-template <typename T, int HEAD_DIM, int THREADS>
+// of them (decode_merge_pair_staged, through `buffer`) and resets the counter to zero for the next
+// launch on its stream. This replaces the combine kernel's launch, its wait for the whole grid and
+// its start (H200, B=1 Hkv=8 L=32k: the combine ended ~10 us after the split kernel; CUPTI,
+// tools/decode_parts_probe.py). Every thread of the block must call this (block barriers).
+template <typename T, int HEAD_DIM, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_last_split_merges(int* split_done, const float* part_o,
                                                          const float* part_lse, u16* o, float* lse, i64 o_sb,
                                                          i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
-                                                         int hq, int nq, int d, int group) {
+                                                         int hq, int nq, int d, int group, float* buffer) {
     __shared__ int s_last;
     __syncthreads();  // every thread's partial stores are issued
     if (threadIdx.x == 0) {
@@ -493,8 +587,8 @@ __device__ __forceinline__ void decode_last_split_merges(int* split_done, const 
     }
     __syncthreads();
     if (s_last)
-        decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d,
-                                       group, threadIdx.x, THREADS);
+        decode_merge_pair_staged<T, HEAD_DIM, THREADS, BUFFER_BYTES>(
+            part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d, group, buffer);
 }
 
 #if __CUDA_ARCH__ >= 900
