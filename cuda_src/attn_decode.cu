@@ -239,7 +239,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
         if (split_done != nullptr && n_splits > 1)
             // (the merge stages partials in Q's tile and the rings: free once this block's result is stored)
-            decode_last_split_merges<T, HEAD_DIM, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
+            decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
                 split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
                 reinterpret_cast<float*>(smem));
     } else {

@@ -568,7 +568,7 @@ __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const
 // launch on its stream. This replaces the combine kernel's launch, its wait for the whole grid and
 // its start (H200, B=1 Hkv=8 L=32k: the combine ended ~10 us after the split kernel; CUPTI,
 // tools/decode_parts_probe.py). Every thread of the block must call this (block barriers).
-template <typename T, int HEAD_DIM, int THREADS, int BUFFER_BYTES>
+template <typename T, int HEAD_DIM, int ROW_TILES, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_last_split_merges(int* split_done, const float* part_o,
                                                          const float* part_lse, u16* o, float* lse, i64 o_sb,
                                                          i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
@@ -586,9 +586,16 @@ __device__ __forceinline__ void decode_last_split_merges(int* split_done, const 
         s_last = last;
     }
     __syncthreads();
-    if (s_last)
+    if (!s_last) return;
+    // (Staged with one row tile, where a thread may have a single column group to merge and the
+    // planner uses this merge; with more rows, as the combine kernel does: the staging code pushed
+    // some of those instantiations over ptxas's register budget.)
+    if constexpr (ROW_TILES == 1)
         decode_merge_pair_staged<T, HEAD_DIM, THREADS, BUFFER_BYTES>(
             part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d, group, buffer);
+    else
+        decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d,
+                                       group, threadIdx.x, THREADS);
 }
 
 #if __CUDA_ARCH__ >= 900

@@ -412,13 +412,16 @@ def combine_grid(p, rows):
 # How a launch's workspace partials merge: "last" - the last split of each (sequence, K/V head)
 # merges them inside attn_decode (one launch); "kernel" - attn_decode_combine, a second launch;
 # "auto" - the last split where its block has a thread for every 4-column group of the pair's rows
-# (it merges a group per thread, 8 splits' loads in flight: with 4 groups per thread, d=256's
-# 2-warp blocks, the chain of L2 round trips cost more than a second launch), else the combine
-# kernel. H200, bf16 Hq=32 Hkv=8, us (cuDNN) last / kernel: B=1 d=128 L=8k 18.5 / 18.6 (19.2), L=32k
-# 40.7 / 41.8 (40.4), L=128k 127.8 / 128.1 (128.0); d=64 L=32k 24.5 / 24.9; d=256 L=64k 141.9 /
-# 135.5 (FA2 150.8); before either (the old combine kernel, rows of one column per thread) the
-# combine ended 5-10 us after the split kernel at B=1 (CUPTI, tools/decode_parts_probe.py), where
-# cuDNN's reduction takes 2.8 us after a 1 us gap (evidence-20261201b/). CUFLASH_DECODE_MERGE sets it.
+# and all the pair's partials fit its shared memory at once (one L2 round trip to stage them,
+# decode_merge_pair_staged), else the combine kernel: one block then pulls every partial of its
+# pair through one SM, and where a thread has several groups (GQA 8, several tokens, d=192 / 256's
+# 2-warp blocks) that cost more than a second launch. H200, bf16 Hq=32 Hkv=8, us (cuDNN) last /
+# kernel: B=1 d=128 L=8k 17.7 / 18.7 (19.1), L=32k 41.8 / 42.4 (41.0), B=2 L=8k 24.3 / 26.1 (26.0),
+# B=4 L=8k 39.5 / 41.4 (40.1), d=64 B=1 L=32k 24.4 / 26.4 (25.1); but Hq=64 B=1 L=32k 44.4+ / 42.1
+# (40.9), B=2 71.0 / 70.0, nq=4 48.8+ / 44.6, d=256 B=1 L=64k 141.8 / 135.9 (merge2*.txt). Before
+# either (the old combine kernel, rows of one column per thread) the combine ended 5-10 us after
+# the split kernel at B=1 (CUPTI, tools/decode_parts_probe.py), where cuDNN's reduction takes 2.8 us
+# after a 1 us gap (evidence-20261201b/). CUFLASH_DECODE_MERGE sets it.
 MERGE = os.environ.get("CUFLASH_DECODE_MERGE", "auto")
 if MERGE not in ("auto", "last", "kernel"):
     raise ValueError(f"CUFLASH_DECODE_MERGE={MERGE!r}: expected 'auto', 'last' or 'kernel'")
@@ -430,8 +433,12 @@ def last_split_merges(plan, rows: int, d: int, merge=None) -> bool:
     merge = merge or MERGE
     if plan.splits <= 1 or plan.cluster or merge == "kernel":
         return False
+    if merge == "last":
+        return True
     hd, _ = schedule.decode_tile(d)
-    return merge == "last" or rows * (hd // 4) <= plan.tile.threads
+    t = plan.tile
+    staging = (16 * plan.row_tiles * hd + t.warps * 2 * t.stages * t.block_n * hd) * 2  # Q's tile and the rings
+    return rows * (hd // 4) <= t.threads and plan.splits * rows * (d + 1) * 4 <= staging
 
 
 

@@ -127,7 +127,8 @@ def test_wide_heads_with_few_pairs_take_two_warp_blocks(d):
                                               (256, 8, 1, False), (128, 32, 1, True)])
 def test_the_last_split_merges_with_a_thread_per_column_group(monkeypatch, d, hkv, nq, last):
     # Splits merged through memory: by their last split where its block has a thread for every
-    # 4-column group of the pair's rows (d=128, 4 rows: 128 groups, 128 threads), else by the
+    # 4-column group of the pair's rows (d=128, 4 rows: 128 groups, 128 threads) and all partials
+    # fit its shared memory (33 splits x 4 rows x 129 floats: 68112 of 69632 bytes), else by the
     # combine kernel (8 rows at d=128; d=256's 2-warp blocks); merge= / MERGE force either.
     monkeypatch.setattr(gpu_decode, "MERGE", "auto")
     p = _problem(1, 32, hkv, nq, 65536, d)
@@ -139,6 +140,18 @@ def test_the_last_split_merges_with_a_thread_per_column_group(monkeypatch, d, hk
     assert not gpu_decode.last_split_merges(gpu_decode.launch_plan(p, H200_SMS, splits=4, cluster=True), rows, d, "last")
     monkeypatch.setattr(gpu_decode, "MERGE", "kernel")
     assert not gpu_decode.last_split_merges(lp, rows, d)
+
+
+def test_the_last_split_merges_only_partials_its_shared_memory_holds(monkeypatch):
+    # One sequence, one K/V head of 4 query heads: 256 splits of 256 keys, 528 KB of partials for one
+    # block to pull through its SM - the combine kernel merges (4 rows: a thread per group).
+    monkeypatch.setattr(gpu_decode, "MERGE", "auto")
+    p = _problem(1, 4, 1, 1, 65536, 128)
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.splits == 256 and not lp.cluster
+    assert not gpu_decode.last_split_merges(lp, 4, 128)
+    assert gpu_decode.last_split_merges(lp._replace(splits=33), 4, 128)
+    assert not gpu_decode.last_split_merges(lp._replace(splits=34), 4, 128)
 
 
 def test_packed_combines_are_programmatic():

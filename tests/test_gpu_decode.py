@@ -288,5 +288,5 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
         assert launched[0].startswith("attn_decode_cluster<") and launched[0].endswith(", 4>"), launched
     if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, merged through the workspace
         assert launched[0].startswith("attn_decode<"), launched
-        plan = types.SimpleNamespace(splits=4, cluster=False, tile=t)  # (2-warp blocks: the combine kernel under "auto")
+        plan = types.SimpleNamespace(splits=4, cluster=False, tile=t, row_tiles=1)  # (2-warp blocks: the combine kernel under "auto")
         assert launched[-1].startswith("attn_decode_combine<") != gpu_decode.last_split_merges(plan, hq // hkv * 2, d), launched
