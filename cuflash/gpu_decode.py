@@ -4,11 +4,11 @@ Used for 16-bit inputs when all query rows that share a K/V head (GQA group x ne
 the decode tile's packed rows. Everything else takes the prefill kernel.
 
 With several splits the blocks' partial results go through a float32 workspace and the last split
-of each (sequence, K/V head) to finish merges them (a counter per pair, cuflash.stream_counters), or, with 2,
-4 or 8 splits on sm_90, the splits of one (K/V head, sequence) form a thread-block cluster and
-merge through distributed shared memory (attn_decode_cluster; no workspace). Either way one
-launch. attn_decode_combine, a second kernel, merges the workspace where asked (merge="kernel")
-and for the TMA kernel.
+of each (sequence, K/V head) to finish merges them (a counter per pair, cuflash.stream_counters),
+or, with 2, 4 or 8 splits on sm_90, the splits of one (K/V head, sequence) form a thread-block
+cluster and merge through distributed shared memory (attn_decode_cluster; no workspace). Either
+way one launch. attn_decode_combine, a second kernel, merges the workspace where that measured
+faster (last_split_merges), where asked (merge="kernel") and for the TMA kernel.
 """
 
 from __future__ import annotations
@@ -441,7 +441,6 @@ def last_split_merges(plan, rows: int, d: int, merge=None) -> bool:
     return rows * (hd // 4) <= t.threads and plan.splits * rows * (d + 1) * 4 <= staging
 
 
-
 def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
     """attn_decode_combine's arguments (combine_tail: _launch_scalars' second part)."""
     return (part_o, part_lse, o4, lse3, *combine_tail, np.int32(splits))
@@ -462,7 +461,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     kernel (sm_90, d 64/128, see tma_applicable): measured no faster than the cp.async kernel on
     the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
-    splits merge (see launch_plan): None picks, False forces the combine kernel, True the cluster
+    splits merge (see launch_plan): None picks, False forces the float32 workspace, True the cluster
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE."""
     import cupy
