@@ -9,7 +9,8 @@ cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split cou
 three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts),
 "misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k),
 "merge [groups]" (few pairs: the partials merged by the last split or by the combine kernel, a few split
-counts; "groups": shapes with more 4-column groups per pair than a split block has threads).
+counts; "groups": shapes with more 4-column groups per pair than a split block has threads), "nosplit"
+(the grid's cells with a block per pair, split in 2-4 anyway: through memory or in a cluster).
 A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
 count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
 (evidence-20261201/sweeps/ holds the H200 runs.)
@@ -69,6 +70,9 @@ elif SWEEP == "merge":  # the workspace's partials merged by the last split agai
         SHAPES = [(1, 64, 8, 1, 8192, 128), (1, 64, 8, 1, 32768, 128), (2, 64, 8, 1, 32768, 128),
                   (1, 32, 8, 2, 32768, 128), (1, 32, 8, 4, 32768, 128), (1, 32, 8, 1, 32768, 192)]
     TILES, SPLITS = None, None
+elif SWEEP == "nosplit":  # the grid's cells with a block per (sequence, head): split anyway, merged by the last split
+    SHAPES = [(8, 32, 32, 1, 65536, 128), (8, 32, 32, 1, 16384, 128), (64, 32, 8, 1, 4096, 128)]
+    TILES, SPLITS = None, None
 else:
     SHAPES = [(8, 32, 8, n, 16384, 128) for n in (1, 2, 4, 8, 16)] + [(8, 32, 32, 4, 16384, 128)]
     TILES = []
@@ -117,6 +121,11 @@ for B, hq, hkv, nq, L, d, *dtype in SHAPES:
             fill3, fill4 = max(1, 3 * SMS // pairs), max(1, 4 * SMS // pairs)
             variants = [("16x4s2", T(16, 4, 2), None, None), ("16x2s2", t2, fill3, False), ("16x2s2", t2, fill4, False),
                         ("16x2s2", t2, 6, False), ("16x2s2", t2, None, None), ("16x2s2r2", T(16, 2, 2, 2), fill3, False)]
+    elif SWEEP == "nosplit":  # the no-split tile and the table's, 1-4 splits through memory (last split) or a cluster
+        tiles = [("nosplit", schedule.DECODE_TILES_NO_SPLIT[128]), ("table", schedule.DECODE_TILES[128])]
+        variants = [(f"{tn}-{m}", t, n, cl, "last") for tn, t in tiles for n, cl, m in
+                    ((1, False, "one"), (2, False, "mem"), (3, False, "mem"), (4, False, "mem"), (2, True, "cl"),
+                     (4, True, "cl"))]
     elif SWEEP == "merge":  # the planner's tile; its split count and others, each merged both ways
         variants = [(m, None, n, False, m) for m in ("last", "kernel") for n in (None, 8, 16, 24, 32)]
     else:
