@@ -279,10 +279,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 
 // Grid (splits, Hkv, B). With splits > 1 the partials are merged either by the last split of each
 // (sequence, K/V head) (split_done: a zeroed counter per pair, decode_last_split_merges) or, with
-// split_done null (a CUDA graph capture, where a counter shared by replays on other streams could
-// race), by attn_decode_combine launched next - as this kernel's programmatic dependent where it
-// pays: its blocks are then resident and waiting (griddepcontrol.wait) by the time the last split
-// ends. WINDOW: a sliding window (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
+// split_done null (where the planner measured it faster: gpu_decode.last_split_merges), by
+// attn_decode_combine launched next - as this kernel's programmatic dependent where it pays: its
+// blocks are then resident and waiting (griddepcontrol.wait) by the time the last split ends. WINDOW: a sliding window (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool WINDOW = false, int RING = 0>
 __global__ void __launch_bounds__(WARPS * 32)

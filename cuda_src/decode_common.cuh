@@ -297,7 +297,8 @@ __device__ __forceinline__ void decode_reduce_row_stats(float* s_stat, int rows,
 }
 
 // The block's result after decode_merge_warps: O and LSE (one split) or the split's normalized
-// partial O and its log-sum-exp (several splits; attn_decode_combine merges them), valid rows only.
+// partial O and its log-sum-exp (several splits, merged by the last of them or attn_decode_combine),
+// valid rows only.
 // Each row's statistics are reduced once (decode_reduce_row_stats), then each thread writes 4
 // consecutive columns of a row. (Every element
 // reduced its row's statistics itself before: with 4 packed rows, 4 dependent passes per thread,

@@ -437,8 +437,7 @@ def last_split_merges(plan, rows: int, d: int, merge=None) -> bool:
         return True
     hd, _ = schedule.decode_tile(d)
     t = plan.tile
-    staging = (16 * plan.row_tiles * hd + t.warps * 2 * t.stages * t.block_n * hd) * 2  # Q's tile and the rings
-    return rows * (hd // 4) <= t.threads and plan.splits * rows * (d + 1) * 4 <= staging
+    return rows * (hd // 4) <= t.threads and plan.splits * rows * (d + 1) * 4 <= t.buffer_bytes(hd, plan.row_tiles)
 
 
 def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
@@ -466,7 +465,6 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE."""
     import cupy
 
-    from . import _problem
     from .gpu import _elem_strides
 
     dev = cupy.cuda.Device().id
@@ -484,9 +482,8 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     if ws is not None:
         part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)
         if last_split_merges(dl.plan, dl.rows, p.d, merge):
-            stream, pairs = cupy.cuda.get_current_stream().ptr, p.batch * p.hkv
-            fresh = cupy.empty((pairs,), dtype=np.int32) if _problem.stream_is_capturing() else None
-            split_done = np.uint64(stream_counters.zeroed(pairs, stream, None if fresh is None else fresh.data.ptr))
+            address, _held = stream_counters.for_cupy_launch(p.batch * p.hkv)  # (_held: kept until launched)
+            split_done = np.uint64(address)
     else:  # one split writes o and lse itself: null workspace pointers
         part_o = part_lse = np.uint64(0)
     spec = dl.spec

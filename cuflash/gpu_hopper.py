@@ -286,10 +286,7 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
     # A counter per query tile (cuflash.stream_counters: kept per stream, left zero by each launch's
     # last pieces; a captured call's own, zeroed by a memset node on every replay).
-    from ._problem import stream_is_capturing
-
-    fresh = cupy.empty((tiles,), dtype=np.uint32) if stream_is_capturing() else None
-    flags = stream_counters.zeroed(tiles, cupy.cuda.get_current_stream().ptr, None if fresh is None else fresh.data.ptr)
+    flags, _held = stream_counters.for_cupy_launch(tiles, np.uint32)  # (_held: kept until launched)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
                    extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, np.uint64(flags)))
 

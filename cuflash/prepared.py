@@ -321,7 +321,6 @@ class _DecodeCall:
         self.combine = None
         # The partials merge in the last split of each pair, or in attn_decode_combine (gpu_decode.MERGE).
         self.merge_last = gpu_decode.last_split_merges(dl.plan, dl.rows, p.d)
-        self.split_counters = stream_counters.zeroed
         names = [spec.short_name]
         if self.workspace is not None and not self.merge_last:
             cspec = gpu_decode.combine_spec(p.dtype, p.d)
@@ -369,7 +368,7 @@ class _DecodeCall:
             pairs = p.batch * p.hkv
             if self.merge_last:  # (under capture a fresh buffer of the graph: cuflash.stream_counters)
                 ws.append(lib.empty((pairs,)) if lib.capturing() else None)
-                ptrs.append(self.split_counters(pairs, stream, None if ws[-1] is None else lib.ptr(ws[-1])))
+                ptrs.append(stream_counters.zeroed(pairs, stream, None if ws[-1] is None else lib.ptr(ws[-1])))
             else:
                 ptrs.append(0)
         if lens is not None:

@@ -398,9 +398,12 @@ class DecodeTile:
     def threads(self) -> int:
         return 32 * self.warps
 
+    def buffer_bytes(self, head_dim: int, row_tiles: int) -> int:
+        """Q's packed rows and the K/V rings (16-bit): the shared memory a block's merge may reuse."""
+        return (16 * row_tiles * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2
+
     def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
-        rows = 16 * row_tiles
-        need = (rows * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2 + self.warps * rows * 2 * 4
+        need = self.buffer_bytes(head_dim, row_tiles) + self.warps * 16 * row_tiles * 2 * 4  # + the row statistics
         if self.max_blocks_per_sm:
             from .device_limits import H200
 

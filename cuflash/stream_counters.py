@@ -43,6 +43,21 @@ def zeroed(n: int, stream: int, fresh: int | None = None) -> int:
     return entry[0]
 
 
+def for_cupy_launch(n: int, dtype="int32"):
+    """(address, holder) of n zeroed counters for a launch on CuPy's current stream: the stream's
+    shared buffer, or under capture a fresh CuPy array (`holder`: keep it until the launch is
+    queued; None otherwise)."""
+    import cupy
+
+    from ._problem import stream_is_capturing
+
+    stream = cupy.cuda.get_current_stream().ptr
+    if not stream_is_capturing():
+        return zeroed(n, stream), None
+    holder = cupy.empty((n,), dtype=dtype)
+    return zeroed(n, stream, holder.data.ptr), holder
+
+
 def view(n: int, stream: int):
     """The first n counters of `stream`'s buffer on the current device as a CuPy int32 array
     (for tests: after a launch they must be zero again)."""
