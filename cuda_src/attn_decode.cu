@@ -28,7 +28,7 @@
 // when Q was in registers and when its warp left the loop (tools/decode_trace.py reads it back:
 // whether the blocks' loads, their SMs' shares or the merge is where the time goes).
 #ifdef CUFLASH_DECODE_TRACE
-__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE][6];
+__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE][8];
 #endif
 
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
@@ -171,10 +171,16 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             cp_async_commit();
         }
     }
-    if constexpr (kQFirst)
+    if constexpr (kQFirst) {
         qpack.store(sQ);
-    else  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
+    } else if constexpr (QPack::kItems <= 4 && HEAD_DIM == 128) {
+        // All pieces' loads, then the stores: one round trip (piece by piece, 4 of them: a block's
+        // start was 3.3-4.4 us with two row tiles against 1.5 with one; block trace, H200).
+        qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+        qpack.store(sQ);
+    } else {  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
         decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+    }
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
@@ -231,12 +237,20 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     cp_async_wait<0>();
 #ifdef CUFLASH_DECODE_TRACE
     const unsigned long long trace_loop = trace_clock();
+    unsigned long long trace_merged = 0, trace_stored = 0;
 #endif
 
     if constexpr (CLUSTER == 0) {
+        unsigned long long* merged_at = nullptr;
+#ifdef CUFLASH_DECODE_TRACE
+        merged_at = &trace_merged;
+#endif
         decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes>(
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
-            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
+            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2, merged_at);
+#ifdef CUFLASH_DECODE_TRACE
+        trace_stored = trace_clock();
+#endif
         if (split_done != nullptr && n_splits > 1)
             // (the merge stages partials in Q's tile and the rings: free once this block's result is stored)
             decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
@@ -261,6 +275,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         cuflash_decode_trace[block][3] = (unsigned long long)trace_tiles;
         cuflash_decode_trace[block][4] = trace_ready;
         cuflash_decode_trace[block][5] = trace_loop;
+        cuflash_decode_trace[block][6] = trace_merged;
+        cuflash_decode_trace[block][7] = trace_stored;
     }
 #endif
 }
@@ -307,15 +323,16 @@ attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
 #undef DECODE_TAIL_PARAMS
 #undef DECODE_TAIL_ARGS
 
-// Merge the splits of every (row, K/V head, sequence) (decode_merge_pair: the rule the last split
-// applies in attn_decode when it merges). Grid (blocks covering a pair's rows x HEAD_DIM / 4 column
-// groups, Hkv, B), one group per thread; launched after the split kernel (or as its programmatic
+// Merge the splits of every (row, K/V head, sequence) (decode_combine_slices: the log-sum-exp rule
+// the last split applies in attn_decode when it merges, in slices of the splits). Grid (blocks of
+// kCombineThreads covering a pair's rows x HEAD_DIM / 4 column groups x decode_merge_lanes slices,
+// Hkv, B), a slice of one group per thread; launched after the split kernel (or as its programmatic
 // dependent: it may start early and waits for the partials with griddepcontrol.wait).
 template <typename T, int HEAD_DIM>
-__global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+__global__ void __launch_bounds__(kCombineThreads) attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                     u16* __restrict__ o, float* __restrict__ lse,
                                     i64 o_sb, i64 o_sh, i64 o_sn, int hq, int hkv, int nq, int group, int d, int n_splits) {
     pdl_wait();
-    decode_merge_pair<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, blockIdx.z, blockIdx.y, hkv, n_splits,
-                                   hq, nq, d, group, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+    decode_combine_slices<T, HEAD_DIM>(part_o, part_lse, o, lse, o_sb, o_sh, o_sn, blockIdx.z, blockIdx.y, hkv, n_splits,
+                                       hq, nq, d, group, blockIdx.x, threadIdx.x);
 }

@@ -198,14 +198,16 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
 }
 
 // How many warps' O tiles (16 * ROW_TILES rows x HEAD_DIM floats each) merge side by side
-// (decode_merge_warps): as many as fit in the merge buffer of BUFFER_BYTES, with one row tile. With
-// two or more, one at a time: ptxas, holding these kernels at 168 registers (3 blocks per SM),
-// spilled 12 bytes in the loop of the d=64 two-row-tile cluster kernels with side-by-side slots.
+// (decode_merge_warps): as many as fit in the merge buffer of BUFFER_BYTES. One at a time below
+// d=128 with two or more row tiles: ptxas, holding these kernels at 168 registers (3 blocks per
+// SM), spilled 12 bytes in the loop of the d=64 two-row-tile cluster kernels with side-by-side
+// slots. (At d=128 with two row tiles, one at a time made a block's warp merge take 11 us, against
+// 0.8 with one row tile: block trace, H200, B=1 Hkv=1 Hq=32 L=32k.)
 template <int HEAD_DIM, int ROW_TILES, int WARPS, int BUFFER_BYTES>
 __host__ __device__ constexpr int decode_merge_slots() {
     constexpr int fit = BUFFER_BYTES / (16 * ROW_TILES * HEAD_DIM * 4);
     static_assert(fit >= 1, "the merge buffer holds at least one O tile");
-    return ROW_TILES > 1 ? 1 : fit < WARPS ? fit : WARPS;
+    return ROW_TILES > 1 && HEAD_DIM < 128 ? 1 : fit < WARPS ? fit : WARPS;
 }
 
 // Each computing warp publishes (max, sum) per packed row in s_stat [WARPS][rows16][2]; then the
@@ -344,9 +346,9 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
     static_assert(HEAD_DIM % 4 == 0, "whole 4-column groups");
     decode_reduce_row_stats<ROW_TILES, WARPS, THREADS>(s_stat, rows, scale_log2);
     __syncthreads();
-    for (int i = threadIdx.x; i < rows * kGroups; i += THREADS) {
+    auto store_group = [&](int i) {
         const int r = i / kGroups, c0 = (i % kGroups) * 4;
-        if (c0 >= d) continue;
+        if (c0 >= d) return;
         const float2 st = *reinterpret_cast<const float2*>(s_stat + 2 * r);
         const float mx = st.x, sum = st.y;
         float4 acc = *reinterpret_cast<const float4*>(sO + r * HEAD_DIM + c0);
@@ -378,21 +380,34 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
             else
                 part_lse[prow] = row_lse;
         }
+    };
+    // (unrolled at d=128 with two row tiles: 32 packed rows give a thread 8 groups, and one at a time
+    // took 2.8 us, block trace; elsewhere left to the compiler - forcing it spilled)
+    if constexpr (ROW_TILES > 1 && HEAD_DIM == 128) {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < rows * kGroups; i += THREADS) store_group(i);
+    } else {
+        for (int i = threadIdx.x; i < rows * kGroups; i += THREADS) store_group(i);
     }
 }
 
 // decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel
-// merges. BUFFER_BYTES: the shared memory at sO free for the merge.
+// merges. BUFFER_BYTES: the shared memory at sO free for the merge. merged_at: (block traces) where
+// to record the clock between the two.
 template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
                                                    float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
                                                    int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
-                                                   int d, int group, float scale_log2) {
+                                                   int d, int group, float scale_log2,
+                                                   unsigned long long* merged_at = nullptr) {
     constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, BUFFER_BYTES>();
     decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, computes, s_stat, sO, warp, lane,
                                                            group * nq, scale_log2);
+#ifdef CUFLASH_DECODE_TRACE
+    if (merged_at != nullptr) *merged_at = trace_clock();
+#endif
     decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS, kSlots>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh,
                                                                  o_sn, b, hk, hkv, split, n_splits, hq, nq, d, group,
                                                                  scale_log2);
@@ -405,9 +420,31 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
 // log-sum-exp rule, kMergeBatch splits' loads in flight at a time (L2 round trips, not arithmetic,
 // are its cost):
 //     O = sum_s w_s O_s / sum_s w_s,  w_s = exp(lse_s - m),  LSE = m + log(sum_s w_s),
-// with m the running maximum (the sums rescaled when it grows). Both merges run this code, so a
-// graph replay (combine kernel) and a direct call (last split) give the same bits.
+// with m the running maximum (the sums rescaled when it grows). The combine kernel cuts more than
+// kMergeBatch splits into at most kMergeSlices slices of whole batches (decode_merge_slice), each
+// its own running merge on its own thread, and merges the slices' states in order: a thread then
+// waits for at most ceil(batches / kMergeSlices) round trips, where one K/V head at B=1 (128-256
+// splits, 16-32 batches) had the combine end 13 us after the split kernel. The last split's merge
+// reads its partials from shared memory and runs one pass; up to kMergeBatch splits both give the
+// same bits.
 constexpr int kMergeBatch = 8;
+constexpr int kMergeSlices = 8;  // (a power of two <= 32: a group's slices are adjacent lanes of one warp)
+
+// Splits per slice: n_splits' batches in at most kMergeSlices slices of equal whole batches (the
+// last may be short). Up to kMergeBatch splits: one slice.
+__host__ __device__ __forceinline__ int decode_merge_slice(int n_splits) {
+    const int batches = (n_splits + kMergeBatch - 1) / kMergeBatch;
+    return (batches + kMergeSlices - 1) / kMergeSlices * kMergeBatch;
+}
+
+// The combine kernel's threads per 4-column group: the slices rounded up to a power of two (1, 2, 4
+// or 8; gpu_decode.combine_lanes sizes the grid by the same rule).
+__host__ __device__ __forceinline__ int decode_merge_lanes(int n_splits) {
+    const int slice = decode_merge_slice(n_splits), slices = (n_splits + slice - 1) / slice;
+    int lanes = 1;
+    while (lanes < slices) lanes *= 2;
+    return lanes;
+}
 
 // One 4-column group's running merge: the max of the splits' LSEs so far, the sum of their
 // weights and the weighted sum of their O columns.
@@ -437,6 +474,16 @@ struct DecodeMergeState {
         acc[2] += w * po.z;
         acc[3] += w * po.w;
     }
+    // The next slice's merge s, after this one's (both rescaled to the larger max).
+    __device__ __forceinline__ void merge(const DecodeMergeState& s) {
+        const float mb = fmaxf(m, s.m);
+        if (mb == -INFINITY) return;
+        const float a = __expf(m - mb), c = __expf(s.m - mb);
+        l = l * a + s.l * c;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[k] = acc[k] * a + s.acc[k] * c;
+        m = mb;
+    }
 
     // O's 4 columns from c0 and (c0 == 0) the row's LSE, for packed row r of (b, hk).
     template <typename T>
@@ -451,22 +498,17 @@ struct DecodeMergeState {
     }
 };
 
-// Row r's columns c0..c0+3 of pair (b, hk), each batch's loads straight from global memory (the
-// combine kernel: a thread per group, many blocks).
-template <typename T>
-__device__ __forceinline__ void decode_merge_quad(const float* part_o, const float* part_lse, u16* o, float* lse,
-                                                  i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
-                                                  int hq, int nq, int d, int group, int r, int c0) {
-    const int rows = group * nq;
-    const i64 row0 = ((i64)b * hkv + hk) * n_splits * rows + r;  // split s: row0 + s * rows
-    DecodeMergeState st;
-    for (int s0 = 0; s0 < n_splits; s0 += kMergeBatch) {
+// Splits [a, e) of row r's columns c0..c0+3 into st, a batch's loads at a time from global memory
+// (row0: the row's partial in split 0; split s at row0 + s * rows).
+__device__ __forceinline__ void decode_merge_splits(DecodeMergeState& st, const float* part_o, const float* part_lse,
+                                                    i64 row0, int rows, int d, int c0, int a, int e) {
+    for (int s0 = a; s0 < e; s0 += kMergeBatch) {
         float ls[kMergeBatch];
         float4 po[kMergeBatch];
 #pragma unroll
         for (int j = 0; j < kMergeBatch; ++j) {  // independent loads, issued back to back
             const i64 row = row0 + (i64)(s0 + j) * rows;
-            const bool in = s0 + j < n_splits;
+            const bool in = s0 + j < e;
             // (.cg: another block's stores, read past this SM's L1; d % 8 == 0, so whole float4s)
             ls[j] = in ? __ldcg(part_lse + row) : -INFINITY;
             po[j] = in ? __ldcg(reinterpret_cast<const float4*>(part_o + row * d + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -477,7 +519,53 @@ __device__ __forceinline__ void decode_merge_quad(const float* part_o, const flo
             for (int j = 0; j < kMergeBatch; ++j) st.add(ls[j], mb, po[j]);
         }
     }
+}
+
+// Row r's columns c0..c0+3 of pair (b, hk) in one pass, each batch's loads straight from global
+// memory (the last split's merge with several row tiles).
+template <typename T>
+__device__ __forceinline__ void decode_merge_quad(const float* part_o, const float* part_lse, u16* o, float* lse,
+                                                  i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv, int n_splits,
+                                                  int hq, int nq, int d, int group, int r, int c0) {
+    const int rows = group * nq;
+    DecodeMergeState st;
+    decode_merge_splits(st, part_o, part_lse, ((i64)b * hkv + hk) * n_splits * rows + r, rows, d, c0, 0, n_splits);
     st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
+}
+
+// attn_decode_combine's block `block` (kCombineThreads threads) of pair (b, hk): its threads cover
+// kCombineThreads / lanes consecutive 4-column groups of the pair's rows x lanes slices
+// (decode_merge_lanes), thread `tid` the slice tid / (kCombineThreads / lanes) of one group, so that
+// a warp's loads stay whole runs of consecutive groups; each slice's state goes to shared memory,
+// and the group's first slice merges the others in slice order and stores.
+constexpr int kCombineThreads = 128;  // (gpu_decode._COMBINE_THREADS)
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void decode_combine_slices(const float* part_o, const float* part_lse, u16* o, float* lse,
+                                                      i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv,
+                                                      int n_splits, int hq, int nq, int d, int group, int block,
+                                                      int tid) {
+    constexpr int kGroups = HEAD_DIM / 4;
+    __shared__ float s_state[kCombineThreads * 6];
+    const int lanes = decode_merge_lanes(n_splits), per_block = kCombineThreads / lanes;
+    const int rows = group * nq, slot = tid / per_block, unit = block * per_block + tid % per_block;
+    const int r = unit / kGroups, c0 = (unit % kGroups) * 4, slice = decode_merge_slice(n_splits);
+    const bool valid = r < rows && c0 < d;
+    const i64 row0 = ((i64)b * hkv + hk) * n_splits * rows + r;
+    DecodeMergeState st;
+    if (valid && slot * slice < n_splits)
+        decode_merge_splits(st, part_o, part_lse, row0, rows, d, c0, slot * slice, min((slot + 1) * slice, n_splits));
+    if (lanes > 1) {  // (the same for the whole grid)
+        float* x = s_state + 6 * tid;
+        x[0] = st.m, x[1] = st.l, x[2] = st.acc[0], x[3] = st.acc[1], x[4] = st.acc[2], x[5] = st.acc[3];
+        __syncthreads();
+        for (int k = 1; slot == 0 && k < lanes && k * slice < n_splits; ++k) {
+            const float* y = s_state + 6 * (tid + k * per_block);
+            DecodeMergeState next;
+            next.m = y[0], next.l = y[1], next.acc[0] = y[2], next.acc[1] = y[3], next.acc[2] = y[4], next.acc[3] = y[5];
+            st.merge(next);
+        }
+    }
+    if (slot == 0 && valid) st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
 }
 
 // The 4-column groups first, first + stride, ... of (sequence b, K/V head hk)'s rows, merged.
@@ -498,11 +586,11 @@ __device__ __forceinline__ void decode_merge_pair(const float* part_o, const flo
 // floats, and splits x rows LSEs), so the splits are copied into shared memory (`buffer`,
 // BUFFER_BYTES free there) with 16-byte cp.async and merged from there: one L2 round trip when
 // they all fit, where loading a group's splits 8 at a time took one per 8 splits and per group
-// of the thread. When they do not, runs of `chunk` splits (a multiple of kMergeBatch, so the
-// batches are the combine kernel's) go through in turn, each group's running state parked in
-// shared memory between runs. The arithmetic is the combine kernel's, bit for bit. Where not even
-// kMergeBatch splits fit (64 rows at d=256) it loads from global memory as the combine kernel
-// does. Every thread of the block must call this.
+// of the thread. When they do not, runs of `chunk` splits (a multiple of kMergeBatch) go through in
+// turn, each group's running state parked in shared memory between runs: one pass over the
+// batches, as decode_merge_quad makes (and the combine kernel, up to kMergeBatch splits: the same
+// bits). Where not even kMergeBatch splits fit (64 rows at d=256) it loads from global memory as
+// decode_merge_quad does. Every thread of the block must call this.
 template <typename T, int HEAD_DIM, int THREADS, int BUFFER_BYTES>
 __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const float* part_lse, u16* o,
                                                          float* lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk,

@@ -25,7 +25,7 @@ from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ._build import KernelSpec, get_function
 
 _LOG2E = 1.4426950408889634
-_COMBINE_THREADS = 128
+_COMBINE_THREADS = 128  # (kCombineThreads in decode_common.cuh)
 MIN_KEYS = 256  # below this a single prefill tile loop is as good
 
 
@@ -400,13 +400,33 @@ class DecodeLaunch(NamedTuple):
         return _combine_args(part_o, part_lse, o4, lse3, self.combine_tail, self.plan.splits)
 
     def combine_grid(self, p):
-        return combine_grid(p, self.rows)
+        return combine_grid(p, self.rows, self.plan.splits)
 
 
-def combine_grid(p, rows):
-    """attn_decode_combine's grid: a thread per 4-column group of a pair's rows, (blocks, Hkv, B)."""
+# attn_decode_combine's merge in slices (decode_common.cuh: kMergeBatch, kMergeSlices): at most
+# MERGE_SLICES slices of whole batches of MERGE_BATCH splits, each its own running merge on its own
+# thread, the slices' states then merged in order, so that a thread waits for fewer L2 round trips
+# (one K/V head at B=1: 128-256 splits; the last split's merge reads shared memory in one pass).
+MERGE_BATCH, MERGE_SLICES = 8, 8
+
+
+def merge_slices(splits: int) -> int:
+    """How many slices attn_decode_combine merges the splits in (decode_merge_slice)."""
+    batches = -(-splits // MERGE_BATCH)
+    slice_ = -(-batches // MERGE_SLICES) * MERGE_BATCH
+    return -(-splits // slice_)
+
+
+def combine_lanes(splits: int) -> int:
+    """attn_decode_combine's threads per 4-column group for `splits` splits: the slices, rounded up
+    to a power of two (decode_merge_lanes)."""
+    return 1 << (merge_slices(splits) - 1).bit_length()
+
+
+def combine_grid(p, rows, splits):
+    """attn_decode_combine's grid: a thread per slice of a 4-column group of a pair's rows, (blocks, Hkv, B)."""
     hd, _ = schedule.decode_tile(p.d)
-    return (-(-rows * (hd // 4) // _COMBINE_THREADS), p.hkv, p.batch)
+    return (-(-rows * (hd // 4) * combine_lanes(splits) // _COMBINE_THREADS), p.hkv, p.batch)
 
 
 # How a launch's workspace partials merge: "last" - the last split of each (sequence, K/V head)
@@ -491,7 +511,8 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
                        dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table),
                        shared_mem=spec.smem_bytes)
     if dl.combines and not split_done:
-        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p), combine_programmatic(p))
+        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p),
+                        combine_programmatic(p, splits=dl.plan.splits))
 
 
 # The combine kernel runs as the split kernel's programmatic dependent (pdl.launch) when the
@@ -500,13 +521,19 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 # ~25-45 us more host time, which a shorter call (host-bound without a CUDA graph) would pay.
 # A packed launch (cuflash.prepared, the plan cache) costs no more host time that way, so it
 # always does: 1-2 us less per call on short caches (B=1 Hkv=8 L=32k, 24 splits: 45.5 vs 47.6 us;
-# L=8k, 16 splits: 21.9 vs 22.8; evidence-20261201/sweep_longpdl_*.json).
+# L=8k, 16 splits: 21.9 vs 22.8; evidence-20261201/sweep_longpdl_*.json). Except from
+# PDL_COMBINE_MAX_SPLITS splits on, where waiting on the device measured slower (one K/V head, Hq=32,
+# B=1, the sliced combine: L=128k, 256 splits, 44.4 vs 37.0 us; L=32k, 128 splits, 24.5 vs 23.6;
+# 33-64 splits within 1% either way; evidence-20261201c/wide_pdl*.txt).
 PDL_COMBINE_MIN_BYTES = 512 << 20
+PDL_COMBINE_MAX_SPLITS = 128
 
 
-def combine_programmatic(p, packed: bool = False) -> bool:
-    """Whether the combine kernel runs as the split kernel's programmatic dependent (`packed`:
-    launched from a _launch.PackedLaunch)."""
+def combine_programmatic(p, packed: bool = False, splits: int = 1) -> bool:
+    """Whether the combine kernel after `splits` splits runs as the split kernel's programmatic
+    dependent (`packed`: launched from a _launch.PackedLaunch)."""
+    if splits >= PDL_COMBINE_MAX_SPLITS:
+        return False
     return packed or 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES
 
 
@@ -555,5 +582,5 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
         shared_mem=spec.smem_bytes,
     )
     if splits > 1:
-        _launch_combine(p, _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits), combine_grid(p, rows),
-                        combine_programmatic(p))
+        _launch_combine(p, _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits), combine_grid(p, rows, splits),
+                        combine_programmatic(p, splits=splits))

@@ -325,7 +325,7 @@ class _DecodeCall:
         if self.workspace is not None and not self.merge_last:
             cspec = gpu_decode.combine_spec(p.dtype, p.d)
             # A programmatic dependent where available (a packed launch costs no more host time that way).
-            programmatic = gpu_decode.combine_programmatic(p, packed=True) and pdl.available()
+            programmatic = gpu_decode.combine_programmatic(p, packed=True, splits=dl.plan.splits) and pdl.available()
             self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(p), (gpu_decode._COMBINE_THREADS,),
                                         dl.combine_args(*(POINTER,) * 4), 0, programmatic)
             names.append(cspec.short_name)

@@ -158,6 +158,7 @@ def test_packed_combines_are_programmatic():
     small, large = _problem(1, 32, 8, 1, 8192, 128), _problem(8, 32, 8, 1, 65536, 128)
     assert not gpu_decode.combine_programmatic(small) and gpu_decode.combine_programmatic(large)
     assert gpu_decode.combine_programmatic(small, packed=True)
+    assert not gpu_decode.combine_programmatic(large, packed=True, splits=gpu_decode.PDL_COMBINE_MAX_SPLITS)
 
 
 def test_rounding_down_keeps_each_split_long_enough():
@@ -440,6 +441,46 @@ def test_last_split_counters_are_left_zero(rng):
 
     cupy.cuda.Device().synchronize()
     assert int(cupy.abs(stream_counters.view(1040, cupy.cuda.Stream.null.ptr)).max()) == 0
+
+
+def test_combine_slices():
+    # attn_decode_combine's slices of whole 8-split batches (at most 8) and its lanes per group.
+    assert [gpu_decode.merge_slices(n) for n in (1, 8, 9, 16, 17, 64, 65, 100, 200, 264)] == [1, 1, 2, 2, 3, 8, 5, 7, 7, 7]
+    assert [gpu_decode.combine_lanes(n) for n in (1, 8, 9, 17, 33, 64, 100)] == [1, 1, 2, 4, 8, 8, 8]
+    p = _problem(1, 32, 1, 1, 65536, 128)
+    assert gpu_decode.combine_grid(p, 32, 256) == (32 * 32 * 8 // 128, 1, 1)
+    assert gpu_decode.combine_grid(p, 32, 8) == (32 * 32 // 128, 1, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, splits", [(1, 100), (2, 50), (4, 9), (4, 8), (32, 100), (4, 200)])
+def test_sliced_combine(hq, splits):
+    # More than 8 splits: the combine kernel merges slices of whole batches on their own threads,
+    # then the slices' states in order (100 splits: 7 slices of 16, the last 4; 9: 8 + 1); the last
+    # split's merge makes one pass (from shared memory, or with two row tiles at hq=32 from global
+    # memory). Both against the reference; with one slice (8 splits) the same bits. kv_lens 0 and 1
+    # among the sequences leave whole slices empty. Outputs poisoned.
+    import cupy
+
+    from cuflash._problem import validate_forward
+
+    b, hkv, nk, d = 3, 1, 6400, 128  # (splits of whole 16-key tiles: 100 x 64, 50 x 128, 9 x 720, 200 x 32)
+    q, k, v = random_inputs(np.random.default_rng([hq, splits]), (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
+    lens = np.array([0, 1, nk - 333][:b], dtype=np.int32)
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    p = validate_forward(qg, kg, vg)
+    assert gpu_decode.launch_plan(p, 132, splits, cluster=False).splits == splits
+    out = {}
+    for merge in ("last", "kernel"):
+        o4 = _poisoned(qg.shape, qg.dtype)
+        lse3 = cupy.full((b, hq, 1), np.nan, dtype=np.float32)
+        gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, cluster=False, merge=merge)
+        o, lse = o4.get(), lse3.get()
+        check_per_sequence(o, lse, q, k, v, lens, False, BFLOAT16)
+        out[merge] = (o.view(np.uint16), lse)
+    if gpu_decode.merge_slices(splits) == 1:
+        np.testing.assert_array_equal(out["last"][0], out["kernel"][0])
+        np.testing.assert_array_equal(out["last"][1], out["kernel"][1])
 
 
 @pytest.mark.gpu

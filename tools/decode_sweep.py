@@ -9,13 +9,15 @@ cache size, default 0: always), "few" (few pairs at d=128 / 192 / 256: split cou
 three blocks per SM, combine merge), "d256" / "d256b" (head dims 192 / 256: tiles x split counts),
 "misc" (the planner alone on other shapes: d=64 / 256, fp16, Hq=64, one 128k sequence, B=32 L=2k),
 "merge [groups]" (few pairs: the partials merged by the last split or by the combine kernel, a few split
-counts; "groups": shapes with more 4-column groups per pair than a split block has threads), "nosplit"
+counts; "groups": shapes with more 4-column groups per pair than a split block has threads), "wide" (GQA 8 / 16,
+MQA, short and mid caches: the planner, its splits merged both ways), "nosplit"
 (the grid's cells with a block per pair, split in 2-4 anyway: through memory or in a cluster).
 A variant is tile (block_n, warps, stages, ring, max blocks per SM) x splits (None: the planner's
 count for that tile) x cluster (None: the planner's merge); "api" is cuflash.attention itself.
 (evidence-20261201/sweeps/ holds the H200 runs.)
 """
 import json
+import os
 import sys
 
 sys.path.insert(0, ".")
@@ -70,6 +72,21 @@ elif SWEEP == "merge":  # the workspace's partials merged by the last split agai
         SHAPES = [(1, 64, 8, 1, 8192, 128), (1, 64, 8, 1, 32768, 128), (2, 64, 8, 1, 32768, 128),
                   (1, 32, 8, 2, 32768, 128), (1, 32, 8, 4, 32768, 128), (1, 32, 8, 1, 32768, 192)]
     TILES, SPLITS = None, None
+elif SWEEP == "wide":  # shapes serving runs outside the grid: GQA 8 / 16, MQA, short and mid caches; the planner and both merges
+    # (WIDE_PDL=0: the combine kernel launched plainly by the variants, not as a programmatic dependent)
+    gpu_decode.PDL_COMBINE_MIN_BYTES = 0 if os.environ.get("WIDE_PDL", "1") == "1" else 1 << 62
+    SHAPES = [(1, 64, 8, 1, 32768, 128), (1, 64, 8, 1, 131072, 128), (4, 64, 8, 1, 32768, 128),
+              (1, 32, 1, 1, 32768, 128), (1, 32, 1, 1, 131072, 128), (8, 32, 1, 1, 32768, 128),
+              (1, 128, 8, 1, 32768, 128), (1, 32, 4, 1, 32768, 128), (16, 32, 8, 1, 8192, 128),
+              (1, 32, 8, 1, 2048, 128)]
+    TILES, SPLITS = None, None
+elif SWEEP == "mqa":  # one K/V head (32 packed rows: two row tiles): tiles x split counts; Hq=16 / 64 for comparison
+    gpu_decode.PDL_COMBINE_MIN_BYTES = 0
+    SHAPES = [(1, 32, 1, 1, 32768, 128), (1, 32, 1, 1, 131072, 128), (8, 32, 1, 1, 32768, 128),
+              (1, 16, 1, 1, 32768, 128), (1, 64, 1, 1, 32768, 128)]
+    TILES = [("16x4s2", T(16, 4, 2)), ("16x4s2r2", T(16, 4, 2, 2)), ("16x8s2", T(16, 8, 2)), ("16x4s3", T(16, 4, 3)),
+             ("32x4s2", T(32, 4, 2))]
+    SPLITS = [None, 64, 256]
 elif SWEEP == "nosplit":  # the grid's cells with a block per (sequence, head): split anyway, merged by the last split
     SHAPES = [(8, 32, 32, 1, 65536, 128), (8, 32, 32, 1, 16384, 128), (64, 32, 8, 1, 4096, 128)]
     TILES, SPLITS = None, None
@@ -126,6 +143,8 @@ for B, hq, hkv, nq, L, d, *dtype in SHAPES:
         variants = [(f"{tn}-{m}", t, n, cl, "last") for tn, t in tiles for n, cl, m in
                     ((1, False, "one"), (2, False, "mem"), (3, False, "mem"), (4, False, "mem"), (2, True, "cl"),
                      (4, True, "cl"))]
+    elif SWEEP == "wide":  # the planner's split count, merged both ways
+        variants = [(m, None, None, False, m) for m in ("last", "kernel")]
     elif SWEEP == "merge":  # the planner's tile; its split count and others, each merged both ways
         variants = [(m, None, n, False, m) for m in ("last", "kernel") for n in (None, 8, 16, 24, 32)]
     else:

@@ -84,6 +84,7 @@ def summarize(rows, nbytes, label):
     ready, loop = (t[:, 4] - t0) / 1e3, (t[:, 5] - t0) / 1e3
     dur = end - start
     span = float(end.max())
+    merged, stored = (t[:, 6] - t0) / 1e3, (t[:, 7] - t0) / 1e3  # (0 in a cluster kernel: no such points)
     per_sm = np.bincount(sm)
     per_sm = per_sm[per_sm > 0]
     share, share_min, most = busy_share(start, end, sm)
@@ -99,7 +100,9 @@ def summarize(rows, nbytes, label):
           f"({per_sm.min()}-{per_sm.max()} each, {most} at once); SM busy {100 * share:.0f}% (min {100 * share_min:.0f}%); "
           f"block p10/50/90/max {out['block_us'][0]:.1f}/{out['block_us'][1]:.1f}/{out['block_us'][2]:.1f}/{out['block_us'][3]:.1f} us "
           f"= start {out['start_us_p50']:.1f} + loop {out['loop_us_p50']:.1f} + end {out['end_us_p50']:.1f}; "
-          f"last start {out['first_start_last_us']:.1f}; ended 50/90/100% {out['ended_50_90_100_us'][0]:.1f}/"
+          + (f"(end: warps merged {q(merged - loop, 50):.1f}, stored {q(stored - merged, 50):.1f}, rest {q(end - stored, 50):.1f}); "
+             if t[:, 7].min() > 0 else "")
+          + f"last start {out['first_start_last_us']:.1f}; ended 50/90/100% {out['ended_50_90_100_us'][0]:.1f}/"
           f"{out['ended_50_90_100_us'][1]:.1f}/{span:.1f}", flush=True)
     return out
 
@@ -142,7 +145,7 @@ for L, B, hkv in CELLS:
             spec = launched[0]
             lp = gpu_decode.launch_plan(p, cp.cuda.Device().attributes["MultiProcessorCount"], **{k_: v_ for k_, v_ in kw.items()})
             row["plan"] = {"splits": lp.splits, "cluster": lp.cluster, "chunk": lp.chunk, "tile": [lp.tile.block_n, lp.tile.warps, lp.tile.stages]}
-            trace = cp.ndarray((BLOCKS, 6), cp.uint64, _build.get_module(spec).get_global("cuflash_decode_trace"))
+            trace = cp.ndarray((BLOCKS, 8), cp.uint64, _build.get_module(spec).get_global("cuflash_decode_trace"))
             trace.fill(0)
             timer.flush()
             f()
