@@ -57,7 +57,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                   int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo,
-                  int band_hi) {
+                  int band_hi, int row_blocks) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
 #ifdef CUFLASH_DECODE_TRACE
@@ -79,8 +79,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int s0 = span.s0, s1 = span.s1;
     const int n_tiles = (max(0, s1 - s0) + BLOCK_N - 1) / BLOCK_N;
 
-    const u16* gK = k + b * k_sb + hk * k_sh;
-    const u16* gV = v + b * v_sb + hk * v_sh;
+    // Row blocks: a K/V head whose packed rows exceed one tile is run as `row_blocks` blocks, each
+    // `group` of its query heads (hk counts (K/V head, row block) pairs; q, o, lse and the partials
+    // index by it): K/V head hk / row_blocks, read once per row block (from L2 when they run together).
+    const int hkv_head = hk / row_blocks;
+    const u16* gK = k + b * k_sb + hkv_head * k_sh;
+    const u16* gV = v + b * v_sb + hkv_head * v_sh;
     float acc_o[ROW_TILES][kNO][4];
     OnlineSoftmax<2 * ROW_TILES> softmax;
     zero_acc(acc_o);
@@ -106,10 +110,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const int in_page = n & ((1 << page_shift) - 1);
         if (do_k)
             load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                dk, k + page * k_sb + hk * k_sh + in_page * k_sn, k_sn, s1 - n, d, lane);
+                dk, k + page * k_sb + hkv_head * k_sh + in_page * k_sn, k_sn, s1 - n, d, lane);
         if (do_v)
             load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
-                dv, v + page * v_sb + hk * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
+                dv, v + page * v_sb + hkv_head * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
     };
     // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
     auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
@@ -288,12 +292,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int *__restrict__ kv_lens, const int *__restrict__ block_table, i64 bt_sb, int page_shift, i64 q_sb,      \
         i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh,         \
         i64 o_sn, int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo, \
-        int band_hi
+        int band_hi, int row_blocks
 #define DECODE_TAIL_ARGS                                                                                            \
     kv_lens, block_table, bt_sb, page_shift, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,      \
-        o_sn, hq, nq, nk, d, group, align, chunk, scale_log2, band_lo, band_hi
+        o_sn, hq, nq, nk, d, group, align, chunk, scale_log2, band_lo, band_hi, row_blocks
 
-// Grid (splits, Hkv, B). With splits > 1 the partials are merged either by the last split of each
+// Grid (splits, Hkv x row_blocks, B). With splits > 1 the partials are merged either by the last split of each
 // (sequence, K/V head) (split_done: a zeroed counter per pair, decode_last_split_merges) or, with
 // split_done null (where the planner measured it faster: gpu_decode.last_split_merges), by
 // attn_decode_combine launched next - as this kernel's programmatic dependent where it pays: its

@@ -509,15 +509,16 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     if not (nq <= 16 and nk >= gpu_decode.MIN_KEYS and gpu_decode.row_tiles_for(p) is not None):
         return None
     lp = gpu_decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
+    row_blocks = gpu_decode.row_blocks(p)
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
     main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)
     # cluster: the splits merge in the cluster's distributed shared memory (no partials in memory)
     # last_merges: the partials go through memory and the last split of each pair merges them
-    last_merges = gpu_decode.last_split_merges(lp, p.group * nq, d)
+    last_merges = gpu_decode.last_split_merges(lp, p.group // row_blocks * nq, d)
     return SimpleNamespace(splits=lp.splits, cluster=lp.cluster, keys=keys, source=main.short_name,
                            smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n,
-                           last_merges=last_merges)
+                           last_merges=last_merges, row_blocks=row_blocks)
 
 
 def backward_launch(dtype, d, causal=False, deterministic=False):
@@ -880,17 +881,21 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
         p = prefix("fwd")
         # partials go through memory only when the splits do not merge in a cluster
         part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 and not dec.cluster else 0
+        rb = dec.row_blocks
+        kv_note = ("once per K/V head (GQA rows packed into one tile)" if rb == 1 else
+                   f"once per K/V head and row block: {rb} blocks of {hq // hkv // rb} query heads each "
+                   "(reads after the first come from L2 when the row blocks run together)")
         entries += [
             IOEntry(p + "Q", qe, 0, s, "read once"),
-            IOEntry(p + "K", bhkv * dec.keys * d, 0, s, "once per K/V head (GQA rows packed into one tile)"),
-            IOEntry(p + "V", bhkv * dec.keys * d, 0, s, "once per K/V head"),
+            IOEntry(p + "K", rb * bhkv * dec.keys * d, 0, s, kv_note),
+            IOEntry(p + "V", rb * bhkv * dec.keys * d, 0, s, "as K"),
             IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
                     f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
                     else f"float32, {dec.splits} splits: written by the splits, read by the last of them"
                     if dec.last_merges else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
             IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
-            IOEntry(p + "split counters", bhkv * dec.splits if dec.last_merges else 0,
-                    bhkv * (dec.splits + 1) if dec.last_merges else 0, 4,
+            IOEntry(p + "split counters", rb * bhkv * dec.splits if dec.last_merges else 0,
+                    rb * bhkv * (dec.splits + 1) if dec.last_merges else 0, 4,
                     "int32 per (sequence, K/V head): an atomic add per split, the last split's reset"
                     if dec.last_merges else "none: no merge by the last split"),
             IOEntry(p + "O", 0, qe, s, "written once"),

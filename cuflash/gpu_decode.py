@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -34,12 +35,39 @@ def _b(x):
 
 
 def row_tiles_for(p):
-    """16-row mma tiles for the packed (head, token) rows, or None if decode doesn't apply."""
-    if p.dtype not in KERNEL_TYPE:
+    """16-row mma tiles for the packed (head, token) rows of one block (row_blocks of them per K/V
+    head), or None if decode doesn't apply."""
+    if p.dtype not in KERNEL_TYPE or p.nq > 16 or row_blocks(p) > MAX_ROW_BLOCKS:
         return None
     hd, t = schedule.decode_tile(p.d)
-    tiles = -(-(p.group * p.nq) // 16)
+    tiles = -(-(launch_problem(p).group * p.nq) // 16)
     return tiles if tiles <= t.max_row_tiles else None
+
+
+# At most this many row blocks per K/V head (each reads the head's K/V; not measured beyond 2 -
+# more go to the prefill kernel, which reads K/V once per 64-192 query rows).
+MAX_ROW_BLOCKS = 4
+
+
+def row_blocks(p) -> int:
+    """Blocks per K/V head: where its packed rows (group x nq) exceed the tile's (32 at d=128: one
+    K/V head for Hq=64), the smallest divisor of the group whose share of the query heads fits. Each
+    such block reads the K/V head once (attn_decode's row_blocks; from L2 when they run together)."""
+    if p.dtype not in KERNEL_TYPE or p.nq > 16 or p.hkv == 0:
+        return 1
+    _, t = schedule.decode_tile(p.d)
+    cap, g = 16 * t.max_row_tiles, p.group
+    return next(r for r in range(1, g + 1) if g % r == 0 and (g // r) * p.nq <= cap)
+
+
+def launch_problem(p):
+    """p as the decode kernel's grid sees it: each K/V head counted once per row block."""
+    r = row_blocks(p)
+    if r == 1:
+        return p
+    if dataclasses.is_dataclass(p):
+        return dataclasses.replace(p, hkv=p.hkv * r)
+    return SimpleNamespace(**{**vars(p), "hkv": p.hkv * r, "group": p.group // r})  # (the accounting's shape)
 
 
 def applies(p, k4, v4) -> bool:
@@ -157,7 +185,7 @@ def tma_applicable(p, k4, v4, tile) -> bool:
     strides TMA can address."""
     from . import gpu_hopper
 
-    if p.d not in schedule.DECODE_TMA_TILES or row_tiles_for(p) > tile.max_row_tiles:
+    if p.d not in schedule.DECODE_TMA_TILES or row_blocks(p) > 1 or row_tiles_for(p) > tile.max_row_tiles:
         return False
     import cupy
 
@@ -267,6 +295,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     forces the combine kernel, True the cluster merge (ValueError where it cannot run);
     `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
     split count and the merge from here too."""
+    p = launch_problem(p)  # (a K/V head over several row blocks: planned as that many heads)
     rt = row_tiles_for(p)
     table_tile = tile is None
     if table_tile:
@@ -341,7 +370,7 @@ def _runs_clusters(device_id: int) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def _launch_scalars(p, strides, paged_shift, chunk):
+def _launch_scalars(p, strides, paged_shift, chunk, row_blocks_=1):
     """The scalar arguments of attn_decode / attn_decode_cluster after the page table, and the
     combine kernel's after its arrays, as NumPy scalars, per (problem, element strides of q, k, v,
     o and the page table, page shift, keys per split). A decode loop repeats one geometry, and
@@ -359,7 +388,7 @@ def _launch_scalars(p, strides, paged_shift, chunk):
     os_ = tuple(np.int64(x) for x in o_s[:3])
     main = (*pages, *(np.int64(x) for x in q_s[:3]), *kv, *os_, np.int32(p.hq), np.int32(p.nq), np.int32(p.nk),
             np.int32(p.d), np.int32(p.group), np.int32(align), np.int32(chunk), np.float32(p.scale * _LOG2E),
-            np.int32(lo), np.int32(hi))
+            np.int32(lo), np.int32(hi), np.int32(row_blocks_))
     combine = (*os_, np.int32(p.hq), np.int32(p.hkv), np.int32(p.nq), np.int32(p.group), np.int32(p.d))
     return main, combine
 
@@ -374,7 +403,8 @@ class DecodeLaunch(NamedTuple):
     grid: tuple
     middle: tuple  # attn_decode's scalars after the page table (_launch_scalars)
     combine_tail: tuple  # attn_decode_combine's scalars after its arrays, before the split count
-    rows: int  # packed (head, token) rows of one (sequence, K/V head)
+    rows: int  # packed (head, token) rows of one block's (sequence, K/V head, row block)
+    problem: object  # the problem as launched (launch_problem: K/V heads x row blocks)
 
     @property
     def combines(self) -> bool:
@@ -382,10 +412,11 @@ class DecodeLaunch(NamedTuple):
         attn_decode_combine: last_split_merges)."""
         return self.plan.splits > 1 and not self.plan.cluster
 
-    def workspace_shapes(self, p):
+    def workspace_shapes(self):
         """(partial O, partial LSE) float32 shapes, or None without the combine kernel."""
         if not self.combines:
             return None
+        p = self.problem
         head = (p.batch, p.hkv, self.plan.splits, self.rows)
         return head + (p.d,), head
 
@@ -399,8 +430,8 @@ class DecodeLaunch(NamedTuple):
     def combine_args(self, part_o, part_lse, o4, lse3):
         return _combine_args(part_o, part_lse, o4, lse3, self.combine_tail, self.plan.splits)
 
-    def combine_grid(self, p):
-        return combine_grid(p, self.rows, self.plan.splits)
+    def combine_grid(self):
+        return combine_grid(self.problem, self.rows, self.plan.splits)
 
 
 # attn_decode_combine's merge in slices (decode_common.cuh: kMergeBatch, kMergeSlices): at most
@@ -468,10 +499,12 @@ def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
 def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None):
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
+    r = row_blocks(p)
+    p = launch_problem(p)
     lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
-    middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk)
+    middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk, r)
     spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
-    return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq)
+    return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq, p)
 
 
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
@@ -497,7 +530,8 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
                table.strides[0] // table.itemsize if paged is not None else 0)
     shift = paged[1].bit_length() - 1 if paged is not None else None
     dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
-    ws = dl.workspace_shapes(p)
+    p = dl.problem  # (K/V heads x row blocks from here on)
+    ws = dl.workspace_shapes()
     split_done = np.uint64(0)  # (null: one split, a cluster merge, or the combine kernel's)
     if ws is not None:
         part_o, part_lse = (cupy.empty(shape, dtype=np.float32) for shape in ws)
@@ -511,7 +545,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
                        dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table),
                        shared_mem=spec.smem_bytes)
     if dl.combines and not split_done:
-        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(p),
+        _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(),
                         combine_programmatic(p, splits=dl.plan.splits))
 
 

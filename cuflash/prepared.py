@@ -309,7 +309,8 @@ class _DecodeCall:
         self.validate = options["validate"]
         self.return_lse = options["return_lse"]
         self.offsets = offsets  # where q4, k4, v4, o4 start relative to the arrays' own addresses
-        self.workspace = dl.workspace_shapes(p)
+        self.workspace = dl.workspace_shapes()
+        self.pairs = dl.problem.batch * dl.problem.hkv  # (sequence, K/V head, row block) blocks per split
         part = POINTER if self.workspace is not None else np.uint64(0)
         spec = dl.spec
         # Array slots in order: q, k, v, o, lse, [part_o, part_lse, split counters], [kv_lens], [block_table].
@@ -326,7 +327,7 @@ class _DecodeCall:
             cspec = gpu_decode.combine_spec(p.dtype, p.d)
             # A programmatic dependent where available (a packed launch costs no more host time that way).
             programmatic = gpu_decode.combine_programmatic(p, packed=True, splits=dl.plan.splits) and pdl.available()
-            self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(p), (gpu_decode._COMBINE_THREADS,),
+            self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(), (gpu_decode._COMBINE_THREADS,),
                                         dl.combine_args(*(POINTER,) * 4), 0, programmatic)
             names.append(cspec.short_name)
         self.kernel_names = tuple(names)
@@ -365,7 +366,7 @@ class _DecodeCall:
         if self.workspace is not None:
             ws = [lib.empty(shape) for shape in self.workspace]
             ptrs += [lib.ptr(w) for w in ws]
-            pairs = p.batch * p.hkv
+            pairs = self.pairs
             if self.merge_last:  # (under capture a fresh buffer of the graph: cuflash.stream_counters)
                 ws.append(lib.empty((pairs,)) if lib.capturing() else None)
                 ptrs.append(stream_counters.zeroed(pairs, stream, None if ws[-1] is None else lib.ptr(ws[-1])))

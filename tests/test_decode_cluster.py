@@ -519,3 +519,77 @@ def test_cluster_path_allocates_no_workspace():
     rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd")
     assert not any(e.category == "workspace" for e in rep.entries)
     assert sum(sizes) == _predicted(rep, {"output", "saved state"}) == 8 * 32 * 128 * 2 + 8 * 32 * 4, (sizes, rep.table())
+
+
+@pytest.mark.parametrize("hq, hkv, nq, blocks", [(64, 1, 1, 2), (128, 2, 1, 2), (96, 1, 1, 3), (128, 1, 1, 4),
+                                                  (32, 1, 2, 2), (6, 1, 16, 3), (32, 8, 1, 1)])
+def test_row_blocks(hq, hkv, nq, blocks):
+    # A K/V head whose packed rows (group x tokens) exceed the tile's 32 (d=128) runs as row blocks,
+    # each a divisor's share of its query heads, planned as that many K/V heads; past 4 row blocks
+    # the prefill kernel stays.
+    p = _problem(2, hq, hkv, nq, 32768, 128)
+    assert gpu_decode.row_blocks(p) == blocks
+    pv = gpu_decode.launch_problem(p)
+    assert (pv.hkv, pv.group, pv.hq) == (hkv * blocks, hq // hkv // blocks, hq)
+    assert gpu_decode.row_tiles_for(p) == -(-(pv.group * nq) // 16) <= 2
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp == gpu_decode.launch_plan(pv, H200_SMS)
+    assert gpu_decode.row_tiles_for(_problem(2, 64, 1, 16, 32768, 128)) is None  # 32 row blocks: prefill
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("case", ["mqa64", "gqa64-paged", "mqa48-window", "mqa96-br"])
+def test_row_blocks_decode(rng, monkeypatch, merge, case):
+    # Row blocks on the GPU: each block reads its K/V head (the kernel's row_blocks) and writes its
+    # own query heads' rows; against the reference per sequence, kv_lens 0 and 1 among them, outputs
+    # poisoned; merged in a cluster, by the last split and by the combine kernel.
+    import cupy
+
+    from cuflash._layout import to_bhsd
+    from cuflash._problem import validate_forward, validate_paged
+
+    hq, hkv, nq, d = {"mqa64": (64, 1, 1, 128), "gqa64-paged": (128, 2, 1, 128), "mqa48-window": (48, 1, 2, 64),
+                      "mqa96-br": (96, 1, 2, 128)}[case]
+    causal = "bottom_right" if case == "mqa96-br" else False
+    nk, splits = 1500, 4
+    lens = _lens(rng, nk, splits)
+    q, k, v = random_inputs(rng, (len(lens), hq, nq, d), (len(lens), hkv, nk, d), BFLOAT16)
+    o4 = _poisoned((len(lens), hq, nq, d), BFLOAT16)
+    lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
+    launched = _launch(monkeypatch)
+    lg = cupy.asarray(lens)
+    if case == "gqa64-paged":
+        from test_paged import paged_cache
+
+        kc, vc, table = paged_cache(rng, k, v, lens, 64)
+        qg, kcg, vcg, tg = (cupy.asarray(a) for a in (q, kc, vc, table))
+        p, block = validate_paged(qg, kcg, vcg, tg)
+        assert gpu_decode.row_blocks(p) == 2 and gpu_decode.applies(p, kcg, vcg)
+        gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, kv_lens=lg, paged=(tg, block),
+                           splits=splits, **_merge_kwargs(merge))
+        window = None
+    else:
+        window = (300, 0) if case == "mqa48-window" else None
+        qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+        p = validate_forward(qg, kg, vg, causal=causal, window=window)
+        assert gpu_decode.row_blocks(p) > 1 and gpu_decode.applies(p, kg, vg)
+        gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, splits=splits, **_merge_kwargs(merge))
+    _check_kernels(launched, merge, splits)
+    check_per_sequence(o4, lse3, q, k, v, lens, causal, BFLOAT16, window=window)
+
+
+@pytest.mark.gpu
+def test_row_blocks_through_the_api(rng):
+    # cuflash.attention takes the decode kernel for one K/V head of 64 query heads (it took the
+    # prefill kernel before row blocks), prepared and plain calls alike.
+    import cupy
+
+    import cuflash
+
+    q, k, v = random_inputs(rng, (2, 64, 1, 128), (2, 1, 5000, 128), BFLOAT16)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    run = cuflash.prepare_attention(qg, kg, vg, return_lse=True)
+    assert run.path == "decode", run
+    for o, lse in (cuflash.attention(qg, kg, vg, return_lse=True), run(qg, kg, vg)):
+        check_per_sequence(o, lse, q, k, v, [5000, 5000], False, BFLOAT16)
