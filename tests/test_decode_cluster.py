@@ -452,6 +452,19 @@ def test_combine_slices():
     assert gpu_decode.combine_grid(p, 32, 8) == (32 * 32 // 128, 1, 1)
 
 
+def test_combine_constants_match_the_kernel():
+    # The host sizes the combine grid from constants that decode_common.cuh defines too.
+    import re
+
+    from cuflash._build import load_source
+
+    src = load_source("decode_common.cuh")
+    consts = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
+    assert consts["kMergeBatch"] == gpu_decode.MERGE_BATCH
+    assert consts["kMergeSlices"] == gpu_decode.MERGE_SLICES
+    assert consts["kCombineThreads"] == gpu_decode._COMBINE_THREADS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq, splits", [(1, 100), (2, 50), (4, 9), (4, 8), (32, 100), (4, 200)])
 def test_sliced_combine(hq, splits):
