@@ -677,8 +677,8 @@ __device__ __forceinline__ void decode_last_split_merges(int* split_done, const 
     __syncthreads();
     if (!s_last) return;
     // (Staged with one row tile, where a thread may have a single column group to merge and the
-    // planner uses this merge; with more rows, as the combine kernel does: the staging code pushed
-    // some of those instantiations over ptxas's register budget.)
+    // planner uses this merge; with more rows, in one pass from global memory (decode_merge_pair):
+    // the staging code pushed some of those instantiations over ptxas's register budget.)
     if constexpr (ROW_TILES == 1)
         decode_merge_pair_staged<T, HEAD_DIM, THREADS, BUFFER_BYTES>(
             part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, hkv, n_splits, hq, nq, d, group, buffer);

@@ -148,8 +148,6 @@ def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, in
     return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
 
 
-
-
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
     the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""

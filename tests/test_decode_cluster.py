@@ -433,7 +433,7 @@ def test_last_split_counters_are_left_zero(rng):
     first = run(3, 2, 900, 5)
     again = [run(3, 2, 900, 5), run(1040, 1, 300, 2), run(4, 4, 700, 3, cupy.cuda.Stream(non_blocking=True)),
              run(3, 2, 900, 5)]
-    # (the combine kernel runs the same merge code: the same bits)
+    # (up to 8 splits - 5 here - the combine kernel merges in one slice, the last split's arithmetic: the same bits)
     for o, lse in (again[0], again[3], run(3, 2, 900, 5, merge="kernel")):
         np.testing.assert_array_equal(o, first[0])
         np.testing.assert_array_equal(lse, first[1])

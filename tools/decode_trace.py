@@ -1,14 +1,15 @@
 """Where a split-KV decode's time goes, block by block (GPU machine): the decode kernels compiled
 with -DCUFLASH_DECODE_TRACE record each block's start, end, SM, warp 0's key tiles, when Q was
-in registers and when warp 0 left its loop. Per cell (d=128 bf16 Hq=32, the peers' decode grid)
+in registers, when warp 0 left its loop, and (split-KV kernel) when the block's warps had merged
+and its result was stored. Per cell (d=128 bf16 Hq=32, the peers' decode grid)
 and variant (the planner's choice, cluster merges of 2-8 splits, the combine kernel at 3-8
 splits), this times the variant next to cuDNN (benchmarks.peers.Timer: L2 flushed, launch hidden)
 and summarizes one traced launch after an L2 flush:
 
   span (first start to last end) and the cache bytes over it; blocks per SM (most / fewest, and
   how many ran at once); SMs' busy share of the span (union of their blocks' intervals); block
-  time p10 / p50 / p90 / max and its start (until Q is in registers), loop and end (merge, stores)
-  medians; when 50 / 90 / 100% of blocks had ended.
+  time p10 / p50 / p90 / max and its start (until Q is in registers), loop and end (the warps'
+  merge, the store, the rest) medians; when 50 / 90 / 100% of blocks had ended.
 
     python3 tools/decode_trace.py out.json [--split-cells | --many-cells | --cells L,B,Hkv;...] [--variants api,cluster4,combine6]
 """
