@@ -78,7 +78,8 @@ elif SWEEP == "wide":  # shapes serving runs outside the grid: GQA 8 / 16, MQA, 
     SHAPES = [(1, 64, 8, 1, 32768, 128), (1, 64, 8, 1, 131072, 128), (4, 64, 8, 1, 32768, 128),
               (1, 32, 1, 1, 32768, 128), (1, 32, 1, 1, 131072, 128), (8, 32, 1, 1, 32768, 128),
               (1, 128, 8, 1, 32768, 128), (1, 32, 4, 1, 32768, 128), (16, 32, 8, 1, 8192, 128),
-              (1, 32, 8, 1, 2048, 128)]
+              (1, 32, 8, 1, 2048, 128), (1, 64, 1, 1, 32768, 128), (8, 64, 1, 1, 32768, 128), (1, 128, 1, 1, 32768, 128),
+              (4, 48, 1, 2, 16384, 128)]
     TILES, SPLITS = None, None
 elif SWEEP == "mqa":  # one K/V head (32 packed rows: two row tiles): tiles x split counts; Hq=16 / 64 for comparison
     gpu_decode.PDL_COMBINE_MIN_BYTES = 0
