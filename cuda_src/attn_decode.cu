@@ -155,7 +155,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
     // (d=192; d=64 with two row tiles and a window).
     using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-    constexpr bool kQFirst = ROW_TILES == 1 && QPack::kItems <= 2;
+    // (-DCUFLASH_DECODE_Q_FIRST_WIDE=0: two row tiles at d=128 load Q after the first K/V copies, A/B probe)
+#ifndef CUFLASH_DECODE_Q_FIRST_WIDE
+#define CUFLASH_DECODE_Q_FIRST_WIDE 1
+#endif
+    constexpr bool kQFirst =
+        (ROW_TILES == 1 && QPack::kItems <= 2) || (CUFLASH_DECODE_Q_FIRST_WIDE && HEAD_DIM == 128 && QPack::kItems <= 4);
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     if constexpr (RING > 0) {

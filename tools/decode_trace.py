@@ -11,7 +11,7 @@ and summarizes one traced launch after an L2 flush:
   time p10 / p50 / p90 / max and its start (until Q is in registers), loop and end (the warps'
   merge, the store, the rest) medians; when 50 / 90 / 100% of blocks had ended.
 
-    python3 tools/decode_trace.py out.json [--split-cells | --many-cells | --cells L,B,Hkv;...] [--variants api,cluster4,combine6]
+    python3 tools/decode_trace.py out.json [--split-cells | --many-cells | --cells L,B,Hkv[,Hq];...] [--variants api,cluster4,combine6]
 """
 import json
 import os
@@ -120,13 +120,13 @@ def variant_kwargs(name):
 
 timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.3)
 out = []
-for L, B, hkv in CELLS:
-    hq, d = 32, 128
+for L, B, hkv, *hq_ in CELLS:  # a fourth value: Hq (default 32)
+    hq, d = (hq_[0] if hq_ else 32), 128
     q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn_ms, _ = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    print(f"CELL L={L} B={B} Hkv={hkv}: cuDNN {cudnn_ms * 1e3:.1f} us ({nbytes / cudnn_ms / 1e9:.2f} TB/s)", flush=True)
+    print(f"CELL L={L} B={B} Hq={hq} Hkv={hkv}: cuDNN {cudnn_ms * 1e3:.1f} us ({nbytes / cudnn_ms / 1e9:.2f} TB/s)", flush=True)
     qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
     p = validate_forward(qc, kc, vc)
     o4 = cp.empty_like(qc)
