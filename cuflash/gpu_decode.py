@@ -44,30 +44,65 @@ def row_tiles_for(p):
     return tiles if tiles <= t.max_row_tiles else None
 
 
-# At most this many row blocks per K/V head (each reads the head's K/V; not measured beyond 2 -
-# more go to the prefill kernel, which reads K/V once per 64-192 query rows).
+# At most this many row blocks of two row tiles per K/V head (each reads the head's K/V; more go to
+# the prefill kernel, which reads K/V once per 64-192 query rows). The planner's one-row-tile blocks
+# for short splits (row_blocks) may be twice as many: Hq=128 Hkv=1 B=1 L=16k, 8 of them, 22.7 us
+# against 24.0 with 4 (cuDNN 19.4).
 MAX_ROW_BLOCKS = 4
 
 
-def row_blocks(p) -> int:
+def row_blocks(p, sm_count=None) -> int:
     """Blocks per K/V head: where its packed rows (group x nq) exceed the tile's (32 at d=128: one
     K/V head for Hq=64), the smallest divisor of the group whose share of the query heads fits. Each
-    such block reads the K/V head once (attn_decode's row_blocks; from L2 when they run together)."""
+    such block reads the K/V head once (attn_decode's row_blocks; from L2 when they run together).
+    sm_count (the planner's own launch: no explicit tile, splits or waves): at d=128, where the
+    two-row-tile blocks' split count is held down by the shortest split (few blocks for the SMs, each
+    with few keys), one-row-tile blocks instead (_short_blocks)."""
     if p.dtype not in KERNEL_TYPE or p.nq > 16 or p.hkv == 0:
         return 1
-    _, t = schedule.decode_tile(p.d)
-    cap, g = 16 * t.max_row_tiles, p.group
-    return next(r for r in range(1, g + 1) if g % r == 0 and (g // r) * p.nq <= cap)
+    hd, t = schedule.decode_tile(p.d)
+    r = _fitting_row_blocks(p, 16 * t.max_row_tiles)
+    if sm_count is None or hd != 128 or (p.group // r) * p.nq <= 16 or not _short_blocks(_with_row_blocks(p, r), sm_count):
+        return r
+    return _fitting_row_blocks(p, 16)
 
 
-def launch_problem(p):
-    """p as the decode kernel's grid sees it: each K/V head counted once per row block."""
-    r = row_blocks(p)
+def _fitting_row_blocks(p, rows: int) -> int:
+    """The smallest divisor r of the group with (group / r) x nq packed rows <= rows."""
+    g = p.group
+    return next(r for r in range(1, g + 1) if g % r == 0 and (g // r) * p.nq <= rows)
+
+
+def _short_blocks(p, sm_count: int) -> bool:
+    """Whether the planner's split count for launch problem p is held down by the shortest split
+    (num_splits' key bound at or below the wanted count): blocks of few keys, whose start and end
+    (Q's load, the warps' merge, the store: 7-8 us with two row tiles against 3 with one) are most
+    of their time. There, one-row-tile blocks - twice as many, each K/V head read from L2 by each -
+    were ahead (H200, d=128 bf16, us, two-row-tile blocks / one-row-tile blocks (cuDNN): Hkv=1,
+    B=1: Hq=32 L=8k 19.4 / 15.9 (13.7), 16k 19.9 / 16.9 (14.9), 32k 21.9 / 19.8 (18.0), 64k 27.9 /
+    24.7 (23.3); Hq=64 L=16k 20.6 / 18.5 (16.8), 32k 24.9 / 23.3 (20.6); Hq=48 L=32k 23.0 / 21.7
+    (19.7); Hq=128 L=16k 24.0 / 22.7 (19.4); B=4 Hq=32 L=16k 25.8 / 24.9 (23.2); B=2 Hq=32 L=32k 26.2 /
+    26.4 (24.0). Where the splits are longer, two row tiles stay: Hq=32 B=1 L=128k 35.6 / 35.6, B=8
+    L=32k 48.8 / 54.4; Hq=64 B=1 L=64k 30.6 / 33.1, B=2 L=32k 30.5 / 31.9; Hq=128 B=1 L=32k 29.8 / 31.9;
+    tools/row_block_probe.py, evidence-20261201d/row-blocks/)."""
+    tile, waves = default_tile(p, sm_count)
+    _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
+    return -(-span_keys(p) // (t.warps * t.block_n * 4)) <= _wanted_splits(p, sm_count, waves)
+
+
+def _with_row_blocks(p, r: int):
+    """p as the decode kernel's grid sees it with r row blocks: each K/V head counted r times."""
     if r == 1:
         return p
     if dataclasses.is_dataclass(p):
         return dataclasses.replace(p, hkv=p.hkv * r)
     return SimpleNamespace(**{**vars(p), "hkv": p.hkv * r, "group": p.group // r})  # (the accounting's shape)
+
+
+def launch_problem(p, sm_count=None):
+    """p as the decode kernel's grid sees it: each K/V head counted once per row block
+    (row_blocks(p, sm_count)). Planned again, the result stays as it is."""
+    return _with_row_blocks(p, row_blocks(p, sm_count))
 
 
 def applies(p, k4, v4) -> bool:
@@ -218,14 +253,19 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     round: a few more blocks than slots ran as a second round or a third block on some SMs (H200,
     bf16 d=128 Hq=32 Hkv=8, us against cuDNN: B=2 L=128k 16 splits 249.9 vs 17 255.3 / 246.5;
     B=4 L=32k 8 vs 9 130.2 vs 133.1 / 129.3; evidence-20261201/sweep_few.json)."""
-    blocks = max(1, p.batch * p.hkv)
-    w = (waves or WAVES) * sm_count
-    want = max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
+    want = _wanted_splits(p, sm_count, waves)
     keys, per_split_min = span_keys(p), tile.warps * tile.block_n * 4
     # (With the combine kernel, splits of >= 512 keys had paid: B=1 Hkv=8 L=8k, 16 splits 22.1 us
     # against 32 of 256 keys 24.4. Merged by the last split, 32 are ahead: 18.0 vs 18.5; cuDNN 19.2;
     # evidence-20261201b/merge_sweep.json.)
     return max(1, min(want, -(-keys // per_split_min)))
+
+
+def _wanted_splits(p, sm_count: int, waves=None) -> int:
+    """num_splits' count before its bound by the keys: about `waves` blocks per SM (see there)."""
+    blocks = max(1, p.batch * p.hkv)
+    w = (waves or WAVES) * sm_count
+    return max(1, w // blocks) if blocks < sm_count else -(-w // blocks)
 
 
 def default_tile(p, sm_count: int, waves=None):
@@ -295,7 +335,9 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     forces the combine kernel, True the cluster merge (ValueError where it cannot run);
     `clusters`: whether the device runs thread-block clusters (sm_90). The accounting reads the
     split count and the merge from here too."""
-    p = launch_problem(p)  # (a K/V head over several row blocks: planned as that many heads)
+    # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
+    # planner's own two-row-tile blocks would be short, row_blocks)
+    p = launch_problem(p, sm_count if splits is None and tile is None and waves is None else None)
     rt = row_tiles_for(p)
     table_tile = tile is None
     if table_tile:
@@ -499,9 +541,11 @@ def _combine_args(part_o, part_lse, o4, lse3, combine_tail, splits):
 def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, waves=None, cluster=None):
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
-    r = row_blocks(p)
-    p = launch_problem(p)
-    lp = launch_plan(p, _sm_count(dev), splits, tile, waves, cluster, _runs_clusters(dev))
+    sms = _sm_count(dev)
+    lpp = launch_problem(p, sms if splits is None and tile is None and waves is None else None)
+    r = lpp.hkv // p.hkv if p.hkv else 1
+    p = lpp
+    lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))
     middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk, r)
     spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
     return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq, p)

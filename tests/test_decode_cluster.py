@@ -547,9 +547,33 @@ def test_row_blocks(hq, hkv, nq, blocks):
     pv = gpu_decode.launch_problem(p)
     assert (pv.hkv, pv.group, pv.hq) == (hkv * blocks, hq // hkv // blocks, hq)
     assert gpu_decode.row_tiles_for(p) == -(-(pv.group * nq) // 16) <= 2
-    lp = gpu_decode.launch_plan(p, H200_SMS)
-    assert lp == gpu_decode.launch_plan(pv, H200_SMS)
+    assert gpu_decode.launch_plan(p, H200_SMS, splits=16) == gpu_decode.launch_plan(pv, H200_SMS, splits=16)
+    planned = gpu_decode.launch_problem(p, H200_SMS)  # (the planner's own launch may take one-row-tile blocks)
+    assert gpu_decode.launch_plan(p, H200_SMS) == gpu_decode.launch_plan(planned, H200_SMS)
     assert gpu_decode.row_tiles_for(_problem(2, 64, 1, 16, 32768, 128)) is None  # 32 row blocks: prefill
+
+
+@pytest.mark.parametrize("batch, hq, hkv, nk, blocks", [
+    (1, 32, 1, 8192, 2), (1, 32, 1, 32768, 2), (1, 32, 1, 65536, 2), (1, 32, 1, 131072, 1), (8, 32, 1, 32768, 1),
+    (1, 64, 1, 32768, 4), (1, 64, 1, 65536, 2), (2, 64, 1, 32768, 2), (1, 128, 1, 16384, 8), (1, 128, 1, 32768, 4),
+    (1, 48, 1, 32768, 3), (1, 32, 8, 4096, 1)])
+def test_one_tile_row_blocks(batch, hq, hkv, nk, blocks):
+    # The planner's own launch at d=128 (132 SMs): where the two-row-tile blocks' split count is held
+    # down by the shortest split (B=1 MQA up to 64k keys, Hq=64 up to 32k), one-row-tile row blocks
+    # (16 packed rows each); with longer splits, or a caller's splits / tile / waves, the fewest row
+    # blocks that fit. Planned again, a launch problem stays as it is.
+    p = _problem(batch, hq, hkv, 1, nk, 128)
+    assert gpu_decode.row_blocks(p, H200_SMS) == blocks
+    planned = gpu_decode.launch_problem(p, H200_SMS)
+    assert gpu_decode.launch_problem(planned, H200_SMS).hkv == planned.hkv == hkv * blocks
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.row_tiles == -(-(hq // hkv // blocks) // 16)
+    min_tiles = -(-(hq // hkv // gpu_decode.row_blocks(p)) // 16)
+    for kw in ({"splits": 16}, {"tile": gpu_decode.schedule.decode_tile(128)[1]}, {"waves": 2}):
+        assert gpu_decode.launch_plan(p, H200_SMS, **kw).row_tiles == min_tiles, kw
+    # 64-dim heads keep the fewest row blocks (measured at d=128 only)
+    assert gpu_decode.row_blocks(_problem(batch, hq, hkv, 1, nk, 64), H200_SMS) == gpu_decode.row_blocks(
+        _problem(batch, hq, hkv, 1, nk, 64))
 
 
 @pytest.mark.gpu
