@@ -55,14 +55,14 @@ def row_blocks(p, sm_count=None) -> int:
     """Blocks per K/V head: where its packed rows (group x nq) exceed the tile's (32 at d=128: one
     K/V head for Hq=64), the smallest divisor of the group whose share of the query heads fits. Each
     such block reads the K/V head once (attn_decode's row_blocks; from L2 when they run together).
-    sm_count (the planner's own launch: no explicit tile, splits or waves): at d=128, where the
-    two-row-tile blocks' split count is held down by the shortest split (few blocks for the SMs, each
-    with few keys), one-row-tile blocks instead (_short_blocks)."""
+    sm_count (the planner's own launch: no explicit tile, splits or waves): at d=64 and d=128, where
+    the multi-row-tile blocks' split count is held down by the shortest split (few blocks for the SMs,
+    each with few keys), one-row-tile blocks instead (_short_blocks)."""
     if p.dtype not in KERNEL_TYPE or p.nq > 16 or p.hkv == 0:
         return 1
     hd, t = schedule.decode_tile(p.d)
     r = _fitting_row_blocks(p, 16 * t.max_row_tiles)
-    if sm_count is None or hd != 128 or (p.group // r) * p.nq <= 16 or not _short_blocks(_with_row_blocks(p, r), sm_count):
+    if sm_count is None or hd not in (64, 128) or (p.group // r) * p.nq <= 16 or not _short_blocks(_with_row_blocks(p, r), sm_count):
         return r
     return _fitting_row_blocks(p, 16)
 
@@ -83,8 +83,10 @@ def _short_blocks(p, sm_count: int) -> bool:
     24.7 (23.3); Hq=64 L=16k 20.6 / 18.5 (16.8), 32k 24.9 / 23.3 (20.6); Hq=48 L=32k 23.0 / 21.7
     (19.7); Hq=128 L=16k 24.0 / 22.7 (19.4); B=4 Hq=32 L=16k 25.8 / 24.9 (23.2); B=2 Hq=32 L=32k 26.2 /
     26.4 (24.0). Where the splits are longer, two row tiles stay: Hq=32 B=1 L=128k 35.6 / 35.6, B=8
-    L=32k 48.8 / 54.4; Hq=64 B=1 L=64k 30.6 / 33.1, B=2 L=32k 30.5 / 31.9; Hq=128 B=1 L=32k 29.8 / 31.9;
-    tools/row_block_probe.py, evidence-20261201d/row-blocks/)."""
+    L=32k 48.8 / 54.4; Hq=64 B=1 L=64k 30.6 / 33.1, B=2 L=32k 30.5 / 31.9; Hq=128 B=1 L=32k 29.8 / 31.9.
+    d=64 (32-key tiles: splits of >= 512 keys), B=1: Hq=32 L=32k 21.4 / 15.2 (14.9), L=128k 28.9 / 22.7
+    (26.2); Hq=64 L=32k (four row tiles) 29.9 / 16.4 (16.8). tools/row_block_probe.py,
+    evidence-20261201d/row-blocks/ and final-e6a603b/.)"""
     tile, waves = default_tile(p, sm_count)
     _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
     return -(-span_keys(p) // (t.warps * t.block_n * 4)) <= _wanted_splits(p, sm_count, waves)

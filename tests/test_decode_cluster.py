@@ -571,9 +571,17 @@ def test_one_tile_row_blocks(batch, hq, hkv, nk, blocks):
     min_tiles = -(-(hq // hkv // gpu_decode.row_blocks(p)) // 16)
     for kw in ({"splits": 16}, {"tile": gpu_decode.schedule.decode_tile(128)[1]}, {"waves": 2}):
         assert gpu_decode.launch_plan(p, H200_SMS, **kw).row_tiles == min_tiles, kw
-    # 64-dim heads keep the fewest row blocks (measured at d=128 only)
-    assert gpu_decode.row_blocks(_problem(batch, hq, hkv, 1, nk, 64), H200_SMS) == gpu_decode.row_blocks(
-        _problem(batch, hq, hkv, 1, nk, 64))
+
+
+@pytest.mark.parametrize("batch, hq, hkv, nk, d, blocks", [
+    (1, 32, 1, 32768, 64, 2), (1, 32, 1, 131072, 64, 2), (1, 64, 1, 32768, 64, 4), (8, 32, 1, 32768, 64, 1),
+    (1, 32, 1, 32768, 256, 2), (1, 32, 1, 32768, 32, 1)])
+def test_one_tile_row_blocks_other_dims(batch, hq, hkv, nk, d, blocks):
+    # d=64 (up to four row tiles, splits of >= 512 keys) takes the rule too; d=256 holds one row tile
+    # anyway; d=32 (not measured) keeps the fewest row blocks.
+    p = _problem(batch, hq, hkv, 1, nk, d)
+    assert gpu_decode.row_blocks(p, H200_SMS) == blocks
+    assert gpu_decode.launch_plan(p, H200_SMS).row_tiles == -(-(hq // hkv // blocks) // 16)
 
 
 @pytest.mark.gpu
@@ -619,16 +627,22 @@ def test_row_blocks_decode(rng, monkeypatch, merge, case):
 
 
 @pytest.mark.gpu
-def test_row_blocks_through_the_api(rng):
-    # cuflash.attention takes the decode kernel for one K/V head of 64 query heads (it took the
-    # prefill kernel before row blocks), prepared and plain calls alike.
+@pytest.mark.parametrize("batch, hq, nk, d", [(2, 64, 5000, 128), (1, 32, 6000, 64), (1, 64, 6000, 64), (2, 32, 9000, 128)])
+def test_row_blocks_through_the_api(rng, batch, hq, nk, d):
+    # cuflash.attention takes the decode kernel for one K/V head of many query heads (64 at d=128
+    # took the prefill kernel before row blocks), prepared and plain calls alike, in the planner's
+    # row blocks: here one-row-tile blocks (short splits, row_blocks with the device's SM count).
     import cupy
 
     import cuflash
+    from cuflash._problem import validate_forward
 
-    q, k, v = random_inputs(rng, (2, 64, 1, 128), (2, 1, 5000, 128), BFLOAT16)
+    q, k, v = random_inputs(rng, (batch, hq, 1, d), (batch, 1, nk, d), BFLOAT16)
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    p = validate_forward(qg, kg, vg)
+    # (short splits on any GPU of 80 SMs or more)
+    assert gpu_decode.row_blocks(p, gpu_decode._sm_count(cupy.cuda.Device().id)) == hq // 16 > gpu_decode.row_blocks(p)
     run = cuflash.prepare_attention(qg, kg, vg, return_lse=True)
     assert run.path == "decode", run
     for o, lse in (cuflash.attention(qg, kg, vg, return_lse=True), run(qg, kg, vg)):
-        check_per_sequence(o, lse, q, k, v, [5000, 5000], False, BFLOAT16)
+        check_per_sequence(o, lse, q, k, v, [nk] * batch, False, BFLOAT16)
