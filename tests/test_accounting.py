@@ -602,3 +602,26 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
     rows = 2 * Hkv * splits2 * (H // Hkv) * nq
     assert not cluster2 and splits2 > 8 and by2["O partials"].reads == by2["O partials"].writes == rows * d
     assert m.computed_pairs == B * H * masks.pair_count(masks.normalize_causal(causal), nq, nk)
+
+
+@pytest.mark.parametrize("B, H, nk, blocks", [(2, 64, 32768, 2), (1, 32, 32768, 2), (1, 64, 32768, 4), (8, 32, 32768, 1)])
+def test_io_decode_row_blocks_reread_the_cache(B, H, nk, blocks):
+    """One K/V head with many query heads (MQA, d=128): each of the planner's row blocks reads the
+    K/V head (two-row-tile blocks, or one-row-tile blocks where its splits would be short); the
+    partials are the same rows either way, and the split counters one per (sequence, row block)."""
+    from types import SimpleNamespace
+
+    from cuflash import gpu_decode
+
+    nq, d = 1, 128
+    p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=1, group=H, batch=B, causal=None)
+    assert gpu_decode.row_blocks(p, 132) == blocks
+    m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=1)
+    by = {e.name: e for e in m.entries}
+    assert by["K"].reads == by["V"].reads == blocks * B * nk * d
+    lp = gpu_decode.launch_plan(p, 132)
+    assert lp.row_tiles == -(-(H // blocks) // 16)
+    rows = B * lp.splits * H * nq if lp.splits > 1 and not lp.cluster else 0  # (row blocks split the rows, not add)
+    assert by["O partials"].writes == rows * d and by["LSE partials"].writes == rows
+    assert by["Q"].reads == by["O"].writes == B * H * nq * d
+    assert ("row block" in by["K"].note) == (blocks > 1)
