@@ -46,7 +46,7 @@ def row_tiles_for(p):
 
 # At most this many row blocks of two row tiles per K/V head (each reads the head's K/V; more go to
 # the prefill kernel, which reads K/V once per 64-192 query rows). The planner's one-row-tile blocks
-# for short splits (row_blocks) may be twice as many: Hq=128 Hkv=1 B=1 L=16k, 8 of them, 22.7 us
+# for short splits (row_blocks) may be more: Hq=128 Hkv=1 B=1 L=16k at d=128, 8 of them, 22.7 us
 # against 24.0 with 4 (cuDNN 19.4).
 MAX_ROW_BLOCKS = 4
 
@@ -62,9 +62,9 @@ def row_blocks(p, sm_count=None) -> int:
         return 1
     hd, t = schedule.decode_tile(p.d)
     r = _fitting_row_blocks(p, 16 * t.max_row_tiles)
-    if sm_count is None or hd not in (64, 128) or (p.group // r) * p.nq <= 16 or not _short_blocks(_with_row_blocks(p, r), sm_count):
+    if sm_count is None or hd not in (64, 128) or (p.group // r) * p.nq <= 16:
         return r
-    return _fitting_row_blocks(p, 16)
+    return _fitting_row_blocks(p, 16) if _short_blocks(_with_row_blocks(p, r), sm_count) else r
 
 
 def _fitting_row_blocks(p, rows: int) -> int:
@@ -89,7 +89,7 @@ def _short_blocks(p, sm_count: int) -> bool:
     evidence-20261201d/row-blocks/ and final-e6a603b/.)"""
     tile, waves = default_tile(p, sm_count)
     _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
-    return -(-span_keys(p) // (t.warps * t.block_n * 4)) <= _wanted_splits(p, sm_count, waves)
+    return -(-span_keys(p) // _min_split_keys(t)) <= _wanted_splits(p, sm_count, waves)
 
 
 def _with_row_blocks(p, r: int):
@@ -256,11 +256,16 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     bf16 d=128 Hq=32 Hkv=8, us against cuDNN: B=2 L=128k 16 splits 249.9 vs 17 255.3 / 246.5;
     B=4 L=32k 8 vs 9 130.2 vs 133.1 / 129.3; evidence-20261201/sweep_few.json)."""
     want = _wanted_splits(p, sm_count, waves)
-    keys, per_split_min = span_keys(p), tile.warps * tile.block_n * 4
+    keys, per_split_min = span_keys(p), _min_split_keys(tile)
     # (With the combine kernel, splits of >= 512 keys had paid: B=1 Hkv=8 L=8k, 16 splits 22.1 us
     # against 32 of 256 keys 24.4. Merged by the last split, 32 are ahead: 18.0 vs 18.5; cuDNN 19.2;
     # evidence-20261201b/merge_sweep.json.)
     return max(1, min(want, -(-keys // per_split_min)))
+
+
+def _min_split_keys(tile) -> int:
+    """The fewest keys num_splits gives a split: four key tiles per warp."""
+    return tile.warps * tile.block_n * 4
 
 
 def _wanted_splits(p, sm_count: int, waves=None) -> int:
@@ -356,7 +361,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile)")
     if not tma and clusters:
-        n, in_cluster = _merge_plan(keys, n, t.warps * t.block_n * 4, splits is not None, cluster)
+        n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster)
         if in_cluster:
             # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
             chunk = -(-max(keys, 1) // n)
