@@ -153,9 +153,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
     // the block's start 2.8-4.6 -> 1.3-1.8 us, the d=128 decode cells +0-2.7%). Elsewhere Q's
     // loads follow the K/V copies: held in registers across the K/V issue, they made ptxas spill
-    // (d=192; d=64 with two row tiles and a window).
+    // (d=192; d=64 with two row tiles and a window). Two row tiles at d=128 (four pieces) go first
+    // too: their start 3.3-4.1 -> 2.8-3.1 us, no spills (block trace, H200, Hq=32/64 Hkv=1).
     using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-    // (-DCUFLASH_DECODE_Q_FIRST_WIDE=0: two row tiles at d=128 load Q after the first K/V copies, A/B probe)
+    // (A/B probe: -DCUFLASH_DECODE_Q_FIRST_WIDE=0 loads those after the first K/V copies, all four
+    // pieces then one store pass - the branch below)
 #ifndef CUFLASH_DECODE_Q_FIRST_WIDE
 #define CUFLASH_DECODE_Q_FIRST_WIDE 1
 #endif
@@ -306,7 +308,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 // (sequence, K/V head) (split_done: a zeroed counter per pair, decode_last_split_merges) or, with
 // split_done null (where the planner measured it faster: gpu_decode.last_split_merges), by
 // attn_decode_combine launched next - as this kernel's programmatic dependent where it pays: its
-// blocks are then resident and waiting (griddepcontrol.wait) by the time the last split ends. WINDOW: a sliding window (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
+// blocks are then resident and waiting (griddepcontrol.wait) by the time the last split ends.
+// WINDOW: a sliding window (band_lo / band_hi, DecodeSpan), only the keys some token sees read.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool WINDOW = false, int RING = 0>
 __global__ void __launch_bounds__(WARPS * 32)

@@ -101,6 +101,12 @@ def _with_row_blocks(p, r: int):
     return SimpleNamespace(**{**vars(p), "hkv": p.hkv * r, "group": p.group // r})  # (the accounting's shape)
 
 
+def _own_plan_sms(sm_count: int, splits, tile, waves):
+    """sm_count where the planner picks the launch (no caller's splits, tile or waves), else None:
+    the SM count row_blocks takes for its one-row-tile rule."""
+    return sm_count if splits is None and tile is None and waves is None else None
+
+
 def launch_problem(p, sm_count=None):
     """p as the decode kernel's grid sees it: each K/V head counted once per row block
     (row_blocks(p, sm_count)). Planned again, the result stays as it is."""
@@ -344,7 +350,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
-    p = launch_problem(p, sm_count if splits is None and tile is None and waves is None else None)
+    p = launch_problem(p, _own_plan_sms(sm_count, splits, tile, waves))
     rt = row_tiles_for(p)
     table_tile = tile is None
     if table_tile:
@@ -549,7 +555,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    lpp = launch_problem(p, sms if splits is None and tile is None and waves is None else None)
+    lpp = launch_problem(p, _own_plan_sms(sms, splits, tile, waves))  # (launch_plan plans it unchanged)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
     lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))
