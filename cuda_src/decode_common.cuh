@@ -463,7 +463,17 @@ __host__ __device__ __forceinline__ int decode_merge_lanes(int n_splits) {
 // One 4-column group's running merge: the max of the splits' LSEs so far, the sum of their
 // weights and the weighted sum of their O columns.
 struct DecodeMergeState {
+    static constexpr int kParked = 6;  // floats of a state parked in shared memory: m, l, acc[4]
     float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+
+    __device__ __forceinline__ void park(float* x) const {
+        x[0] = m, x[1] = l, x[2] = acc[0], x[3] = acc[1], x[4] = acc[2], x[5] = acc[3];
+    }
+    __device__ __forceinline__ static DecodeMergeState unpark(const float* x) {
+        DecodeMergeState s;
+        s.m = x[0], s.l = x[1], s.acc[0] = x[2], s.acc[1] = x[3], s.acc[2] = x[4], s.acc[3] = x[5];
+        return s;
+    }
 
     // A batch of kMergeBatch splits (lse -inf past the last split: weight 0): rescale to the batch's
     // max (false: no split so far saw a key of this row, nothing to add), then add() each split in
@@ -556,7 +566,7 @@ __device__ __forceinline__ void decode_combine_slices(const float* part_o, const
                                                       int n_splits, int hq, int nq, int d, int group, int block,
                                                       int tid) {
     constexpr int kGroups = HEAD_DIM / 4;
-    __shared__ float s_state[kCombineThreads * 6];
+    __shared__ float s_state[kCombineThreads * DecodeMergeState::kParked];
     const int lanes = decode_merge_lanes(n_splits), per_block = kCombineThreads / lanes;
     const int rows = group * nq, slot = tid / per_block, unit = block * per_block + tid % per_block;
     const int r = unit / kGroups, c0 = (unit % kGroups) * 4, slice = decode_merge_slice(n_splits);
@@ -566,15 +576,10 @@ __device__ __forceinline__ void decode_combine_slices(const float* part_o, const
     if (valid && slot * slice < n_splits)
         decode_merge_splits(st, part_o, part_lse, row0, rows, d, c0, slot * slice, min((slot + 1) * slice, n_splits));
     if (lanes > 1) {  // (the same for the whole grid)
-        float* x = s_state + 6 * tid;
-        x[0] = st.m, x[1] = st.l, x[2] = st.acc[0], x[3] = st.acc[1], x[4] = st.acc[2], x[5] = st.acc[3];
+        st.park(s_state + DecodeMergeState::kParked * tid);
         __syncthreads();
-        for (int k = 1; slot == 0 && k < lanes && k * slice < n_splits; ++k) {
-            const float* y = s_state + 6 * (tid + k * per_block);
-            DecodeMergeState next;
-            next.m = y[0], next.l = y[1], next.acc[0] = y[2], next.acc[1] = y[3], next.acc[2] = y[4], next.acc[3] = y[5];
-            st.merge(next);
-        }
+        for (int k = 1; slot == 0 && k < lanes && k * slice < n_splits; ++k)
+            st.merge(DecodeMergeState::unpark(s_state + DecodeMergeState::kParked * (tid + k * per_block)));
     }
     if (slot == 0 && valid) st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
 }
@@ -608,7 +613,7 @@ __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const
                                                          int hkv, int n_splits, int hq, int nq, int d, int group,
                                                          float* buffer) {
     constexpr int kGroups = HEAD_DIM / 4, kCap = BUFFER_BYTES / 4;  // (floats)
-    constexpr int kState = 6;  // a parked DecodeMergeState: m, l, acc[4]
+    constexpr int kState = DecodeMergeState::kParked;
     const int rows = group * nq, n_groups = rows * kGroups, per_split = rows * d + rows;  // O rows, then LSEs
     const bool one_run = n_splits * per_split <= kCap;
     const int chunk = one_run ? n_splits : (kCap - kState * n_groups) / per_split / kMergeBatch * kMergeBatch;
@@ -633,11 +638,7 @@ __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const
         for (int i = threadIdx.x; i < n_groups; i += THREADS) {
             const int r = i / kGroups, c0 = (i % kGroups) * 4;
             if (c0 >= d) continue;
-            DecodeMergeState st;
-            if (s0 > 0) {
-                const float* x = sState + kState * i;
-                st.m = x[0], st.l = x[1], st.acc[0] = x[2], st.acc[1] = x[3], st.acc[2] = x[4], st.acc[3] = x[5];
-            }
+            DecodeMergeState st = s0 > 0 ? DecodeMergeState::unpark(sState + kState * i) : DecodeMergeState();
             for (int j0 = 0; j0 < ns; j0 += kMergeBatch) {
                 float ls[kMergeBatch], mb;
 #pragma unroll
@@ -652,8 +653,7 @@ __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const
                 }
             }
             if (s0 + ns < n_splits) {
-                float* x = sState + kState * i;
-                x[0] = st.m, x[1] = st.l, x[2] = st.acc[0], x[3] = st.acc[1], x[4] = st.acc[2], x[5] = st.acc[3];
+                st.park(sState + kState * i);
             } else {
                 st.template store<T>(o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, r, c0);
             }
