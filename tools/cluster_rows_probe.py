@@ -1,0 +1,67 @@
+"""The cluster merge against splits merged through memory, same split count (GPU machine): the
+planner's launch (cluster) next to splits=<its count>, cluster=False (the workspace, merged by the
+last split where it can), on the shapes that cluster blocks of 2-4 row tiles (MQA with B >= 32) and
+on one-row-tile clusters of 2-3k keys per split, next to cuDNN each pass (benchmarks.peers.Timer:
+L2 flushed, launch hidden), alternating the order. tools/cluster_chunk_probe.py found B=64 Hq=32
+Hkv=1 at 16k 0.83x cuDNN in the cluster against 1.21x through memory (d=128; d=64 1.09 vs 1.56).
+
+    python3 tools/cluster_rows_probe.py out.json [passes]
+"""
+import json
+import sys
+
+sys.path.insert(0, ".")
+import cupy as cp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from benchmarks.peers import Timer  # noqa: E402
+from cuflash import gpu_decode, plan_cache  # noqa: E402
+from cuflash._problem import validate_forward  # noqa: E402
+
+sys.path.insert(0, "tools")
+from decode_cells import decode_inputs  # noqa: E402
+
+plan_cache.enabled = False
+PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+SHAPES = [  # (B, Hq, Hkv, L, d)
+    (64, 32, 1, 4096, 128), (64, 32, 1, 8192, 128), (64, 32, 1, 12288, 128), (32, 64, 1, 8192, 128),
+    (64, 64, 1, 4096, 128), (128, 32, 1, 2048, 128), (128, 32, 1, 8192, 128),
+    (64, 32, 1, 4096, 64), (64, 32, 1, 8192, 64), (64, 64, 1, 4096, 64), (128, 32, 1, 4096, 64),
+    (2, 32, 32, 12288, 128), (8, 64, 8, 12288, 128), (16, 32, 4, 12288, 128), (16, 32, 8, 4096, 128),
+    (16, 32, 8, 6144, 128), (8, 32, 8, 12288, 64), (16, 32, 8, 6144, 64),
+]
+timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.25)
+sms = gpu_decode._sm_count(0)
+out = []
+for B, hq, hkv, L, d in SHAPES:
+    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    p = validate_forward(qc, kc, vc)
+    o4 = cp.empty_like(qc)
+    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
+    lp = gpu_decode.launch_plan(p, sms)
+    variants = {"planner": {}, "memory": dict(splits=lp.splits, cluster=False)}
+    plans = {name: gpu_decode.launch_plan(p, sms, **kw) for name, kw in variants.items()}
+    row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "passes": [],
+           "plans": {n: f"{x.splits}x{x.chunk} rt{x.row_tiles} {'cluster' if x.cluster else 'memory'} "
+                        f"ring{getattr(x.tile, 'ring', '-')}" for n, x in plans.items()}}
+    for i in range(PASSES):
+        us = {}
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            us["cudnn"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        for name, kw in (variants.items() if i % 2 == 0 else reversed(variants.items())):
+            f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, **kw)  # noqa: E731
+            o4.fill(float("nan"))
+            f()
+            err = float(cp.abs(o4.astype(cp.float32) - refc).max())
+            us[name] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
+        row["passes"].append(us)
+        print(f"B{B} H{hq}/{hkv} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} us | " + ", ".join(
+            f"{n} [{row['plans'][n]}] {us['cudnn'] / us[n]:.4f}" if isinstance(us[n], float) else f"{n} {us[n]}"
+            for n in variants), flush=True)
+    out.append(row)
+    del q, k, v, qc, kc, vc, refc
+    json.dump(out, open(sys.argv[1], "w"), indent=1)
