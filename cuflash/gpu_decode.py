@@ -309,20 +309,31 @@ class DecodePlan(NamedTuple):
 # 5 that two waves ask for either way (combine 45.1 / 133.8 / 490.9 vs 46.5 / 136.4 / 495.0); a
 # cluster of 4 helps while splits are short (42.9 / 134.3 / 505.3) and 8-block clusters are slow
 # (52.8 / 159.6 / 581.4). So: 3-7 wanted splits become 4 (2 stay 2), merged in a cluster up to
-# CLUSTER_MAX_CHUNK keys per split, by the combine kernel beyond. 8 or more (at most 33 pairs)
+# CLUSTER_MAX_CHUNK keys per split, through the workspace beyond. 8 or more (at most 33 pairs)
 # keep their count and the combine kernel: 4 would leave half the SMs' slots empty (B=4 Hkv=8
 # L=32k: 4 in a cluster 153.4 us, 8 combined 130.2, cuDNN 129.3; evidence-20261201/sweep_few.json).
 CLUSTER_MAX_CHUNK = 4096
+# A 4-block cluster stops earlier, and holds blocks of one row tile only. Decode probes of the
+# twenty-third session, x cuDNN over three alternating passes, 4-block cluster -> the same 4 splits
+# through memory (evidence-20261201e/): one row tile, B=8 Hkv=8 d=128 L=16k (4 x 4096 keys)
+# 1.00-1.01 -> 1.024-1.025, L=14k (4 x 3584) 0.99-1.01 -> 1.01-1.02, B=2 Hkv=32 L=16k 0.99-1.00 ->
+# 1.01-1.02, d=64 B=8 Hkv=8 L=16k 0.99-1.00 -> 1.00-1.02; at 4 x 3072 keys the cluster stays ahead by
+# 1-3% (B=8 Hq=64 Hkv=8, B=16 Hkv=4, d=64 B=8 Hkv=8). Two or four row tiles (MQA, B >= 32): B=64
+# Hq=32 Hkv=1 d=128 L=4k / 8k / 12k / 16k 0.75 / 0.77 / 0.81 / 0.83 -> 0.98 / 1.10 / 1.14 / 1.21,
+# B=32 Hq=64 L=8k 0.82 -> 1.31, d=64 B=64 Hq=32 L=4k / 8k 0.78 / 0.96 -> 1.04 / 1.33, Hq=64 L=4k
+# 0.57 -> 0.87. 2-block clusters keep CLUSTER_MAX_CHUNK: with 2-4 row tiles they stay ahead by
+# 4-14% (B=128 Hq=32 Hkv=1 L=2k 0.88 vs 0.77), with one 0-3% (B=16 Hkv=8 L=4k-8k).
+CLUSTER4_MAX_CHUNK = 3072
 # Cluster-merged splits of at least this many keys take schedule.DECODE_TILES_LONG_CLUSTER_SPLITS
 # (ring 1: +1% at 2k and 4k keys per split; ring 0 stays ahead at 1k).
 CLUSTER_RING_MIN_CHUNK = 2048
 
 
-def _merge_plan(nk, n, min_chunk, explicit, cluster):
-    """(splits, merged in a cluster) for n wanted splits. An explicit split count is kept (a
-    cluster when it is an instantiated size, unless cluster is False); cluster=True rounds to an
-    instantiated size (up while every split keeps min_chunk keys, else down); auto follows the
-    measurements above."""
+def _merge_plan(nk, n, min_chunk, explicit, cluster, row_tiles=1):
+    """(splits, merged in a cluster) for n wanted splits of nk keys, blocks of `row_tiles` row
+    tiles. An explicit split count is kept (a cluster when it is an instantiated size, unless
+    cluster is False); cluster=True rounds to an instantiated size (up while every split keeps
+    min_chunk keys, else down); auto follows the measurements above."""
     if cluster is False:
         return n, False
     if explicit:
@@ -339,8 +350,9 @@ def _merge_plan(nk, n, min_chunk, explicit, cluster):
         return down, True
     if not CLUSTER_SIZES[0] <= n < CLUSTER_SIZES[-1]:  # (8 or more: the combine, see above)
         return n, False
-    size = 4 if n >= 3 and -(-nk // 4) >= min_chunk else 2
-    return size, -(-nk // size) <= CLUSTER_MAX_CHUNK
+    if n >= 3 and -(-nk // 4) >= min_chunk:  # (4 splits either way; merged in a cluster while short)
+        return 4, row_tiles == 1 and -(-nk // 4) <= CLUSTER4_MAX_CHUNK
+    return 2, -(-nk // 2) <= CLUSTER_MAX_CHUNK
 
 
 def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=None, clusters=True) -> DecodePlan:
@@ -367,7 +379,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile)")
     if not tma and clusters:
-        n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster)
+        n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster, rt)
         if in_cluster:
             # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
             chunk = -(-max(keys, 1) // n)

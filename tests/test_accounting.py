@@ -293,19 +293,19 @@ def test_decode_cluster_shape_reports_no_partials():
     # memory entry names the cluster kernel (the same shared memory as the combine path's kernel).
     from cuflash import gpu_decode
 
-    r = cuflash.memory_report((8, 32, 1, 128), (8, 8, 16384, 128), pass_="fwd")
+    r = cuflash.memory_report((8, 32, 1, 128), (8, 8, 12288, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
-    p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=16384, hq=32, hkv=8, group=4, batch=8, causal=None)
+    p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=12288, hq=32, hkv=8, group=4, batch=8, causal=None)
     lp = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)
     assert lp.cluster and lp.splits in gpu_decode.CLUSTER_SIZES
     assert not any(e.category == "workspace" for e in r.entries)
-    spec = gpu_decode.launch_spec(BFLOAT16, 128, False, lp)  # the plan's tile (at 16k: ring 1, the same bytes)
+    spec = gpu_decode.launch_spec(BFLOAT16, 128, False, lp)  # the plan's tile (at 12k: ring 1, the same bytes)
     assert spec.expression.startswith("attn_decode_cluster<")
     smem = by["shared memory / block (fwd)"]
     assert smem.bytes == spec.smem_bytes == gpu_decode.decode_specs(BFLOAT16, 128, lp.row_tiles, False, True)[0].smem_bytes
     assert spec.short_name in smem.note
     # an explicit splits= still models the combine kernel's partials
-    forced = {e.name: e for e in cuflash.memory_report((8, 32, 1, 128), (8, 8, 16384, 128), pass_="fwd", splits=3).entries}
+    forced = {e.name: e for e in cuflash.memory_report((8, 32, 1, 128), (8, 8, 12288, 128), pass_="fwd", splits=3).entries}
     assert forced["O partials"].bytes == 8 * 32 * 1 * 3 * 128 * 4
 
 
@@ -583,7 +583,7 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
 
     from cuflash import gpu_decode, masks
 
-    B, H, Hkv, nq, nk, d = 8, 32, 8, 1, 16384, 128
+    B, H, Hkv, nq, nk, d = 8, 32, 8, 1, 12288, 128
     m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv, causal=causal)
     by = {e.name: e for e in m.entries}
     off = masks.causal_offset(masks.normalize_causal(causal), nq, nk)

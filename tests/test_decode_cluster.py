@@ -60,15 +60,15 @@ def test_window_specs_are_compiled():
             spec = gpu_decode.launch_spec(p.dtype, 128, causal, lp, True)
             assert spec.short_name.endswith(",true>") and spec.short_name in names
 
-@pytest.mark.parametrize("nk", [4096, 16384, 65536])
+@pytest.mark.parametrize("nk", [4096, 12288, 14336, 16384, 65536])
 def test_few_block_cells_merge_in_a_cluster(nk):
     # B=8, Hkv=8: 64 (sequence, head) blocks take 4 splits for two blocks per SM (264 // 64,
     # rounded down: the decode probe's fastest either way), merged in a 4-block cluster while a split
-    # holds at most CLUSTER_MAX_CHUNK keys (4k, 16k), by the combine kernel beyond (64k).
+    # holds at most CLUSTER4_MAX_CHUNK keys (4k, 12k), through the workspace beyond (14k, 16k, 64k).
     p = _problem(8, 32, 8, 1, nk, 128)
     assert gpu_decode.num_splits(p, schedule.DECODE_TILES[128], H200_SMS) == 4
     lp = gpu_decode.launch_plan(p, H200_SMS)
-    assert lp.splits == 4 and lp.cluster == (nk // 4 <= gpu_decode.CLUSTER_MAX_CHUNK) == (nk <= 16384)
+    assert lp.splits == 4 and lp.cluster == (nk // 4 <= gpu_decode.CLUSTER4_MAX_CHUNK) == (nk <= 12288)
     assert lp.chunk % lp.tile.block_n == 0 and lp.chunk * 4 >= nk and lp.chunk * 3 < nk
     assert gpu_decode.workspace_bytes(p, lp.splits, lp.cluster) == (0 if lp.cluster else 8 * 8 * 4 * 4 * (128 + 1) * 4)
     # forced combine: the same 4 splits, with their float32 partials
@@ -161,6 +161,24 @@ def test_packed_combines_are_programmatic():
     assert not gpu_decode.combine_programmatic(large, packed=True, splits=gpu_decode.PDL_COMBINE_MAX_SPLITS)
 
 
+@pytest.mark.parametrize("d,hq,b,nk,splits,cluster", [
+    (128, 32, 64, 4096, 4, False), (128, 32, 64, 16384, 4, False), (128, 64, 32, 8192, 4, False),  # 4 splits,
+    (64, 32, 64, 4096, 4, False), (64, 32, 64, 16384, 4, False), (64, 64, 64, 4096, 4, False),  # 2+ row tiles
+    (128, 32, 128, 2048, 2, True), (128, 32, 128, 8192, 2, True), (64, 32, 128, 4096, 2, True)])  # 2 splits
+def test_four_block_clusters_hold_one_row_tile(d, hq, b, nk, splits, cluster):
+    # MQA with many sequences: blocks of two or more row tiles split in 4 merge through the
+    # workspace (decode probe: 0.57-0.83x cuDNN in a 4-block cluster, 0.87-1.33x through memory),
+    # in 2 still in a 2-block cluster (ahead by 4-14%). The split count stays either way.
+    p = _problem(b, hq, 1, 1, nk, d)
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.row_tiles > 1 and (lp.splits, lp.cluster) == (splits, cluster)
+    assert gpu_decode.workspace_bytes(gpu_decode.launch_problem(p, H200_SMS), lp.splits, lp.cluster) == (
+        0 if cluster else b * splits * hq * (d + 1) * 4)
+    # one row tile, 4 splits of 3072 keys or fewer: still a cluster
+    short = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 12288, d), H200_SMS)
+    assert short.row_tiles == 1 and short.cluster and short.splits == 4
+
+
 def test_rounding_down_keeps_each_split_long_enough():
     # 88 blocks want 3 splits; 4 splits of an 800-key cache would hold 200 < 256 keys: round down.
     short = gpu_decode.launch_plan(_problem(11, 32, 8, 1, 800, 128), H200_SMS)
@@ -224,7 +242,7 @@ def test_no_split_tile_holds_two_blocks_per_sm():
         assert occupancy(H200, t.threads, 168, t.smem_bytes(128, rt)).blocks_per_sm == 2
 
 
-@pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (8192, None, 1), (16384, None, 1), (65536, None, 2),
+@pytest.mark.parametrize("nk,cluster,want_ring", [(4096, None, 0), (8192, None, 1), (12288, None, 1), (16384, None, 0), (65536, None, 2),
                                                    (65536, False, 2), (16384, False, 0), (16384, True, 1)])
 def test_split_rings_by_chunk(nk, cluster, want_ring):
     # Splits merged by the combine kernel and longer than CLUSTER_MAX_CHUNK keys run the
