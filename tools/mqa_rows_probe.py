@@ -1,0 +1,72 @@
+"""Row blocks for MQA with many sequences (GPU machine): Hkv=1, Hq=64 at d=64 (the planner's
+blocks hold all 64 rows, four row tiles) and d=128 (two blocks of 32 rows), B = 8-128,
+L = 2k-16k: the planner against R = 2 / 4 row blocks forced (each block group/R heads, the planner's
+splits for them), next to cuDNN and FA2 (torch SDPA; benchmarks.peers.Timer: L2 flushed, launch
+hidden), alternating the order; x the faster peer. tools/mqa_batch_probe.py found R=2 ahead at d=64
+B=64 L=4k (0.64 -> 0.83) and B=32 L=8k (0.70 -> 0.84), behind at B=128 L=2k (0.73 -> 0.67).
+
+    python3 tools/mqa_rows_probe.py out.json [passes]
+"""
+import json
+import sys
+
+sys.path.insert(0, ".")
+import cupy as cp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from benchmarks.peers import Timer  # noqa: E402
+from cuflash import gpu_decode, plan_cache  # noqa: E402
+from cuflash._problem import validate_forward  # noqa: E402
+
+sys.path.insert(0, "tools")
+from decode_cells import decode_inputs  # noqa: E402
+
+plan_cache.enabled = False
+PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+SHAPES = [(B, 64, L, 64) for B in (8, 16, 32, 64, 128) for L in (2048, 4096, 8192, 16384) if B * L <= 64 * 16384]
+SHAPES += [(B, 64, L, 128) for B in (16, 32, 64) for L in (4096, 16384)]
+planned = gpu_decode.row_blocks
+timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.15)
+sms = gpu_decode._sm_count(0)
+out = []
+for B, hq, L, d in SHAPES:
+    q, k, v, nbytes = decode_inputs(L, B, 1, hq, d)
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    p = validate_forward(qc, kc, vc)
+    o4 = cp.empty_like(qc)
+    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
+    r0 = planned(p, sms)
+    plans = {}
+    variants = ["planner"] + [f"R{r}" for r in (2, 4) if r != r0]
+    for name in variants:
+        if name != "planner":
+            gpu_decode.row_blocks = lambda p_, sm_count=None, r=int(name[1:]): r if p_.hkv == 1 else 1
+        lp = gpu_decode.launch_plan(p, sms)
+        plans[name] = f"R{gpu_decode.launch_problem(p, sms).hkv} {lp.splits}x{lp.chunk} rt{lp.row_tiles}{' cl' if lp.cluster else ''}"
+        gpu_decode.row_blocks = planned
+    row = {"B": B, "hq": hq, "L": L, "d": d, "plans": plans, "passes": []}
+    for i in range(PASSES):
+        us = {}
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            with sdpa_kernel([be]):
+                us[name] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        for name in (variants if i % 2 == 0 else variants[::-1]):
+            if name != "planner":
+                gpu_decode.row_blocks = lambda p_, sm_count=None, r=int(name[1:]): r if p_.hkv == 1 else 1
+            f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3)  # noqa: E731
+            o4.fill(float("nan"))
+            f()
+            err = float(cp.abs(o4.astype(cp.float32) - refc).max())
+            us[name] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
+            gpu_decode.row_blocks = planned
+        row["passes"].append(us)
+        best = min(us["cudnn"], us["flash"])
+        print(f"B{B} H{hq}/1 L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
+              + ", ".join(f"{n} [{plans[n]}] {best / us[n]:.3f}" if isinstance(us[n], float) else f"{n} {us[n]}"
+                          for n in variants), flush=True)
+    out.append(row)
+    del q, k, v, qc, kc, vc, refc
+    json.dump(out, open(sys.argv[1], "w"), indent=1)
