@@ -57,14 +57,39 @@ def row_blocks(p, sm_count=None) -> int:
     such block reads the K/V head once (attn_decode's row_blocks; from L2 when they run together).
     sm_count (the planner's own launch: no explicit tile, splits or waves): at d=64 and d=128, where
     the multi-row-tile blocks' split count is held down by the shortest split (few blocks for the SMs,
-    each with few keys), one-row-tile blocks instead (_short_blocks)."""
+    each with few keys), one-row-tile blocks instead (_short_blocks); at d=64, blocks of three or
+    four row tiles whose splits merge through memory become blocks of at most two (_WIDE_D64_ROWS)."""
     if p.dtype not in KERNEL_TYPE or p.nq > 16 or p.hkv == 0:
         return 1
     hd, t = schedule.decode_tile(p.d)
     r = _fitting_row_blocks(p, 16 * t.max_row_tiles)
     if sm_count is None or hd not in (64, 128) or (p.group // r) * p.nq <= 16:
         return r
-    return _fitting_row_blocks(p, 16) if _short_blocks(_with_row_blocks(p, r), sm_count) else r
+    if _short_blocks(_with_row_blocks(p, r), sm_count):
+        return _fitting_row_blocks(p, 16)
+    if hd == 64 and (p.group // r) * p.nq > _WIDE_D64_ROWS and not _clusters(_with_row_blocks(p, r), sm_count):
+        r = _fitting_row_blocks(p, _WIDE_D64_ROWS)
+        return _fitting_row_blocks(p, 16) if _short_blocks(_with_row_blocks(p, r), sm_count) else r
+    return r
+
+
+# At d=64 the planner's blocks of 3-4 row tiles (one K/V head's 33-64 packed rows) lose to twice as
+# many blocks of at most this many rows, each reading the K/V head, unless their splits merge in a
+# 2-block cluster. tools/mqa_rows_probe.py (twenty-third session, evidence-20261201e/), Hq=64 Hkv=1,
+# x the faster of cuDNN / FA2, one block of four row tiles -> two of two: B=8 L=16k 0.76 -> 0.94,
+# B=16 L=8k / 16k 0.68 / 0.68 -> 0.85 / 0.80, B=32 L=4k / 8k / 16k 0.63 / 0.69 / 0.75 -> 0.79 / 0.82 /
+# 0.84, B=64 L=2k / 4k / 8k / 16k 0.62 / 0.63 / 0.65 / 0.69 -> 0.88 / 0.82 / 0.77 / 0.73; in 2-block
+# clusters (B=128, L=2k-8k) the four-row-tile blocks stay ahead, 0.71-0.73 against 0.66-0.70.
+_WIDE_D64_ROWS = 32
+
+
+def _clusters(p, sm_count: int) -> bool:
+    """Whether the planner's own launch of launch problem p merges its splits in a cluster (the
+    launch_plan steps up to the merge, without the row-block step that calls this)."""
+    tile, waves = default_tile(p, sm_count)
+    _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
+    n = num_splits(p, t, sm_count, waves)
+    return _merge_plan(span_keys(p), n, _min_split_keys(t), False, None, row_tiles_for(p))[1]
 
 
 def _fitting_row_blocks(p, rows: int) -> int:

@@ -163,7 +163,7 @@ def test_packed_combines_are_programmatic():
 
 @pytest.mark.parametrize("d,hq,b,nk,splits,cluster", [
     (128, 32, 64, 4096, 4, False), (128, 32, 64, 16384, 4, False), (128, 64, 32, 8192, 4, False),  # 4 splits,
-    (64, 32, 64, 4096, 4, False), (64, 32, 64, 16384, 4, False), (64, 64, 64, 4096, 4, False),  # 2+ row tiles
+    (64, 32, 64, 4096, 4, False), (64, 32, 64, 16384, 4, False), (64, 32, 64, 8192, 4, False),  # 2+ row tiles
     (128, 32, 128, 2048, 2, True), (128, 32, 128, 8192, 2, True), (64, 32, 128, 4096, 2, True)])  # 2 splits
 def test_four_block_clusters_hold_one_row_tile(d, hq, b, nk, splits, cluster):
     # MQA with many sequences: blocks of two or more row tiles split in 4 merge through the
@@ -602,6 +602,25 @@ def test_one_tile_row_blocks_other_dims(batch, hq, hkv, nk, d, blocks):
     assert gpu_decode.launch_plan(p, H200_SMS).row_tiles == -(-(hq // hkv // blocks) // 16)
 
 
+@pytest.mark.parametrize("batch, hq, nk, blocks, cluster", [
+    (32, 64, 8192, 2, False), (64, 64, 2048, 2, True), (8, 64, 16384, 2, False), (32, 48, 4096, 2, False),
+    (16, 128, 8192, 4, False), (128, 64, 4096, 1, True), (1, 64, 32768, 4, False)])
+def test_wide_d64_blocks_split_in_two(batch, hq, nk, blocks, cluster):
+    # d=64, one K/V head: blocks of three or four row tiles whose splits would merge through memory
+    # become blocks of at most _WIDE_D64_ROWS rows (mqa_rows_probe: 0.62-0.76 -> 0.73-0.94 of the
+    # faster peer); where they merge in a 2-block cluster (B=128) they stay; short splits still take
+    # one-row-tile blocks first (B=1). A caller's splits keep the fewest row blocks that fit.
+    p = _problem(batch, hq, 1, 1, nk, 64)
+    assert gpu_decode.row_blocks(p, H200_SMS) == blocks
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.cluster == cluster and lp.row_tiles == -(-(hq // blocks) // 16)
+    if blocks == 2:
+        assert not gpu_decode._clusters(p, H200_SMS) and lp.row_tiles <= gpu_decode._WIDE_D64_ROWS // 16
+    assert gpu_decode.launch_plan(p, H200_SMS, splits=8).row_tiles == -(-(hq // gpu_decode.row_blocks(p)) // 16)
+    # at d=128 blocks hold two row tiles at most: the rule does not apply
+    assert gpu_decode.row_blocks(_problem(32, 64, 1, 1, 8192, 128), H200_SMS) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("case", ["mqa64", "gqa64-paged", "mqa48-window", "mqa48-br"])
@@ -664,3 +683,29 @@ def test_row_blocks_through_the_api(rng, batch, hq, nk, d):
     assert run.path == "decode", run
     for o, lse in (cuflash.attention(qg, kg, vg, return_lse=True), run(qg, kg, vg)):
         check_per_sequence(o, lse, q, k, v, [nk] * batch, False, BFLOAT16)
+
+
+@pytest.mark.gpu
+def test_wide_d64_row_blocks_through_the_api(rng, monkeypatch):
+    # d=64, Hq=64 over one K/V head, 32 sequences: the planner splits the 64 packed rows into two
+    # blocks of two row tiles (_WIDE_D64_ROWS; one block of four before). Through cuflash.attention
+    # with kv_lens 0, 1, random and full, output poisoned, against the reference per sequence.
+    import cupy
+
+    import cuflash
+    from cuflash._problem import validate_forward
+
+    b, hq, nk, d = 32, 64, 8192, 64
+    q, k, v = random_inputs(rng, (b, hq, 1, d), (b, 1, nk, d), BFLOAT16)
+    lens = rng.integers(2, nk + 1, size=b).astype(np.int32)
+    lens[:3] = [0, 1, nk]
+    qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
+    sms = gpu_decode._sm_count(cupy.cuda.Device().id)
+    if sms >= 120:  # (the H200's 132: the probe's shape; smaller GPUs may plan otherwise)
+        assert gpu_decode.row_blocks(validate_forward(qg, kg, vg), sms) == 2
+    launched = _launch(monkeypatch)
+    out = _poisoned(qg.shape, BFLOAT16)
+    o, lse = cuflash.attention(qg, kg, vg, kv_lens=lg, return_lse=True, out=out)
+    want = "attn_decode<Bf16, 64, 2," if sms >= 120 else "attn_decode<"  # (two row tiles)
+    assert launched and launched[0].startswith(want), launched
+    check_per_sequence(o, lse, q, k, v, lens, False, BFLOAT16)
