@@ -4,6 +4,9 @@ changes (3-7 wanted splits rounded to 4, or 2, with 3-4k keys per split; d = 128
 cuDNN in each pass (benchmarks.peers.Timer: L2 flushed, launch hidden), alternating the order.
 tools/cluster_edge_probe.py measured B=8 Hkv=8 d=128 alone: at 16k (4 x 4096 keys) splits merged
 by the last split beat the 4-block cluster by 0.5-1.3%, at 12k (4 x 3072) the cluster stayed ahead.
+Run on d02e677 (evidence-20261201e/probes/cluster_chunk.*), when CLUSTER_MAX_CHUNK bounded both
+cluster sizes; since a31f934 4-block clusters stop at CLUSTER4_MAX_CHUNK (and hold one row tile),
+so the limits varied here move the 2-block clusters only.
 
     python3 tools/cluster_chunk_probe.py out.json [passes]
 """

@@ -1,6 +1,6 @@
 """The cluster merge's edge on the decode grid's 8/8 cells (GPU machine): B=8 Hkv=8 Hq=32 d=128,
-L = 8k / 12k / 16k / 24k, where the planner merges 4 splits in a 4-block cluster up to
-CLUSTER_MAX_CHUNK = 4096 keys per split. A block trace at 16k put those clusters on 124 of the 132
+L = 8k / 12k / 16k / 24k, where the planner merged 4 splits in a 4-block cluster up to
+CLUSTER_MAX_CHUNK = 4096 keys per split (until a31f934: now up to CLUSTER4_MAX_CHUNK = 3072). A block trace at 16k put those clusters on 124 of the 132
 SMs. Variants (explicit tile, split count and merge): the 4-block cluster with the ring-1 tile (the
 planner's at 16k) or the table's ring-0 tile; 4 or 6 splits through memory, merged by the last
 split, with the ring-0 / ring-1 / ring-2 tiles. Several passes, alternating variants, next to cuDNN
