@@ -11,6 +11,9 @@
 // attn_decode_combine, a second kernel, does) - or, with 2, 4 or 8 splits on
 // sm_90, attn_decode_cluster runs the splits of one (K/V head, sequence) as one thread-block
 // cluster that merges them through distributed shared memory (no workspace, no second kernel).
+// RING 3 (wide rows: MQA with many query heads) turns the block around: the block copies each
+// step's keys as RING 1 does, and warp w computes rows 16w..16w+15 over all of them, FlashAttention's
+// forward order - each K/V tile read once from shared memory per row tile, no warp merge at the end.
 #include "common.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
@@ -60,6 +63,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   int band_hi, int row_blocks) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
+    // RING 3: warps own row tiles (one each; warps past ROW_TILES only copy), the block ring's keys
+    constexpr bool kRowSplit = RING == 3;
+    constexpr int kWarpTiles = kRowSplit ? 1 : ROW_TILES;
+    static_assert(!kRowSplit || (ROW_TILES <= WARPS && CLUSTER == 0), "RING 3: a row tile per warp, no cluster merge");
+    static_assert(!kRowSplit || kRows * HEAD_DIM * 4 <= Tr::kRingBytes, "RING 3: the rings hold the block's O");
 #ifdef CUFLASH_DECODE_TRACE
     const unsigned long long trace_t0 = trace_clock();
 #endif
@@ -85,10 +93,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int hkv_head = hk / row_blocks;
     const u16* gK = k + b * k_sb + hkv_head * k_sh;
     const u16* gV = v + b * v_sb + hkv_head * v_sh;
-    float acc_o[ROW_TILES][kNO][4];
-    OnlineSoftmax<2 * ROW_TILES> softmax;
+    float acc_o[kWarpTiles][kNO][4];
+    OnlineSoftmax<2 * kWarpTiles> softmax;
     zero_acc(acc_o);
-    const DecodeRowTokens<ROW_TILES, WINDOW> rows(lane, nq);
+    const int row0 = kRowSplit ? warp * 16 : 0;  // the warp's first block row
+    const DecodeRowTokens<kWarpTiles, WINDOW> rows(lane, nq, row0);
     // Warp w computes key tiles w, w + WARPS, ... of this split, one BLOCK_N-key tile per step of
     // WARPS x BLOCK_N keys. RING 0: each warp copies its own tiles into a private ring (no block
     // barrier in the loop). RING > 0: the block copies each step's K and V tiles into one shared
@@ -168,7 +177,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     if constexpr (RING > 0) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_steps) load_step(s, s, true, RING == 1);
+            if (s < n_steps) load_step(s, s, true, RING != 2);
             cp_async_commit();
             if constexpr (RING == 2) {
                 if (s < n_steps) load_step(s, s, false, true);
@@ -194,24 +203,24 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     }
     __syncthreads();
     const u32 sbase = smem_addr(smem);
-    DecodeQ<HEAD_DIM, ROW_TILES> qa(sbase, lane);
+    DecodeQ<HEAD_DIM, kWarpTiles> qa(sbase + row0 * HEAD_DIM * 2, lane);  // (16-row offsets keep the swizzle's phase)
 #ifdef CUFLASH_DECODE_TRACE
     const unsigned long long trace_ready = trace_clock();
     const int trace_tiles = RING > 0 ? n_steps : my_tiles;
 #endif
 
     if constexpr (RING > 0) {
-        const u32 kbase = sbase + (kRows * HEAD_DIM + warp * BLOCK_N * HEAD_DIM) * 2;
+        const u32 kbase = sbase + (kRows * HEAD_DIM + (kRowSplit ? 0 : warp * BLOCK_N * HEAD_DIM)) * 2;
         const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
         const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
         // Groups after the one a wait needs: RING 1, the later steps' (STAGES - 2); RING 2, V_t
         // and the later steps' K and V (before Q K^T), or the later steps' and K_{t+STAGES-1} (before P V).
-        constexpr int kAfter = RING == 1 ? STAGES - 2 : 2 * STAGES - 3;
+        constexpr int kAfter = RING != 2 ? STAGES - 2 : 2 * STAGES - 3;
         for (int t = 0; t < n_steps; ++t) {
             cp_async_wait<kAfter>();
             __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
             const int next = t + STAGES - 1, next_slot = next % STAGES;
-            if (next < n_steps) load_step(next, next_slot, true, RING == 1);
+            if (next < n_steps) load_step(next, next_slot, true, RING != 2);
             cp_async_commit();
             auto v_ahead = [&]() {
                 if constexpr (RING == 2) {
@@ -222,13 +231,20 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 }
             };
             const u32 slot = (t % STAGES) * kStepTile * 2;
-            const int n0 = s0 + t * kStepN + warp * BLOCK_N;
-            if (n0 < s1)
-                decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
-                    qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                    v_ahead);
-            else
-                v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
+            if constexpr (kRowSplit) {  // the whole step's keys for this warp's row tile
+                if (warp < ROW_TILES)
+                    decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, s0 + t * kStepN, s1,
+                                                                         rows, span.lo0, span.hi0, nq, lane, softmax,
+                                                                         acc_o, scale_log2);
+            } else {
+                const int n0 = s0 + t * kStepN + warp * BLOCK_N;
+                if (n0 < s1)
+                    decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
+                        qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
+                        v_ahead);
+                else
+                    v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
+            }
         }
     } else {
         const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
@@ -251,7 +267,18 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     unsigned long long trace_merged = 0, trace_stored = 0;
 #endif
 
-    if constexpr (CLUSTER == 0) {
+    if constexpr (kRowSplit) {
+        // (each warp's rows are final: published as one warp's, then decode_store as for one warp)
+        float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);
+        decode_publish_row_tile<HEAD_DIM>(softmax, acc_o, warp < ROW_TILES, s_stat, sO, warp, lane, group * nq);
+        decode_store<T, HEAD_DIM, ROW_TILES, 1, Tr::kThreads, 1>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b,
+                                                                 hk, gridDim.y, split, n_splits, hq, nq, d, group,
+                                                                 scale_log2);
+        if (split_done != nullptr && n_splits > 1)
+            decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
+                split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
+                reinterpret_cast<float*>(smem));
+    } else if constexpr (CLUSTER == 0) {
         unsigned long long* merged_at = nullptr;
 #ifdef CUFLASH_DECODE_TRACE
         merged_at = &trace_merged;

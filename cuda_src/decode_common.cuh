@@ -137,13 +137,15 @@ struct DecodeQ {
 // offsets k_off / v_off (the ring slot).
 // (WINDOW) the tokens (r % nq) of this thread's packed rows r, computed once per block: a
 // division per tile and row made ptxas spill at d=32.
+// row0: the block row of the warp's first row (attn_decode RING 3: warp w computes rows 16w..).
 template <int ROW_TILES, bool WINDOW>
 struct DecodeRowTokens {
     int token[WINDOW ? 2 * ROW_TILES : 1];
-    __device__ __forceinline__ DecodeRowTokens(int lane, int nq) {
+    int row0;
+    __device__ __forceinline__ DecodeRowTokens(int lane, int nq, int row0_ = 0) : row0(row0_) {
         if constexpr (WINDOW) {
 #pragma unroll
-            for (int i = 0; i < 2 * ROW_TILES; ++i) token[i] = ((i / 2) * 16 + (lane >> 2) + 8 * (i % 2)) % nq;
+            for (int i = 0; i < 2 * ROW_TILES; ++i) token[i] = (row0 + (i / 2) * 16 + (lane >> 2) + 8 * (i % 2)) % nq;
         }
     }
 };
@@ -187,7 +189,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
         for (int mi = 0; mi < ROW_TILES; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int token = WINDOW ? rows.token[2 * mi + hf] : (mi * 16 + (lane >> 2) + 8 * hf) % nq;
+                const int token = WINDOW ? rows.token[2 * mi + hf] : (rows.row0 + mi * 16 + (lane >> 2) + 8 * hf) % nq;
                 mask_score_row<CAUSAL || WINDOW, WINDOW>(acc_s[mi], hf, token, n0, s1, hi0, lo0, lane);
             }
     }
@@ -287,6 +289,35 @@ __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_T
         }
         __syncthreads();
     }
+}
+
+// The end of a block whose warps own whole row tiles (attn_decode RING 3): warp w's online-softmax
+// state is final for rows 16w..16w+15, so there is nothing to merge. It writes them as one warp's
+// would (s_stat's slot 0: (max, sum); sO: the un-normalized O) and decode_store<..., WARPS = 1,
+// SLOTS = 1> writes the result. Only the first `rows` (valid packed) rows. All threads of the block
+// must call this; it ends with a block barrier.
+template <int HEAD_DIM>
+__device__ __forceinline__ void decode_publish_row_tile(const OnlineSoftmax<2>& softmax,
+                                                        const float (&acc_o)[1][HEAD_DIM / 8][4], bool computes,
+                                                        float* s_stat, float* sO, int warp, int lane, int rows) {
+    constexpr int kNO = HEAD_DIM / 8;
+    __syncthreads();  // every warp is past its loop: the rings (sO) are free
+    if (computes) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = warp * 16 + (lane >> 2) + 8 * hf;
+            const float sum = quad_sum(softmax.l[hf]);
+            const float f = softmax.m[hf] == -INFINITY ? 0.f : 1.f;  // (a row without keys: zeros, as the merge writes)
+            if (r < rows) {
+                if ((lane & 3) == 0) *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(softmax.m[hf], sum);
+#pragma unroll
+                for (int ni = 0; ni < kNO; ++ni)
+                    *reinterpret_cast<float2*>(&sO[r * HEAD_DIM + ni * 8 + 2 * (lane & 3)]) =
+                        make_float2(acc_o[0][ni][2 * hf] * f, acc_o[0][ni][2 * hf + 1] * f);
+            }
+        }
+    }
+    __syncthreads();
 }
 
 // Row r's statistics over the block's warps (s_stat as decode_merge_warps left it): the max raw

@@ -132,10 +132,18 @@ def _own_plan_sms(sm_count: int, splits, tile, waves):
     return sm_count if splits is None and tile is None and waves is None else None
 
 
-def launch_problem(p, sm_count=None):
+def launch_problem(p, sm_count=None, tile=None):
     """p as the decode kernel's grid sees it: each K/V head counted once per row block
-    (row_blocks(p, sm_count)). Planned again, the result stays as it is."""
+    (row_blocks(p, sm_count); with a wide-rows tile, the fewest that its rows hold). Planned again,
+    the result stays as it is."""
+    if wide_rows(tile):
+        return _with_row_blocks(p, _fitting_row_blocks(p, 16 * tile.max_row_tiles))
     return _with_row_blocks(p, row_blocks(p, sm_count))
+
+
+def wide_rows(tile) -> bool:
+    """Whether a launch tile is schedule.DECODE_TILES_WIDE_ROWS' kind (ring 3: a row tile per warp)."""
+    return isinstance(tile, schedule.DecodeTile) and tile.ring == 3
 
 
 def applies(p, k4, v4) -> bool:
@@ -149,6 +157,8 @@ def applies(p, k4, v4) -> bool:
 def _launch_tile(t, row_tiles):
     """More packed rows mean a taller S tile: shrink the key tile to keep S's registers constant
     (a power of two, at least one 16-key mma step). Applied once, to a table or caller's tile."""
+    if t.ring == 3:  # (wide rows: each warp holds one row tile's S whatever the block's rows)
+        return t
     bn = t.block_n
     while bn > 16 and bn * row_tiles > 2 * t.block_n:
         bn //= 2
@@ -240,6 +250,11 @@ def all_decode_specs():
                 for causal in (False, True):
                     for window in (False, True):
                         specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
+        for hd, t in schedule.DECODE_TILES_WIDE_ROWS.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    for window in (False, True):
+                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
         for hd, t in schedule.DECODE_TMA_TILES.items():
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
@@ -387,8 +402,11 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
-    p = launch_problem(p, _own_plan_sms(sm_count, splits, tile, waves))
-    rt = row_tiles_for(p)
+    p = launch_problem(p, _own_plan_sms(sm_count, splits, tile, waves), tile)
+    wide = wide_rows(tile)
+    rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
+    if wide and (rt > tile.max_row_tiles or p.nq > 16):
+        raise ValueError(f"tile={tile}: at most {16 * tile.max_row_tiles} packed rows per block, got {p.group * p.nq}")
     table_tile = tile is None
     if table_tile:
         tile, waves = default_tile(p, sm_count, waves)
@@ -400,10 +418,10 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     step = t.stage_keys if tma else t.block_n
     keys = span_keys(p)
     n = splits or num_splits(p, t, sm_count, waves)
-    if cluster and (tma or not clusters):
+    if cluster and (tma or not clusters or wide):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
-                         "(not tma_tile)")
-    if not tma and clusters:
+                         "(not tma_tile, not a wide-rows tile)")
+    if not tma and clusters and not wide:
         n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster, rt)
         if in_cluster:
             # Exactly n blocks per cluster: trailing splits past the keys run empty and merge as -inf.
@@ -592,7 +610,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    lpp = launch_problem(p, _own_plan_sms(sms, splits, tile, waves))  # (launch_plan plans it unchanged)
+    lpp = launch_problem(p, _own_plan_sms(sms, splits, tile, waves), tile)  # (launch_plan plans it unchanged)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
     lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))

@@ -388,7 +388,9 @@ class DecodeTile:
     # 0: each warp streams its own key tiles through a private ring (no block barrier in the loop);
     # 1: the block copies each step's warps x block_n keys of K and V together into one ring (a
     # barrier per step); 2: the same ring, K a step ahead from the step's start and V from its
-    # softmax (FA2's order, two barriers per step). The same keys per warp in every mode.
+    # softmax (FA2's order, two barriers per step). The same keys per warp in every mode. 3: the
+    # block ring of 1, but warp w computes row tile w over all of a step's keys (wide rows: one K/V
+    # head with many query heads; max_row_tiles <= warps, no cluster merge).
     ring: int = 0
     # At most this many blocks per SM (0: as many as fit): the launch asks for more shared memory
     # than max_blocks_per_sm + 1 blocks could share on an H200 SM (device_limits.H200).
@@ -509,6 +511,17 @@ DECODE_TILES_LONG_SPLITS: dict[int, DecodeTile] = {
 # split) ring 0 stays ahead (3.45-3.57 vs 3.44-3.48).
 DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 2, 2, "cluster-merged splits of 2k-4k keys: one block-wide K+V copy per step", ring=1),
+}
+
+
+# One K/V head with many query heads (MQA, Hq >= 48): a block of up to 64 packed rows whose warps
+# each own a row tile and share every K/V tile of the block ring (FlashAttention's forward order),
+# where the table's blocks have each warp walk its own keys for all rows, and more rows than a block
+# holds run as row blocks that each read the K/V head. FA2 reads MQA this way and leads there
+# (0.62-0.94x of it, evidence-20261201e/probes/mqa_*). Not yet measured: opt-in (tile=) only.
+DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
+    64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
+    128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
 }
 
 

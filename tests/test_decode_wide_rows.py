@@ -1,0 +1,123 @@
+"""Wide-rows decode blocks (schedule.DECODE_TILES_WIDE_ROWS, attn_decode RING 3): one K/V head with
+many query heads, each warp a row tile over every key of the block ring's steps. Opt-in (tile=)
+until measured.
+
+CPU: how a wide-rows tile plans (row blocks, row tiles, no cluster, no key-tile shrink).
+GPU: the kernel against the float64 reference per sequence - kv_lens 0, 1, mid-split and full,
+outputs poisoned; one split and several merged by the last split and by the combine kernel; idle
+warps (3 row tiles), several tokens per head under causality and a window, a paged cache, fp16.
+"""
+import types
+
+import numpy as np
+import pytest
+from _kvlens_check import check_per_sequence
+
+
+from cuflash import gpu_decode, schedule
+from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.testing import random_inputs
+
+H200_SMS = 132
+
+
+def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16):
+    return types.SimpleNamespace(dtype=np.dtype(dtype), d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv,
+                                 batch=batch, causal=causal)
+
+
+# ---- CPU: planning a wide-rows tile ----
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq, nq, rt", [(64, 1, 4), (48, 1, 3), (16, 3, 3), (32, 2, 4), (128, 1, 4)])
+def test_wide_rows_plan(d, hq, nq, rt):
+    # All of a K/V head's packed rows in one block up to 64 (Hq=128: two row blocks of 64); the
+    # key tile is not shrunk for the rows (each warp holds one row tile's scores); never a cluster.
+    t = schedule.DECODE_TILES_WIDE_ROWS[d]
+    p = _problem(4, hq, 1, nq, 8192, d)
+    lp = gpu_decode.launch_plan(p, H200_SMS, tile=t)
+    assert lp.row_tiles == rt and lp.tile == t and not lp.cluster
+    assert gpu_decode.launch_problem(p, H200_SMS, t).hkv == (2 if hq * nq > 64 else 1)
+    spec = gpu_decode.launch_spec(p.dtype, d, False, lp)
+    assert spec.expression.startswith(f"attn_decode<Bf16, {d}, {rt}, {t.block_n}, 4, 2,") and spec.expression.endswith(", 3>")
+    assert spec in gpu_decode.all_decode_specs()
+    for splits in (1, 4):
+        assert not gpu_decode.launch_plan(p, H200_SMS, splits=splits, tile=t).cluster
+    with pytest.raises(ValueError, match="wide-rows"):
+        gpu_decode.launch_plan(p, H200_SMS, tile=t, cluster=True)
+    # the planner's own launch does not take it (opt-in until measured)
+    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3
+
+
+def test_wide_rows_tiles_fit_their_kernel():
+    # a row tile per warp, and the rings hold the block's float32 O at the end (the kernel's asserts)
+    for hd, t in schedule.DECODE_TILES_WIDE_ROWS.items():
+        assert t.ring == 3 and t.max_row_tiles <= t.warps
+        assert 16 * t.max_row_tiles * hd * 4 <= t.warps * 2 * t.stages * t.block_n * hd * 2
+
+
+# ---- GPU ----
+
+def _launch(monkeypatch):
+    from cuflash import plan_cache
+
+    monkeypatch.setattr(plan_cache, "enabled", False)
+    launched = []
+    real = gpu_decode.get_function
+    monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
+    return launched
+
+
+def _poisoned(shape, dtype):
+    import cupy
+
+    a = cupy.empty(shape, dtype=dtype)
+    a.view(np.uint16).fill({np.dtype(FLOAT16): 0x7E00, np.dtype(BFLOAT16): 0x7FC0}[np.dtype(dtype)])
+    return a
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["one", "last", "kernel"])
+@pytest.mark.parametrize("case", ["mqa64-d128", "mqa64-d64", "mqa48-idle-warp", "gqa16x3-br", "mqa32x2-window",
+                                  "mqa64-paged", "mqa128-fp16"])
+def test_wide_rows_decode(rng, monkeypatch, case, merge):
+    import cupy
+
+    from cuflash._layout import to_bhsd
+    from cuflash._problem import validate_forward, validate_paged
+
+    hq, nq, d = {"mqa64-d128": (64, 1, 128), "mqa64-d64": (64, 1, 64), "mqa48-idle-warp": (48, 1, 128),
+                 "gqa16x3-br": (16, 3, 128), "mqa32x2-window": (32, 2, 64), "mqa64-paged": (64, 1, 128),
+                 "mqa128-fp16": (128, 1, 64)}[case]
+    dtype = FLOAT16 if case == "mqa128-fp16" else BFLOAT16
+    causal = "bottom_right" if case in ("gqa16x3-br", "mqa32x2-window") else False
+    window = (300, 0) if case == "mqa32x2-window" else None
+    nk, splits = 1500, (1 if merge == "one" else 4)
+    chunk = -(-nk // max(splits, 2))
+    lens = np.array([0, 1, int(rng.integers(2, chunk)), int(rng.integers(chunk, nk)), nk], dtype=np.int32)
+    q, k, v = random_inputs(rng, (len(lens), hq, nq, d), (len(lens), 1, nk, d), dtype)
+    o4 = _poisoned((len(lens), hq, nq, d), dtype)
+    lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
+    lg = cupy.asarray(lens)
+    t = schedule.DECODE_TILES_WIDE_ROWS[d]
+    kw = dict(kv_lens=lg, splits=splits, tile=t, cluster=False, merge=None if merge == "one" else merge)
+    launched = _launch(monkeypatch)
+    if case == "mqa64-paged":
+        from test_paged import paged_cache
+
+        kc, vc, table = paged_cache(rng, k, v, lens, 64)
+        qg, kcg, vcg, tg = (cupy.asarray(a) for a in (q, kc, vc, table))
+        p, block = validate_paged(qg, kcg, vcg, tg)
+        gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, paged=(tg, block), **kw)
+    else:
+        qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+        p = validate_forward(qg, kg, vg, causal=causal, window=window)
+        gpu_decode.forward(p, qg, kg, vg, o4, lse3, **kw)
+    rt = -(-min(hq * nq, 64) // 16)
+    assert launched and launched[0].startswith(f"attn_decode<{'Fp16' if dtype == FLOAT16 else 'Bf16'}, {d}, {rt},")
+    assert launched[0].endswith(", 3>"), launched
+    if merge == "kernel":
+        assert launched[-1].startswith("attn_decode_combine<"), launched
+    else:
+        assert len(launched) == 1, launched
+    check_per_sequence(o4, lse3, q, k, v, lens, causal, dtype, window=window)
