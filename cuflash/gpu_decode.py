@@ -141,6 +141,21 @@ def launch_problem(p, sm_count=None, tile=None):
     return _with_row_blocks(p, row_blocks(p, sm_count))
 
 
+# (A/B switch, off: the wide-rows tile is not measured yet) CUFLASH_DECODE_WIDE_ROWS=1: the planner's
+# own launch takes schedule.DECODE_TILES_WIDE_ROWS for K/V heads of more than two row tiles of
+# packed rows (MQA with Hq >= 48), so that the GPU suite and the benchmarks run it through the API.
+WIDE_ROWS_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_ROWS", "0") == "1"
+
+
+def _auto_tile(p, tile):
+    """tile, or under WIDE_ROWS_AUTO the wide-rows tile where the planner would pick and a K/V
+    head's packed rows exceed two row tiles."""
+    if tile is not None or not WIDE_ROWS_AUTO or p.dtype not in KERNEL_TYPE or p.nq > 16:
+        return tile
+    wide = schedule.DECODE_TILES_WIDE_ROWS.get(schedule.head_dim_bucket(p.d))
+    return wide if wide is not None and p.group * p.nq > 32 else None
+
+
 def wide_rows(tile) -> bool:
     """Whether a launch tile is schedule.DECODE_TILES_WIDE_ROWS' kind (ring 3: a row tile per warp)."""
     return isinstance(tile, schedule.DecodeTile) and tile.ring == 3
@@ -402,6 +417,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
+    tile = _auto_tile(p, tile)
     p = launch_problem(p, _own_plan_sms(sm_count, splits, tile, waves), tile)
     wide = wide_rows(tile)
     rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
@@ -610,6 +626,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
+    tile = _auto_tile(p, tile)
     lpp = launch_problem(p, _own_plan_sms(sms, splits, tile, waves), tile)  # (launch_plan plans it unchanged)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp

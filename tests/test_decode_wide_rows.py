@@ -121,3 +121,17 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
     else:
         assert len(launched) == 1, launched
     check_per_sequence(o4, lse3, q, k, v, lens, causal, dtype, window=window)
+
+
+def test_wide_rows_auto_switch(monkeypatch):
+    # CUFLASH_DECODE_WIDE_ROWS=1 (WIDE_ROWS_AUTO): the planner's own launch takes the wide-rows tile
+    # for more than 32 packed rows per K/V head, at d = 64 / 128 only; a caller's tile stands.
+    p = _problem(8, 64, 1, 1, 16384, 128)
+    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", True)
+    lp = gpu_decode.launch_plan(p, H200_SMS)
+    assert lp.tile == schedule.DECODE_TILES_WIDE_ROWS[128] and lp.row_tiles == 4 and not lp.cluster
+    assert gpu_decode.launch_plan(_problem(8, 32, 1, 1, 16384, 128), H200_SMS).tile.ring != 3  # 32 rows
+    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 16384, 256), H200_SMS).tile.ring != 3  # no d=256 tile
+    table = schedule.DECODE_TILES[128]
+    assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
