@@ -1,11 +1,12 @@
 """Wide-rows decode blocks against the planner (GPU machine): one K/V head with 32-128 query heads
 (MQA), d = 64 / 128, B = 1-64, L = 4k-32k. Variants: the planner's launch; tile =
 schedule.DECODE_TILES_WIDE_ROWS[d] (a row tile per warp over the block ring's keys) with its own
-split count, twice that, and merged by the last split; next to cuDNN and FA2 (torch SDPA) each pass
+split count, twice that, merged by the last split, with three stages, and as 2-warp blocks; next to cuDNN and FA2 (torch SDPA) each pass
 (benchmarks.peers.Timer: L2 flushed, launch hidden), alternating the order; x the faster peer.
 
     python3 tools/wide_rows_probe.py out.json [passes]
 """
+import dataclasses
 import json
 import sys
 
@@ -41,8 +42,12 @@ for B, hq, L, d in SHAPES:
         refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
     wide = schedule.DECODE_TILES_WIDE_ROWS[d]
     n = gpu_decode.launch_plan(p, sms, tile=wide).splits
+    # (also compiled at run time, not in the table: three stages (one block per SM at d=128), and
+    # 2-warp blocks of 32 rows, two row blocks for Hq=64)
     variants = {"planner": {}, "wide": dict(tile=wide), "wide-2x": dict(tile=wide, splits=2 * n),
-                "wide-last": dict(tile=wide, merge="last")}
+                "wide-last": dict(tile=wide, merge="last"),
+                "wide-s3": dict(tile=dataclasses.replace(wide, stages=3)),
+                "wide-w2": dict(tile=dataclasses.replace(wide, warps=2, max_row_tiles=2))}
     plans = {}
     for name, kw in variants.items():
         lp = gpu_decode.launch_plan(p, sms, **{k_: v_ for k_, v_ in kw.items() if k_ != "merge"})
