@@ -86,8 +86,7 @@ _WIDE_D64_ROWS = 32
 def _clusters(p, sm_count: int) -> bool:
     """Whether the planner's own launch of launch problem p merges its splits in a cluster (the
     launch_plan steps up to the merge, without the row-block step that calls this)."""
-    tile, waves = default_tile(p, sm_count)
-    _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
+    t, waves = _own_launch_tile(p, sm_count)
     n = num_splits(p, t, sm_count, waves)
     return _merge_plan(span_keys(p), n, _min_split_keys(t), False, None, row_tiles_for(p))[1]
 
@@ -112,9 +111,15 @@ def _short_blocks(p, sm_count: int) -> bool:
     d=64 (32-key tiles: splits of >= 512 keys), B=1: Hq=32 L=32k 21.4 / 15.2 (14.9), L=128k 28.9 / 22.7
     (26.2); Hq=64 L=32k (four row tiles) 29.9 / 16.4 (16.8). tools/row_block_probe.py,
     evidence-20261201d/row-blocks/ and final-e6a603b/.)"""
-    tile, waves = default_tile(p, sm_count)
-    _, _, _, t = decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)
+    t, waves = _own_launch_tile(p, sm_count)
     return -(-span_keys(p) // _min_split_keys(t)) <= _wanted_splits(p, sm_count, waves)
+
+
+def _own_launch_tile(p, sm_count: int):
+    """(launch tile, waves) of the planner's own launch of launch problem p (launch_plan's steps
+    before the split count), for the row-block rules that run before launch_plan."""
+    tile, waves = default_tile(p, sm_count)
+    return decode_specs(p.dtype, p.d, row_tiles_for(p), p.causal is not None, True, tile)[3], waves
 
 
 def _with_row_blocks(p, r: int):

@@ -14,16 +14,13 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-import cupy as cp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
-from cuflash._problem import validate_forward  # noqa: E402
 
 sys.path.insert(0, "tools")
-from decode_cells import decode_inputs  # noqa: E402
+from decode_cells import ProbeCase  # noqa: E402
 
 plan_cache.enabled = False  # each limit must reach the plan
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -37,34 +34,22 @@ timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.25)
 sms = gpu_decode._sm_count(0)
 out = []
 for B, hq, hkv, L, d in SHAPES:
-    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
-    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-    p = validate_forward(qc, kc, vc)
-    o4 = cp.empty_like(qc)
-    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
+    case = ProbeCase(L, B, hkv, hq, d)
     row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "plans": {}, "passes": []}
     for lim in LIMITS:
         gpu_decode.CLUSTER_MAX_CHUNK = lim
-        lp = gpu_decode.launch_plan(p, sms)
+        lp = gpu_decode.launch_plan(case.p, sms)
         row["plans"][lim] = f"{lp.splits}x{lp.chunk} {'cluster' if lp.cluster else 'memory'} ring{getattr(lp.tile, 'ring', '-')}"
     for i in range(PASSES):
-        us = {}
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            us["cudnn"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION)}
         for lim in (LIMITS if i % 2 == 0 else LIMITS[::-1]):
             gpu_decode.CLUSTER_MAX_CHUNK = lim
-            f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3)  # noqa: E731
-            o4.fill(float("nan"))
-            f()
-            err = float(cp.abs(o4.astype(cp.float32) - refc).max())
-            us[lim] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
+            us[lim] = case.forward_us(timer)
         row["passes"].append(us)
         print(f"B{B} H{hq}/{hkv} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} us | " + ", ".join(
             f"{lim} [{row['plans'][lim]}] {us['cudnn'] / us[lim]:.4f}" if isinstance(us[lim], float)
             else f"{lim} {us[lim]}" for lim in LIMITS), flush=True)
     gpu_decode.CLUSTER_MAX_CHUNK = LIMITS[0]
     out.append(row)
-    del q, k, v, qc, kc, vc, refc
+    del case
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -11,16 +11,13 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-import cupy as cp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
-from cuflash._problem import validate_forward  # noqa: E402
 
 sys.path.insert(0, "tools")
-from decode_cells import decode_inputs  # noqa: E402
+from decode_cells import ProbeCase  # noqa: E402
 
 plan_cache.enabled = False
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -35,33 +32,21 @@ timer = Timer(warmup=3, repeats=30, seconds_per_impl=0.25)
 sms = gpu_decode._sm_count(0)
 out = []
 for B, hq, hkv, L, d in SHAPES:
-    q, k, v, nbytes = decode_inputs(L, B, hkv, hq, d)
-    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-    p = validate_forward(qc, kc, vc)
-    o4 = cp.empty_like(qc)
-    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
-    lp = gpu_decode.launch_plan(p, sms)
+    case = ProbeCase(L, B, hkv, hq, d)
+    lp = gpu_decode.launch_plan(case.p, sms)
     variants = {"planner": {}, "memory": dict(splits=lp.splits, cluster=False)}
-    plans = {name: gpu_decode.launch_plan(p, sms, **kw) for name, kw in variants.items()}
+    plans = {name: gpu_decode.launch_plan(case.p, sms, **kw) for name, kw in variants.items()}
     row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "passes": [],
            "plans": {n: f"{x.splits}x{x.chunk} rt{x.row_tiles} {'cluster' if x.cluster else 'memory'} "
                         f"ring{getattr(x.tile, 'ring', '-')}" for n, x in plans.items()}}
     for i in range(PASSES):
-        us = {}
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            us["cudnn"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION)}
         for name, kw in (variants.items() if i % 2 == 0 else reversed(variants.items())):
-            f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, **kw)  # noqa: E731
-            o4.fill(float("nan"))
-            f()
-            err = float(cp.abs(o4.astype(cp.float32) - refc).max())
-            us[name] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
+            us[name] = case.forward_us(timer, **kw)
         row["passes"].append(us)
         print(f"B{B} H{hq}/{hkv} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} us | " + ", ".join(
             f"{n} [{row['plans'][n]}] {us['cudnn'] / us[n]:.4f}" if isinstance(us[n], float) else f"{n} {us[n]}"
             for n in variants), flush=True)
     out.append(row)
-    del q, k, v, qc, kc, vc, refc
+    del case
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -11,3 +11,51 @@ def decode_inputs(L, B, hkv, hq=32, d=128):
     q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return q, k, v, 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+
+
+class ProbeCase:
+    """One decode shape for the probes that time forced launches (GPU machine): decode_inputs' torch
+    tensors, their CuPy views, the validated problem, output buffers, and cuDNN's output (float32)
+    as the check a variant's result must pass before it is timed."""
+
+    def __init__(self, L, B, hkv, hq=32, d=128):
+        import cupy as cp
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from cuflash._problem import validate_forward
+
+        self.q, self.k, self.v, self.nbytes = decode_inputs(L, B, hkv, hq, d)
+        self.qc, self.kc, self.vc = (cp.from_dlpack(x) for x in (self.q, self.k, self.v))
+        self.p = validate_forward(self.qc, self.kc, self.vc)
+        self.o4 = cp.empty_like(self.qc)
+        self.lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            ref = F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
+        self.ref = cp.from_dlpack(ref).astype(cp.float32)
+
+    def peer_us(self, timer, backend):
+        """Microseconds of torch SDPA on one backend (an SDPBackend)."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel([backend]):
+            return timer(lambda: F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True))[0] * 1e3
+
+    def forward_us(self, timer, **kw):
+        """Microseconds of gpu_decode.forward(**kw) once its output, written over NaNs, is within 0.02
+        of cuDNN's; else "wrong <error>", or the exception's text (one variant must not end a probe)."""
+        import cupy as cp
+
+        from cuflash import gpu_decode
+
+        def f():
+            gpu_decode.forward(self.p, self.qc, self.kc, self.vc, self.o4, self.lse3, **kw)
+
+        try:
+            self.o4.fill(float("nan"))
+            f()
+            err = float(cp.abs(self.o4.astype(cp.float32) - self.ref).max())
+            return timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
+        except Exception as e:  # noqa: BLE001
+            return repr(e)[:60]

@@ -13,16 +13,13 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-import cupy as cp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
-from cuflash._problem import validate_forward  # noqa: E402
 
 sys.path.insert(0, "tools")
-from decode_cells import decode_inputs  # noqa: E402
+from decode_cells import ProbeCase  # noqa: E402
 
 plan_cache.enabled = False
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -35,13 +32,8 @@ timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.15)
 sms = gpu_decode._sm_count(0)
 out = []
 for B, hq, L, d in SHAPES:
-    q, k, v, nbytes = decode_inputs(L, B, 1, hq, d)
-    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-    p = validate_forward(qc, kc, vc)
-    o4 = cp.empty_like(qc)
-    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
+    case = ProbeCase(L, B, 1, hq, d)
+    p = case.p
     r0 = planned(p, sms)
     plans = {}
     variants = ["planner"] + [f"R{r}" for r in (1, 2, 4) if r != r0 and hq // r <= 64]
@@ -56,21 +48,12 @@ for B, hq, L, d in SHAPES:
         gpu_decode.row_blocks = planned
     row = {"B": B, "hq": hq, "L": L, "d": d, "plans": plans, "passes": []}
     for i in range(PASSES):
-        us = {}
-        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-            with sdpa_kernel([be]):
-                us[name] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
+              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
         for name in (variants if i % 2 == 0 else variants[::-1]):
             if name != "planner":
                 gpu_decode.row_blocks = lambda p_, sm_count=None, r=int(name[1:]): r if p_.hkv == 1 else 1
-            try:
-                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3)  # noqa: E731
-                o4.fill(float("nan"))
-                f()
-                err = float(cp.abs(o4.astype(cp.float32) - refc).max())
-                us[name] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
-            except Exception as e:  # noqa: BLE001 - one variant failing must not end the probe
-                us[name] = repr(e)[:60]
+            us[name] = case.forward_us(timer)
             gpu_decode.row_blocks = planned
         row["passes"].append(us)
         best = min(us["cudnn"], us["flash"])
@@ -78,5 +61,5 @@ for B, hq, L, d in SHAPES:
               + ", ".join(f"{n} [{plans[n]}] {best / us[n]:.3f}" if isinstance(us[n], float) else f"{n} {us[n]}"
                           for n in variants), flush=True)
     out.append(row)
-    del q, k, v, qc, kc, vc, refc
+    del case
     json.dump(out, open(sys.argv[1], "w"), indent=1)
