@@ -11,16 +11,13 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-import cupy as cp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache, schedule  # noqa: E402
-from cuflash._problem import validate_forward  # noqa: E402
 
 sys.path.insert(0, "tools")
-from decode_cells import decode_inputs  # noqa: E402
+from decode_cells import ProbeCase  # noqa: E402
 
 plan_cache.enabled = False
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -33,13 +30,8 @@ timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
 sms = gpu_decode._sm_count(0)
 out = []
 for B, hq, L, d in SHAPES:
-    q, k, v, nbytes = decode_inputs(L, B, 1, hq, d)
-    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-    p = validate_forward(qc, kc, vc)
-    o4 = cp.empty_like(qc)
-    lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        refc = cp.from_dlpack(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).astype(cp.float32)
+    case = ProbeCase(L, B, 1, hq, d)
+    p = case.p
     wide = schedule.DECODE_TILES_WIDE_ROWS[d]
     n = gpu_decode.launch_plan(p, sms, tile=wide).splits
     # (also compiled at run time, not in the table: three stages (one block per SM at d=128), and
@@ -54,24 +46,15 @@ for B, hq, L, d in SHAPES:
         plans[name] = f"{lp.splits}x{lp.chunk} rt{lp.row_tiles} ring{lp.tile.ring}{' cl' if lp.cluster else ''}"
     row = {"B": B, "hq": hq, "L": L, "d": d, "plans": plans, "passes": []}
     for i in range(PASSES):
-        us = {}
-        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-            with sdpa_kernel([be]):
-                us[name] = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))[0] * 1e3
+        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
+              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
         for name, kw in (variants.items() if i % 2 == 0 else reversed(variants.items())):
-            try:
-                f = lambda: gpu_decode.forward(p, qc, kc, vc, o4, lse3, **kw)  # noqa: E731
-                o4.fill(float("nan"))
-                f()
-                err = float(cp.abs(o4.astype(cp.float32) - refc).max())
-                us[name] = timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
-            except Exception as e:  # noqa: BLE001 - one variant failing must not end the probe
-                us[name] = repr(e)[:60]
+            us[name] = case.forward_us(timer, **kw)
         row["passes"].append(us)
         best = min(us["cudnn"], us["flash"])
         print(f"B{B} H{hq}/1 L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
               + ", ".join(f"{n_} [{plans[n_]}] {best / x:.3f}" if isinstance(x, float) else f"{n_} {x}"
                           for n_, x in us.items() if n_ not in ("cudnn", "flash")), flush=True)
     out.append(row)
-    del q, k, v, qc, kc, vc, refc
+    del case
     json.dump(out, open(sys.argv[1], "w"), indent=1)
