@@ -509,7 +509,8 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     if not (nq <= 16 and nk >= gpu_decode.MIN_KEYS and gpu_decode.row_tiles_for(p) is not None):
         return None
     lp = gpu_decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
-    row_blocks = gpu_decode.row_blocks(p, H200_SM_COUNT)  # (launch_plan's choice: the planner's own launch)
+    # (launch_plan's choice: the planner's own launch, wide-rows blocks included)
+    row_blocks = gpu_decode.launch_problem(p, H200_SM_COUNT, cluster=cluster).hkv // hkv
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
     main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)

@@ -137,28 +137,42 @@ def _own_plan_sms(sm_count: int, splits, tile, waves):
     return sm_count if splits is None and tile is None and waves is None else None
 
 
-def launch_problem(p, sm_count=None, tile=None):
+def launch_problem(p, sm_count=None, tile=None, cluster=None):
     """p as the decode kernel's grid sees it: each K/V head counted once per row block
-    (row_blocks(p, sm_count); with a wide-rows tile, the fewest that its rows hold). Planned again,
-    the result stays as it is."""
+    (row_blocks(p, sm_count); with a wide-rows tile - a caller's, or the planner's own where
+    sm_count is given (planner_tile) - the fewest that its rows hold). Planned again, the result
+    stays as it is."""
+    if tile is None and sm_count is not None:
+        tile = planner_tile(p, sm_count, cluster)
     if wide_rows(tile):
         return _with_row_blocks(p, _fitting_row_blocks(p, 16 * tile.max_row_tiles))
     return _with_row_blocks(p, row_blocks(p, sm_count))
 
 
-# (A/B switch, off: the wide-rows tile is not measured yet) CUFLASH_DECODE_WIDE_ROWS=1: the planner's
-# own launch takes schedule.DECODE_TILES_WIDE_ROWS for K/V heads of more than two row tiles of
-# packed rows (MQA with Hq >= 48), so that the GPU suite and the benchmarks run it through the API.
-WIDE_ROWS_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_ROWS", "0") == "1"
+# The planner's own launch (no caller's tile, splits, waves or cluster) takes the wide-rows tile
+# (schedule.DECODE_TILES_WIDE_ROWS: a row tile per warp over all of a step's keys, FA2's order) for
+# K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1), except where its
+# splits would be held down by the shortest split (_short_blocks: B = 1-4 there, whose one-row-tile
+# blocks stay ahead). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
+# x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
+# -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64 B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64
+# L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90, Hq=48 B=64 L=16k 0.76 -> 1.01; short splits stay:
+# Hq=64 B=1 L=32k d=128 0.87 against 0.81, Hq=128 B=1 L=16k 0.86 against 0.81. At 32 packed rows
+# (Hq=32) the two-row-tile blocks stay ahead (1.05 against 1.02 at B=8 L=32k).
+# CUFLASH_DECODE_WIDE_ROWS=0 turns the rule off (A/B).
+WIDE_ROWS_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_ROWS", "1") == "1"
 
 
-def _auto_tile(p, tile):
-    """tile, or under WIDE_ROWS_AUTO the wide-rows tile where the planner would pick and a K/V
-    head's packed rows exceed two row tiles."""
-    if tile is not None or not WIDE_ROWS_AUTO or p.dtype not in KERNEL_TYPE or p.nq > 16:
-        return tile
+def planner_tile(p, sm_count: int, cluster=None):
+    """For the planner's own launch (no caller's tile, splits or waves; cluster not forced on), the
+    wide-rows tile where a K/V head's packed rows exceed two row tiles and its splits are not short
+    (see WIDE_ROWS_AUTO), else None (the table's tile)."""
+    if cluster or not WIDE_ROWS_AUTO or p.dtype not in KERNEL_TYPE or p.nq > 16 or p.group * p.nq <= 32:
+        return None
     wide = schedule.DECODE_TILES_WIDE_ROWS.get(schedule.head_dim_bucket(p.d))
-    return wide if wide is not None and p.group * p.nq > 32 else None
+    if wide is None or _short_blocks(launch_problem(p, tile=wide), sm_count):
+        return None
+    return wide
 
 
 def wide_rows(tile) -> bool:
@@ -422,8 +436,9 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
-    tile = _auto_tile(p, tile)
-    p = launch_problem(p, _own_plan_sms(sm_count, splits, tile, waves), tile)
+    own = _own_plan_sms(sm_count, splits, tile, waves)
+    tile = tile if own is None else planner_tile(p, own, cluster)
+    p = launch_problem(p, own, tile)
     wide = wide_rows(tile)
     rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
     if wide and (rt > tile.max_row_tiles or p.nq > 16):
@@ -631,8 +646,9 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    tile = _auto_tile(p, tile)
-    lpp = launch_problem(p, _own_plan_sms(sms, splits, tile, waves), tile)  # (launch_plan plans it unchanged)
+    own = _own_plan_sms(sms, splits, tile, waves)
+    tile = tile if own is None else planner_tile(p, own, cluster)
+    lpp = launch_problem(p, own, tile)  # (launch_plan plans it unchanged)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
     lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))

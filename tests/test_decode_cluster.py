@@ -165,10 +165,12 @@ def test_packed_combines_are_programmatic():
     (128, 32, 64, 4096, 4, False), (128, 32, 64, 16384, 4, False), (128, 64, 32, 8192, 4, False),  # 4 splits,
     (64, 32, 64, 4096, 4, False), (64, 32, 64, 16384, 4, False), (64, 32, 64, 8192, 4, False),  # 2+ row tiles
     (128, 32, 128, 2048, 2, True), (128, 32, 128, 8192, 2, True), (64, 32, 128, 4096, 2, True)])  # 2 splits
-def test_four_block_clusters_hold_one_row_tile(d, hq, b, nk, splits, cluster):
+def test_four_block_clusters_hold_one_row_tile(monkeypatch, d, hq, b, nk, splits, cluster):
     # MQA with many sequences: blocks of two or more row tiles split in 4 merge through the
     # workspace (decode probe: 0.57-0.83x cuDNN in a 4-block cluster, 0.87-1.33x through memory),
-    # in 2 still in a 2-block cluster (ahead by 4-14%). The split count stays either way.
+    # in 2 still in a 2-block cluster (ahead by 4-14%). The split count stays either way. (Hq=64
+    # takes the wide-rows tile by default: here the table's, as under CUFLASH_DECODE_WIDE_ROWS=0.)
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
     p = _problem(b, hq, 1, 1, nk, d)
     lp = gpu_decode.launch_plan(p, H200_SMS)
     assert lp.row_tiles > 1 and (lp.splits, lp.cluster) == (splits, cluster)
@@ -605,11 +607,15 @@ def test_one_tile_row_blocks_other_dims(batch, hq, hkv, nk, d, blocks):
 @pytest.mark.parametrize("batch, hq, nk, blocks, cluster", [
     (32, 64, 8192, 2, False), (64, 64, 2048, 2, True), (8, 64, 16384, 2, False), (32, 48, 4096, 2, False),
     (16, 128, 8192, 4, False), (128, 64, 4096, 1, True), (1, 64, 32768, 4, False)])
-def test_wide_d64_blocks_split_in_two(batch, hq, nk, blocks, cluster):
+def test_wide_d64_blocks_split_in_two(monkeypatch, batch, hq, nk, blocks, cluster):
     # d=64, one K/V head: blocks of three or four row tiles whose splits would merge through memory
     # become blocks of at most _WIDE_D64_ROWS rows (mqa_rows_probe: 0.62-0.76 -> 0.73-0.94 of the
     # faster peer); where they merge in a 2-block cluster (B=128) they stay; short splits still take
-    # one-row-tile blocks first (B=1). A caller's splits keep the fewest row blocks that fit.
+    # one-row-tile blocks first (B=1). A caller's splits keep the fewest row blocks that fit. By
+    # default the wide-rows tile (planner_tile) takes these shapes unless their splits are short.
+    p = _problem(batch, hq, 1, 1, nk, 64)
+    assert (gpu_decode.launch_plan(p, H200_SMS).tile.ring == 3) == (batch > 1)
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
     p = _problem(batch, hq, 1, 1, nk, 64)
     assert gpu_decode.row_blocks(p, H200_SMS) == blocks
     lp = gpu_decode.launch_plan(p, H200_SMS)
@@ -686,9 +692,11 @@ def test_row_blocks_through_the_api(rng, batch, hq, nk, d):
 
 
 @pytest.mark.gpu
-def test_wide_d64_row_blocks_through_the_api(rng, monkeypatch):
-    # d=64, Hq=64 over one K/V head, 32 sequences: the planner splits the 64 packed rows into two
-    # blocks of two row tiles (_WIDE_D64_ROWS; one block of four before). Through cuflash.attention
+@pytest.mark.parametrize("wide_auto", [False, True], ids=["rows32", "wide"])
+def test_wide_d64_row_blocks_through_the_api(rng, monkeypatch, wide_auto):
+    # d=64, Hq=64 over one K/V head, 32 sequences: the planner takes the wide-rows tile (one block
+    # of four row tiles, a warp each: gpu_decode.WIDE_ROWS_AUTO); with that rule off, it splits the
+    # 64 packed rows into two blocks of two row tiles (_WIDE_D64_ROWS). Through cuflash.attention
     # with kv_lens 0, 1, random and full, output poisoned, against the reference per sequence.
     import cupy
 
@@ -701,11 +709,16 @@ def test_wide_d64_row_blocks_through_the_api(rng, monkeypatch):
     lens[:3] = [0, 1, nk]
     qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
     sms = gpu_decode._sm_count(cupy.cuda.Device().id)
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", wide_auto)
     if sms >= 120:  # (the H200's 132: the probe's shape; smaller GPUs may plan otherwise)
         assert gpu_decode.row_blocks(validate_forward(qg, kg, vg), sms) == 2
     launched = _launch(monkeypatch)
     out = _poisoned(qg.shape, BFLOAT16)
     o, lse = cuflash.attention(qg, kg, vg, kv_lens=lg, return_lse=True, out=out)
-    want = "attn_decode<Bf16, 64, 2," if sms >= 120 else "attn_decode<"  # (two row tiles)
-    assert launched and launched[0].startswith(want), launched
+    if sms < 120:
+        assert launched and launched[0].startswith("attn_decode<"), launched
+    elif wide_auto:  # (four row tiles, ring 3)
+        assert launched and launched[0].startswith("attn_decode<Bf16, 64, 4,") and launched[0].endswith(", 3>"), launched
+    else:  # (two row tiles)
+        assert launched and launched[0].startswith("attn_decode<Bf16, 64, 2,"), launched
     check_per_sequence(o, lse, q, k, v, lens, False, BFLOAT16)

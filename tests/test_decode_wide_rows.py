@@ -123,15 +123,29 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
     check_per_sequence(o4, lse3, q, k, v, lens, causal, dtype, window=window)
 
 
-def test_wide_rows_auto_switch(monkeypatch):
-    # CUFLASH_DECODE_WIDE_ROWS=1 (WIDE_ROWS_AUTO): the planner's own launch takes the wide-rows tile
-    # for more than 32 packed rows per K/V head, at d = 64 / 128 only; a caller's tile stands.
+def test_wide_rows_planner_rule(monkeypatch):
+    # The planner's own launch takes the wide-rows tile for more than 32 packed rows per K/V head
+    # at d = 64 / 128 unless its splits are short (_short_blocks: B = 1 there); a caller's tile,
+    # splits or waves, or cluster=True, stand; CUFLASH_DECODE_WIDE_ROWS=0 (WIDE_ROWS_AUTO) turns it off.
+    wide = schedule.DECODE_TILES_WIDE_ROWS
+    for b, hq, nq, nk, d, rt in [(8, 64, 1, 32768, 128, 4), (32, 64, 1, 16384, 128, 4), (8, 64, 1, 16384, 64, 4),
+                                 (128, 64, 1, 2048, 64, 4), (64, 48, 1, 16384, 64, 3), (64, 128, 1, 16384, 64, 4)]:
+        lp = gpu_decode.launch_plan(_problem(b, hq, 1, nq, nk, d), H200_SMS)
+        assert lp.tile == wide[d] and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
     p = _problem(8, 64, 1, 1, 16384, 128)
-    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3
-    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", True)
-    lp = gpu_decode.launch_plan(p, H200_SMS)
-    assert lp.tile == schedule.DECODE_TILES_WIDE_ROWS[128] and lp.row_tiles == 4 and not lp.cluster
-    assert gpu_decode.launch_plan(_problem(8, 32, 1, 1, 16384, 128), H200_SMS).tile.ring != 3  # 32 rows
-    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 16384, 256), H200_SMS).tile.ring != 3  # no d=256 tile
+    assert gpu_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
+    for q in [_problem(1, 64, 1, 1, 32768, 128), _problem(1, 128, 1, 1, 16384, 128),  # short splits
+              _problem(8, 32, 1, 1, 16384, 128),  # 32 rows: two row tiles
+              _problem(8, 64, 1, 1, 16384, 256)]:  # no d=256 wide tile
+        assert gpu_decode.launch_plan(q, H200_SMS).tile.ring != 3, q
     table = schedule.DECODE_TILES[128]
     assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
+    for kw in (dict(splits=8), dict(waves=1), dict(cluster=True)):
+        assert gpu_decode.launch_plan(p, H200_SMS, **kw).tile.ring != 3, kw
+    assert gpu_decode.launch_plan(p, H200_SMS, cluster=False).tile == wide[128]  # (merges through memory anyway)
+    # the launch problem carries the choice: planned again, the same launch
+    lpp = gpu_decode.launch_problem(p, H200_SMS)
+    assert lpp.hkv == 1 and gpu_decode.launch_plan(lpp, H200_SMS) == gpu_decode.launch_plan(p, H200_SMS)
+    assert gpu_decode.launch_problem(p, H200_SMS, cluster=True).hkv == 2  # (two blocks of two row tiles)
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
+    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3

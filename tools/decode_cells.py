@@ -3,33 +3,34 @@
 CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
 
 
-def decode_inputs(L, B, hkv, hq=32, d=128):
-    """(q, k, v, bytes read) of one cell on the GPU: torch bf16 q (B, hq, 1, d) and a K/V cache
+def decode_inputs(L, B, hkv, hq=32, d=128, nq=1):
+    """(q, k, v, bytes read) of one cell on the GPU: torch bf16 q (B, hq, nq, d) and a K/V cache
     (B, hkv, L, d); the bytes are the K and V cache read once plus q and o."""
     import torch
 
-    q = torch.randn(B, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, hq, nq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, hkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return q, k, v, 2 * B * hkv * L * d * 2 + 2 * B * hq * d * 2
+    return q, k, v, 2 * B * hkv * L * d * 2 + 2 * B * hq * nq * d * 2
 
 
 class ProbeCase:
     """One decode shape for the probes that time forced launches (GPU machine): decode_inputs' torch
     tensors, their CuPy views, the validated problem, output buffers, and cuDNN's output (float32)
-    as the check a variant's result must pass before it is timed."""
+    as the check a variant's result must pass before it is timed (no mask: nq query tokens see
+    every key)."""
 
-    def __init__(self, L, B, hkv, hq=32, d=128):
+    def __init__(self, L, B, hkv, hq=32, d=128, nq=1):
         import cupy as cp
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from cuflash._problem import validate_forward
 
-        self.q, self.k, self.v, self.nbytes = decode_inputs(L, B, hkv, hq, d)
+        self.q, self.k, self.v, self.nbytes = decode_inputs(L, B, hkv, hq, d, nq)
         self.qc, self.kc, self.vc = (cp.from_dlpack(x) for x in (self.q, self.k, self.v))
         self.p = validate_forward(self.qc, self.kc, self.vc)
         self.o4 = cp.empty_like(self.qc)
-        self.lse3 = cp.empty((B, hq, 1), dtype=cp.float32)
+        self.lse3 = cp.empty((B, hq, nq), dtype=cp.float32)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref = F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
         self.ref = cp.from_dlpack(ref).astype(cp.float32)
