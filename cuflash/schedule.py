@@ -517,8 +517,12 @@ DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
 # One K/V head with many query heads (MQA, Hq >= 48): a block of up to 64 packed rows whose warps
 # each own a row tile and share every K/V tile of the block ring (FlashAttention's forward order),
 # where the table's blocks have each warp walk its own keys for all rows, and more rows than a block
-# holds run as row blocks that each read the K/V head. FA2 reads MQA this way and leads there
-# (0.62-0.94x of it, evidence-20261201e/probes/mqa_*). Not yet measured: opt-in (tile=) only.
+# holds run as row blocks that each read the K/V head. FA2 reads MQA this way and led there
+# (0.62-0.94x of it, evidence-20261201e/probes/mqa_*). The planner takes it for more than 32 packed
+# rows per K/V head unless the splits are short (gpu_decode.planner_tile): x the faster peer, table ->
+# wide, d=128 Hq=64 B=8 L=32k 0.82 -> 0.91, B=64 L=16k 0.62 -> 0.87, Hq=128 B=16 L=8k 0.77 -> 0.92;
+# d=64 Hq=64 B=16 L=16k 0.81 -> 1.00, Hq=128 B=64 L=16k 0.67 -> 0.91; GQA nq=16 (64 rows) B=8 Hq=32
+# Hkv=8 d=128 L=4k 1.77 -> 1.96 (evidence-20261201f/rule-ffc2da5/).
 DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
     64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
     128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
