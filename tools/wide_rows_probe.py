@@ -5,7 +5,8 @@ rule off ("table": CUFLASH_DECODE_WIDE_ROWS=0), and the wide-rows tile forced ("
 count); next to cuDNN and FA2 (torch SDPA) each pass (benchmarks.peers.Timer: L2 flushed, launch
 hidden), alternating the order; x = the faster peer's time / the variant's.
 
-    python3 tools/wide_rows_probe.py out.json [passes]
+    python3 tools/wide_rows_probe.py out.json [passes] [short]
+"short": the shapes whose splits are short (_short_blocks: the rule keeps the table's tile), B = 1-8.
 """
 import json
 import sys
@@ -27,6 +28,11 @@ SHAPES = [  # (B, Hq, Hkv, nq, L, d)
     (4, 128, 1, 1, 8192, 64), (16, 64, 1, 1, 16384, 64), (32, 128, 1, 1, 4096, 64), (128, 64, 1, 1, 2048, 64),
     (64, 48, 1, 1, 16384, 64), (64, 128, 1, 1, 16384, 64), (8, 32, 8, 16, 8192, 64),
 ]
+if len(sys.argv) > 3 and sys.argv[3] == "short":
+    SHAPES = [(1, 48, 1, 1, 32768, 128), (2, 48, 1, 1, 16384, 128), (3, 64, 1, 1, 16384, 128), (4, 64, 1, 1, 8192, 128),
+              (4, 64, 1, 1, 32768, 128), (6, 64, 1, 1, 8192, 128), (4, 128, 1, 1, 16384, 128),
+              (2, 64, 1, 1, 16384, 64), (3, 64, 1, 1, 8192, 64), (4, 64, 1, 1, 16384, 64), (2, 128, 1, 1, 8192, 64),
+              (4, 48, 1, 1, 8192, 64), (1, 128, 1, 1, 32768, 64)]
 timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
 sms = gpu_decode._sm_count(0)
 out = []
