@@ -86,7 +86,11 @@ _WIDE_D64_ROWS = 32
 def _clusters(p, sm_count: int) -> bool:
     """Whether the planner's own launch of launch problem p merges its splits in a cluster (the
     launch_plan steps up to the merge, without the row-block step that calls this)."""
-    t, waves = _own_launch_tile(p, sm_count)
+    return _merges_in_cluster(p, *_own_launch_tile(p, sm_count), sm_count)
+
+
+def _merges_in_cluster(p, t, waves, sm_count: int) -> bool:
+    """Whether launch tile t's plan for launch problem p, at its own split count, merges in a cluster."""
     n = num_splits(p, t, sm_count, waves)
     return _merge_plan(span_keys(p), n, _min_split_keys(t), False, None, row_tiles_for(p))[1]
 
@@ -366,6 +370,9 @@ def default_tile(p, sm_count: int, waves=None):
         return one, waves or 1
     few = schedule.DECODE_TILES_FEW_PAIRS.get(hd)
     if few is not None and pairs < sm_count and rt <= few.max_row_tiles:
+        if hd in schedule.DECODE_FEW_PAIRS_CLUSTERS_ONLY and not _merges_in_cluster(
+                p, decode_specs(p.dtype, p.d, rt, p.causal is not None, True, t)[3], waves, sm_count):
+            return t, waves  # (the table's 4-warp tile, its splits merged through memory)
         return few, waves
     return t, waves
 

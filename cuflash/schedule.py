@@ -494,6 +494,15 @@ DECODE_TILES_FEW_PAIRS: dict[int, DecodeTile] = {
     192: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, four per SM"),
     256: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, three per SM"),
 }
+# Since a31f934 4 splits of more than 3072 keys merge through memory, not in a cluster. There, at
+# d=192, the table's 4-warp tile (two blocks per SM) is ahead again; in a cluster the 2-warp blocks
+# stay far ahead; at d=256 the two tie through memory. tools/few_pairs_probe.py (twenty-fourth
+# session, evidence-20261201f/few-pairs/), Hq=32 Hkv=8, x the faster peer (FA2), three passes,
+# 2 warps -> 4 warps: d=192 B=1 L=64k 1.13 -> 1.20, B=2 L=32k 1.08 -> 1.16, B=4 L=16k 1.07 -> 1.14,
+# B=8 L=16k 0.98 -> 1.05, L=64k 0.98 -> 1.03; in a 4-block cluster (B=8 L=4k) 1.02 -> 0.88; d=256
+# through memory 0.99-1.12 either way (within 0.5%), in a cluster 1.01 -> 0.79.
+# So at these head dims the 2-warp tile runs only where the table tile's splits would merge in a cluster.
+DECODE_FEW_PAIRS_CLUSTERS_ONLY = frozenset({192})
 
 # Splits merged through memory (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
 # tile in FA2's order. Decode probe, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys): 4.43-4.44

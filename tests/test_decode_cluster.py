@@ -114,8 +114,18 @@ def test_few_pairs_fill_the_slots_once(batch, hkv, want):
 
 @pytest.mark.parametrize("d", [192, 256])
 def test_wide_heads_with_few_pairs_take_two_warp_blocks(d):
-    few = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 16384, d), H200_SMS)
-    assert few.tile == schedule.DECODE_TILES_FEW_PAIRS[d] and few.tile.warps == 2
+    few = gpu_decode.launch_plan(_problem(8, 32, 8, 1, 4096, d), H200_SMS)  # (4 splits in a cluster)
+    assert few.cluster and few.tile == schedule.DECODE_TILES_FEW_PAIRS[d] and few.tile.warps == 2
+    # splits merged through memory: 2 warps at d=256, the table's 4 at d=192 (DECODE_FEW_PAIRS_CLUSTERS_ONLY)
+    for b, nk in [(8, 16384), (1, 65536), (4, 16384)]:
+        lp = gpu_decode.launch_plan(_problem(b, 32, 8, 1, nk, d), H200_SMS)
+        want = schedule.DECODE_TILES[d] if d == 192 else schedule.DECODE_TILES_FEW_PAIRS[d]
+        assert not lp.cluster and lp.tile == want, (b, nk, lp)
+    # at d=192 the 2-warp tile stays where the 4-warp tile's own splits would merge in a cluster
+    # (B=1 L=1k: 4 of 256 keys; the 2-warp tile's 8 of 128 merge through memory)
+    short = _problem(1, 32, 8, 1, 1024, 192)
+    assert gpu_decode.launch_plan(short, H200_SMS, tile=schedule.DECODE_TILES[192]).cluster
+    assert gpu_decode.launch_plan(short, H200_SMS).tile == schedule.DECODE_TILES_FEW_PAIRS[192]
     # three (d=256) or four (d=192) such blocks share an SM, against one or two of the table's tile
     per_sm = lambda t: H200.smem_per_sm // (t.smem_bytes(d, 1) + H200.smem_reserved_per_block)  # noqa: E731
     assert per_sm(few.tile) >= 3 > per_sm(schedule.DECODE_TILES[d])

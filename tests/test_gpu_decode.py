@@ -269,7 +269,7 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
 @pytest.mark.parametrize("case", ["lens", "paged", "window", "cluster", "combine"])
 def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
     # Head dims 192 / 256 with fewer (sequence, K/V head) pairs than SMs run the 2-warp tile
-    # (schedule.DECODE_TILES_FEW_PAIRS) through the API: kv_lens 0, 1, mid-tile and full; a paged
+    # (schedule.DECODE_TILES_FEW_PAIRS; at d=192 only where the splits merge in a cluster) through the API: kv_lens 0, 1, mid-tile and full; a paged
     # cache with shuffled pages; a window; the splits merged in a cluster and by the combine kernel
     # (planner's choice, on a stand-in device of 8 SMs so that a small batch splits). Outputs poisoned.
     from test_paged import run_paged
@@ -277,6 +277,8 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
     monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: 8)
     launched = _launch(monkeypatch)
     t = schedule.DECODE_TILES_FEW_PAIRS[d]
+    if case == "combine" and d in schedule.DECODE_FEW_PAIRS_CLUSTERS_ONLY:
+        t = schedule.DECODE_TILES[d]  # (d=192, splits merged through memory: the table's 4-warp tile)
     rng = np.random.default_rng([d, len(case)])
     dtype = FLOAT16 if case in ("lens", "window") else BFLOAT16
     b, hq, hkv, nq, nk = 4, 8, 1, 2, 3000 if case != "combine" else 20000
@@ -297,5 +299,5 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
         assert launched[0].startswith("attn_decode_cluster<") and launched[0].endswith(", 4>"), launched
     if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, merged through the workspace
         assert launched[0].startswith("attn_decode<"), launched
-        plan = types.SimpleNamespace(splits=4, cluster=False, tile=t, row_tiles=1)  # (2-warp blocks: the combine kernel under "auto")
+        plan = types.SimpleNamespace(splits=4, cluster=False, tile=t, row_tiles=1)  # (the launched tile: the merge under "auto")
         assert launched[-1].startswith("attn_decode_combine<") != gpu_decode.last_split_merges(plan, hq // hkv * 2, d), launched
