@@ -5,9 +5,12 @@ rule off ("table": CUFLASH_DECODE_WIDE_ROWS=0), and the wide-rows tile forced ("
 count); next to cuDNN and FA2 (torch SDPA) each pass (benchmarks.peers.Timer: L2 flushed, launch
 hidden), alternating the order; x = the faster peer's time / the variant's.
 
-    python3 tools/wide_rows_probe.py out.json [passes] [short]
+    python3 tools/wide_rows_probe.py out.json [passes] [short | steps]
 "short": the shapes whose splits are short (_short_blocks: the rule keeps the table's tile), B = 1-8.
+"steps": MQA shapes the rule sends wide, against wide tiles of twice the keys per step (FA2 steps 128
+keys at d=128): 2x key tiles, or 8 warps (half of them only copy); both one block per SM.
 """
+import dataclasses
 import json
 import sys
 
@@ -28,7 +31,11 @@ SHAPES = [  # (B, Hq, Hkv, nq, L, d)
     (4, 128, 1, 1, 8192, 64), (16, 64, 1, 1, 16384, 64), (32, 128, 1, 1, 4096, 64), (128, 64, 1, 1, 2048, 64),
     (64, 48, 1, 1, 16384, 64), (64, 128, 1, 1, 16384, 64), (8, 32, 8, 16, 8192, 64),
 ]
-if len(sys.argv) > 3 and sys.argv[3] == "short":
+MODE = sys.argv[3] if len(sys.argv) > 3 else ""
+if MODE == "steps":
+    SHAPES = [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (16, 128, 1, 1, 8192, 128),
+              (16, 64, 1, 1, 16384, 64), (64, 128, 1, 1, 16384, 64)]
+if MODE == "short":
     SHAPES = [(1, 48, 1, 1, 32768, 128), (2, 48, 1, 1, 16384, 128), (3, 64, 1, 1, 16384, 128), (4, 64, 1, 1, 8192, 128),
               (4, 64, 1, 1, 32768, 128), (6, 64, 1, 1, 8192, 128), (4, 128, 1, 1, 16384, 128),
               (2, 64, 1, 1, 16384, 64), (3, 64, 1, 1, 8192, 64), (4, 64, 1, 1, 16384, 64), (2, 128, 1, 1, 8192, 64),
@@ -51,6 +58,9 @@ for B, hq, hkv, nq, L, d in SHAPES:
     p = case.p
     wide = schedule.DECODE_TILES_WIDE_ROWS[d]
     variants = {"rule": (True, {}), "table": (False, {}), "wide": (True, dict(tile=wide))}
+    if MODE == "steps":  # (compiled at run time: not in the table)
+        variants = {"rule": (True, {}), "wide-2n": (True, dict(tile=dataclasses.replace(wide, block_n=2 * wide.block_n))),
+                    "wide-8w": (True, dict(tile=dataclasses.replace(wide, warps=8)))}
     plans = {}
     for name, (rule, kw) in variants.items():
         gpu_decode.WIDE_ROWS_AUTO = rule
