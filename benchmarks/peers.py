@@ -133,10 +133,28 @@ def forward_grid(ds=GRID_D, ns=GRID_N, dtypes=("bfloat16",)):
     return cases
 
 
-def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=None):
+def parse_decode_shapes(text):
+    """--decode-shapes: a comma list of BxHqxHkvxL or BxHqxHkvxLxd (one bf16 query token per
+    sequence; d defaults to DECODE_D) -> [(b, hq, hkv, L, d)]; ValueError naming the bad item."""
+    shapes = []
+    for item in (t for t in text.split(",") if t):
+        parts = item.split("x")
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            nums = []
+        if len(nums) not in (4, 5) or min(nums) < 1 or nums[1] % nums[2]:
+            raise ValueError(f"--decode-shapes: {item!r} is not BxHqxHkvxL[xd] with Hkv dividing Hq")
+        b, hq, hkv, n = nums[:4]
+        shapes.append((b, hq, hkv, n, nums[4] if len(nums) == 5 else DECODE_D))
+    return shapes
+
+
+def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=None, decode_shapes=None):
     """The list of Cases to run, in order. `quick` keeps a few shapes for a smoke run. `dtypes`
     (fwd/bwd): every head dim in each of these dtypes, instead of the default grid (bf16 at every
-    head dim, fp16 at d=128 only, which keeps the final check's run under its time limit)."""
+    head dim, fp16 at d=128 only, which keeps the final check's run under its time limit).
+    `decode_shapes` ((b, hq, hkv, L, d) each): these decode shapes instead of the issue's grid."""
     if quick:
         base = forward_grid(ds=(64, 128), ns=(1024, 4096))
         decode = [Case("decode", "bfloat16", DECODE_D, 8, 32, 8, 1, 4096, False),
@@ -146,6 +164,8 @@ def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=N
                 else forward_grid() + forward_grid(ds=(128,), dtypes=("float16",)))
         decode = [Case("decode", "bfloat16", DECODE_D, b, hq, hkv, 1, L, False)
                   for L in DECODE_LENGTHS for (b, hq, hkv) in DECODE_HEADS]
+    if decode_shapes:
+        decode = [Case("decode", "bfloat16", d, b, hq, hkv, 1, L, False) for b, hq, hkv, L, d in decode_shapes]
     plan = []
     for op in ops:
         if op == "fwd":
@@ -786,6 +806,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", default="",
                     help="comma list of bfloat16, float16: the forward/backward grid at every head dim in each "
                          "(default: bf16 everywhere, fp16 at d=128)")
+    ap.add_argument("--decode-shapes", default="",
+                    help="comma list of BxHqxHkvxL[xd]: these decode shapes (bf16, one token) instead of the grid")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=30, help="most timed repeats per implementation")
@@ -808,6 +830,10 @@ def parse_args(argv=None):
     args.d = [int(x) for x in args.d.split(",") if x]
     args.n = [int(x) for x in args.n.split(",") if x]
     args.dtypes = [t for t in args.dtypes.split(",") if t]
+    try:
+        args.decode_shapes = parse_decode_shapes(args.decode_shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
     if set(args.dtypes) - {"bfloat16", "float16"}:
         ap.error(f"--dtypes: expected a comma list of bfloat16, float16; got {','.join(args.dtypes)!r}")
     return args
@@ -817,7 +843,7 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.monotonic()
     deadline = started + args.max_seconds
-    plan = build_plan(args.ops, args.quick, args.d, args.n, args.dtypes)
+    plan = build_plan(args.ops, args.quick, args.d, args.n, args.dtypes, args.decode_shapes)
     if args.dry_run:
         print(plan_table(plan))
         print(f"{len(plan)} cases, {sum(c.flops() for c in plan) / 1e12:.1f} TFLOP in one pass of each")

@@ -87,6 +87,16 @@ def test_peers_dry_run_quick_plan_with_backward_and_decode(tmp_path):
         assert c["logical_bytes"] == 2 * (2 * c["b"] * c["hkv"] * c["nk"] * c["d"] + 2 * c["b"] * c["hq"] * c["d"])
 
 
+def test_peers_dry_run_decode_shapes_replace_the_grid(tmp_path):
+    plan, _ = dry_run(tmp_path, "--ops", "decode", "--decode-shapes", "8x64x1x32768,16x48x1x8192x64")
+    assert [(c["b"], c["hq"], c["hkv"], c["nk"], c["d"]) for c in plan] == [(8, 64, 1, 32768, 128), (16, 48, 1, 8192, 64)]
+    assert all(c["op"] == "decode" and c["nq"] == 1 and c["dtype"] == "bfloat16" for c in plan)
+    for bad in ("8x64x1", "8x64x5x1024", "8x64x1x0", "8xhx1x1024"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--dry-run", "--ops", "decode",
+                               "--decode-shapes", bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--decode-shapes" in proc.stderr and bad in proc.stderr, (bad, proc.stderr)
+
+
 def test_peers_dry_run_dtypes_grid_covers_every_head_dim_in_each_dtype(tmp_path):
     # the Hopper issue's grid: bf16 and fp16 at every head dim, forward and backward
     plan, _ = dry_run(tmp_path, "--ops", "fwd,bwd", "--dtypes", "bfloat16,float16", "--n", "1024,8192")
@@ -379,6 +389,9 @@ def test_grid_table_verdicts_over_passes(tmp_path):
                 _bench_row("decode", "torch-cudnn", 1.0, d=128, b=8, hkv=8), _bench_row("decode", "cuflash", dec_a, d=128, b=8, hkv=8),
                 _bench_row("decode", "torch-cudnn", 1.0, d=128, b=64, hkv=8),
                 _bench_row("decode", "cuflash", dec_b, d=128, b=64, hkv=8),
+                # MQA (outside the decode grid): listed with its ratio, no verdict, not counted
+                _bench_row("decode", "torch-cudnn", 1.0, d=128, b=8, hq=64, hkv=1),
+                _bench_row("decode", "cuflash", 2.0, d=128, b=8, hq=64, hkv=1),
                 _bench_row("fwd", "cuflash", 0.5, n=2048, status="mismatch"),  # never counted
                 _bench_row("fwd", "torch-cudnn", 1.0, n=2048)]
         path = tmp_path / name
@@ -395,7 +408,8 @@ def test_grid_table_verdicts_over_passes(tmp_path):
     assert lines[("bwd", "bfloat16", "128", "1024", "full")].split()[-2] == "split"   # 1.04, 1.06
     assert lines[("bwd", "bfloat16", "256", "1024", "full")].split()[-2] == "-"       # outside the bar
     decode = [line for line in proc.stdout.splitlines() if line.startswith("decode")]
-    assert len(decode) == 2  # keyed by batch and heads too
+    assert len(decode) == 3  # keyed by batch and heads too
+    assert any("B8 H64/1" in line and line.split()[-2] == "-" for line in decode)  # outside the grid
     assert any("B8 H32/8" in line and " met " in line for line in decode)            # 1.01, 1.02 >= 1.0
     assert any("B64 H32/8" in line and " short " in line for line in decode)         # 0.99, 0.98
     assert ("fwd", "bfloat16", "64", "2048", "full") not in lines  # a mismatching result is no ratio

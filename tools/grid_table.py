@@ -4,7 +4,8 @@
 
 Per cell (op, dtype, d, N, causal; decode also B and heads): cuDNN ms / cuflash ms in each pass (same process, same inputs),
 their min and max, and whether the cell meets the issue's bar (1.05; decode 1.0; no bar for the
-backward past d=128) in every pass (met), in none (short) or in some (split). Decode cells also get
+backward past d=128 or decode shapes outside the issue's grid) in every pass (met), in none (short)
+or in some (split). Decode grid cells also get
 cuflash's and cuDNN's read rate as a share of the same run's read-only stream (ceilings.read_tbps).
 """
 import json
@@ -12,6 +13,13 @@ import sys
 from collections import defaultdict
 
 BAR = 1.05
+# The decode issue's grid (peers-h200.md): d=128, Hq=32, (B, Hkv) in these; other decode shapes
+# (MQA, other head dims: benchmarks/peers.py --decode-shapes) are listed without a verdict.
+DECODE_GRID_HEADS = {(8, 8), (64, 8), (8, 32)}
+
+
+def in_decode_grid(d, b, hq, hkv):
+    return d == 128 and hq == 32 and (b, hkv) in DECODE_GRID_HEADS
 
 
 def main(paths):
@@ -30,7 +38,7 @@ def main(paths):
             if r.get("ms") is None or r.get("status") not in ("ok", None):
                 continue
             cells[(r["op"], r["dtype"], r["d"], r["nk"], bool(r["causal"]), r["b"], r["hq"], r["hkv"])][r["impl"]] = r["ms"]
-            if read and r["op"] == "decode" and r.get("tbps"):
+            if read and r["op"] == "decode" and r.get("tbps") and in_decode_grid(r["d"], r["b"], r["hq"], r["hkv"]):
                 of_read[(r["nk"], r["b"], r["hkv"])][r["impl"]].append(r["tbps"] / read)
         for cell, ms in cells.items():
             if "cuflash" in ms and "torch-cudnn" in ms:
@@ -45,7 +53,7 @@ def main(paths):
         rs = ratios[cell]
         lo, hi = min(rs), max(rs)
         bar = 1.0 if op == "decode" else BAR  # the decode issue's bar; backward's bar is at d <= 128
-        verdict = "-" if op == "bwd" and d > 128 else "met" if lo >= bar else "short" if hi < bar else "split"
+        verdict = "-" if _no_bar(cell) else "met" if lo >= bar else "short" if hi < bar else "split"
         if verdict in ("short", "split"):
             short.append((cell, lo, hi))
         per = " ".join(f"{r:.3f}" for r in rs)
@@ -53,7 +61,7 @@ def main(paths):
         vs_fa2 = f"{min(f):.2f}" if f else "-"
         print(f"{op:6} {dtype:9} {d:>4} {n:>6} {'causal' if causal else 'full':6} {shape:11} {per:26} {lo:.3f}  "
               f"{hi:.3f}  {verdict:5} {vs_fa2}")
-    judged = sum(1 for c in ratios if not (c[0] == "bwd" and c[2] > 128))
+    judged = sum(1 for c in ratios if not _no_bar(c))
     print(f"\n{judged} cells under the bar ({BAR}; decode 1.0); met in every pass by {judged - len(short)}; "
           f"short in some pass: {len(short)}")
     if of_read:
@@ -63,6 +71,12 @@ def main(paths):
                                if impl in ("cuflash", "torch-cudnn"))
             print(f"  L={n:>6} B={b:<3} Hkv={hkv:<3} {shares}")
     return 0
+
+
+def _no_bar(cell):
+    """Cells outside the bars: the backward past d=128, decode shapes outside the issue's grid."""
+    op, dtype, d, n, causal, b, hq, hkv = cell
+    return (op == "bwd" and d > 128) or (op == "decode" and not in_decode_grid(d, b, hq, hkv))
 
 
 if __name__ == "__main__":
