@@ -137,7 +137,7 @@ def _with_row_blocks(p, r: int):
 
 def _own_plan_sms(sm_count: int, splits, tile, waves):
     """sm_count where the planner picks the launch (no caller's splits, tile or waves), else None:
-    the SM count row_blocks takes for its one-row-tile rule."""
+    the SM count row_blocks takes for its one-row-tile rule, and planner_tile for the wide-rows tile."""
     return sm_count if splits is None and tile is None and waves is None else None
 
 
@@ -153,11 +153,12 @@ def launch_problem(p, sm_count=None, tile=None, cluster=None):
     return _with_row_blocks(p, row_blocks(p, sm_count))
 
 
-# The planner's own launch (no caller's tile, splits, waves or cluster) takes the wide-rows tile
-# (schedule.DECODE_TILES_WIDE_ROWS: a row tile per warp over all of a step's keys, FA2's order) for
-# K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1), except where its
-# splits would be held down by the shortest split (_short_blocks: B = 1-4 there, whose one-row-tile
-# blocks stay ahead). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
+# The planner's own launch (no caller's tile, splits or waves; cluster not forced on) takes the
+# wide-rows tile (schedule.DECODE_TILES_WIDE_ROWS: a row tile per warp over all of a step's keys,
+# FA2's order) for K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1,
+# nq = 16 tokens of a GQA group of 4), except where its splits would be held down by the shortest
+# split (_short_blocks: B = 1-6 in the probes, where the table's blocks stayed ahead at 10 of 11
+# shapes, evidence-20261201f/short-splits/). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
 # x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
 # -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64 B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64
 # L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90, Hq=48 B=64 L=16k 0.76 -> 1.01; short splits stay:
