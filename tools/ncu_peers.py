@@ -26,6 +26,19 @@ def decode_ops(b, hkv, nk):
             (f"decode cuflash B={b} Hkv={hkv} L={nk}", lambda: cuflash.attention(q, k, v))]
 
 
+def mqa_ops(b, hq, nk, d):
+    """MQA decode (one K/V head, hq query heads, one token): FA2 (the faster peer there) and cuflash."""
+    tq = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    tk, tv = (torch.randn(b, 1, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
+
+    def fa2():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            F.scaled_dot_product_attention(tq, tk.expand(b, hq, nk, d), tv.expand(b, hq, nk, d))
+    return [(f"mqa FA2 B={b} Hq={hq} L={nk} d={d}", fa2),
+            (f"mqa cuflash B={b} Hq={hq} L={nk} d={d}", lambda: cuflash.attention(q, k, v))]
+
+
 def bwd_ops(d, n, causal):
     b, h = 16384 // n, 2048 // d
     tq, tk, tv, tdo = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -55,13 +68,13 @@ def fwd_ops(d, n, causal):
 def main():
     import os
 
-    if os.environ.get("NCU_OPS"):  # e.g. "decode:8,32,65536;fwd:128,4096,0;bwd:64,4096,1"
-        make = {"decode": decode_ops, "fwd": fwd_ops, "bwd": bwd_ops}
+    if os.environ.get("NCU_OPS"):  # e.g. "decode:8,32,65536;fwd:128,4096,0;bwd:64,4096,1;mqa:64,64,16384,128"
+        make = {"decode": decode_ops, "fwd": fwd_ops, "bwd": bwd_ops, "mqa": mqa_ops}
         ops = []
         for item in os.environ["NCU_OPS"].split(";"):
             kind, args = item.split(":")
             vals = [int(x) for x in args.split(",")]
-            ops += make[kind](*vals[:2], bool(vals[2])) if kind != "decode" else make[kind](*vals)
+            ops += make[kind](*vals[:2], bool(vals[2])) if kind in ("fwd", "bwd") else make[kind](*vals)
     else:
         ops = decode_ops(8, 8, 4096) + decode_ops(64, 8, 4096) + decode_ops(8, 32, 4096)
         ops += bwd_ops(64, 4096, True) + bwd_ops(128, 4096, True) + bwd_ops(64, 4096, False)
