@@ -34,7 +34,7 @@ def mqa_ops(b, hq, nk, d):
 
     def fa2():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            F.scaled_dot_product_attention(tq, tk.expand(b, hq, nk, d), tv.expand(b, hq, nk, d))
+            F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
     return [(f"mqa FA2 B={b} Hq={hq} L={nk} d={d}", fa2),
             (f"mqa cuflash B={b} Hq={hq} L={nk} d={d}", lambda: cuflash.attention(q, k, v))]
 
