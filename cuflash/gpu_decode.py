@@ -148,9 +148,23 @@ def launch_problem(p, sm_count=None, tile=None, cluster=None):
     stays as it is."""
     if tile is None and sm_count is not None:
         tile = planner_tile(p, sm_count, cluster)
+    return _row_blocked(p, sm_count, tile)
+
+
+def _row_blocked(p, sm_count, tile):
+    """launch_problem for a tile already chosen (None: the table's)."""
     if wide_rows(tile):
         return _with_row_blocks(p, _fitting_row_blocks(p, 16 * tile.max_row_tiles))
     return _with_row_blocks(p, row_blocks(p, sm_count))
+
+
+def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
+    """(launch problem, tile) of a launch: for the planner's own (no caller's splits, tile or
+    waves), planner_tile's choice of tile; otherwise the caller's tile (None: the table's)."""
+    own = _own_plan_sms(sm_count, splits, tile, waves)
+    if own is not None:
+        tile = planner_tile(p, own, cluster)
+    return _row_blocked(p, own, tile), tile
 
 
 # The planner's own launch (no caller's tile, splits or waves; cluster not forced on) takes the
@@ -175,7 +189,7 @@ def planner_tile(p, sm_count: int, cluster=None):
     if cluster or not WIDE_ROWS_AUTO or p.dtype not in KERNEL_TYPE or p.nq > 16 or p.group * p.nq <= 32:
         return None
     wide = schedule.DECODE_TILES_WIDE_ROWS.get(schedule.head_dim_bucket(p.d))
-    if wide is None or _short_blocks(launch_problem(p, tile=wide), sm_count):
+    if wide is None or _short_blocks(_row_blocked(p, None, wide), sm_count):
         return None
     return wide
 
@@ -444,9 +458,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
-    own = _own_plan_sms(sm_count, splits, tile, waves)
-    tile = tile if own is None else planner_tile(p, own, cluster)
-    p = launch_problem(p, own, tile)
+    p, tile = _launch_problem_and_tile(p, sm_count, splits, tile, waves, cluster)
     wide = wide_rows(tile)
     rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
     if wide and (rt > tile.max_row_tiles or p.nq > 16):
@@ -654,9 +666,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    own = _own_plan_sms(sms, splits, tile, waves)
-    tile = tile if own is None else planner_tile(p, own, cluster)
-    lpp = launch_problem(p, own, tile)  # (launch_plan plans it unchanged)
+    lpp, tile = _launch_problem_and_tile(p, sms, splits, tile, waves, cluster)  # (launch_plan plans it unchanged)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
     lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))

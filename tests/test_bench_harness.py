@@ -414,3 +414,30 @@ def test_grid_table_verdicts_over_passes(tmp_path):
     assert any("B64 H32/8" in line and " short " in line for line in decode)         # 0.99, 0.98
     assert ("fwd", "bfloat16", "64", "2048", "full") not in lines  # a mismatching result is no ratio
     assert "4 cells under the bar" in proc.stdout and "met in every pass by 2" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/decode_cells.ProbeCase.alternate: the decode probes' rounds (no GPU: a stand-in case)
+
+
+def test_probe_rounds_alternate_the_order_and_report_x_the_faster_peer(capsys):
+    cells = load(ROOT / "tools" / "decode_cells.py", "decode_cells_under_test")
+    order = []
+
+    class Case(cells.ProbeCase):
+        def __init__(self):  # (no tensors: the peers' times are fixed)
+            pass
+
+        def peer_us(self, timer, peer):
+            order.append(peer)
+            return {"cudnn": 20.0, "flash": 10.0}[peer]
+
+    def variant(name, us):
+        return lambda: order.append(name) or us
+
+    rounds = Case().alternate(None, {"a": variant("a", 5.0), "b": variant("b", "wrong 0.5")}, 3, "B1",
+                              plans={"a": "4x1024"})
+    assert order == ["cudnn", "flash", "a", "b", "cudnn", "flash", "b", "a", "cudnn", "flash", "a", "b"]
+    assert rounds == [{"cudnn": 20.0, "flash": 10.0, "a": 5.0, "b": "wrong 0.5"}] * 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "B1 pass 1: cudnn 20.0 flash 10.0 us | a [4x1024] 2.000, b wrong 0.5"

@@ -147,5 +147,11 @@ def test_wide_rows_planner_rule(monkeypatch):
     lpp = gpu_decode.launch_problem(p, H200_SMS)
     assert lpp.hkv == 1 and gpu_decode.launch_plan(lpp, H200_SMS) == gpu_decode.launch_plan(p, H200_SMS)
     assert gpu_decode.launch_problem(p, H200_SMS, cluster=True).hkv == 2  # (two blocks of two row tiles)
+    # cluster=True launches those row blocks too (the accounting reads launch_problem)
+    forced = gpu_decode.launch_plan(p, H200_SMS, cluster=True)
+    assert forced.cluster and forced.tile.ring != 3 and forced.row_tiles == 2
+    d64 = _problem(8, 32, 1, 4, 16384, 64)  # (128 packed rows: four row blocks of two row tiles)
+    assert gpu_decode.launch_plan(d64, H200_SMS, cluster=True).row_tiles == 128 // 16 // (
+        gpu_decode.launch_problem(d64, H200_SMS, cluster=True).hkv)
     monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
     assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3

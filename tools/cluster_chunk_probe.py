@@ -14,8 +14,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
 
@@ -35,21 +33,18 @@ sms = gpu_decode._sm_count(0)
 out = []
 for B, hq, hkv, L, d in SHAPES:
     case = ProbeCase(L, B, hkv, hq, d)
-    row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "plans": {}, "passes": []}
+    row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "plans": {}}
     for lim in LIMITS:
         gpu_decode.CLUSTER_MAX_CHUNK = lim
         lp = gpu_decode.launch_plan(case.p, sms)
         row["plans"][lim] = f"{lp.splits}x{lp.chunk} {'cluster' if lp.cluster else 'memory'} ring{getattr(lp.tile, 'ring', '-')}"
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION)}
-        for lim in (LIMITS if i % 2 == 0 else LIMITS[::-1]):
-            gpu_decode.CLUSTER_MAX_CHUNK = lim
-            us[lim] = case.forward_us(timer)
-        row["passes"].append(us)
-        print(f"B{B} H{hq}/{hkv} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} us | " + ", ".join(
-            f"{lim} [{row['plans'][lim]}] {us['cudnn'] / us[lim]:.4f}" if isinstance(us[lim], float)
-            else f"{lim} {us[lim]}" for lim in LIMITS), flush=True)
+    def with_limit(lim):
+        gpu_decode.CLUSTER_MAX_CHUNK = lim
+        return case.forward_us(timer)
+
+    row["passes"] = case.alternate(timer, {lim: lambda lim=lim: with_limit(lim) for lim in LIMITS}, PASSES,
+                                   f"B{B} H{hq}/{hkv} L{L} d{d}", row["plans"], peers=("cudnn",), digits=4)
     gpu_decode.CLUSTER_MAX_CHUNK = LIMITS[0]
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)

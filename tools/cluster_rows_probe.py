@@ -11,8 +11,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
 
@@ -39,14 +37,8 @@ for B, hq, hkv, L, d in SHAPES:
     row = {"B": B, "hq": hq, "hkv": hkv, "L": L, "d": d, "passes": [],
            "plans": {n: f"{x.splits}x{x.chunk} rt{x.row_tiles} {'cluster' if x.cluster else 'memory'} "
                         f"ring{getattr(x.tile, 'ring', '-')}" for n, x in plans.items()}}
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION)}
-        for name, kw in (variants.items() if i % 2 == 0 else reversed(variants.items())):
-            us[name] = case.forward_us(timer, **kw)
-        row["passes"].append(us)
-        print(f"B{B} H{hq}/{hkv} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} us | " + ", ".join(
-            f"{n} [{row['plans'][n]}] {us['cudnn'] / us[n]:.4f}" if isinstance(us[n], float) else f"{n} {us[n]}"
-            for n in variants), flush=True)
+    row["passes"] = case.alternate(timer, {n: lambda kw=kw: case.forward_us(timer, **kw) for n, kw in variants.items()},
+                                   PASSES, f"B{B} H{hq}/{hkv} L{L} d{d}", row["plans"], peers=("cudnn",), digits=4)
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -35,11 +35,12 @@ class ProbeCase:
             ref = F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
         self.ref = cp.from_dlpack(ref).astype(cp.float32)
 
-    def peer_us(self, timer, backend):
-        """Microseconds of torch SDPA on one backend (an SDPBackend)."""
+    def peer_us(self, timer, peer):
+        """Microseconds of torch SDPA on one backend: peer "cudnn" or "flash"."""
         import torch.nn.functional as F
-        from torch.nn.attention import sdpa_kernel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[peer]
         with sdpa_kernel([backend]):
             return timer(lambda: F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True))[0] * 1e3
 
@@ -60,3 +61,26 @@ class ProbeCase:
             return timer(f)[0] * 1e3 if err < 0.02 else f"wrong {err}"
         except Exception as e:  # noqa: BLE001
             return repr(e)[:60]
+
+    def alternate(self, timer, variants, passes, label, plans=None, peers=("cudnn", "flash"), digits=3):
+        """`passes` rounds: torch SDPA on each of `peers` ("cudnn", "flash"), then `variants` (name ->
+        callable returning microseconds, or a message where the variant failed), the variants' order
+        reversed every other round so that neither side always runs first. Prints each round as x the
+        faster peer (its time / the variant's), with plans[name] where given; returns the rounds,
+        each {name: microseconds or message}."""
+        names = list(variants)
+        rounds = []
+        for i in range(passes):
+            us = {peer: self.peer_us(timer, peer) for peer in peers}
+            for name in names if i % 2 == 0 else names[::-1]:
+                us[name] = variants[name]()
+            rounds.append(us)
+            best = min(us[peer] for peer in peers)
+            cells = []
+            for name in names:
+                tag = f"{name} [{plans[name]}]" if plans and name in plans else f"{name}"
+                x = us[name]
+                cells.append(f"{tag} {best / x:.{digits}f}" if isinstance(x, float) else f"{tag} {x}")
+            print(f"{label} pass {i}: " + " ".join(f"{peer} {us[peer]:.1f}" for peer in peers) + " us | "
+                  + ", ".join(cells), flush=True)
+        return rounds

@@ -11,8 +11,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache, schedule  # noqa: E402
 
@@ -34,17 +32,9 @@ for B, L, d in SHAPES:
     for name, kw in variants.items():
         lp = gpu_decode.launch_plan(case.p, sms, **kw)
         plans[name] = f"{lp.tile.warps}w {lp.splits}x{lp.chunk}{' cl' if lp.cluster else ''}"
-    row = {"B": B, "L": L, "d": d, "plans": plans, "passes": []}
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
-              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
-        for name, kw in (variants.items() if i % 2 == 0 else reversed(variants.items())):
-            us[name] = case.forward_us(timer, **kw)
-        row["passes"].append(us)
-        best = min(us["cudnn"], us["flash"])
-        print(f"B{B} H32/8 L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
-              + ", ".join(f"{n_} [{plans[n_]}] {best / x:.3f}" if isinstance(x, float) else f"{n_} {x}"
-                          for n_, x in us.items() if n_ not in ("cudnn", "flash")), flush=True)
+    row = {"B": B, "L": L, "d": d, "plans": plans}
+    row["passes"] = case.alternate(timer, {n: lambda kw=kw: case.forward_us(timer, **kw) for n, kw in variants.items()},
+                                   PASSES, f"B{B} H32/8 L{L} d{d}", plans)
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -10,8 +10,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
 
@@ -34,19 +32,16 @@ out = []
 for B, hq, L, d in SHAPES:
     case = ProbeCase(L, B, 1, hq, d)
     row = {"B": B, "hq": hq, "L": L, "d": d, "planner": str(gpu_decode.launch_plan(case.p, sms)[2:]), "passes": []}
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
-              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
-        for name, kw in (VARIANTS.items() if i % 2 == 0 else reversed(VARIANTS.items())):
-            if name == "R2":  # (the original problem only: the library plans the doubled heads again)
-                gpu_decode.row_blocks = lambda p_, sm_count=None: 2 if p_.hkv == 1 else 1
-            us[name] = case.forward_us(timer, **kw)
+    def run(name, kw):
+        if name == "R2":  # (the original problem only: the library plans the doubled heads again)
+            gpu_decode.row_blocks = lambda p_, sm_count=None: 2 if p_.hkv == 1 else 1
+        try:
+            return case.forward_us(timer, **kw)
+        finally:
             gpu_decode.row_blocks = planned
-        row["passes"].append(us)
-        best = min(us["cudnn"], us["flash"])
-        print(f"B{B} H{hq}/1 L{L} d{d} [{row['planner']}] pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
-              + ", ".join(f"{n} {best / x:.3f}" if isinstance(x, float) else f"{n} {x}"
-                          for n, x in us.items() if n not in ("cudnn", "flash")), flush=True)
+
+    row["passes"] = case.alternate(timer, {n: lambda n=n, kw=kw: run(n, kw) for n, kw in VARIANTS.items()}, PASSES,
+                                   f"B{B} H{hq}/1 L{L} d{d} [{row['planner']}]")
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -13,8 +13,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache  # noqa: E402
 
@@ -35,31 +33,28 @@ for B, hq, L, d in SHAPES:
     case = ProbeCase(L, B, 1, hq, d)
     p = case.p
     r0 = planned(p, sms)
-    plans = {}
     variants = ["planner"] + [f"R{r}" for r in (1, 2, 4) if r != r0 and hq // r <= 64]
-    for name in variants:
+
+    def forced(name, f):
+        """f() with gpu_decode.row_blocks forced to variant `name`'s count (R<r>; "planner": as planned)."""
         if name != "planner":
             gpu_decode.row_blocks = lambda p_, sm_count=None, r=int(name[1:]): r if p_.hkv == 1 else 1
         try:
-            lp = gpu_decode.launch_plan(p, sms)
-            plans[name] = f"R{gpu_decode.launch_problem(p, sms).hkv} {lp.splits}x{lp.chunk} rt{lp.row_tiles}{' cl' if lp.cluster else ''}"
-        except Exception as e:  # noqa: BLE001
-            plans[name] = repr(e)[:40]
-        gpu_decode.row_blocks = planned
-    row = {"B": B, "hq": hq, "L": L, "d": d, "plans": plans, "passes": []}
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
-              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
-        for name in (variants if i % 2 == 0 else variants[::-1]):
-            if name != "planner":
-                gpu_decode.row_blocks = lambda p_, sm_count=None, r=int(name[1:]): r if p_.hkv == 1 else 1
-            us[name] = case.forward_us(timer)
+            return f()
+        finally:
             gpu_decode.row_blocks = planned
-        row["passes"].append(us)
-        best = min(us["cudnn"], us["flash"])
-        print(f"B{B} H{hq}/1 L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
-              + ", ".join(f"{n} [{plans[n]}] {best / us[n]:.3f}" if isinstance(us[n], float) else f"{n} {us[n]}"
-                          for n in variants), flush=True)
+
+    def plan():
+        try:
+            lp = gpu_decode.launch_plan(p, sms)
+            return f"R{gpu_decode.launch_problem(p, sms).hkv} {lp.splits}x{lp.chunk} rt{lp.row_tiles}{' cl' if lp.cluster else ''}"
+        except Exception as e:  # noqa: BLE001
+            return repr(e)[:40]
+
+    plans = {name: forced(name, plan) for name in variants}
+    row = {"B": B, "hq": hq, "L": L, "d": d, "plans": plans}
+    row["passes"] = case.alternate(timer, {n: lambda n=n: forced(n, lambda: case.forward_us(timer)) for n in variants},
+                                   PASSES, f"B{B} H{hq}/1 L{L} d{d}", plans)
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)

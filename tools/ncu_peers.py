@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuflash
+from decode_cells import decode_inputs  # (tools/, this script's directory)
 
 
 def decode_ops(b, hkv, nk):
-    tq = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    tk, tv = (torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tq, tk, tv, _ = decode_inputs(nk, b, hkv)
     q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
 
     def cudnn():
@@ -28,8 +28,7 @@ def decode_ops(b, hkv, nk):
 
 def mqa_ops(b, hq, nk, d):
     """MQA decode (one K/V head, hq query heads, one token): FA2 (the faster peer there) and cuflash."""
-    tq = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    tk, tv = (torch.randn(b, 1, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tq, tk, tv, _ = decode_inputs(nk, b, 1, hq, d)
     q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
 
     def fa2():

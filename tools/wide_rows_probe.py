@@ -15,8 +15,6 @@ import json
 import sys
 
 sys.path.insert(0, ".")
-from torch.nn.attention import SDPBackend  # noqa: E402
-
 from benchmarks.peers import Timer  # noqa: E402
 from cuflash import gpu_decode, plan_cache, schedule  # noqa: E402
 
@@ -67,17 +65,10 @@ for B, hq, hkv, nq, L, d in SHAPES:
         lp = gpu_decode.launch_plan(p, sms, **kw)
         plans[name] = f"{lp.splits}x{lp.chunk} rt{lp.row_tiles} ring{lp.tile.ring}{' cl' if lp.cluster else ''}"
     gpu_decode.WIDE_ROWS_AUTO = True
-    row = {"B": B, "hq": hq, "hkv": hkv, "nq": nq, "L": L, "d": d, "plans": plans, "passes": []}
-    for i in range(PASSES):
-        us = {"cudnn": case.peer_us(timer, SDPBackend.CUDNN_ATTENTION),
-              "flash": case.peer_us(timer, SDPBackend.FLASH_ATTENTION)}
-        for name, (rule, kw) in (variants.items() if i % 2 == 0 else reversed(variants.items())):
-            us[name] = run(case, rule, kw)
-        row["passes"].append(us)
-        best = min(x for n_, x in us.items() if n_ in ("cudnn", "flash") and isinstance(x, float))
-        print(f"B{B} H{hq}/{hkv} nq{nq} L{L} d{d} pass {i}: cudnn {us['cudnn']:.1f} flash {us['flash']:.1f} | "
-              + ", ".join(f"{n_} [{plans[n_]}] {best / x:.3f}" if isinstance(x, float) else f"{n_} {x}"
-                          for n_, x in us.items() if n_ not in ("cudnn", "flash")), flush=True)
+    row = {"B": B, "hq": hq, "hkv": hkv, "nq": nq, "L": L, "d": d, "plans": plans}
+    row["passes"] = case.alternate(timer, {n: lambda rule=rule, kw=kw: run(case, rule, kw)
+                                           for n, (rule, kw) in variants.items()},
+                                   PASSES, f"B{B} H{hq}/{hkv} nq{nq} L{L} d{d}", plans)
     out.append(row)
-    del case
+    case = None  # (frees the shape's GPU buffers before the next one)
     json.dump(out, open(sys.argv[1], "w"), indent=1)
