@@ -26,6 +26,12 @@
 #define CUFLASH_DECODE_L2_PREFETCH 0
 #endif
 
+// The block ring's predicate-free copy of steps wholly in range (load_tile_rows_full); A/B probe:
+// CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_FULL_COPY=0 keeps the general copy for every step.
+#ifndef CUFLASH_DECODE_FULL_COPY
+#define CUFLASH_DECODE_FULL_COPY 1
+#endif
+
 // (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_TRACE=<blocks>: thread 0 of
 // each split-KV block records its start and end (%globaltimer, ns), its SM, warp 0's key tiles,
 // when Q was in registers and when its warp left the loop (tools/decode_trace.py reads it back:
@@ -130,6 +136,18 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dk = ringK + slot * kStepTile;
         u16* dv = ringV + slot * kStepTile;
         if (block_table == nullptr) {
+            // (a step wholly inside the split's keys, rows of exactly HEAD_DIM: the predicate-free copy)
+            if constexpr (CUFLASH_DECODE_FULL_COPY && VEC && tile_rows_full_fits<HEAD_DIM, kStepN, Tr::kThreads>()) {
+                if (n0 + kStepN <= s1 && d == HEAD_DIM) {
+                    if (do_k)
+                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, CUFLASH_DECODE_L2_PREFETCH>(
+                            dk, gK + n0 * k_sn, k_sn, threadIdx.x);
+                    if (do_v)
+                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, CUFLASH_DECODE_L2_PREFETCH>(
+                            dv, gV + n0 * v_sn, v_sn, threadIdx.x);
+                    return;
+                }
+            }
             if (do_k)
                 load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
                     dk, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
