@@ -289,7 +289,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         // (each warp's rows are final: published as one warp's, then decode_store as for one warp)
         float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);
         decode_publish_row_tile<HEAD_DIM>(softmax, acc_o, warp < ROW_TILES, s_stat, sO, warp, lane, group * nq);
-        decode_store<T, HEAD_DIM, ROW_TILES, 1, Tr::kThreads, 1>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b,
+        decode_store<T, HEAD_DIM, ROW_TILES, 1, Tr::kThreads, 1, true>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b,
                                                                  hk, gridDim.y, split, n_splits, hq, nq, d, group,
                                                                  scale_log2);
         if (split_done != nullptr && n_splits > 1)

@@ -296,6 +296,23 @@ __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_T
 // would (s_stat's slot 0: (max, sum); sO: the un-normalized O) and decode_store<..., WARPS = 1,
 // SLOTS = 1> writes the result. Only the first `rows` (valid packed) rows. All threads of the block
 // must call this; it ends with a block barrier.
+// sO's rows are swizzled by 8-column chunks (decode_o_chunk): each store instruction of the
+// fragment writes 8 rows, 512 bytes apart unswizzled - all in the same banks, 8-way conflicts
+// (ncu, Hq=64 Hkv=1 d=128: ~1000 per block, 27x FA2's); decode_store reads them back the same way.
+#ifndef CUFLASH_DECODE_PUBLISH_SWIZZLE
+#define CUFLASH_DECODE_PUBLISH_SWIZZLE 1
+#endif
+template <int HEAD_DIM>
+__host__ __device__ constexpr bool decode_o_swizzled() {
+    return CUFLASH_DECODE_PUBLISH_SWIZZLE && HEAD_DIM % 64 == 0;
+}
+// The physical 8-column chunk of row r's logical chunk c in a swizzled sO (c ^ (r mod 8): the
+// fragment's 8 rows of one store land in 8 distinct chunks, a permutation within each 64 columns).
+template <int HEAD_DIM>
+__device__ __forceinline__ int decode_o_chunk(int r, int c) {
+    if constexpr (decode_o_swizzled<HEAD_DIM>()) return c ^ (r & 7);
+    return c;
+}
 template <int HEAD_DIM>
 __device__ __forceinline__ void decode_publish_row_tile(const OnlineSoftmax<2>& softmax,
                                                         const float (&acc_o)[1][HEAD_DIM / 8][4], bool computes,
@@ -312,7 +329,7 @@ __device__ __forceinline__ void decode_publish_row_tile(const OnlineSoftmax<2>& 
                 if ((lane & 3) == 0) *reinterpret_cast<float2*>(s_stat + 2 * r) = make_float2(softmax.m[hf], sum);
 #pragma unroll
                 for (int ni = 0; ni < kNO; ++ni)
-                    *reinterpret_cast<float2*>(&sO[r * HEAD_DIM + ni * 8 + 2 * (lane & 3)]) =
+                    *reinterpret_cast<float2*>(&sO[r * HEAD_DIM + decode_o_chunk<HEAD_DIM>(r, ni) * 8 + 2 * (lane & 3)]) =
                         make_float2(acc_o[0][ni][2 * hf] * f, acc_o[0][ni][2 * hf + 1] * f);
             }
         }
@@ -356,7 +373,8 @@ __device__ __forceinline__ void decode_reduce_row_stats(float* s_stat, int rows,
 // and a block's end took 2.6 us against 1.3 with one row - block trace, B=64 Hkv=8 L=4k.) The
 // arithmetic per element is unchanged, so are the results, bit for bit. All threads of the block
 // must call this (it has a block barrier).
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int SLOTS>
+// SWIZZLED: sO as decode_publish_row_tile writes it (decode_o_chunk), one slot.
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int SLOTS, bool SWIZZLED = false>
 __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16* o, float* lse, float* part_o,
                                              float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn, int b, int hk, int hkv,
                                              int split, int n_splits, int hq, int nq, int d, int group,
@@ -374,7 +392,7 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
         if (c >= d) continue;
         float mx, sum;
         decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
-        float acc = sO[i];
+        float acc = sO[SWIZZLED ? r * HEAD_DIM + decode_o_chunk<HEAD_DIM>(r, c >> 3) * 8 + (c & 7) : i];
 #pragma unroll
         for (int s = 1; s < SLOTS; ++s) acc += sO[s * 16 * ROW_TILES * HEAD_DIM + i];
         const float val = acc * (sum > 0.f ? 1.f / sum : 0.f);
@@ -400,7 +418,9 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
         if (c0 >= d) return;
         const float2 st = *reinterpret_cast<const float2*>(s_stat + 2 * r);
         const float mx = st.x, sum = st.y;
-        float4 acc = *reinterpret_cast<const float4*>(sO + r * HEAD_DIM + c0);
+        static_assert(!SWIZZLED || SLOTS == 1, "a swizzled sO holds one slot");
+        const int phys = SWIZZLED ? decode_o_chunk<HEAD_DIM>(r, c0 >> 3) * 8 + (c0 & 7) : c0;
+        float4 acc = *reinterpret_cast<const float4*>(sO + r * HEAD_DIM + phys);
 #pragma unroll
         for (int s = 1; s < SLOTS; ++s) {
             const float4 x = *reinterpret_cast<const float4*>(sO + s * 16 * ROW_TILES * HEAD_DIM + r * HEAD_DIM + c0);
