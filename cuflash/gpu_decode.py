@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -172,25 +173,49 @@ def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
 # FA2's order) for K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1,
 # nq = 16 tokens of a GQA group of 4), except where its splits would be held down by the shortest
 # split (_short_blocks: B = 1-6 in the probes, where the table's blocks stayed ahead at 10 of 11
-# shapes, evidence-20261201f/short-splits/). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
+# shapes, evidence-20261201f/short-splits/) and it would launch few blocks (WIDE_SHORT_MIN_WAVES). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
 # x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
 # -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64 B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64
 # L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90, Hq=48 B=64 L=16k 0.76 -> 1.01; short splits stay:
 # Hq=64 B=1 L=32k d=128 0.87 against 0.81, Hq=128 B=1 L=16k 0.86 against 0.81. At 32 packed rows
 # (Hq=32) the two-row-tile blocks stay ahead (1.05 against 1.02 at B=8 L=32k).
 # CUFLASH_DECODE_WIDE_ROWS=0 turns the rule off (A/B).
+# Short splits after the block ring's predicate-free copy (075d3cb made the wide kernel 2-8% faster):
+# the wide tile still takes them where its own launch has at least this many blocks per SM (its
+# split count is held down by its shortest split there). tools/wide_rows_probe.py short (twenty-fifth
+# session, two passes, evidence-20261201g/), Hkv=1, x the faster peer, table -> wide: d=128 with
+# 256 wide blocks B=2 Hq=48 L=32k 0.92 -> 1.00, B=4 Hq=64 L=16k 0.93 -> 0.98; 192: B=3 Hq=64 L=16k
+# 0.93 -> 0.94, B=6 Hq=64 L=8k 0.93 -> 0.94; with 128 the table's one-row-tile blocks stay ahead
+# (B=1 Hq=64 L=32k 0.89 against 0.83, B=2 Hq=64 L=16k 0.90 / 0.86, B=4 Hq=64 L=8k 0.87 / 0.83,
+# B=1 Hq=128 L=16k 0.87 / 0.83; B=1 Hq=48 L=32k 0.89 / 0.89). d=64 with 128 wide blocks: B=1 Hq=128
+# L=32k 1.01 -> 1.06, B=4 Hq=64 L=16k 0.99 -> 1.04; with 48-64 the table stays ahead (B=2 Hq=64 L=16k
+# 0.97 against 0.87, B=1 Hq=64 L=32k 1.00 / 0.89, B=2 Hq=128 L=8k 0.97 / 0.86). Nor where the table's
+# own launch merges its splits in a cluster: the 50 shapes this rule moved (d=64 / 128, B=1-16, MQA
+# Hq=48-128 and nq=16 GQA) ran the wide tile 0-10% faster, except three of those, at d=64: B=4
+# Hq=32 Hkv=8 nq=16 L=2k 1.28 against 1.49, B=16 Hq=48 L=4k 1.09 / 1.19, B=16 Hq=128 L=2k 0.92 /
+# 1.02 (the other three: +-0-3%). Examples of the rest: d=128 B=1 Hq=128 L=32k 0.91 -> 0.99, B=8
+# Hq=48 L=8k 0.90 -> 0.99, B=1 Hq=32 Hkv=8 nq=16 L=8k 1.58 -> 1.68; d=64 B=2 Hq=128 L=16k 0.98 ->
+# 1.05 (x the faster peer, two passes; evidence-20261201g/short-rule/).
+WIDE_SHORT_MIN_WAVES = {64: 0.9, 128: 1.4}
 WIDE_ROWS_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_ROWS", "1") == "1"
 
 
 def planner_tile(p, sm_count: int, cluster=None):
     """For the planner's own launch (no caller's tile, splits or waves; cluster not forced on), the
     wide-rows tile where a K/V head's packed rows exceed two row tiles and its splits are not short
-    (see WIDE_ROWS_AUTO), else None (the table's tile)."""
+    or it launches WIDE_SHORT_MIN_WAVES blocks per SM anyway (see WIDE_ROWS_AUTO), else None (the
+    table's tile)."""
     if cluster or not WIDE_ROWS_AUTO or p.dtype not in KERNEL_TYPE or p.nq > 16 or p.group * p.nq <= 32:
         return None
-    wide = schedule.DECODE_TILES_WIDE_ROWS.get(schedule.head_dim_bucket(p.d))
-    if wide is None or _short_blocks(_row_blocked(p, None, wide), sm_count):
+    hd = schedule.head_dim_bucket(p.d)
+    wide = schedule.DECODE_TILES_WIDE_ROWS.get(hd)
+    if wide is None:
         return None
+    if _short_blocks(_row_blocked(p, None, wide), sm_count):
+        wp = _row_blocked(p, None, wide)
+        blocks = launch_plan(p, sm_count, tile=wide).splits * wp.hkv * wp.batch
+        if blocks < WIDE_SHORT_MIN_WAVES.get(hd, math.inf) * sm_count or _clusters(_row_blocked(p, sm_count, None), sm_count):
+            return None
     return wide
 
 

@@ -605,13 +605,19 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
 
 
 @pytest.mark.parametrize("B, H, nk, blocks", [(2, 64, 32768, 2), (1, 32, 32768, 2), (1, 64, 32768, 4), (8, 32, 32768, 1)])
-def test_io_decode_row_blocks_reread_the_cache(B, H, nk, blocks):
+def test_io_decode_row_blocks_reread_the_cache(monkeypatch, B, H, nk, blocks):
     """One K/V head with many query heads (MQA, d=128): each of the planner's row blocks reads the
     K/V head (two-row-tile blocks, or one-row-tile blocks where its splits would be short); the
-    partials are the same rows either way, and the split counters one per (sequence, row block)."""
+    partials are the same rows either way, and the split counters one per (sequence, row block).
+    The table's tiles (the wide-rows rule off); with the rule, B=2 Hq=64 reads the head once."""
     from types import SimpleNamespace
 
     from cuflash import gpu_decode
+
+    if (B, H) == (2, 64):
+        wide = {e.name: e for e in cuflash.io_model((B, H, 1, 128), nk=nk, hkv=1).entries}
+        assert wide["K"].reads == B * nk * 128
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
 
     nq, d = 1, 128
     p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=1, group=H, batch=B, causal=None)

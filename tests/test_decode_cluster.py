@@ -587,11 +587,13 @@ def test_row_blocks(hq, hkv, nq, blocks):
     (1, 32, 1, 8192, 2), (1, 32, 1, 32768, 2), (1, 32, 1, 65536, 2), (1, 32, 1, 131072, 1), (8, 32, 1, 32768, 1),
     (1, 64, 1, 32768, 4), (1, 64, 1, 65536, 2), (2, 64, 1, 32768, 2), (1, 128, 1, 16384, 8), (1, 128, 1, 32768, 4),
     (1, 48, 1, 32768, 3), (1, 32, 8, 4096, 1)])
-def test_one_tile_row_blocks(batch, hq, hkv, nk, blocks):
-    # The planner's own launch at d=128 (132 SMs): where the two-row-tile blocks' split count is held
-    # down by the shortest split (B=1 MQA up to 64k keys, Hq=64 up to 32k), one-row-tile row blocks
-    # (16 packed rows each); with longer splits, or a caller's splits / tile / waves, the fewest row
-    # blocks that fit. Planned again, a launch problem stays as it is.
+def test_one_tile_row_blocks(monkeypatch, batch, hq, hkv, nk, blocks):
+    # The planner's own launch at d=128 (132 SMs) with the table's tiles (the wide-rows rule off: it
+    # takes some of these shapes, test_wide_rows_planner_rule): where the two-row-tile blocks' split
+    # count is held down by the shortest split (B=1 MQA up to 64k keys, Hq=64 up to 32k), one-row-tile
+    # row blocks (16 packed rows each); with longer splits, or a caller's splits / tile / waves, the
+    # fewest row blocks that fit. Planned again, a launch problem stays as it is.
+    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
     p = _problem(batch, hq, hkv, 1, nk, 128)
     assert gpu_decode.row_blocks(p, H200_SMS) == blocks
     planned = gpu_decode.launch_problem(p, H200_SMS)

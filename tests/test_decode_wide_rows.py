@@ -45,8 +45,6 @@ def test_wide_rows_plan(d, hq, nq, rt):
         assert not gpu_decode.launch_plan(p, H200_SMS, splits=splits, tile=t).cluster
     with pytest.raises(ValueError, match="wide-rows"):
         gpu_decode.launch_plan(p, H200_SMS, tile=t, cluster=True)
-    # the planner's own launch does not take it (opt-in until measured)
-    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring != 3
 
 
 def test_wide_rows_tiles_fit_their_kernel():
@@ -125,7 +123,8 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
 
 def test_wide_rows_planner_rule(monkeypatch):
     # The planner's own launch takes the wide-rows tile for more than 32 packed rows per K/V head
-    # at d = 64 / 128 unless its splits are short (_short_blocks: B = 1 there); a caller's tile,
+    # at d = 64 / 128 unless its splits are short (_short_blocks) and it would launch few blocks or the
+    # table's splits merge in a cluster; a caller's tile,
     # splits or waves, or cluster=True, stand; CUFLASH_DECODE_WIDE_ROWS=0 (WIDE_ROWS_AUTO) turns it off.
     wide = schedule.DECODE_TILES_WIDE_ROWS
     for b, hq, nq, nk, d, rt in [(8, 64, 1, 32768, 128, 4), (32, 64, 1, 16384, 128, 4), (8, 64, 1, 16384, 64, 4),
@@ -134,10 +133,20 @@ def test_wide_rows_planner_rule(monkeypatch):
         assert lp.tile == wide[d] and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
     p = _problem(8, 64, 1, 1, 16384, 128)
     assert gpu_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
-    for q in [_problem(1, 64, 1, 1, 32768, 128), _problem(1, 128, 1, 1, 16384, 128),  # short splits
+    for q in [_problem(1, 64, 1, 1, 32768, 128), _problem(1, 128, 1, 1, 16384, 128),  # short splits, few blocks
+              _problem(2, 64, 1, 1, 16384, 64),
+              _problem(16, 48, 1, 1, 4096, 64),  # short splits, the table's merge in a cluster
               _problem(8, 32, 1, 1, 16384, 128),  # 32 rows: two row tiles
               _problem(8, 64, 1, 1, 16384, 256)]:  # no d=256 wide tile
         assert gpu_decode.launch_plan(q, H200_SMS).tile.ring != 3, q
+    # short splits, but the wide tile's own launch has WIDE_SHORT_MIN_WAVES blocks per SM
+    for b, hq, nq, nk, d in [(2, 48, 1, 32768, 128), (4, 64, 1, 16384, 128), (4, 128, 1, 8192, 128),
+                             (1, 128, 1, 32768, 64), (1, 32, 16, 8192, 128)]:
+        q = _problem(b, hq, hq // 4 if nq == 16 else 1, nq, nk, d)
+        assert gpu_decode._short_blocks(gpu_decode.launch_problem(q, tile=wide[d]), H200_SMS), q
+        lp = gpu_decode.launch_plan(q, H200_SMS)
+        blocks = lp.splits * gpu_decode.launch_problem(q, H200_SMS).hkv * b
+        assert lp.tile == wide[d] and blocks >= gpu_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
     table = schedule.DECODE_TILES[128]
     assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
     for kw in (dict(splits=8), dict(waves=1), dict(cluster=True)):

@@ -32,4 +32,4 @@ for v in 1 0; do
     echo "== $MACRO=$v"
     python3 tools/grid_table.py "$OUT"/*_v${v}_*.json | grep -E "^decode"
 done
-cd "$OUT" && tar czf ab.tgz grid_v* mqa_v* && rm -f grid_v* mqa_v*
+cd "$OUT" && tar czf ab.tgz grid_v* mqa_v* 2>/dev/null; rm -f grid_v* mqa_v*

@@ -6,7 +6,9 @@ count); next to cuDNN and FA2 (torch SDPA) each pass (benchmarks.peers.Timer: L2
 hidden), alternating the order; x = the faster peer's time / the variant's.
 
     python3 tools/wide_rows_probe.py out.json [passes] [short | steps]
-"short": the shapes whose splits are short (_short_blocks: the rule keeps the table's tile), B = 1-8.
+"short": the shapes whose splits are short (_short_blocks: the rule keeps the table's tile), B = 1-8;
+also the wide tile at twice its own split count ("wide-x2"). "list": the shapes in PROBE_SHAPES
+("B,Hq,Hkv,nq,L,d;..."), the planner against the table's tile.
 "steps": MQA shapes the rule sends wide, against wide tiles of twice the keys per step (FA2 steps 128
 keys at d=128): 2x key tiles, or 8 warps (half of them only copy); both one block per SM.
 """
@@ -34,10 +36,14 @@ if MODE == "steps":
     SHAPES = [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (16, 128, 1, 1, 8192, 128),
               (16, 64, 1, 1, 16384, 64), (64, 128, 1, 1, 16384, 64)]
 if MODE == "short":
-    SHAPES = [(1, 48, 1, 1, 32768, 128), (2, 48, 1, 1, 16384, 128), (3, 64, 1, 1, 16384, 128), (4, 64, 1, 1, 8192, 128),
-              (4, 64, 1, 1, 32768, 128), (6, 64, 1, 1, 8192, 128), (4, 128, 1, 1, 16384, 128),
+    SHAPES = [(1, 48, 1, 1, 32768, 128), (2, 48, 1, 1, 16384, 128), (2, 48, 1, 1, 32768, 128), (1, 64, 1, 1, 32768, 128),
+              (2, 64, 1, 1, 16384, 128), (3, 64, 1, 1, 16384, 128), (4, 64, 1, 1, 8192, 128), (4, 64, 1, 1, 16384, 128),
+              (6, 64, 1, 1, 8192, 128), (1, 128, 1, 1, 16384, 128), (2, 128, 1, 1, 8192, 128),
               (2, 64, 1, 1, 16384, 64), (3, 64, 1, 1, 8192, 64), (4, 64, 1, 1, 16384, 64), (2, 128, 1, 1, 8192, 64),
-              (4, 48, 1, 1, 8192, 64), (1, 128, 1, 1, 32768, 64)]
+              (4, 48, 1, 1, 8192, 64), (1, 128, 1, 1, 32768, 64), (1, 64, 1, 1, 32768, 64)]
+if MODE == "list":  # (PROBE_SHAPES="B,Hq,Hkv,nq,L,d;...": the planner against the table's tile only)
+    import os
+    SHAPES = [tuple(int(x) for x in sh.split(",")) for sh in os.environ["PROBE_SHAPES"].split(";")]
 timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
 sms = gpu_decode._sm_count(0)
 out = []
@@ -56,9 +62,14 @@ for B, hq, hkv, nq, L, d in SHAPES:
     p = case.p
     wide = schedule.DECODE_TILES_WIDE_ROWS[d]
     variants = {"rule": (True, {}), "table": (False, {}), "wide": (True, dict(tile=wide))}
+    if MODE == "list":
+        variants = {"rule": (True, {}), "table": (False, {})}
     if MODE == "steps":  # (compiled at run time: not in the table)
         variants = {"rule": (True, {}), "wide-2n": (True, dict(tile=dataclasses.replace(wide, block_n=2 * wide.block_n))),
                     "wide-8w": (True, dict(tile=dataclasses.replace(wide, warps=8)))}
+    if MODE == "short":  # (twice the wide tile's own splits: its key bound held them down)
+        own = gpu_decode.launch_plan(p, sms, tile=wide).splits
+        variants["wide-x2"] = (True, dict(tile=wide, splits=2 * own))
     plans = {}
     for name, (rule, kw) in variants.items():
         gpu_decode.WIDE_ROWS_AUTO = rule
