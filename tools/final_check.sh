@@ -45,10 +45,10 @@ timeout 60 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,
     --max-seconds 45 --out "$tmp/decode.json" > "$tmp/decode.log" 2>&1; echo "decode bench rc=$?"
 # Decode shapes outside the grid, against the same peers (grid_table lists them without a
 # verdict): MQA with many query heads (the wide-rows blocks; FA2 leads there) and one B=1 MQA shape
-# with short splits. MQA=0 skips it.
+# with short splits, two whose short splits take the wide rows (WIDE_SHORT_MIN_WAVES). MQA=0 skips it.
 if [ "${MQA:-1}" = 1 ]; then
     timeout 50 python3 benchmarks/peers.py --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
-        --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64 \
+        --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,2x48x1x32768,4x64x1x16384,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64 \
         --out "$tmp/decode_mqa.json" > "$tmp/decode_mqa.log" 2>&1; echo "decode mqa bench rc=$?"
 fi
 timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1; echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
