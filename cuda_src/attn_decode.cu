@@ -14,6 +14,7 @@
 // RING 3 (wide rows: MQA with many query heads) turns the block around: the block copies each
 // step's keys as RING 1 does, and warp w computes rows 16w..16w+15 over all of them, FlashAttention's
 // forward order - each K/V tile read once from shared memory per row tile, no warp merge at the end.
+// RING 4: the same rows with FA2's copies - one K and one V buffer (STAGES 1) of twice the keys.
 #include "common.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
@@ -69,8 +70,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   int band_hi, int row_blocks) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
-    // RING 3: warps own row tiles (one each; warps past ROW_TILES only copy), the block ring's keys
-    constexpr bool kRowSplit = RING == 3;
+    // RING 3 / 4: warps own row tiles (one each; warps past ROW_TILES only copy), the block ring's keys
+    constexpr bool kRowSplit = RING >= 3;
     constexpr int kWarpTiles = kRowSplit ? 1 : ROW_TILES;
     static_assert(!kRowSplit || (ROW_TILES <= WARPS && CLUSTER == 0), "RING 3: a row tile per warp, no cluster merge");
     static_assert(!kRowSplit || kRows * HEAD_DIM * 4 <= Tr::kRingBytes, "RING 3: the rings hold the block's O");
@@ -112,7 +113,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // copies K there and V after the softmax, each a step ahead (FA2's order: K_{j+1} loads under
     // P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
     constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
-    static_assert(RING == 0 || STAGES >= 2, "the block ring keeps a step in flight");
+    static_assert(RING == 0 || STAGES >= 2 || (RING == 4 && STAGES == 1), "the block ring keeps a step in flight");
     const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
     u16* ringK = sQ + kRows * HEAD_DIM;  // (RING > 0)
@@ -192,7 +193,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         (ROW_TILES == 1 && QPack::kItems <= 2) || (CUFLASH_DECODE_Q_FIRST_WIDE && HEAD_DIM == 128 && QPack::kItems <= 4);
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-    if constexpr (RING > 0) {
+    if constexpr (RING == 4) {
+        if (n_steps > 0) load_step(0, 0, true, false);  // K_0 (V_0 at step 0's start)
+        cp_async_commit();
+    } else if constexpr (RING > 0) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_steps) load_step(s, s, true, RING != 2);
@@ -227,7 +231,31 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int trace_tiles = RING > 0 ? n_steps : my_tiles;
 #endif
 
-    if constexpr (RING > 0) {
+    if constexpr (RING == 4) {
+        // FA2's order with one K and one V buffer of a step each (the shared memory of RING 3's two
+        // stages of half the keys): V_t copies under Q K_t^T and the softmax, K_{t+1} under P V_t.
+        const u32 kbase = sbase + kRows * HEAD_DIM * 2;
+        const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+        const LaneAddr<HEAD_DIM> aV(kbase + kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+        for (int t = 0; t < n_steps; ++t) {
+            cp_async_wait<0>();
+            __syncthreads();  // K_t visible; every warp is past P V_{t-1}: V's buffer refills
+            load_step(t, 0, false, true);
+            cp_async_commit();
+            auto k_ahead = [&]() {
+                cp_async_wait<0>();
+                __syncthreads();  // V_t visible; every warp is past Q K_t^T: K's buffer refills
+                if (t + 1 < n_steps) load_step(t + 1, 0, true, false);
+                cp_async_commit();
+            };
+            if (warp < ROW_TILES)
+                decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, 0, 0, s0 + t * kStepN, s1, rows,
+                                                                     span.lo0, span.hi0, nq, lane, softmax, acc_o,
+                                                                     scale_log2, k_ahead);
+            else
+                k_ahead();  // (a warp without rows still meets the barrier and copies its share)
+        }
+    } else if constexpr (RING > 0) {
         const u32 kbase = sbase + (kRows * HEAD_DIM + (kRowSplit ? 0 : warp * BLOCK_N * HEAD_DIM)) * 2;
         const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
         const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);

@@ -220,8 +220,8 @@ def planner_tile(p, sm_count: int, cluster=None):
 
 
 def wide_rows(tile) -> bool:
-    """Whether a launch tile is schedule.DECODE_TILES_WIDE_ROWS' kind (ring 3: a row tile per warp)."""
-    return isinstance(tile, schedule.DecodeTile) and tile.ring == 3
+    """Whether a launch tile is schedule.DECODE_TILES_WIDE_ROWS' kind (ring 3 / 4: a row tile per warp)."""
+    return isinstance(tile, schedule.DecodeTile) and tile.ring >= 3
 
 
 def applies(p, k4, v4) -> bool:
@@ -235,7 +235,7 @@ def applies(p, k4, v4) -> bool:
 def _launch_tile(t, row_tiles):
     """More packed rows mean a taller S tile: shrink the key tile to keep S's registers constant
     (a power of two, at least one 16-key mma step). Applied once, to a table or caller's tile."""
-    if t.ring == 3:  # (wide rows: each warp holds one row tile's S whatever the block's rows)
+    if t.ring >= 3:  # (wide rows: each warp holds one row tile's S whatever the block's rows)
         return t
     bn = t.block_n
     while bn > 16 and bn * row_tiles > 2 * t.block_n:

@@ -390,7 +390,9 @@ class DecodeTile:
     # barrier per step); 2: the same ring, K a step ahead from the step's start and V from its
     # softmax (FA2's order, two barriers per step). The same keys per warp in every mode. 3: the
     # block ring of 1, but warp w computes row tile w over all of a step's keys (wide rows: one K/V
-    # head with many query heads; max_row_tiles <= warps, no cluster merge).
+    # head with many query heads; max_row_tiles <= warps, no cluster merge). 4: the rows of 3 with
+    # FA2's copies, one K and one V buffer of a step each (stages 1): V_t copies under Q K_t^T, K_{t+1}
+    # under P V_t.
     ring: int = 0
     # At most this many blocks per SM (0: as many as fit): the launch asks for more shared memory
     # than max_blocks_per_sm + 1 blocks could share on an H200 SM (device_limits.H200).
@@ -534,7 +536,8 @@ DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
 # Hkv=8 d=128 L=4k 1.77 -> 1.96 (evidence-20261201f/rule-ffc2da5/).
 DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
     64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
-    128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
+    128: DecodeTile(32, 4, 1, 4, "wide rows: a row tile per warp, 128-key steps shared by the block in FA2's "
+                         "order (one K and one V buffer)", ring=4),
 }
 
 
