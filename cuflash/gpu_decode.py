@@ -328,7 +328,7 @@ def all_decode_specs():
                 for causal in (False, True):
                     for window in (False, True):
                         specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
-        for hd, t in schedule.DECODE_TILES_WIDE_ROWS.items():
+        for hd, t in [*schedule.DECODE_TILES_WIDE_ROWS.items(), *schedule.DECODE_TILES_WIDE_ROWS_LONG.items()]:
             for rt in range(1, t.max_row_tiles + 1):
                 for causal in (False, True):
                     for window in (False, True):
@@ -483,6 +483,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
+    own = _own_plan_sms(sm_count, splits, tile, waves) is not None
     p, tile = _launch_problem_and_tile(p, sm_count, splits, tile, waves, cluster)
     wide = wide_rows(tile)
     rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
@@ -502,6 +503,8 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     if cluster and (tma or not clusters or wide):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile, not a wide-rows tile)")
+    if own and wide:
+        return _wide_long_plan(p, rt, t, n, keys)
     if not tma and clusters and not wide:
         n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster, rt)
         if in_cluster:
@@ -517,6 +520,19 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     if table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK:
         t = _same_keys_tile(schedule.DECODE_TILES_LONG_SPLITS, p, rt, t)  # FA2's order for long splits
     return DecodePlan(rt, t, splits, chunk, False)
+
+
+def _wide_long_plan(p, rt, t, n, keys):
+    """The planner's wide-rows launch of n splits: four row tiles with splits of at least
+    schedule.WIDE_LONG_MIN_CHUNK keys take schedule.DECODE_TILES_WIDE_ROWS_LONG's tile (ring 4) with
+    the same split count, its chunk rounded to its key tile (as launch_plan rounds); otherwise
+    launch tile t."""
+    chunk = -(-max(keys, 1) // n)
+    long = schedule.DECODE_TILES_WIDE_ROWS_LONG.get(schedule.head_dim_bucket(p.d))
+    if long is not None and rt == long.max_row_tiles and chunk >= schedule.WIDE_LONG_MIN_CHUNK:
+        t = long
+    chunk = -(-chunk // t.block_n) * t.block_n
+    return DecodePlan(rt, t, -(-max(keys, 1) // chunk), chunk, False)
 
 
 def _same_keys_tile(table, p, rt, t):

@@ -78,8 +78,10 @@ def _poisoned(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["one", "last", "kernel"])
 @pytest.mark.parametrize("case", ["mqa64-d128", "mqa64-d64", "mqa48-idle-warp", "gqa16x3-br", "mqa32x2-window",
-                                  "mqa64-paged", "mqa128-fp16"])
+                                  "mqa64-paged", "mqa128-fp16", "ring4-mqa64", "ring4-mqa64-paged", "ring4-gqa16x4-br",
+                                  "ring4-mqa32x2-window-fp16", "ring4-mqa48-idle-warp"])
 def test_wide_rows_decode(rng, monkeypatch, case, merge):
+    # ring4-*: schedule.DECODE_TILES_WIDE_ROWS_LONG's tile (FA2's copies: one K and one V buffer)
     import cupy
 
     from cuflash._layout import to_bhsd
@@ -87,10 +89,12 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
 
     hq, nq, d = {"mqa64-d128": (64, 1, 128), "mqa64-d64": (64, 1, 64), "mqa48-idle-warp": (48, 1, 128),
                  "gqa16x3-br": (16, 3, 128), "mqa32x2-window": (32, 2, 64), "mqa64-paged": (64, 1, 128),
-                 "mqa128-fp16": (128, 1, 64)}[case]
-    dtype = FLOAT16 if case == "mqa128-fp16" else BFLOAT16
-    causal = "bottom_right" if case in ("gqa16x3-br", "mqa32x2-window") else False
-    window = (300, 0) if case == "mqa32x2-window" else None
+                 "mqa128-fp16": (128, 1, 64), "ring4-mqa64": (64, 1, 128), "ring4-mqa64-paged": (64, 1, 128),
+                 "ring4-gqa16x4-br": (16, 4, 128), "ring4-mqa32x2-window-fp16": (32, 2, 128),
+                 "ring4-mqa48-idle-warp": (48, 1, 128)}[case]
+    dtype = FLOAT16 if case.endswith("fp16") else BFLOAT16
+    causal = "bottom_right" if case.endswith("-br") or "window" in case else False
+    window = (300, 0) if "window" in case else None
     nk, splits = 1500, (1 if merge == "one" else 4)
     chunk = -(-nk // max(splits, 2))
     lens = np.array([0, 1, int(rng.integers(2, chunk)), int(rng.integers(chunk, nk)), nk], dtype=np.int32)
@@ -98,10 +102,10 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
     o4 = _poisoned((len(lens), hq, nq, d), dtype)
     lse3 = cupy.full((len(lens), hq, nq), np.nan, dtype=np.float32)
     lg = cupy.asarray(lens)
-    t = schedule.DECODE_TILES_WIDE_ROWS[d]
+    t = (schedule.DECODE_TILES_WIDE_ROWS_LONG if case.startswith("ring4") else schedule.DECODE_TILES_WIDE_ROWS)[d]
     kw = dict(kv_lens=lg, splits=splits, tile=t, cluster=False, merge=None if merge == "one" else merge)
     launched = _launch(monkeypatch)
-    if case == "mqa64-paged":
+    if case.endswith("paged"):
         from test_paged import paged_cache
 
         kc, vc, table = paged_cache(rng, k, v, lens, 64)
@@ -114,7 +118,7 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
         gpu_decode.forward(p, qg, kg, vg, o4, lse3, **kw)
     rt = -(-min(hq * nq, 64) // 16)
     assert launched and launched[0].startswith(f"attn_decode<{'Fp16' if dtype == FLOAT16 else 'Bf16'}, {d}, {rt},")
-    assert launched[0].endswith(f", {schedule.DECODE_TILES_WIDE_ROWS[d].ring}>"), launched
+    assert launched[0].endswith(f", {t.ring}>"), launched
     if merge == "kernel":
         assert launched[-1].startswith("attn_decode_combine<"), launched
     else:
@@ -131,7 +135,7 @@ def test_wide_rows_planner_rule(monkeypatch):
     for b, hq, nq, nk, d, rt in [(8, 64, 1, 32768, 128, 4), (32, 64, 1, 16384, 128, 4), (8, 64, 1, 16384, 64, 4),
                                  (128, 64, 1, 2048, 64, 4), (64, 48, 1, 16384, 64, 3), (64, 128, 1, 16384, 64, 4)]:
         lp = gpu_decode.launch_plan(_problem(b, hq, 1, nq, nk, d), H200_SMS)
-        assert lp.tile == wide[d] and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
+        assert gpu_decode.wide_rows(lp.tile) and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
     p = _problem(8, 64, 1, 1, 16384, 128)
     assert gpu_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
     for q in [_problem(1, 64, 1, 1, 32768, 128), _problem(1, 128, 1, 1, 16384, 128),  # short splits, few blocks
@@ -148,6 +152,19 @@ def test_wide_rows_planner_rule(monkeypatch):
         lp = gpu_decode.launch_plan(q, H200_SMS)
         blocks = lp.splits * gpu_decode.launch_problem(q, H200_SMS).hkv * b
         assert lp.tile == wide[d] and blocks >= gpu_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
+    # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4, the same split count
+    long = schedule.DECODE_TILES_WIDE_ROWS_LONG[128]
+    for b, hq, nq, nk, d, want in [(8, 64, 1, 32768, 128, long), (64, 64, 1, 16384, 128, long),
+                                   (16, 128, 1, 8192, 128, long), (8, 32, 16, 4096, 128, long),
+                                   (16, 48, 1, 8192, 128, wide[128]),  # (three row tiles)
+                                   (1, 64, 1, 131072, 128, wide[128]), (4, 64, 1, 16384, 128, wide[128]),  # (short)
+                                   (16, 64, 1, 16384, 64, wide[64])]:  # (no d=64 ring-4 tile)
+        q = _problem(b, hq, hq // 4 if nq == 16 else 1, nq, nk, d)
+        lp = gpu_decode.launch_plan(q, H200_SMS)
+        three = gpu_decode.launch_plan(q, H200_SMS, tile=wide[d])
+        assert lp.tile == want and lp.splits in (three.splits, three.splits - 1), (q, lp, three)
+        assert (lp.tile == long) == (lp.row_tiles == 4 and three.chunk >= schedule.WIDE_LONG_MIN_CHUNK and d == 128)
+        assert gpu_decode.launch_spec(q.dtype, d, False, lp) in gpu_decode.all_decode_specs()
     table = schedule.DECODE_TILES[128]
     assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
     for kw in (dict(splits=8), dict(waves=1), dict(cluster=True)):
