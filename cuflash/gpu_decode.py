@@ -485,6 +485,12 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     # planner's own two-row-tile blocks would be short, row_blocks)
     own = _own_plan_sms(sm_count, splits, tile, waves) is not None
     p, tile = _launch_problem_and_tile(p, sm_count, splits, tile, waves, cluster)
+    return _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own)
+
+
+def _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own):
+    """launch_plan for launch problem p and tile as _launch_problem_and_tile gave them; `own`:
+    whether the launch is the planner's own (no caller's splits, tile or waves)."""
     wide = wide_rows(tile)
     rt = -(-(p.group * p.nq) // 16) if wide else row_tiles_for(p)
     if wide and (rt > tile.max_row_tiles or p.nq > 16):
@@ -503,7 +509,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     if cluster and (tma or not clusters or wide):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile, not a wide-rows tile)")
-    if own and wide:
+    if own and wide and WIDE_LONG_AUTO:
         return _wide_long_plan(p, rt, t, n, keys)
     if not tma and clusters and not wide:
         n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster, rt)
@@ -520,6 +526,14 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     if table_tile and not tma and splits > 1 and chunk > CLUSTER_MAX_CHUNK:
         t = _same_keys_tile(schedule.DECODE_TILES_LONG_SPLITS, p, rt, t)  # FA2's order for long splits
     return DecodePlan(rt, t, splits, chunk, False)
+
+
+# Ring 4 for the planner's long wide-rows splits (schedule.DECODE_TILES_WIDE_ROWS_LONG): opt-in with
+# CUFLASH_DECODE_WIDE_LONG=1 until the API's own launch of it has run on the GPU - the kernel passed
+# its GPU tests (fefb761) and the probe timed it through gpu_decode.forward with an explicit tile,
+# but fefb761's decode_launch still launched ring 3 where launch_plan (and so the accounting) said
+# ring 4 (its bench: ring 3's figures); that mismatch is fixed here, not yet run on a GPU.
+WIDE_LONG_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_LONG", "0") == "1"
 
 
 def _wide_long_plan(p, rt, t, n, keys):
@@ -707,10 +721,11 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    lpp, tile = _launch_problem_and_tile(p, sms, splits, tile, waves, cluster)  # (launch_plan plans it unchanged)
+    own = _own_plan_sms(sms, splits, tile, waves) is not None
+    lpp, tile = _launch_problem_and_tile(p, sms, splits, tile, waves, cluster)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
-    lp = launch_plan(p, sms, splits, tile, waves, cluster, _runs_clusters(dev))
+    lp = _plan_launch(p, sms, splits, tile, waves, cluster, _runs_clusters(dev), own)  # (launch_plan's plan)
     middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk, r)
     spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
     return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq, p)

@@ -152,8 +152,11 @@ def test_wide_rows_planner_rule(monkeypatch):
         lp = gpu_decode.launch_plan(q, H200_SMS)
         blocks = lp.splits * gpu_decode.launch_problem(q, H200_SMS).hkv * b
         assert lp.tile == wide[d] and blocks >= gpu_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
-    # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4, the same split count
+    # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4 (opt-in, WIDE_LONG_AUTO),
+    # the same split count
     long = schedule.DECODE_TILES_WIDE_ROWS_LONG[128]
+    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 32768, 128), H200_SMS).tile == wide[128]  # (off by default)
+    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", True)
     for b, hq, nq, nk, d, want in [(8, 64, 1, 32768, 128, long), (64, 64, 1, 16384, 128, long),
                                    (16, 128, 1, 8192, 128, long), (8, 32, 16, 4096, 128, long),
                                    (16, 48, 1, 8192, 128, wide[128]),  # (three row tiles)
@@ -165,6 +168,7 @@ def test_wide_rows_planner_rule(monkeypatch):
         assert lp.tile == want and lp.splits in (three.splits, three.splits - 1), (q, lp, three)
         assert (lp.tile == long) == (lp.row_tiles == 4 and three.chunk >= schedule.WIDE_LONG_MIN_CHUNK and d == 128)
         assert gpu_decode.launch_spec(q.dtype, d, False, lp) in gpu_decode.all_decode_specs()
+    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", False)
     table = schedule.DECODE_TILES[128]
     assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
     for kw in (dict(splits=8), dict(waves=1), dict(cluster=True)):
@@ -182,3 +186,24 @@ def test_wide_rows_planner_rule(monkeypatch):
         gpu_decode.launch_problem(d64, H200_SMS, cluster=True).hkv)
     monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
     assert gpu_decode.launch_plan(p, H200_SMS).tile.ring < 3
+
+
+@pytest.mark.parametrize("long_auto", [False, True])
+def test_decode_launch_plans_as_launch_plan(monkeypatch, long_auto):
+    # What decode_launch launches is launch_plan's plan (which the accounting reads), for the
+    # planner's own launch and a caller's: fefb761 launched ring 3 where launch_plan said ring 4.
+    monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev: H200_SMS)
+    monkeypatch.setattr(gpu_decode, "_runs_clusters", lambda dev: True)
+    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", long_auto)
+    strides = ((1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1), 0)
+    for b, hq, hkv, nq, nk, d in [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (2, 48, 1, 1, 32768, 128),
+                                  (8, 32, 8, 16, 4096, 128), (8, 32, 8, 1, 16384, 128), (1, 64, 1, 1, 32768, 128),
+                                  (16, 64, 1, 1, 16384, 64)]:
+        from cuflash._problem import validate_forward
+
+        p = validate_forward(np.empty((b, hq, nq, d), BFLOAT16), *(np.empty((b, hkv, nk, d), BFLOAT16) for _ in "kv"))
+        for kw in ({}, {"splits": 8}, {"tile": schedule.DECODE_TILES_WIDE_ROWS[d]}):
+            launch = gpu_decode.decode_launch(p, 0, strides, **kw)
+            assert launch.plan == gpu_decode.launch_plan(p, H200_SMS, **kw), (p, kw)
+        if long_auto and (b, hq, nk) in ((8, 64, 32768), (64, 64, 16384)):
+            assert gpu_decode.decode_launch(p, 0, strides).plan.tile.ring == 4
