@@ -8,8 +8,10 @@ hidden), alternating the order; x = the faster peer's time / the variant's.
     python3 tools/wide_rows_probe.py out.json [passes] [short | steps]
 "short": the shapes whose splits are short (_short_blocks: the rule keeps the table's tile), B = 1-8;
 also the wide tile at twice its own split count ("wide-x2"). "list": the shapes in PROBE_SHAPES
-("B,Hq,Hkv,nq,L,d;..."), the planner against the table's tile. "ring4": d=128 wide tiles, ring 3
-(64-key steps, two stages) against ring 4 (FA2's order, 128-key steps), also at ring 3's split count.
+("B,Hq,Hkv,nq,L,d;..."), the planner against the table's tile. "ring4": the table's wide tile (ring 3)
+against ring 4 (FA2's order: DECODE_TILES_WIDE_ROWS_LONG at d=128, 128-key steps; at d=64 a tile of the
+same 128-key steps in one buffer), also at ring 3's split count, and the planner as the environment sets
+it (CUFLASH_DECODE_WIDE_LONG=1: ring 4 for long splits).
 "steps": MQA shapes the rule sends wide, against wide tiles of twice the keys per step (FA2 steps 128
 keys at d=128): 2x key tiles, or 8 warps (half of them only copy); both one block per SM.
 """
@@ -45,7 +47,11 @@ if MODE == "short":
 if MODE == "ring4":  # (d=128: ring 3's 64-key steps in two stages against ring 4, FA2's order with 128-key steps)
     SHAPES = [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (16, 128, 1, 1, 8192, 128), (16, 48, 1, 1, 8192, 128),
               (32, 64, 1, 1, 16384, 128), (4, 64, 1, 1, 16384, 128), (2, 48, 1, 1, 32768, 128), (8, 32, 8, 16, 4096, 128),
-              (1, 64, 1, 1, 131072, 128)]
+              (1, 64, 1, 1, 131072, 128),
+              # d=64: ring 3's 128-key steps in two stages against ring 4 with one buffer of the same
+              # steps (compiled at run time: 168 registers, 40 KiB; 256-key steps spilled)
+              (16, 64, 1, 1, 16384, 64), (8, 64, 1, 1, 16384, 64), (64, 48, 1, 1, 16384, 64), (64, 128, 1, 1, 16384, 64),
+              (32, 128, 1, 1, 4096, 64)]
 if MODE == "list":  # (PROBE_SHAPES="B,Hq,Hkv,nq,L,d;...": the planner against the table's tile only)
     import os
     SHAPES = [tuple(int(x) for x in sh.split(",")) for sh in os.environ["PROBE_SHAPES"].split(";")]
@@ -69,11 +75,12 @@ for B, hq, hkv, nq, L, d in SHAPES:
     variants = {"rule": (True, {}), "table": (False, {}), "wide": (True, dict(tile=wide))}
     if MODE == "list":
         variants = {"rule": (True, {}), "table": (False, {})}
-    if MODE == "ring4":
-        ring3 = schedule.DecodeTile(16, 4, 2, 4, "ring 3 (the twenty-fifth session's table)", ring=3)
-        own3 = gpu_decode.launch_plan(p, sms, tile=ring3).splits
-        variants = {"ring3": (True, dict(tile=ring3)), "ring4": (True, dict(tile=wide)),
-                    "ring4-s3": (True, dict(tile=wide, splits=own3))}
+    if MODE == "ring4":  # (ring 3: the table's wide tile; ring 4: DECODE_TILES_WIDE_ROWS_LONG's, or at d=64 one)
+        ring4 = schedule.DECODE_TILES_WIDE_ROWS_LONG.get(d) or schedule.DecodeTile(32, 4, 1, 4, "d=64 ring 4", ring=4)
+        own3 = gpu_decode.launch_plan(p, sms, tile=wide).splits
+        variants = {"ring3": (True, dict(tile=wide)), "ring4": (True, dict(tile=ring4)),
+                    "ring4-s3": (True, dict(tile=ring4, splits=own3)),
+                    "api-long": (True, {})}  # (the planner with CUFLASH_DECODE_WIDE_LONG as set)
     if MODE == "steps":  # (compiled at run time: not in the table)
         variants = {"rule": (True, {}), "wide-2n": (True, dict(tile=dataclasses.replace(wide, block_n=2 * wide.block_n))),
                     "wide-8w": (True, dict(tile=dataclasses.replace(wide, warps=8)))}
