@@ -160,12 +160,12 @@ def _row_blocked(p, sm_count, tile):
 
 
 def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
-    """(launch problem, tile) of a launch: for the planner's own (no caller's splits, tile or
-    waves), planner_tile's choice of tile; otherwise the caller's tile (None: the table's)."""
+    """(launch problem, tile, own) of a launch: for the planner's own (own: no caller's splits,
+    tile or waves), planner_tile's choice of tile; otherwise the caller's tile (None: the table's)."""
     own = _own_plan_sms(sm_count, splits, tile, waves)
     if own is not None:
         tile = planner_tile(p, own, cluster)
-    return _row_blocked(p, own, tile), tile
+    return _row_blocked(p, own, tile), tile, own is not None
 
 
 # The planner's own launch (no caller's tile, splits or waves; cluster not forced on) takes the
@@ -173,8 +173,8 @@ def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
 # FA2's order) for K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1,
 # nq = 16 tokens of a GQA group of 4), except where its splits would be held down by the shortest
 # split (_short_blocks: B = 1-6 in the probes, where the table's blocks stayed ahead at 10 of 11
-# shapes, evidence-20261201f/short-splits/) and it would launch few blocks (WIDE_SHORT_MIN_WAVES). tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1,
-# x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
+# shapes, evidence-20261201f/short-splits/) and it would launch few blocks (WIDE_SHORT_MIN_WAVES).
+# tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1, x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
 # -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64 B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64
 # L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90, Hq=48 B=64 L=16k 0.76 -> 1.01; short splits stay:
 # Hq=64 B=1 L=32k d=128 0.87 against 0.81, Hq=128 B=1 L=16k 0.86 against 0.81. At 32 packed rows
@@ -211,8 +211,8 @@ def planner_tile(p, sm_count: int, cluster=None):
     wide = schedule.DECODE_TILES_WIDE_ROWS.get(hd)
     if wide is None:
         return None
-    if _short_blocks(_row_blocked(p, None, wide), sm_count):
-        wp = _row_blocked(p, None, wide)
+    wp = _row_blocked(p, None, wide)
+    if _short_blocks(wp, sm_count):
         blocks = launch_plan(p, sm_count, tile=wide).splits * wp.hkv * wp.batch
         if blocks < WIDE_SHORT_MIN_WAVES.get(hd, math.inf) * sm_count or _clusters(_row_blocked(p, sm_count, None), sm_count):
             return None
@@ -483,8 +483,7 @@ def launch_plan(p, sm_count: int, splits=None, tile=None, waves=None, cluster=No
     split count and the merge from here too."""
     # (a K/V head over several row blocks: planned as that many heads; one-row-tile blocks where the
     # planner's own two-row-tile blocks would be short, row_blocks)
-    own = _own_plan_sms(sm_count, splits, tile, waves) is not None
-    p, tile = _launch_problem_and_tile(p, sm_count, splits, tile, waves, cluster)
+    p, tile, own = _launch_problem_and_tile(p, sm_count, splits, tile, waves, cluster)
     return _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own)
 
 
@@ -510,7 +509,8 @@ def _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own):
         raise ValueError("cluster=True: the cluster merge needs an sm_90 device and the cp.async decode kernel "
                          "(not tma_tile, not a wide-rows tile)")
     if own and wide and WIDE_LONG_AUTO:
-        return _wide_long_plan(p, rt, t, n, keys)
+        t = _wide_long_tile(p, rt, t, -(-max(keys, 1) // n))
+        step = t.block_n
     if not tma and clusters and not wide:
         n, in_cluster = _merge_plan(keys, n, _min_split_keys(t), splits is not None, cluster, rt)
         if in_cluster:
@@ -536,17 +536,13 @@ def _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own):
 WIDE_LONG_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_LONG", "0") == "1"
 
 
-def _wide_long_plan(p, rt, t, n, keys):
-    """The planner's wide-rows launch of n splits: four row tiles with splits of at least
-    schedule.WIDE_LONG_MIN_CHUNK keys take schedule.DECODE_TILES_WIDE_ROWS_LONG's tile (ring 4) with
-    the same split count, its chunk rounded to its key tile (as launch_plan rounds); otherwise
-    launch tile t."""
-    chunk = -(-max(keys, 1) // n)
+def _wide_long_tile(p, rt, t, chunk):
+    """The planner's wide-rows launch tile for splits of `chunk` keys: four row tiles with splits of
+    at least schedule.WIDE_LONG_MIN_CHUNK keys take schedule.DECODE_TILES_WIDE_ROWS_LONG's tile
+    (ring 4; the same split count, the chunk rounded to its key tile), otherwise launch tile t."""
     long = schedule.DECODE_TILES_WIDE_ROWS_LONG.get(schedule.head_dim_bucket(p.d))
-    if long is not None and rt == long.max_row_tiles and chunk >= schedule.WIDE_LONG_MIN_CHUNK:
-        t = long
-    chunk = -(-chunk // t.block_n) * t.block_n
-    return DecodePlan(rt, t, -(-max(keys, 1) // chunk), chunk, False)
+    ok = long is not None and rt == long.max_row_tiles and chunk >= schedule.WIDE_LONG_MIN_CHUNK
+    return long if ok else t
 
 
 def _same_keys_tile(table, p, rt, t):
@@ -721,8 +717,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     """The DecodeLaunch of problem p on device `dev` for element strides (q, k, v, o, page
     table's row stride) and the page shift of a paged cache (None: contiguous K/V)."""
     sms = _sm_count(dev)
-    own = _own_plan_sms(sms, splits, tile, waves) is not None
-    lpp, tile = _launch_problem_and_tile(p, sms, splits, tile, waves, cluster)
+    lpp, tile, own = _launch_problem_and_tile(p, sms, splits, tile, waves, cluster)
     r = lpp.hkv // p.hkv if p.hkv else 1
     p = lpp
     lp = _plan_launch(p, sms, splits, tile, waves, cluster, _runs_clusters(dev), own)  # (launch_plan's plan)

@@ -129,8 +129,8 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
 def test_wide_rows_planner_rule(monkeypatch):
     # The planner's own launch takes the wide-rows tile for more than 32 packed rows per K/V head
     # at d = 64 / 128 unless its splits are short (_short_blocks) and it would launch few blocks or the
-    # table's splits merge in a cluster; a caller's tile,
-    # splits or waves, or cluster=True, stand; CUFLASH_DECODE_WIDE_ROWS=0 (WIDE_ROWS_AUTO) turns it off.
+    # table's splits merge in a cluster; a caller's tile, splits or waves, or cluster=True, stand;
+    # CUFLASH_DECODE_WIDE_ROWS=0 (WIDE_ROWS_AUTO) turns it off.
     wide = schedule.DECODE_TILES_WIDE_ROWS
     for b, hq, nq, nk, d, rt in [(8, 64, 1, 32768, 128, 4), (32, 64, 1, 16384, 128, 4), (8, 64, 1, 16384, 64, 4),
                                  (128, 64, 1, 2048, 64, 4), (64, 48, 1, 16384, 64, 3), (64, 128, 1, 16384, 64, 4)]:

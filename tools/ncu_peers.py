@@ -15,27 +15,25 @@ import cuflash
 from decode_cells import decode_inputs  # (tools/, this script's directory)
 
 
-def decode_ops(b, hkv, nk):
-    tq, tk, tv, _ = decode_inputs(nk, b, hkv)
+def _decode_pair(kind, shape, peer, backend, nk, b, hkv, hq=32, d=128):
+    """[(peer's op, its callable), (cuflash's op, its callable)] on one decode cell's inputs, the ops
+    named "<kind> <peer or cuflash> <shape>" (ncu_digest matches them to the kernels)."""
+    tq, tk, tv, _ = decode_inputs(nk, b, hkv, hq, d)
     q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
 
-    def cudnn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    def sdpa():
+        with sdpa_kernel([backend]):
             F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-    return [(f"decode cuDNN B={b} Hkv={hkv} L={nk}", cudnn),
-            (f"decode cuflash B={b} Hkv={hkv} L={nk}", lambda: cuflash.attention(q, k, v))]
+    return [(f"{kind} {peer} {shape}", sdpa), (f"{kind} cuflash {shape}", lambda: cuflash.attention(q, k, v))]
+
+
+def decode_ops(b, hkv, nk):
+    return _decode_pair("decode", f"B={b} Hkv={hkv} L={nk}", "cuDNN", SDPBackend.CUDNN_ATTENTION, nk, b, hkv)
 
 
 def mqa_ops(b, hq, nk, d):
     """MQA decode (one K/V head, hq query heads, one token): FA2 (the faster peer there) and cuflash."""
-    tq, tk, tv, _ = decode_inputs(nk, b, 1, hq, d)
-    q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
-
-    def fa2():
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-    return [(f"mqa FA2 B={b} Hq={hq} L={nk} d={d}", fa2),
-            (f"mqa cuflash B={b} Hq={hq} L={nk} d={d}", lambda: cuflash.attention(q, k, v))]
+    return _decode_pair("mqa", f"B={b} Hq={hq} L={nk} d={d}", "FA2", SDPBackend.FLASH_ATTENTION, nk, b, 1, hq, d)
 
 
 def bwd_ops(d, n, causal):
