@@ -191,6 +191,14 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 #endif
     constexpr bool kQFirst =
         (ROW_TILES == 1 && QPack::kItems <= 2) || (CUFLASH_DECODE_Q_FIRST_WIDE && HEAD_DIM == 128 && QPack::kItems <= 4);
+    // Q's pieces loaded all at once after the K/V issue (below) at d=128: up to 8 per thread, the
+    // wide-rows blocks' 64 rows (A/B, two passes, x cuDNN: Hq=64 B=4 L=16k 0.96 -> 1.04, B=64
+    // 1.51 -> 1.54, Hq=128 B=16 L=8k 1.76 -> 1.80). Not at d=64: its wide blocks' 4 pieces ran ~1%
+    // slower all at once (Hq=64 B=16 L=16k 1.57 -> 1.55). -DCUFLASH_DECODE_Q_BATCH=0: 4 at most.
+#ifndef CUFLASH_DECODE_Q_BATCH
+#define CUFLASH_DECODE_Q_BATCH 1
+#endif
+    constexpr bool kQBatch = HEAD_DIM == 128 && QPack::kItems <= (CUFLASH_DECODE_Q_BATCH ? 8 : 4);
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     if constexpr (RING == 4) {
@@ -215,9 +223,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     }
     if constexpr (kQFirst) {
         qpack.store(sQ);
-    } else if constexpr (QPack::kItems <= 4 && HEAD_DIM == 128) {
+    } else if constexpr (kQBatch) {
         // All pieces' loads, then the stores: one round trip (piece by piece, 4 of them: a block's
-        // start was 3.3-4.4 us with two row tiles against 1.5 with one; block trace, H200).
+        // start was 3.3-4.4 us with two row tiles against 1.5 with one; the wide-rows blocks' 8
+        // pieces at d=128 5.6-6.7 us, B=1 Hq=64 Hkv=1; block trace, H200).
         qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
         qpack.store(sQ);
     } else {  // (one piece at a time: all of them loaded before any store spilled at d=192 too)

@@ -25,6 +25,12 @@ __device__ __forceinline__ void decode_q_piece(u32 (&w)[4], const u16* q, i64 q_
     for (int e = 0; e < 4; ++e) w[e] = 0u;
     if (valid && r < rows) {
         const u16* src = q + b * q_sb + (i64)(hk * group + r / nq) * q_sh + (i64)(r % nq) * q_sn + col;
+        if (col + 8 <= d && (reinterpret_cast<unsigned long long>(src) & 15) == 0) {
+            // (the whole 8-column piece, 16-byte aligned: one vector load instead of eight)
+            const uint4 x = *reinterpret_cast<const uint4*>(src);
+            w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+            return;
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const u32 lo = col + 2 * e < d ? src[2 * e] : 0u;

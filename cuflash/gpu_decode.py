@@ -196,7 +196,15 @@ def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
 # 1.02 (the other three: +-0-3%). Examples of the rest: d=128 B=1 Hq=128 L=32k 0.91 -> 0.99, B=8
 # Hq=48 L=8k 0.90 -> 0.99, B=1 Hq=32 Hkv=8 nq=16 L=8k 1.58 -> 1.68; d=64 B=2 Hq=128 L=16k 0.98 ->
 # 1.05 (x the faster peer, two passes; evidence-20261201g/short-rule/).
-WIDE_SHORT_MIN_WAVES = {64: 0.9, 128: 1.4}
+# d=128 went from 1.4 to 0.9 once the wide block's Q was loaded in one round trip (attn_decode's
+# kQBatch; its block start 5.6-6.7 -> 2.6 us, block trace): 128 wide blocks now beat the table's
+# one-row-tile blocks at every one of the 16 shapes the change moved that were probed (twenty-sixth
+# session, two passes, x cuDNN, table -> wide; evidence-20261201h/short-rule/moved.log): B=1 Hq=64
+# L=32k 0.91 -> 0.94, Hq=48 0.91 -> 0.96, Hq=128 L=16k 0.88 -> 0.91, B=2 Hq=64 L=16k 0.91 -> 0.96,
+# B=4 Hq=64 L=8k 0.89 -> 0.94, B=8 Hq=64 L=4k 0.87 -> 0.91, GQA nq=16 B=5 L=1k 0.94 -> 1.41, nq=4
+# Hkv=2 B=4 L=4k 2.57 -> 2.68. With 64 wide blocks the table stays ahead (B=1 Hq=64 L=16k 0.92 vs 0.89
+# at 128 splits, L=8k 0.95 vs 0.87; short.log).
+WIDE_SHORT_MIN_WAVES = {64: 0.9, 128: 0.9}
 WIDE_ROWS_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_ROWS", "1") == "1"
 
 
@@ -528,12 +536,10 @@ def _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own):
     return DecodePlan(rt, t, splits, chunk, False)
 
 
-# Ring 4 for the planner's long wide-rows splits (schedule.DECODE_TILES_WIDE_ROWS_LONG): opt-in with
-# CUFLASH_DECODE_WIDE_LONG=1 until the API's own launch of it has run on the GPU - the kernel passed
-# its GPU tests (fefb761) and the probe timed it through gpu_decode.forward with an explicit tile,
-# but fefb761's decode_launch still launched ring 3 where launch_plan (and so the accounting) said
-# ring 4 (its bench: ring 3's figures); that mismatch is fixed here, not yet run on a GPU.
-WIDE_LONG_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_LONG", "0") == "1"
+# Ring 4 for the planner's long wide-rows splits (schedule.DECODE_TILES_WIDE_ROWS_LONG), on by default
+# since its launch through the API ran on the GPU (decode GPU tests with it: 802 passed; A/B in
+# schedule's comment). CUFLASH_DECODE_WIDE_LONG=0 keeps ring 3 (for A/B runs).
+WIDE_LONG_AUTO = os.environ.get("CUFLASH_DECODE_WIDE_LONG", "1") == "1"
 
 
 def _wide_long_tile(p, rt, t, chunk):

@@ -538,8 +538,7 @@ DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
     64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
     128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
 }
-# With gpu_decode.WIDE_LONG_AUTO (CUFLASH_DECODE_WIDE_LONG=1; opt-in until the API launch of it has
-# run on a GPU) the planner's wide-rows blocks of four row tiles (64 packed rows) with splits of at least
+# With gpu_decode.WIDE_LONG_AUTO (default on; CUFLASH_DECODE_WIDE_LONG=0 turns it off) the planner's wide-rows blocks of four row tiles (64 packed rows) with splits of at least
 # WIDE_LONG_MIN_CHUNK keys take ring 4 instead: FA2's copies, one K and one V buffer of 128-key steps
 # (the same shared memory as ring 3's two stages of 64 keys; 236-255 registers, two blocks per SM).
 # tools/wide_rows_probe.py ring4 (twenty-fifth session, two passes, evidence-20261201g/ring4/), x the
@@ -547,7 +546,10 @@ DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
 # 0.91 -> 0.94, Hq=128 B=16 L=8k 0.98 -> 1.02; not with three row tiles (Hq=48 B=16 L=8k 0.97 /
 # 0.96), short splits (B=4 Hq=64 L=16k 0.955 / 0.95 at 256-512 keys, B=2 Hq=48 L=32k 0.99 / 0.97),
 # B=1 L=128k (512 keys: 1.11 either way); nq=16 Hq=32 Hkv=8 L=4k 2.08 / 2.07 (1024 keys: taken with
-# the rule).
+# the rule). Through the API (twenty-sixth session, A/B of CUFLASH_DECODE_WIDE_LONG in alternating
+# processes, two passes, evidence-20261201h/): x FA2 off -> on, Hq=64 B=8 L=32k 0.96 -> 1.02, B=64
+# L=16k 0.91 -> 0.93, Hq=128 B=16 L=8k 0.97 -> 1.01; d=64 shapes unchanged. A d=64 ring-4 tile (128-key
+# steps, 168 registers) lost to ring 3 at every d=64 shape probed (0.87-0.99 against 0.94-1.19).
 DECODE_TILES_WIDE_ROWS_LONG: dict[int, DecodeTile] = {
     128: DecodeTile(32, 4, 1, 4, "wide rows in FA2's order: one K and one V buffer of 128-key steps", ring=4),
 }

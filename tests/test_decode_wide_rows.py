@@ -79,9 +79,12 @@ def _poisoned(shape, dtype):
 @pytest.mark.parametrize("merge", ["one", "last", "kernel"])
 @pytest.mark.parametrize("case", ["mqa64-d128", "mqa64-d64", "mqa48-idle-warp", "gqa16x3-br", "mqa32x2-window",
                                   "mqa64-paged", "mqa128-fp16", "ring4-mqa64", "ring4-mqa64-paged", "ring4-gqa16x4-br",
-                                  "ring4-mqa32x2-window-fp16", "ring4-mqa48-idle-warp"])
+                                  "ring4-mqa32x2-window-fp16", "ring4-mqa48-idle-warp", "mqa64-qview", "ring4-mqa64-qview",
+                                  "mqa128-qview-fp16"])
 def test_wide_rows_decode(rng, monkeypatch, case, merge):
-    # ring4-*: schedule.DECODE_TILES_WIDE_ROWS_LONG's tile (FA2's copies: one K and one V buffer)
+    # ring4-*: schedule.DECODE_TILES_WIDE_ROWS_LONG's tile (FA2's copies: one K and one V buffer);
+    # *-qview: q a view whose base is 2 bytes past 16-byte alignment and whose rows are d + 3 elements
+    # apart, so that Q's 8-column pieces take both the vector and the element loads (decode_q_piece)
     import cupy
 
     from cuflash._layout import to_bhsd
@@ -91,7 +94,8 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
                  "gqa16x3-br": (16, 3, 128), "mqa32x2-window": (32, 2, 64), "mqa64-paged": (64, 1, 128),
                  "mqa128-fp16": (128, 1, 64), "ring4-mqa64": (64, 1, 128), "ring4-mqa64-paged": (64, 1, 128),
                  "ring4-gqa16x4-br": (16, 4, 128), "ring4-mqa32x2-window-fp16": (32, 2, 128),
-                 "ring4-mqa48-idle-warp": (48, 1, 128)}[case]
+                 "ring4-mqa48-idle-warp": (48, 1, 128), "mqa64-qview": (64, 1, 128), "ring4-mqa64-qview": (64, 1, 128),
+                 "mqa128-qview-fp16": (128, 1, 64)}[case]
     dtype = FLOAT16 if case.endswith("fp16") else BFLOAT16
     causal = "bottom_right" if case.endswith("-br") or "window" in case else False
     window = (300, 0) if "window" in case else None
@@ -114,6 +118,11 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
         gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, paged=(tg, block), **kw)
     else:
         qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+        if "qview" in case:
+            wide = cupy.full(q.shape[:-1] + (d + 3,), np.nan, dtype=dtype)
+            wide[..., 1:d + 1] = qg
+            qg = wide[..., 1:d + 1]
+            assert qg.data.ptr % 16 == 2 and qg.strides[-2] == (d + 3) * qg.itemsize
         p = validate_forward(qg, kg, vg, causal=causal, window=window)
         gpu_decode.forward(p, qg, kg, vg, o4, lse3, **kw)
     rt = -(-min(hq * nq, 64) // 16)
@@ -138,7 +147,7 @@ def test_wide_rows_planner_rule(monkeypatch):
         assert gpu_decode.wide_rows(lp.tile) and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
     p = _problem(8, 64, 1, 1, 16384, 128)
     assert gpu_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
-    for q in [_problem(1, 64, 1, 1, 32768, 128), _problem(1, 128, 1, 1, 16384, 128),  # short splits, few blocks
+    for q in [_problem(1, 64, 1, 1, 16384, 128), _problem(1, 64, 1, 1, 8192, 128),  # short splits, few blocks
               _problem(2, 64, 1, 1, 16384, 64),
               _problem(16, 48, 1, 1, 4096, 64),  # short splits, the table's merge in a cluster
               _problem(8, 32, 1, 1, 16384, 128),  # 32 rows: two row tiles
@@ -146,16 +155,18 @@ def test_wide_rows_planner_rule(monkeypatch):
         assert gpu_decode.launch_plan(q, H200_SMS).tile.ring < 3, q
     # short splits, but the wide tile's own launch has WIDE_SHORT_MIN_WAVES blocks per SM
     for b, hq, nq, nk, d in [(2, 48, 1, 32768, 128), (4, 64, 1, 16384, 128), (4, 128, 1, 8192, 128),
-                             (1, 128, 1, 32768, 64), (1, 32, 16, 8192, 128)]:
+                             (1, 128, 1, 32768, 64), (1, 32, 16, 8192, 128), (1, 64, 1, 32768, 128),
+                             (2, 64, 1, 16384, 128), (5, 32, 16, 1024, 128)]:
         q = _problem(b, hq, hq // 4 if nq == 16 else 1, nq, nk, d)
         assert gpu_decode._short_blocks(gpu_decode.launch_problem(q, tile=wide[d]), H200_SMS), q
         lp = gpu_decode.launch_plan(q, H200_SMS)
         blocks = lp.splits * gpu_decode.launch_problem(q, H200_SMS).hkv * b
         assert lp.tile == wide[d] and blocks >= gpu_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
-    # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4 (opt-in, WIDE_LONG_AUTO),
-    # the same split count
+    # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4 (WIDE_LONG_AUTO, on by
+    # default; off, ring 3), the same split count
     long = schedule.DECODE_TILES_WIDE_ROWS_LONG[128]
-    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 32768, 128), H200_SMS).tile == wide[128]  # (off by default)
+    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", False)
+    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 32768, 128), H200_SMS).tile == wide[128]
     monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", True)
     for b, hq, nq, nk, d, want in [(8, 64, 1, 32768, 128, long), (64, 64, 1, 16384, 128, long),
                                    (16, 128, 1, 8192, 128, long), (8, 32, 16, 4096, 128, long),

@@ -3,7 +3,7 @@ every GPU activity of one call after warm-up (tools/bwd_parts_probe.timeline: CU
 torch.profiler, queued behind a GPU spin), so that kernel counts, durations and the gaps between
 them can be compared.
 
-    python3 tools/decode_parts_probe.py [B,Hkv,L ...]    (Hq=32, d=128, bf16; default B=1 cells)
+    python3 tools/decode_parts_probe.py [B,Hkv,L[,Hq] ...]    (Hq=32 unless given, d=128, bf16; default B=1 cells)
 """
 import sys
 
@@ -19,11 +19,12 @@ import cuflash
 
 def main(cells):
     for cell in cells:
-        b, hkv, n = (int(x) for x in cell.split(","))
-        tq = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        b, hkv, n, *rest = (int(x) for x in cell.split(","))
+        hq = rest[0] if rest else 32
+        tq = torch.randn(b, hq, 1, 128, device="cuda", dtype=torch.bfloat16)
         tk, tv = (torch.randn(b, hkv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
-        tag = f"B={b} Hkv={hkv} L={n}"
+        tag = f"B={b} Hq={hq} Hkv={hkv} L={n}"
         for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FA2", SDPBackend.FLASH_ATTENTION)):
             def peer(backend=backend):
                 with sdpa_kernel([backend]):

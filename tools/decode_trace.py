@@ -12,6 +12,7 @@ and summarizes one traced launch after an L2 flush:
   merge, the store, the rest) medians; when 50 / 90 / 100% of blocks had ended.
 
     python3 tools/decode_trace.py out.json [--split-cells | --many-cells | --cells L,B,Hkv[,Hq];...] [--variants api,cluster4,combine6]
+(variants wideN / longN: the wide-rows tile, ring 3 / ring 4, at N splits)
 """
 import json
 import os
@@ -115,6 +116,10 @@ def variant_kwargs(name):
         return {"splits": int(name[7:]), "cluster": True}
     if name.startswith("combine"):
         return {"splits": int(name[7:]), "cluster": False}
+    if name.startswith("wide") or name.startswith("long"):  # the wide-rows tile (ring 3 / ring 4) at N splits
+        from cuflash import schedule
+        table = schedule.DECODE_TILES_WIDE_ROWS if name.startswith("wide") else schedule.DECODE_TILES_WIDE_ROWS_LONG
+        return {"splits": int(name[4:]), "tile": table[128]}
     raise SystemExit(f"unknown variant {name!r}")
 
 

@@ -7,8 +7,10 @@ all rows) at its own split count and at one / two blocks per SM; next to cuDNN a
 benchmarks.peers.Timer: L2 flushed, launch hidden), alternating the order.
 
     python3 tools/short_mqa_probe.py out.json [passes]
+PROBE_SHAPES="B,Hq,L,d;..." replaces the shapes.
 """
 import json
+import os
 import sys
 
 sys.path.insert(0, ".")
@@ -24,6 +26,8 @@ SHAPES = [  # (B, Hq, L, d)
     (1, 64, 32768, 128), (1, 64, 131072, 128), (2, 64, 16384, 128), (4, 64, 16384, 128),
     (1, 128, 32768, 64), (2, 48, 32768, 128),
 ]
+if os.environ.get("PROBE_SHAPES"):
+    SHAPES = [tuple(int(x) for x in s.split(",")) for s in os.environ["PROBE_SHAPES"].split(";")]
 timer = Timer(warmup=3, repeats=20, seconds_per_impl=0.2)
 sms = gpu_decode._sm_count(0)
 out = []
