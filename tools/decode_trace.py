@@ -153,7 +153,10 @@ for L, B, hkv, *hq_ in CELLS:  # a fourth value: Hq (default 32)
             row["plan"] = {"splits": lp.splits, "cluster": lp.cluster, "chunk": lp.chunk, "tile": [lp.tile.block_n, lp.tile.warps, lp.tile.stages]}
             trace = cp.ndarray((BLOCKS, 8), cp.uint64, _build.get_module(spec).get_global("cuflash_decode_trace"))
             trace.fill(0)
-            timer.flush()
+            if not os.environ.get("TRACE_WARM"):  # (TRACE_WARM=1: the traced launch finds the cache and the code in L2)
+                timer.flush()
+            if os.environ.get("TRACE_REPEAT"):  # (TRACE_REPEAT=1: the same launch right before the traced one, nothing
+                f()                             # between them; every block rewrites its row)
             f()
             cp.cuda.Device().synchronize()
             print(f"  {name:10s} {row['us']:6.1f} us x{row['x_cudnn']:.3f} err {row['max_err_vs_cudnn']:.3g} plan {row['plan']}", flush=True)
