@@ -185,7 +185,8 @@ def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
 # split count is held down by its shortest split there). tools/wide_rows_probe.py short (twenty-fifth
 # session, two passes, evidence-20261201g/), Hkv=1, x the faster peer, table -> wide: d=128 with
 # 256 wide blocks B=2 Hq=48 L=32k 0.92 -> 1.00, B=4 Hq=64 L=16k 0.93 -> 0.98; 192: B=3 Hq=64 L=16k
-# 0.93 -> 0.94, B=6 Hq=64 L=8k 0.93 -> 0.94; with 128 the table's one-row-tile blocks stay ahead
+# 0.93 -> 0.94, B=6 Hq=64 L=8k 0.93 -> 0.94; with 128 (then, before the Q fix below) the table's
+# one-row-tile blocks stayed ahead
 # (B=1 Hq=64 L=32k 0.89 against 0.83, B=2 Hq=64 L=16k 0.90 / 0.86, B=4 Hq=64 L=8k 0.87 / 0.83,
 # B=1 Hq=128 L=16k 0.87 / 0.83; B=1 Hq=48 L=32k 0.89 / 0.89). d=64 with 128 wide blocks: B=1 Hq=128
 # L=32k 1.01 -> 1.06, B=4 Hq=64 L=16k 0.99 -> 1.04; with 48-64 the table stays ahead (B=2 Hq=64 L=16k

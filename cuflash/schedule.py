@@ -538,7 +538,8 @@ DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
     64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
     128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
 }
-# With gpu_decode.WIDE_LONG_AUTO (default on; CUFLASH_DECODE_WIDE_LONG=0 turns it off) the planner's wide-rows blocks of four row tiles (64 packed rows) with splits of at least
+# With gpu_decode.WIDE_LONG_AUTO (default on; CUFLASH_DECODE_WIDE_LONG=0 turns it off) the
+# planner's wide-rows blocks of four row tiles (64 packed rows) with splits of at least
 # WIDE_LONG_MIN_CHUNK keys take ring 4 instead: FA2's copies, one K and one V buffer of 128-key steps
 # (the same shared memory as ring 3's two stages of 64 keys; 236-255 registers, two blocks per SM).
 # tools/wide_rows_probe.py ring4 (twenty-fifth session, two passes, evidence-20261201g/ring4/), x the

@@ -50,7 +50,7 @@ def test_wide_rows_plan(d, hq, nq, rt):
 
 def test_wide_rows_tiles_fit_their_kernel():
     # a row tile per warp, and the rings hold the block's float32 O at the end (the kernel's asserts)
-    for hd, t in schedule.DECODE_TILES_WIDE_ROWS.items():
+    for hd, t in [*schedule.DECODE_TILES_WIDE_ROWS.items(), *schedule.DECODE_TILES_WIDE_ROWS_LONG.items()]:
         assert t.ring in (3, 4) and t.max_row_tiles <= t.warps
         assert 16 * t.max_row_tiles * hd * 4 <= t.warps * 2 * t.stages * t.block_n * hd * 2
 
@@ -203,6 +203,8 @@ def test_wide_rows_planner_rule(monkeypatch):
 def test_decode_launch_plans_as_launch_plan(monkeypatch, long_auto):
     # What decode_launch launches is launch_plan's plan (which the accounting reads), for the
     # planner's own launch and a caller's: fefb761 launched ring 3 where launch_plan said ring 4.
+    from cuflash._problem import validate_forward
+
     monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev: H200_SMS)
     monkeypatch.setattr(gpu_decode, "_runs_clusters", lambda dev: True)
     monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", long_auto)
@@ -210,8 +212,6 @@ def test_decode_launch_plans_as_launch_plan(monkeypatch, long_auto):
     for b, hq, hkv, nq, nk, d in [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (2, 48, 1, 1, 32768, 128),
                                   (8, 32, 8, 16, 4096, 128), (8, 32, 8, 1, 16384, 128), (1, 64, 1, 1, 32768, 128),
                                   (16, 64, 1, 1, 16384, 64)]:
-        from cuflash._problem import validate_forward
-
         p = validate_forward(np.empty((b, hq, nq, d), BFLOAT16), *(np.empty((b, hkv, nk, d), BFLOAT16) for _ in "kv"))
         for kw in ({}, {"splits": 8}, {"tile": schedule.DECODE_TILES_WIDE_ROWS[d]}):
             launch = gpu_decode.decode_launch(p, 0, strides, **kw)
