@@ -64,10 +64,10 @@ DEVICE = "cuda"  # torch device of the inputs
 def _pair_count(causal, nq, nk):
     """Exact (query, key) pairs per head, from the package's own mask accounting."""
     try:
-        from cuflash.masks import pair_count
+        from cuflash.core.masks import pair_count
     except ImportError:  # run as `python benchmarks/peers.py` from a checkout
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from cuflash.masks import pair_count
+        from cuflash.core.masks import pair_count
     return pair_count(causal, nq, nk)
 
 
@@ -345,7 +345,7 @@ def read_ceiling(timer, detail=None) -> float:
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     sink = cupy.empty(max(t * b for _, _, t, b in READ_CONFIGS) * sms, dtype=cupy.uint32)
     best = 0.0
-    from cuflash.interop import external_stream
+    from cuflash.api.functional.interop import external_stream
 
     with external_stream(torch_stream_ptr(), cupy.cuda.Device().id):  # between the timer's events
         src[:] = 0x5A5A5A5A  # on this stream, before the timed reads
@@ -460,16 +460,16 @@ class Runner:
         self.cupy = cupy
         self.cuflash = cuflash
         try:
-            from cuflash import reference
+            from cuflash.backends import reference
         except ImportError as exc:
             reference = None
-            self.reference_missing = f"cuflash.reference is not importable: {exc}"
+            self.reference_missing = f"cuflash.backends.reference is not importable: {exc}"
         self.reference = reference
 
     # -- helpers ---------------------------------------------------------------------------
     def on_torch_stream(self):
         """Make CuPy launch on torch's current stream so both sit between the same events."""
-        from cuflash.interop import external_stream
+        from cuflash.api.functional.interop import external_stream
 
         return external_stream(torch_stream_ptr(), self.cupy.cuda.Device().id)
 

@@ -12,7 +12,7 @@ Three questions that are easy to conflate, answered separately:
   FlashAttention paper's Theta(N^2 d^2 / M) and standard attention's Theta(N d + N^2). A model, not a
   measurement: caches, transaction sizes and write-back timing change what a profiler sees.
 
-All counts are Python ints (exact, never overflow). Mask semantics follow :mod:`cuflash.masks`.
+All counts are Python ints (exact, never overflow). Mask semantics follow :mod:`cuflash.core.masks`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import masks, schedule
-from ._arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
-from ._problem import check_offset_values
+from .core import masks
+from .plan import schedule
+from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
+from .core.problem import check_offset_values
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 METHODS = ("tiled", "reference")
@@ -125,7 +126,7 @@ def pairs_per_head(causal, nq, nk, window=None) -> int:
     """Exact visible (query, key) pairs of one head: sum over rows of the visible key count.
 
     Closed form (splitting the rows where the clip to [0, nk) switches on), so it is exact and O(1)
-    for any N. Without a window this is :func:`cuflash.masks.pair_count`."""
+    for any N. Without a window this is :func:`cuflash.core.masks.pair_count`."""
     causal = masks.normalize_causal(causal)
     window = masks.normalize_window(window)
     if nq == 0 or nk == 0:
@@ -242,7 +243,7 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     (total, H, d). ``kv_lens`` gives each sequence's valid key count (a KV cache filled to that
     length): its mask is that of a (Nq, kv_lens[b]) problem, bottom-right causal alignment
     included. ``window=(left, right)``: FlashAttention's sliding window, -1 = unbounded, as
-    defined by :func:`cuflash.masks.row_bounds` (the backends' definition).
+    defined by :func:`cuflash.core.masks.row_bounds` (the backends' definition).
 
     Exact: forward 4 * pairs * d (S = QK^T and O = PV, 2 FLOPs per multiply-add), backward
     10 * pairs * d (S recomputed, dP, dV, dQ, dK), "fwd+bwd" 14 * pairs * d. Softmax, scaling and
@@ -402,7 +403,7 @@ def _check_head_dim(d, shape_name):
 def _check_config(config, name="config"):
     for attr in ("block_m", "block_n"):
         if not isinstance(getattr(config, attr, None), int) or getattr(config, attr) < 1:
-            raise TypeError(f"{name}: expected a cuflash.schedule.TileConfig (positive block_m, block_n), got {config!r}")
+            raise TypeError(f"{name}: expected a cuflash.plan.schedule.TileConfig (positive block_m, block_n), got {config!r}")
     return config
 
 
@@ -412,7 +413,7 @@ _NO_KERNEL = (ImportError, NotImplementedError, KeyError, AttributeError)
 
 def _hopper_runs(dtype, hd, table) -> bool:
     """Whether the modelled GPU (the H200, sm_90) runs the wgmma kernel of `table` here."""
-    from . import gpu_hopper
+    from .kernels import hopper as gpu_hopper
 
     return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
 
@@ -438,7 +439,7 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
     the mma.sync kernel). With the sequence lengths (nq, nk), the tile the dispatch picks for
     them (short sequences: the persistent kernel, gpu_hopper.default_tile), else the table's.
 
-    Read from cuflash.gpu(_hopper).forward_spec, the spec the launch and the compile check use, so the
+    Read from cuflash.kernels.forward(_hopper).forward_spec, the spec the launch and the compile check use, so the
     numbers follow the kernels (the float32 kernel has its own tile table); a ``config`` replaces
     the table's TileConfig (its smem_bytes is then trusted)."""
     dtype = _check_dtype("dtype", dtype)
@@ -448,8 +449,8 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
         return SimpleNamespace(block_m=config.block_m, block_n=config.block_n, hd=hd, threads=config.threads,
                                smem=config.smem_bytes(hd, dtype.itemsize), source="config")
     try:
-        from . import gpu_hopper
-        from .gpu import forward_spec
+        from .kernels import hopper as gpu_hopper
+        from .kernels.forward import forward_spec
 
         is_causal = masks.normalize_causal(causal) is not None
         if _hopper_runs(dtype, hd, schedule.HOPPER_FORWARD_TILES):
@@ -465,7 +466,7 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
             else:
                 spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
         elif dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernel where it exists
-            from .gpu_fp32 import FORWARD_TILES_FP32, FORWARD_TILES_FP32_MMA, mma_runs
+            from .kernels.fp32 import FORWARD_TILES_FP32, FORWARD_TILES_FP32_MMA, mma_runs
 
             table = FORWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else FORWARD_TILES_FP32
             spec, t = forward_spec(dtype, d, is_causal, True, table[hd])
@@ -487,7 +488,7 @@ def _forward_key_split(p, causal):
     on the modelled H200 for this shape (16-byte aligned inputs), or None."""
     from types import SimpleNamespace as NS
 
-    from . import gpu_hopper
+    from .kernels import hopper as gpu_hopper
 
     hd = schedule.head_dim_bucket(p.d)
     if p.nq == 0 or not _hopper_runs(p.dtype, hd, schedule.HOPPER_FORWARD_TILES):
@@ -501,7 +502,7 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
     """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None.
     cluster=False: the launch whose splits merge through memory (gpu_decode.launch_plan)."""
     try:
-        from . import gpu_decode
+        from .kernels import decode as gpu_decode
     except _NO_KERNEL:
         return None
     p = SimpleNamespace(dtype=dtype, d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv, batch=batch,
@@ -525,13 +526,13 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
 def backward_launch(dtype, d, causal=False, deterministic=False):
     """Tiles and shared memory of the backward kernels cuflash launches, or None where there is none.
 
-    From cuflash.gpu_backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
+    From cuflash.kernels.backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
     streaming block_m query rows; on the modelled H200 the wgmma one where it applies) and, when
     deterministic, the separate dQ kernel. float32: attn_bwd_f32_kv (block_n keys, block_m-row
     query tiles) and attn_bwd_f32_dq, which always runs (row statistics, then dQ)."""
     dtype = _check_dtype("dtype", dtype)
     if dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernels where they exist
-        from .gpu_fp32 import BACKWARD_TILES_FP32, BACKWARD_TILES_FP32_MMA, backward_specs_fp32, mma_runs
+        from .kernels.fp32 import BACKWARD_TILES_FP32, BACKWARD_TILES_FP32_MMA, backward_specs_fp32, mma_runs
 
         hd = schedule.head_dim_bucket(d)
         table = BACKWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else BACKWARD_TILES_FP32
@@ -541,7 +542,7 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
                                dq_block_m=t.dq_block_m, dq_block_n=t.dq_block_n, dq_threads=specs["dq"].threads,
                                dq_smem=specs["dq"].smem_bytes, fp64=True)
     try:
-        from .gpu_backward import backward_specs
+        from .kernels.backward import backward_specs
 
         is_causal = masks.normalize_causal(causal) is not None
         specs, hd, t = backward_specs(dtype, d, is_causal, True, bool(deterministic))
@@ -550,7 +551,7 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
     dq = specs.get("dq")
     kv_tile = t
     if _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES):  # the K/V kernel on wgmma
-        from . import gpu_hopper
+        from .kernels import hopper as gpu_hopper
 
         specs["kv"], kv_tile = gpu_hopper.backward_kv_spec(dtype, d, is_causal, bool(deterministic))
     return SimpleNamespace(block_m=kv_tile.block_m, block_n=kv_tile.block_n, hd=hd, threads=specs["kv"].threads,
@@ -833,7 +834,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     :func:`backward_launch`); ``config`` (a TileConfig) replaces them in both passes.
 
     Forward: Q read once; each query tile (block_m rows) of each query head reads the K and V
-    tiles it sees (every tile, or with ``causal`` only those for which cuflash.masks.tile_is_visible
+    tiles it sees (every tile, or with ``causal`` only those for which cuflash.core.masks.tile_is_visible
     holds, counted tile by tile) — GQA heads each reread K/V; O and the float32 LSE written once.
     Backward: a preprocessing pass reads O and dO and writes D; one program per K/V tile and K/V head
     reads K and V once and, for each query head of its group, rereads Q, dO, LSE and D once per

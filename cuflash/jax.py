@@ -50,7 +50,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed JAX
 
 import numpy as np
 
-from . import _problem, api, interop
+from .core import problem
+from .api import functional as api
+from .api import interop
 
 __all__ = ["attention"]
 
@@ -60,7 +62,7 @@ _DL_CUDA = 2
 def _problem_of(q, k, v, causal, scale, layout):
     """Validate shapes/dtypes/options on zero-stride stand-ins (works on tracers too)."""
     stand_ins = [np.broadcast_to(np.zeros((), dtype=np.dtype(a.dtype)), a.shape) for a in (q, k, v)]
-    return _problem.validate_forward(*stand_ins, causal=causal, scale=scale, layout=layout)
+    return problem.validate_forward(*stand_ins, causal=causal, scale=scale, layout=layout)
 
 
 class _Native:

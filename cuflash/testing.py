@@ -13,7 +13,7 @@ formula in the precision of its inputs.
 
 ``mask=`` (every function below that takes it): an explicit boolean (Nq, Nk) visibility matrix
 that replaces the ``causal`` mask, so a test can hold a windowed result to an oracle whose mask it
-built itself rather than to cuflash.masks.
+built itself rather than to cuflash.core.masks.
 
 Works for NumPy and CuPy arrays (CuPy arrays are copied to the host with ``.get()``); bfloat16
 comes from ml_dtypes.
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import masks, reference
-from ._arrays import UNIT_ROUNDOFF, dtype_name
-from ._layout import from_bhsd, to_bhsd
-from ._problem import validate_forward
+from .core import masks
+from .backends import reference
+from .core.arrays import UNIT_ROUNDOFF, dtype_name
+from .core.layout import from_bhsd, to_bhsd
+from .core.problem import validate_forward
 
 _F64 = np.float64
 

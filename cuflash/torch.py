@@ -3,7 +3,7 @@
 The forward is cuflash's forward (``return_lse=True``), the backward is
 ``cuflash.attention_backward`` from the saved q, k, v, o and lse; both see the tensors' memory
 without copies (DLPack for CUDA tensors, ``.numpy()`` views for CPU tensors, which run the NumPy
-backend) and run on the tensors' device and on torch's current stream there (see cuflash.interop).
+backend) and run on the tensors' device and on torch's current stream there (see cuflash.api.interop).
 
 Imported only on request (``import cuflash.torch``): ``import cuflash`` never imports torch.
 """
@@ -15,7 +15,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by the optional-import test
     raise ImportError("cuflash.torch needs PyTorch (pip install torch); cuflash itself does not") from exc
 
-from . import api
+from .api import functional as api
 
 __all__ = ["attention"]
 

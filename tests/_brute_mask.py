@@ -1,13 +1,13 @@
 """The visibility mask written straight from the documented definitions, one pair at a time.
 
-Shared by the accounting and the window/varlen tests, so that both hold cuflash.masks to the same
+Shared by the accounting and the window/varlen tests, so that both hold cuflash.core.masks to the same
 independent brute force: query i (of nq) sees key j (of nk) iff j <= diag when causal and
 diag - left <= j <= diag + right under a window (a side of -1 is unbounded), where diag = i for
 causal="top_left" and i + nk - nq otherwise (bottom-right, FlashAttention's alignment)."""
 
 import numpy as np
 
-from cuflash import masks
+from cuflash.core import masks
 from cuflash.testing import random_inputs
 
 

@@ -64,18 +64,18 @@ def pytest_runtest_makereport(item, call):
 def kernels(request, monkeypatch):
     """Both kernel families: on a Hopper GPU "auto" runs the wgmma kernels where they apply and
     "mma_sync" forces the fallback, so neither goes untested; elsewhere the two coincide."""
-    from cuflash import gpu_hopper
+    from cuflash.kernels import hopper
 
-    monkeypatch.setenv(gpu_hopper.ENV, request.param)
+    monkeypatch.setenv(hopper.ENV, request.param)
     return request.param
 
 
 @pytest.fixture(autouse=True)
 def _fresh_plan_cache():
-    """Each test starts without cuflash.attention's decode plans (cuflash.plan_cache): a plan made
+    """Each test starts without cuflash.attention's decode plans (cuflash.api.plan_cache): a plan made
     in an earlier test would keep the planner choices of that test (monkeypatched tables, kernel
     selection) for a later test's calls of the same geometry."""
-    from cuflash import plan_cache
+    from cuflash.api import plan_cache
 
     plan_cache.clear()
     yield

@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import accounting, masks, report, schedule
-from cuflash._arrays import BFLOAT16
+from cuflash import accounting
+from cuflash.core import masks
+from cuflash.cli import report
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16
 
 from _brute_mask import brute_visible
 
@@ -274,7 +277,7 @@ def test_decode_shape_reports_the_decode_kernel_and_its_splits():
     # Without splits=, a decode shape gets the splits the decode kernel picks on the H200, and
     # the decode kernel's shared memory; a prefill shape gets neither. B=4, Hkv=8: 9 splits, more
     # than a cluster holds, so a combine kernel merges them through float32 partials.
-    from cuflash import gpu_decode
+    from cuflash.kernels import decode as gpu_decode
 
     r = cuflash.memory_report((4, 32, 1, 128), (4, 8, 16384, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
@@ -291,7 +294,7 @@ def test_decode_shape_reports_the_decode_kernel_and_its_splits():
 def test_decode_cluster_shape_reports_no_partials():
     # B=8, Hkv=8: 2-8 splits, merged inside a thread-block cluster: no workspace; the shared
     # memory entry names the cluster kernel (the same shared memory as the combine path's kernel).
-    from cuflash import gpu_decode
+    from cuflash.kernels import decode as gpu_decode
 
     r = cuflash.memory_report((8, 32, 1, 128), (8, 8, 12288, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
@@ -581,7 +584,8 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
     """Few query tokens over a long cache: the split-KV kernel's traffic, not the prefill tiles'."""
     from types import SimpleNamespace
 
-    from cuflash import gpu_decode, masks
+    from cuflash.kernels import decode as gpu_decode
+    from cuflash.core import masks
 
     B, H, Hkv, nq, nk, d = 8, 32, 8, 1, 12288, 128
     m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=Hkv, causal=causal)
@@ -612,7 +616,7 @@ def test_io_decode_row_blocks_reread_the_cache(monkeypatch, B, H, nk, blocks):
     The table's tiles (the wide-rows rule off); with the rule, B=2 Hq=64 reads the head once."""
     from types import SimpleNamespace
 
-    from cuflash import gpu_decode
+    from cuflash.kernels import decode as gpu_decode
 
     if (B, H) == (2, 64):
         wide = {e.name: e for e in cuflash.io_model((B, H, 1, 128), nk=nk, hkv=1).entries}

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from cuflash import _problem
+from cuflash.core import problem
 
 
 class _DeviceArray:
@@ -40,34 +40,34 @@ def _fake_cupy(monkeypatch, capturing, allocator=None):
 def test_host_read_outside_a_capture_copies(monkeypatch):
     _fake_cupy(monkeypatch, capturing=False)
     a = _DeviceArray([3, 4])
-    assert np.array_equal(_problem.to_host(a, "kv_lens", "why"), [3, 4]) and a.copies == 1
+    assert np.array_equal(problem.to_host(a, "kv_lens", "why"), [3, 4]) and a.copies == 1
     plain = np.arange(3)
-    assert _problem.to_host(plain, "kv_lens", "why") is plain
+    assert problem.to_host(plain, "kv_lens", "why") is plain
 
 
 def test_host_read_inside_a_capture_names_the_argument(monkeypatch):
     _fake_cupy(monkeypatch, capturing=True)
     a = _DeviceArray([3, 4])
     with pytest.raises(ValueError, match=r"^block_table: validate=True checks .*captured into a CUDA graph"):
-        _problem.check_block_table(a, np.array([3, 4]), 16, 10)
+        problem.check_block_table(a, np.array([3, 4]), 16, 10)
     assert a.copies == 0  # no copy was attempted
-    assert _problem.stream_is_capturing()
+    assert problem.stream_is_capturing()
 
 
 def test_capture_warns_unless_the_allocator_is_the_async_pool(monkeypatch):
     _fake_cupy(monkeypatch, capturing=True)
     with pytest.warns(RuntimeWarning, match="MemoryAsyncPool"):
-        _problem.warn_if_capture_unsafe(stacklevel=2)
+        problem.warn_if_capture_unsafe(stacklevel=2)
     _fake_cupy(monkeypatch, capturing=True, allocator=lambda cls: cls().malloc)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _problem.warn_if_capture_unsafe()
+        problem.warn_if_capture_unsafe()
     _fake_cupy(monkeypatch, capturing=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _problem.warn_if_capture_unsafe()
+        problem.warn_if_capture_unsafe()
 
 
 def test_no_cupy_is_not_capturing(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
-    assert not _problem.stream_is_capturing()
+    assert not problem.stream_is_capturing()

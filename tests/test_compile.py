@@ -2,7 +2,7 @@
 
 Each instantiation must compile, and must not spill: spills and a stack frame turn register
 traffic into local-memory traffic in the inner loop. The specs come from every ``all_*_specs``
-function of cuflash.gpu and its sibling modules cuflash.gpu_* (forward, backward, decode, ...), so
+function of cuflash.kernels.forward and its sibling modules cuflash.gpu_* (forward, backward, decode, ...), so
 a new kernel family is checked as soon as such a function lists it.
 """
 
@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+
+import cuflash.kernels
 import re
 import shutil
 
 import pytest
 
 import cuflash
-from cuflash import _build
+from cuflash.kernels import build as _build
 
 ARCH = "sm_90a"
 _SPEC_LIST = re.compile(r"all_\w+_specs(_\w+)?")
@@ -26,7 +28,7 @@ _SPEC_LIST = re.compile(r"all_\w+_specs(_\w+)?")
 def _spec_lists():
     """(name, function or the exception that stopped its module's import) for each all_*_specs."""
     found = []
-    names = sorted(m.name for m in pkgutil.iter_modules(cuflash.__path__) if m.name == "gpu" or m.name.startswith("gpu_"))
+    names = sorted("kernels." + m.name for m in pkgutil.iter_modules(cuflash.kernels.__path__))
     for name in names:
         try:
             module = importlib.import_module(f"cuflash.{name}")
@@ -46,7 +48,7 @@ def _spec_params():
     params, seen = [], set()
     lists = _spec_lists()
     if not any(name == "gpu.all_forward_specs" for name, _ in lists):  # else this file checks nothing
-        params.append(pytest.param(None, LookupError("no cuflash.gpu.all_forward_specs()"), id="all_forward_specs-missing"))
+        params.append(pytest.param(None, LookupError("no cuflash.kernels.forward.all_forward_specs()"), id="all_forward_specs-missing"))
     for list_name, make in lists:
         if isinstance(make, Exception):
             params.append(pytest.param(None, make, id=list_name))

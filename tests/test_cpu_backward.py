@@ -9,18 +9,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, cpu, masks, reference, schedule
-from cuflash._arrays import BFLOAT16, UNIT_ROUNDOFF
-from cuflash._layout import is_view_of, to_bhsd
-from cuflash.testing import (
-    assert_backward_within_naive_error,
-    assert_within_naive_error,
-    max_abs,
-    naive_attention_backward_in_dtype,
-    random_array,
-    random_inputs,
-    reference64_backward,
-)
+from cuflash.core import problem
+from cuflash.backends import numpy as cpu
+from cuflash.core import masks
+from cuflash.backends import reference
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, UNIT_ROUNDOFF
+from cuflash.core.layout import is_view_of, to_bhsd
+from cuflash.testing import assert_backward_within_naive_error, assert_within_naive_error, max_abs, naive_attention_backward_in_dtype, random_array, random_inputs, reference64_backward
 
 DTYPES = [pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16"), pytest.param(np.float32, id="f32")]
 CAUSAL = [pytest.param(False, id="full"), pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")]
@@ -45,7 +41,7 @@ def run_cpu_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="b
     """cpu.backward into NaN-poisoned dq, dk, dv; checks that no input was modified."""
     args = (do, q, k, v, o, lse)
     before = [a.copy() for a in args]
-    p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+    p = problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
     dq = np.full(p.q_shape(), np.nan, dtype=p.dtype)
     dk = np.full(p.kv_shape(), np.nan, dtype=p.dtype)
     dv = np.full(p.kv_shape(), np.nan, dtype=p.dtype)
@@ -67,7 +63,7 @@ def check(seed, shape_q, shape_kv, dtype, *, causal=False, scale=None, layout="b
                                          layout=layout)
     grads = run_cpu_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
                              block_m=block_m, block_n=block_n)
-    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    p = problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
     if p.nk and masks.visible_keys_per_row(p.causal, p.nq, p.nk).max() <= 1:
         assert layout == "bhsd"
         assert_single_key_gradients(p, grads, do, q, k, v)
@@ -293,7 +289,7 @@ def test_reference_gradient_by_finite_differences(causal, hq, hkv, nq, nk):
     do = random_array(rng, q.shape, np.float32)
     o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     grads = reference.attention_backward(do, q, k, v, o, lse, causal=causal, precision="float64")
-    p = _problem.validate_forward(q, k, v, causal=causal)
+    p = problem.validate_forward(q, k, v, causal=causal)
     base = [a.astype(np.float64) for a in (q, k, v)]
     do64 = do.astype(np.float64)
     f0 = reference_f64(p, *base, do64)

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, cpu, reference, schedule
-from cuflash._arrays import BFLOAT16
-from cuflash._layout import is_view_of, to_bhsd
+from cuflash.core import problem
+from cuflash.backends import numpy as cpu
+from cuflash.backends import reference
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16
+from cuflash.core.layout import is_view_of, to_bhsd
 from cuflash.testing import assert_forward_within_naive_error, random_inputs
 
 DTYPES = [pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16"), pytest.param(np.float32, id="f32")]
@@ -33,7 +36,7 @@ def shapes(layout, batch, hq, hkv, nq, nk, d):
 def run_cpu(q, k, v, *, causal=False, scale=None, layout="bhsd", block_m=None, block_n=None):
     """cpu.forward into NaN-poisoned o and lse; checks that the inputs were not modified."""
     before = [a.copy() for a in (q, k, v)]
-    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    p = problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
     o = np.full(p.q_shape(), np.nan, dtype=p.dtype)
     lse = np.full(p.lse_shape(), np.nan, dtype=np.float32)
     o4 = to_bhsd(o, p, p.hq, p.nq)

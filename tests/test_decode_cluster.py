@@ -14,9 +14,10 @@ import types
 import numpy as np
 import pytest
 
-from cuflash import gpu_decode, schedule
-from cuflash.device_limits import H200
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import decode as gpu_decode
+from cuflash.plan import schedule
+from cuflash.plan.device_limits import H200
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence
@@ -244,7 +245,7 @@ def test_default_tile_by_blocks_per_sm(batch, hkv, want):
 def test_no_split_tile_holds_two_blocks_per_sm():
     # The no-split tile's 70 KiB would let three blocks share an H200 SM; its launch asks for enough
     # shared memory that exactly two do (max_blocks_per_sm), with one or two row tiles.
-    from cuflash.device_limits import H200, occupancy
+    from cuflash.plan.device_limits import H200, occupancy
 
     t = schedule.DECODE_TILES_NO_SPLIT[128]
     assert t.max_blocks_per_sm == 2
@@ -313,8 +314,8 @@ def test_all_decode_specs_lists_every_cluster_size():
 
 def _launch(monkeypatch):
     """Record the expressions gpu_decode fetches (which kernels ran), on every call: uncached
-    (a planned geometry, cuflash.plan_cache, launches without fetching)."""
-    from cuflash import plan_cache
+    (a planned geometry, cuflash.api.plan_cache, launches without fetching)."""
+    from cuflash.api import plan_cache
 
     monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
@@ -372,7 +373,7 @@ _SHAPES = [(hq, hkv, nq, d) for hq, hkv, d in ((32, 8, 128), (16, 8, 128), (8, 2
 def test_merge_kv_lens(rng, monkeypatch, merge, splits, causal, hq, hkv, nq, d):
     import cupy
 
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     dtype = FLOAT16 if d == 40 else BFLOAT16
     nk = 1500
@@ -395,7 +396,7 @@ def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, mer
     # 300 keys over 8 splits of 48: the cluster's 8th block has no key at all.
     import cupy
 
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     b, hq, hkv, nq, nk, d = 3, 32, 8, 1, 300, 128
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
@@ -417,8 +418,8 @@ def test_merge_without_kv_lens_and_an_empty_trailing_split(rng, monkeypatch, mer
 def test_merge_paged(rng, monkeypatch, merge, splits, bs, hq, hkv, nq, d, causal):
     import cupy
 
-    from cuflash._layout import to_bhsd
-    from cuflash._problem import validate_paged
+    from cuflash.core.layout import to_bhsd
+    from cuflash.core.problem import validate_paged
     from test_paged import paged_cache  # shuffled pages, NaN in every unused page
 
     nk = 1300
@@ -440,13 +441,13 @@ def test_merge_paged(rng, monkeypatch, merge, splits, bs, hq, hkv, nq, d, causal
 @pytest.mark.gpu
 def test_last_split_counters_are_left_zero(rng):
     # The merge by the last split counts each pair's finished splits in a buffer kept per stream
-    # (cuflash.stream_counters), which every launch must leave zero: one geometry run twice, one
+    # (cuflash.kernels.counters), which every launch must leave zero: one geometry run twice, one
     # with more pairs than the buffer held (it grows), one on another stream, then the first
     # again - each against the reference, and bitwise equal to its first run and to the combine
     # kernel's merge. Outputs poisoned.
     import cupy
 
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     def run(b, hkv, nk, splits, stream=None, merge="last"):
         q, k, v = random_inputs(np.random.default_rng([b, hkv, nk, splits]), (b, 2 * hkv, 1, 64), (b, hkv, nk, 64),
@@ -469,10 +470,10 @@ def test_last_split_counters_are_left_zero(rng):
     for o, lse in (again[0], again[3], run(3, 2, 900, 5, merge="kernel")):
         np.testing.assert_array_equal(o, first[0])
         np.testing.assert_array_equal(lse, first[1])
-    from cuflash import stream_counters
+    from cuflash.kernels import counters
 
     cupy.cuda.Device().synchronize()
-    assert int(cupy.abs(stream_counters.view(1040, cupy.cuda.Stream.null.ptr)).max()) == 0
+    assert int(cupy.abs(counters.view(1040, cupy.cuda.Stream.null.ptr)).max()) == 0
 
 
 def test_combine_slices():
@@ -488,7 +489,7 @@ def test_combine_constants_match_the_kernel():
     # The host sizes the combine grid from constants that decode_common.cuh defines too.
     import re
 
-    from cuflash._build import load_source
+    from cuflash.kernels.build import load_source
 
     src = load_source("decode_common.cuh")
     consts = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
@@ -507,7 +508,7 @@ def test_sliced_combine(hq, splits):
     # among the sequences leave whole slices empty. Outputs poisoned.
     import cupy
 
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     b, hkv, nk, d = 3, 1, 6400, 128  # (splits of whole 16-key tiles: 100 x 64, 50 x 128, 9 x 720, 200 x 32)
     q, k, v = random_inputs(np.random.default_rng([hq, splits]), (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
@@ -648,8 +649,8 @@ def test_row_blocks_decode(rng, monkeypatch, merge, case):
     # poisoned; merged in a cluster, by the last split and by the combine kernel.
     import cupy
 
-    from cuflash._layout import to_bhsd
-    from cuflash._problem import validate_forward, validate_paged
+    from cuflash.core.layout import to_bhsd
+    from cuflash.core.problem import validate_forward, validate_paged
 
     hq, hkv, nq, d = {"mqa64": (64, 1, 1, 128), "gqa64-paged": (128, 2, 1, 128), "mqa48-window": (48, 1, 2, 64),
                       "mqa48-br": (48, 1, 2, 128)}[case]
@@ -690,7 +691,7 @@ def test_row_blocks_through_the_api(rng, batch, hq, nk, d):
     import cupy
 
     import cuflash
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     q, k, v = random_inputs(rng, (batch, hq, 1, d), (batch, 1, nk, d), BFLOAT16)
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
@@ -713,7 +714,7 @@ def test_wide_d64_row_blocks_through_the_api(rng, monkeypatch, wide_auto):
     import cupy
 
     import cuflash
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     b, hq, nk, d = 32, 64, 8192, 64
     q, k, v = random_inputs(rng, (b, hq, 1, d), (b, 1, nk, d), BFLOAT16)

@@ -14,8 +14,9 @@ import pytest
 from _kvlens_check import check_per_sequence
 
 
-from cuflash import gpu_decode, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import decode as gpu_decode
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
 H200_SMS = 132
@@ -58,7 +59,7 @@ def test_wide_rows_tiles_fit_their_kernel():
 # ---- GPU ----
 
 def _launch(monkeypatch):
-    from cuflash import plan_cache
+    from cuflash.api import plan_cache
 
     monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
@@ -87,8 +88,8 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
     # apart, so that Q's 8-column pieces take both the vector and the element loads (decode_q_piece)
     import cupy
 
-    from cuflash._layout import to_bhsd
-    from cuflash._problem import validate_forward, validate_paged
+    from cuflash.core.layout import to_bhsd
+    from cuflash.core.problem import validate_forward, validate_paged
 
     hq, nq, d = {"mqa64-d128": (64, 1, 128), "mqa64-d64": (64, 1, 64), "mqa48-idle-warp": (48, 1, 128),
                  "gqa16x3-br": (16, 3, 128), "mqa32x2-window": (32, 2, 64), "mqa64-paged": (64, 1, 128),
@@ -203,7 +204,7 @@ def test_wide_rows_planner_rule(monkeypatch):
 def test_decode_launch_plans_as_launch_plan(monkeypatch, long_auto):
     # What decode_launch launches is launch_plan's plan (which the accounting reads), for the
     # planner's own launch and a caller's: fefb761 launched ring 3 where launch_plan said ring 4.
-    from cuflash._problem import validate_forward
+    from cuflash.core.problem import validate_forward
 
     monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev: H200_SMS)
     monkeypatch.setattr(gpu_decode, "_runs_clusters", lambda dev: True)

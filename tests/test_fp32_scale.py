@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _problem, gpu
-from cuflash._arrays import FLOAT16, FLOAT32
+from cuflash.core import problem
+from cuflash.kernels import forward as gpu
+from cuflash.core.arrays import FLOAT16, FLOAT32
 from test_fp32_backward import _ptx_params  # the kernel's PTX parameter types
 
 
@@ -19,7 +20,7 @@ def _launch_args(monkeypatch, dtype):
     monkeypatch.setattr(gpu, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append(args))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, n, 96)).astype(dtype) for n in (5, 7, 7))
-    p = _problem.validate_forward(q, k, v, causal="top_left", scale=0.3)
+    p = problem.validate_forward(q, k, v, causal="top_left", scale=0.3)
     o, lse = np.empty_like(q), np.empty((1, 2, 5), np.float32)
     spec, tile = gpu.forward_spec(p.dtype, p.d, True, False)
     gpu.launch_forward(spec, tile.block_m, p, q, k, v, o, lse)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
 
 cupy = pytest.importorskip("cupy")
@@ -102,8 +102,10 @@ def test_backward_deterministic_bitwise(kernels, d):
 
 def test_backward_workspace_is_dq_accumulator_and_d():
     """Every device allocation the backward makes, recorded through CuPy's allocator hook."""
-    from cuflash import gpu_backward, gpu_hopper, schedule
-    from cuflash._problem import validate_forward
+    from cuflash.kernels import backward as gpu_backward
+    from cuflash.kernels import hopper
+    from cuflash.plan import schedule
+    from cuflash.core.problem import validate_forward
 
     rng = np.random.default_rng(3)
     b, h, n, d = 2, 4, 1000, 128
@@ -115,7 +117,7 @@ def test_backward_workspace_is_dq_accumulator_and_d():
     grad_bytes = b * h * n * d * 2
     # dq, dk, dv; the float32 dQ accumulator (128-wide rows; on Hopper the warp-specialized kernel's
     # 64 x 64 chunks pad each head's 1000 rows to 1024) and D.
-    hopper_ws = gpu_hopper.backward_applies(validate_forward(q, k, v), True) and schedule.hopper_backward_tile(128, False).ws
+    hopper_ws = hopper.backward_applies(validate_forward(q, k, v), True) and schedule.hopper_backward_tile(128, False).ws
     acc_rows = 1024 if hopper_ws else n
     expected = [grad_bytes] * 3 + [b * h * acc_rows * 128 * 4, b * h * n * 4]
     assert sorted(sizes) == sorted(expected), sizes

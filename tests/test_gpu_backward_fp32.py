@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._arrays import FLOAT32
+from cuflash.core.arrays import FLOAT32
 from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
 
 cupy = pytest.importorskip("cupy")
@@ -107,8 +107,8 @@ def test_bitwise_reproducible(kernels):
 
 def test_workspace_is_float64_lse_and_d():
     """Every device allocation the backward makes, recorded through CuPy's allocator hook."""
-    from cuflash import gpu_backward
-    from cuflash._problem import validate_forward
+    from cuflash.kernels import backward as gpu_backward
+    from cuflash.core.problem import validate_forward
 
     rng = np.random.default_rng(49)
     b, h, n, d = 2, 4, 1000, 128

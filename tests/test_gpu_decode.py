@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import gpu_decode, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16
-from cuflash._layout import to_bhsd
-from cuflash._problem import validate_forward
+from cuflash.kernels import decode as gpu_decode
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.core.layout import to_bhsd
+from cuflash.core.problem import validate_forward
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence
@@ -56,7 +57,7 @@ def test_decode_split_counts(splits):
 def test_decode_combine_as_dependent(monkeypatch, use_pdl, splits):
     # The combine kernel as the split kernel's programmatic dependent (the size gate lowered to
     # every cache): it must wait for every split's partials. Output and LSE start poisoned.
-    from cuflash import pdl
+    from cuflash.kernels import pdl
 
     monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
     monkeypatch.setattr(pdl, "_ENABLED", use_pdl)
@@ -200,7 +201,7 @@ def test_decode_block_rings(monkeypatch, ring, shape, case):
     # same order: the output must equal the per-warp ring's bit for bit, and both the reference
     # (float64, naive-error rule). kv_lens 0 / 1 / mid-step / full; pages shuffled; a window
     # cutting steps mid-way; splits whose chunks end mid-step; outputs poisoned.
-    from cuflash._problem import validate_paged
+    from cuflash.core.problem import validate_paged
     from test_paged import paged_cache
 
     bn, warps, stages = shape
@@ -242,10 +243,10 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
     # with more shared memory (its two-blocks-per-SM cap): fetched in that order in a fresh kernel
     # cache, the second launch must still run (the opt-in follows the larger request) and give the
     # same bits.
-    from cuflash import _build
+    from cuflash.kernels import build
 
     for cache in ("_modules", "_raw_modules", "_smem_optin"):
-        monkeypatch.setattr(_build, cache, {})
+        monkeypatch.setattr(build, cache, {})
     small, large = schedule.DECODE_TILES_LONG_SPLITS[128], schedule.DECODE_TILES_NO_SPLIT[128]
     assert small.smem_bytes(128, 1) < large.smem_bytes(128, 1)
     assert gpu_decode.decode_specs(BFLOAT16, 128, 1, False, True, small)[0].expression == \

@@ -18,17 +18,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, gpu, gpu_hopper, masks, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
-from cuflash._layout import is_view_of, to_bhsd
-from cuflash.testing import (
-    assert_within_naive_error,
-    naive_attention_in_dtype,
-    random_array,
-    random_inputs,
-    recorded_allocations,
-    reference64,
-)
+from cuflash.core import problem as _problem
+from cuflash.kernels import forward as gpu
+from cuflash.kernels import hopper
+from cuflash.core import masks
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
+from cuflash.core.layout import is_view_of, to_bhsd
+from cuflash.testing import assert_within_naive_error, naive_attention_in_dtype, random_array, random_inputs, recorded_allocations, reference64
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -307,21 +304,21 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
     monkeypatch.setattr(gpu, "get_function", recording)
     # A short key range runs the persistent kernel where HOPPER_FORWARD_PERSISTENT has a rule
     # (d = 64, 128; d=64 without a mask at any length), a long one the table's tile: both are what
-    # gpu_hopper.default_tile names.
+    # hopper.default_tile names.
     for nk in (150, 4000):
         launched.clear()
         q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, nk, d), dtype)
         o, lse = forward_poisoned(q, k, v)
-        tile = gpu_hopper.default_tile(d, None, 130, nk)
+        tile = hopper.default_tile(d, None, 130, nk)
         rule = schedule.persistent_rule(schedule.head_dim_bucket(d), False, nk)
         assert tile == (rule.tile if rule else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)])
         # (a grid of fewer query tiles than SMs runs the key split on the table's tile)
         p = _problem.validate_forward(q, k, v)
-        auto = gpu_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])
+        auto = hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])
         if auto:  # a grid under one wave: its tiles split by keys
-            want = [gpu_hopper.split_spec(dtype, d, auto[0])[0].expression]
+            want = [hopper.split_spec(dtype, d, auto[0])[0].expression]
         else:
-            want = [gpu_hopper.forward_spec(dtype, d, False, tile)[0].expression]
+            want = [hopper.forward_spec(dtype, d, False, tile)[0].expression]
         assert launched == want
         check_rows(o, lse, q, k, v)
 

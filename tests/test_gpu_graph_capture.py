@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._arrays import FLOAT16
+from cuflash.core.arrays import FLOAT16
 from cuflash.testing import assert_forward_within_naive_error, random_array, to_numpy
 
 cupy = pytest.importorskip("cupy")
@@ -69,7 +69,8 @@ def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine, vi
     # launched as the split kernel's programmatic dependent: the capture must keep that edge, and
     # the replay be exact; via "prepared": the step is a cuflash.prepare_attention call, its
     # packed launches captured)
-    from cuflash import gpu_decode, pdl
+    from cuflash.kernels import decode as gpu_decode
+    from cuflash.kernels import pdl
 
     if pdl_combine:
         if not pdl.available():

@@ -13,8 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cuflash import gpu_hopper, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import hopper
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from test_gpu_backward import _run
 
 cupy = pytest.importorskip("cupy")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def tma_backward(monkeypatch):
-    from cuflash import tma
+    from cuflash.kernels import tma
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("not a Hopper GPU: attn_bwd_kv_wgmma_tma needs sm_90")
@@ -31,16 +32,16 @@ def tma_backward(monkeypatch):
         pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
     monkeypatch.setenv("CUFLASH_KERNELS", "auto")
     launched = []
-    real = gpu_hopper.backward_kv_spec
+    real = hopper.backward_kv_spec
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         launched.append(out[0].expression)
         return out
 
-    monkeypatch.setattr(gpu_hopper, "backward_kv_spec", recording)
+    monkeypatch.setattr(hopper, "backward_kv_spec", recording)
     for hd, t in list(schedule.HOPPER_BACKWARD_TILES.items()):
-        monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, gpu_hopper.backward_tma(t) if not t.tma else t)
+        monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, hopper.backward_tma(t) if not t.tma else t)
     monkeypatch.setattr(schedule, "HOPPER_BACKWARD_WS", {})  # the TMA kernel itself, not the warp-specialized one
     yield launched
     assert launched and all("attn_bwd_kv_wgmma_tma<" in e for e in launched), launched
@@ -105,7 +106,7 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal, math_stat
     t = schedule.HOPPER_BACKWARD_TILES[d]
     # (math_stats: lse and D copied by the math warpgroups a step ahead, not by the producer)
     monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
-                        dataclasses.replace(gpu_hopper.backward_tma(t), ws=True, math_stats=math_stats))
+                        dataclasses.replace(hopper.backward_tma(t), ws=True, math_stats=math_stats))
     rng = np.random.default_rng([d, len(str(causal)), dtype.itemsize, 47])
     _run(rng, 2, 2, 2, 97, 130, d, dtype, causal)
     _run(rng, 1, 8, 2, 1000, 300, d, dtype, causal)
@@ -129,12 +130,12 @@ def test_warp_specialized_persistent(monkeypatch, tma_backward, blocks, d, causa
     # Q/dO ring, its mbarrier phases and the dQ tiles' barriers running on across units, and dK/dV
     # staged in K/V's own tiles. 3 blocks: every block walks many units of different lengths
     # (causal), of several heads and batch entries, some with no step (rows that see no key).
-    from cuflash import gpu_backward
+    from cuflash.kernels import backward as gpu_backward
 
     monkeypatch.setattr(gpu_backward, "_PERSISTENT_BLOCKS", blocks)
     t = schedule.HOPPER_BACKWARD_TILES[d]
     monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
-                        dataclasses.replace(gpu_hopper.backward_tma(t), ws=True, persistent=True))
+                        dataclasses.replace(hopper.backward_tma(t), ws=True, persistent=True))
     rng = np.random.default_rng([d, len(str(causal)), 59])
     _run(rng, 2, 2, 2, 97, 130, d, BFLOAT16, causal)
     _run(rng, 3, 6, 3, 333, 290, d, FLOAT16, causal)

@@ -20,18 +20,10 @@ import numpy as np
 import pytest
 
 import cuflash
-import cuflash._build
-import cuflash.gpu
-from cuflash._arrays import BFLOAT16, FLOAT16
-from cuflash.testing import (
-    assert_backward_within_naive_error,
-    assert_forward_within_naive_error,
-    assert_within_naive_error,
-    naive_attention_backward_in_dtype,
-    naive_attention_in_dtype,
-    random_array,
-    random_inputs,
-)
+from cuflash.kernels import build
+from cuflash.kernels import forward as gpu
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, assert_within_naive_error, naive_attention_backward_in_dtype, naive_attention_in_dtype, random_array, random_inputs
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -44,7 +36,7 @@ SHAPE = (2, 4, 160, 64)
 def launches(monkeypatch):
     """Record, for each forward launch, the pointers, CuPy's current stream and the current device."""
     seen = []
-    real_forward = cuflash.gpu.forward
+    real_forward = gpu.forward
 
     def spy(p, q4, k4, v4, o4, lse3, **kw):
         seen.append({
@@ -53,7 +45,7 @@ def launches(monkeypatch):
         })
         return real_forward(p, q4, k4, v4, o4, lse3, **kw)
 
-    monkeypatch.setattr(cuflash.gpu, "forward", spy)
+    monkeypatch.setattr(gpu, "forward", spy)
     return seen
 
 
@@ -109,7 +101,7 @@ def test_torch_import_is_the_dlpack_view(rng, make, dtype):
     # interop._import_torch builds CuPy views from the tensor's pointer and strides (a tenth of
     # cupy.from_dlpack's host time): the same memory, shape, strides, dtype and values as DLPack's.
     torch = need_torch_cuda()
-    from cuflash import interop
+    from cuflash.api import interop
 
     base = torch.randn(3, 4, 9, 8, device="cuda").mul(100).to(getattr(torch, dtype))
     t = make(base)
@@ -245,7 +237,7 @@ def test_inputs_on_device_1_run_on_device_1(rng, launches):
     assert cupy.cuda.Device().id == 0
     o = cuflash.attention(qg, kg, vg)
     assert o.device.id == 1 and launches[-1]["device"] == 1
-    assert any(key[0] == 1 for key in cuflash._build._modules), "no module compiled for device 1"
+    assert any(key[0] == 1 for key in build._modules), "no module compiled for device 1"
     with cupy.cuda.Device(1):
         cupy.cuda.Device().synchronize()
     assert_forward_within_naive_error(o, None, q, k, v)

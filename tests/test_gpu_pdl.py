@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import pdl
+from cuflash.kernels import pdl
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,5 @@
 """cuflash.attention's plan cache on the GPU: calls of a repeated decode geometry run from a plan
-(cuflash.plan_cache), and every result equals the uncached path's bit for bit, on fresh arrays,
+(cuflash.api.plan_cache), and every result equals the uncached path's bit for bit, on fresh arrays,
 with poisoned outputs; bad values, other out= layouts, unaligned caches, threads and torch."""
 
 import threading
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import plan_cache
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.api import plan_cache
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence

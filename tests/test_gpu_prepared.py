@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import gpu_decode, pdl, plan_cache
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import decode as gpu_decode
+from cuflash.kernels import pdl
+from cuflash.api import plan_cache
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence

@@ -5,7 +5,7 @@ dim of HOPPER_FORWARD_TILES) and attn_fwd_band elsewhere; the forward tests take
 fixture so that on an H200 both run. The backward is the mma.sync band kernels everywhere.
 
 The oracle is the float64 reference with a mask this file builds pair by pair from the documented
-definition (_brute_mask), never cuflash.masks: a windowed problem is held to
+definition (_brute_mask), never cuflash.core.masks: a windowed problem is held to
 ``mask=brute_visible(...)``, a packed batch to the block-diagonal mask of its sequences (one big
 problem over the packed arrays, so the varlen launch is not part of its own oracle). The rule is
 cuflash.testing's: at most 2x (forward; 3x backward) the error of the naive formula in the input
@@ -20,15 +20,11 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, gpu, gpu_backward
-from cuflash._arrays import BFLOAT16, FLOAT16
-from cuflash.testing import (
-    assert_backward_within_naive_error,
-    assert_forward_within_naive_error,
-    random_array,
-    random_inputs,
-    to_numpy,
-)
+from cuflash.core import problem as _problem
+from cuflash.kernels import forward as gpu
+from cuflash.kernels import backward as gpu_backward
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, to_numpy
 
 from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
@@ -90,9 +86,10 @@ def assert_hidden_rows(o, lse, vis, rows_axis):
 def record_launches(monkeypatch):
     """The expressions of every kernel that cuflash's GPU modules fetch, in order (the wgmma
     forward fetches through gpu, the wgmma backward through gpu_backward)."""
-    from cuflash import gpu_decode, plan_cache
+    from cuflash.kernels import decode as gpu_decode
+    from cuflash.api import plan_cache
 
-    # A planned decode geometry (cuflash.plan_cache) launches what the planner chose when the plan
+    # A planned decode geometry (cuflash.api.plan_cache) launches what the planner chose when the plan
     # was made, without fetching again: record the planner's choice on every call.
     monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []

@@ -19,17 +19,10 @@ import numpy as np
 import pytest
 
 import cuflash
-import cuflash.cpu
-from cuflash import interop
-from cuflash._arrays import BFLOAT16
-from cuflash.testing import (
-    assert_backward_within_naive_error,
-    assert_within_naive_error,
-    naive_attention_backward_in_dtype,
-    naive_attention_in_dtype,
-    random_array,
-    random_inputs,
-)
+from cuflash.backends import numpy as cpu
+from cuflash.api import interop
+from cuflash.core.arrays import BFLOAT16
+from cuflash.testing import assert_backward_within_naive_error, assert_within_naive_error, naive_attention_backward_in_dtype, naive_attention_in_dtype, random_array, random_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
@@ -303,13 +296,13 @@ def test_torch_cpu_in_torch_out(rng, dtype, monkeypatch):
     want_o, want_lse = cuflash.attention(q, k, v, causal="top_left", return_lse=True)
     tq, tk, tv = (to_torch(torch, a) for a in (q, k, v))
     seen = {}
-    real_forward = cuflash.cpu.forward
+    real_forward = cpu.forward
 
     def spy(p, q4, k4, v4, o4, lse3, **kw):
         seen["q_shares"] = np.shares_memory(q4, from_torch(torch, tq))
         return real_forward(p, q4, k4, v4, o4, lse3, **kw)
 
-    monkeypatch.setattr(cuflash.cpu, "forward", spy)
+    monkeypatch.setattr(cpu, "forward", spy)
     o, lse = cuflash.attention(tq, tk, tv, causal="top_left", return_lse=True)
     assert seen["q_shares"], "q was copied on the way in"
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)

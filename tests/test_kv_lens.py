@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
+from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence

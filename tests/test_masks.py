@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cuflash import masks
+from cuflash.core import masks
 
 MODES = (None, "bottom_right", "top_left")
 

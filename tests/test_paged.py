@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
+from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.testing import random_inputs
 
 from _kvlens_check import check_per_sequence
@@ -156,7 +156,7 @@ def test_paged_gpu_window(monkeypatch, rng, window, causal, nq):
     (only those the window reaches), the window on each sequence's own kv_lens[b] keys."""
     import cupy
 
-    from cuflash import gpu_decode
+    from cuflash.kernels import decode as gpu_decode
 
     seen = []
     real = gpu_decode.forward
@@ -171,7 +171,7 @@ def test_paged_gpu_runs_the_decode_kernel(monkeypatch):
     """Decode shapes read the pages in place (no gather): the decode launch sees the table."""
     import cupy
 
-    from cuflash import gpu_decode
+    from cuflash.kernels import decode as gpu_decode
 
     seen = []
     real = gpu_decode.forward

@@ -1,4 +1,4 @@
-"""cuflash.plan_cache without a GPU: which calls get a key, when a plan is made, what is kept.
+"""cuflash.api.plan_cache without a GPU: which calls get a key, when a plan is made, what is kept.
 (The plans' results against the uncached path: tests/test_gpu_plan_cache.py.)"""
 
 import sys
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import plan_cache
+from cuflash.api import plan_cache
 
 
 class _FakeArray:
@@ -142,7 +142,7 @@ def test_a_failing_prepare_leaves_the_geometry_uncached(fake_cupy, monkeypatch):
     # Invalid values (ValueError) are not remembered: a later valid call may still be planned. Any
     # other failure while preparing leaves the geometry to the uncached path for good, so that the
     # public call never fails where the uncached path would run.
-    from cuflash import prepared
+    from cuflash.api import prepared
 
     def broken(*a, **k):
         raise RuntimeError("a bug in preparing")

@@ -1,5 +1,5 @@
 """prepare_attention without a GPU: the NumPy path, the geometry contract, bad arguments, and the
-packed parameter block's layout (cuflash._launch)."""
+packed parameter block's layout (cuflash.kernels.packed_launch)."""
 
 import ctypes
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _launch
-from cuflash._arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import packed_launch
+from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
 
 from test_paged import paged_cache
@@ -97,24 +97,24 @@ def test_prepare_checks_arguments_like_attention():
 def test_slot_values_are_the_parameter_bytes():
     # Each kernel parameter sits in its own 8-byte slot, low bytes first (little-endian), as the
     # driver reads sizeof(parameter) bytes from the slot's address.
-    assert _launch._slot_value(np.int32(-1)) == 0xFFFFFFFF
-    assert _launch._slot_value(np.int32(7)) == 7
-    assert _launch._slot_value(np.int64(-2)) == 2**64 - 2
-    assert _launch._slot_value(np.uint64(2**63 + 5)) == 2**63 + 5
-    assert _launch._slot_value(np.float32(1.0)) == 0x3F800000
+    assert packed_launch._slot_value(np.int32(-1)) == 0xFFFFFFFF
+    assert packed_launch._slot_value(np.int32(7)) == 7
+    assert packed_launch._slot_value(np.int64(-2)) == 2**64 - 2
+    assert packed_launch._slot_value(np.uint64(2**63 + 5)) == 2**63 + 5
+    assert packed_launch._slot_value(np.float32(1.0)) == 0x3F800000
     with pytest.raises(TypeError, match="scalar arguments"):
-        _launch._slot_value(5)  # a Python int has no fixed width
+        packed_launch._slot_value(5)  # a Python int has no fixed width
     with pytest.raises(TypeError, match="scalar arguments"):
-        _launch._slot_value(np.complex128(1))
+        packed_launch._slot_value(np.complex128(1))
 
 
 def test_launch_structures_match_cuda_h():
     # CUlaunchAttribute: 4-byte id, 4 bytes of padding, 64-byte union; CUlaunchConfig: seven
     # unsigned ints, then the stream, attrs and numAttrs at 8-byte-aligned offsets (cuda.h).
-    assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and _launch._LaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(_launch._LaunchConfig) == 56
-    assert (_launch._LaunchConfig.shared_mem.offset, _launch._LaunchConfig.stream.offset,
-            _launch._LaunchConfig.attrs.offset, _launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+    assert ctypes.sizeof(packed_launch._LaunchAttribute) == 72 and packed_launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(packed_launch._LaunchConfig) == 56
+    assert (packed_launch._LaunchConfig.shared_mem.offset, packed_launch._LaunchConfig.stream.offset,
+            packed_launch._LaunchConfig.attrs.offset, packed_launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
 
 
 def test_packed_launch_is_one_call_per_thread(monkeypatch):
@@ -134,9 +134,9 @@ def test_packed_launch_is_one_call_per_thread(monkeypatch):
         seen.append((stream, tuple(ctypes.c_uint64.from_address(slots[i]).value for i in (0, 2))))
         return 0
 
-    monkeypatch.setattr(_launch, "_driver", lambda: (fake_launch, None, None))
+    monkeypatch.setattr(packed_launch, "_driver", lambda: (fake_launch, None, None))
     fn = SimpleNamespace(name="k", kernel=SimpleNamespace(ptr=1))
-    packed = _launch.PackedLaunch(fn, (1,), (32,), (_launch.POINTER, np.int32(5), _launch.POINTER), 0)
+    packed = packed_launch.PackedLaunch(fn, (1,), (32,), (packed_launch.POINTER, np.int32(5), packed_launch.POINTER), 0)
 
     def worker(t):
         for i in range(40):

@@ -1,6 +1,6 @@
-"""Which (B, H, N, d) views the TMA kernels take (gpu_hopper.tma_ok), the byte strides their
+"""Which (B, H, N, d) views the TMA kernels take (hopper.tma_ok), the byte strides their
 tensor maps get (tma.bhsd_strides), and which TMA tile the dispatch picks for a shape
-(gpu_hopper.default_tile); no GPU needed (stand-in arrays with CuPy's attributes)."""
+(hopper.default_tile); no GPU needed (stand-in arrays with CuPy's attributes)."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import gpu_hopper, schedule, tma
-from cuflash.device_limits import H200
+from cuflash.kernels import hopper
+from cuflash.plan import schedule
+from cuflash.kernels import tma
+from cuflash.plan.device_limits import H200
 
 
 def view(shape, strides_elems, ptr=1 << 20, itemsize=2):
@@ -33,16 +35,16 @@ def test_strides_and_nominal_strides_for_unit_axes():
 
 @pytest.mark.skipif(not tma.available(), reason="cuda-bindings is not installed")
 def test_tma_ok_rules():
-    assert gpu_hopper.tma_ok(contiguous((2, 4, 300, 128)), contiguous((2, 2, 300, 128)))
+    assert hopper.tma_ok(contiguous((2, 4, 300, 128)), contiguous((2, 2, 300, 128)))
     # an empty axis (no keys in the cache, no queries): no map can describe it
-    assert not gpu_hopper.tma_ok(contiguous((1, 1, 0, 64)))
-    assert not gpu_hopper.tma_ok(contiguous((0, 4, 300, 64)))
+    assert not hopper.tma_ok(contiguous((1, 1, 0, 64)))
+    assert not hopper.tma_ok(contiguous((0, 4, 300, 64)))
     # a row stride of 129 elements (258 bytes) is not a multiple of 16 bytes
-    assert not gpu_hopper.tma_ok(view((1, 2, 64, 128), (2 * 64 * 129, 64 * 129, 129, 1)))
+    assert not hopper.tma_ok(view((1, 2, 64, 128), (2 * 64 * 129, 64 * 129, 129, 1)))
     # a base 2 bytes off 16-byte alignment
-    assert not gpu_hopper.tma_ok(contiguous((1, 2, 64, 128), ptr=(1 << 20) + 2))
+    assert not hopper.tma_ok(contiguous((1, 2, 64, 128), ptr=(1 << 20) + 2))
     # a head dim with stride 2 (not unit)
-    assert not gpu_hopper.tma_ok(view((1, 2, 64, 64), (2 * 64 * 128, 64 * 128, 128, 2)))
+    assert not hopper.tma_ok(view((1, 2, 64, 64), (2 * 64 * 128, 64 * 128, 128, 2)))
 
 
 # --------------------------------------------------------------------------- persistent dispatch
@@ -73,7 +75,7 @@ _LONG128 = schedule.HOPPER_FORWARD_LONG_ROWS[128].tile
     ],
 )
 def test_default_tile_follows_the_rules(d, causal, n, want):
-    t = gpu_hopper.default_tile(d, causal, n, n)
+    t = hopper.default_tile(d, causal, n, n)
     assert t == (want or schedule.HOPPER_FORWARD_TILES[d])
     assert t.tma and t.smem_bytes(d) <= H200.smem_per_block_optin
     if want is not None and want.persistent:
@@ -87,7 +89,7 @@ def test_default_tile_follows_the_long_rows_rule(causal, n):
     # Mean visible keys per row >= min_keys: the longer key tile; just below it the table's (or,
     # for few key tiles, the persistent rule's).
     rule = schedule.HOPPER_FORWARD_LONG_ROWS[128]
-    t = gpu_hopper.default_tile(128, causal, n, n)
+    t = hopper.default_tile(128, causal, n, n)
     mean = (n * (n + 1) // 2 if causal else n * n) // n
     assert (t == rule.tile) == (mean >= rule.min_keys)
     assert rule.tile.smem_bytes(128) <= H200.smem_per_block_optin

@@ -25,15 +25,13 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _build, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16, FLOAT32
-from cuflash._problem import Problem
-from cuflash.device_limits import H200, from_attributes, occupancy
-from cuflash.schedule import TileConfig
-from cuflash.tune import (
-    OPS, Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, evaluate_static,
-    legal_candidates, logical_bytes, pow2_bucket, search, shortlist, table_tile, violations,
-)
+from cuflash.kernels import build
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
+from cuflash.core.problem import Problem
+from cuflash.plan.device_limits import H200, from_attributes, occupancy
+from cuflash.plan.schedule import TileConfig
+from cuflash.tune import OPS, Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, evaluate_static, legal_candidates, logical_bytes, pow2_bucket, search, shortlist, table_tile, violations
 
 tune_mod = sys.modules["cuflash.tune"]  # `cuflash.tune` itself is the function
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +191,8 @@ def _nvrtc_or_skip():
 def test_compiler_rejects_what_the_mirror_rejects(cand):
     _nvrtc_or_skip()
     assert violations(cand, H200)
-    with pytest.raises(_build.CompileError):
-        _build.compile_offline(tune_mod.spec_for(cand, BFLOAT16, False))
+    with pytest.raises(build.CompileError):
+        build.compile_offline(tune_mod.spec_for(cand, BFLOAT16, False))
 
 
 def test_compile_report_is_cached_across_processes(isolated_cache, monkeypatch):
@@ -209,7 +207,7 @@ def test_compile_report_is_cached_across_processes(isolated_cache, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("should have come from the cache file")
 
-    monkeypatch.setattr(_build, "compile_offline", no_compile)
+    monkeypatch.setattr(build, "compile_offline", no_compile)
     again = tune_mod.compile_offline_info(spec, "sm_90a", TuneCache())
     assert again == info
 
@@ -327,8 +325,8 @@ def test_pow2_buckets_and_keys():
     assert bucket_key("fwd", "GPU", BFLOAT16, 128, True, 5000, 5000) != k2
     assert bucket_key("fwd", "GPU", FLOAT16, 128, True, 4096, 4096) != k2
     assert bucket_key("fwd", "Other GPU", BFLOAT16, 128, True, 4096, 4096) != k2
-    assert bucket_key("bwd", "GPU", BFLOAT16, 128, True, 4096, 4096).source_hash == _build.source_hash("attn_bwd.cu")
-    assert k2.version == cuflash.__version__ and k2.source_hash == _build.source_hash("attn_fwd.cu")
+    assert bucket_key("bwd", "GPU", BFLOAT16, 128, True, 4096, 4096).source_hash == build.source_hash("attn_bwd.cu")
+    assert k2.version == cuflash.__version__ and k2.source_hash == build.source_hash("attn_fwd.cu")
 
 
 def test_cache_path_environment(monkeypatch, tmp_path):
@@ -359,7 +357,7 @@ def test_cache_round_trip(isolated_cache):
     assert found and tune_mod.same_tile("fwd", tile, res.best_tile)
     assert "autotuned on FakeGPU" in tile.reason
     entry = TuneCache().get(key)
-    assert entry["version"] == cuflash.__version__ and entry["source_hash"] == _build.source_hash("attn_fwd.cu")
+    assert entry["version"] == cuflash.__version__ and entry["source_hash"] == build.source_hash("attn_fwd.cu")
     assert len(entry["candidates"]) == len(res.evaluations)
     assert TuneCache().winner(bucket_key("fwd", "FakeGPU", BFLOAT16, 128, True, 4096, 4096)) == (False, None)
 
@@ -554,7 +552,7 @@ def test_backward_pick_combines_main_and_dq_winners(fake_gpu, monkeypatch):
 
 
 def test_schedules_cli_on_cpu(capsys, isolated_cache):
-    from cuflash.__main__ import main
+    from cuflash.cli.main import main
 
     assert main(["schedules", "--shape", "2,8,1024,128", "--causal", "--no-compile", "--device", "h200"]) == 0
     out = capsys.readouterr().out
@@ -578,7 +576,7 @@ def test_schedules_cli_on_cpu(capsys, isolated_cache):
 
 
 def test_tune_cli_needs_a_gpu(monkeypatch, capsys):
-    import cuflash.__main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA device (test)")
     assert cli.main(["tune", "--shape", "1,2,128,64"]) == 2
@@ -656,7 +654,10 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     """GpuTuner's check (small ragged problem, reference, accuracy rule) and run(), with the CPU
     backend standing in for the kernels (it honours block_m/block_n) and a fake timer. A kernel
     that corrupts one output element must fail the check and never be picked."""
-    from cuflash import cpu, gpu, gpu_backward, gpu_hopper
+    from cuflash.backends import numpy as cpu
+    from cuflash.kernels import forward as gpu
+    from cuflash.kernels import backward as gpu_backward
+    from cuflash.kernels import hopper
 
     corrupt = {"name": None}
 
@@ -678,7 +679,7 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
             dk4[0, 0, 5, 2] += 0.25
 
     monkeypatch.setattr(gpu, "forward", fake_forward)
-    monkeypatch.setattr(gpu_hopper, "forward", fake_hopper_forward)
+    monkeypatch.setattr(hopper, "forward", fake_hopper_forward)
     monkeypatch.setattr(gpu_backward, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
     tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)

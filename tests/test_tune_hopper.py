@@ -4,7 +4,7 @@ Shared-memory, register and occupancy figures are worked out by hand from the re
 limits (232448 B opt-in per block, 233472 B per SM with 1 KiB reserved per block; 65536
 registers per SM in four sub-partitions, allocated per warp in units of 256). A few NVRTC
 compiles for sm_90a (skipped without cuda.bindings) check that what the tuner compiles is what
-gpu_hopper launches, and that the compile report, not the estimate, decides spills.
+hopper launches, and that the compile report, not the estimate, decides spills.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _build, gpu_hopper, schedule
-from cuflash._arrays import BFLOAT16, FLOAT16
-from cuflash._problem import Problem
-from cuflash.device_limits import H200, occupancy
-from cuflash.schedule import HopperTile
-from cuflash.tune import (
-    Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, hopper_forward_violations,
-    legal_candidates, register_cap, search, shortlist, table_tile, violations,
-)
+from cuflash.kernels import build
+from cuflash.kernels import hopper
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.core.problem import Problem
+from cuflash.plan.device_limits import H200, occupancy
+from cuflash.plan.schedule import HopperTile
+from cuflash.tune import Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, hopper_forward_violations, legal_candidates, register_cap, search, shortlist, table_tile, violations
 
 # The stand-in tuner, the NVRTC skip, and the fixtures (isolated_cache is autouse here too: pytest
 # collects fixtures from the module's namespace).
@@ -53,7 +52,7 @@ def test_space_buckets_and_names():
     # The TMA table tile: 3 math warpgroups and the producer warpgroup; 192 query rows x 128 keys.
     assert table[0].threads == 512 and table[0].area == 192 * 128
     with pytest.raises(ValueError, match="bucket"):
-        candidates("fwd_wgmma", 32)  # gpu_hopper never launches the wgmma kernel there
+        candidates("fwd_wgmma", 32)  # hopper never launches the wgmma kernel there
 
 
 def test_wrappers_match_the_generator():
@@ -87,11 +86,11 @@ def test_d256_table_tile():
     # the dispatch runs it for both.
     t = schedule.HOPPER_FORWARD_TILES[256]
     assert t.block_n == 64 and t.wg_epilogue and t.tma and not t.pingpong
-    assert gpu_hopper.default_tile(256, "bottom_right", 4096, 4096) is t
-    assert gpu_hopper.default_tile(256, None, 4096, 4096) is t
-    assert gpu_hopper.forward_spec(BFLOAT16, 256, True)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, true, false, true>"
-    assert gpu_hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, false, false, true>"
-    assert all(gpu_hopper.forward_spec(BFLOAT16, 256, c)[0] in gpu_hopper.all_hopper_forward_specs() for c in (False, True))
+    assert hopper.default_tile(256, "bottom_right", 4096, 4096) is t
+    assert hopper.default_tile(256, None, 4096, 4096) is t
+    assert hopper.forward_spec(BFLOAT16, 256, True)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, true, false, true>"
+    assert hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, false, false, true>"
+    assert all(hopper.forward_spec(BFLOAT16, 256, c)[0] in hopper.all_hopper_forward_specs() for c in (False, True))
     assert hopper_forward_violations(256, t) == []
     assert any("epilogue" in v for v in hopper_forward_violations(256, replace(t, pingpong=True)))
 
@@ -118,18 +117,18 @@ def test_key_split_applies_to_full_attention_on_per_tile_tiles():
     # key tiles (halves: one round); the benchmark's B=4, H=16, N=4k (2048 tiles) does not.
     t = schedule.HOPPER_FORWARD_TILES[128]
     small = Problem(np, "bhsd", (1,), 1, 1, 8192, 8192, 128, np.dtype(BFLOAT16), None, 1.0)
-    assert gpu_hopper.split_plan(small, t, 132) == 2
-    assert gpu_hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
-    assert gpu_hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
+    assert hopper.split_plan(small, t, 132) == 2
+    assert hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
+    assert hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
     # N=2k: the dispatch's tile is the persistent one; the split takes the table's instead
     short = replace(small, nq=2048, nk=2048, hq=4, hkv=4)
-    assert gpu_hopper.default_tile(128, None, 2048, 2048).persistent
-    assert gpu_hopper.auto_split(short, 132) == (t, 2)
-    assert gpu_hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile, 132) is None
-    assert gpu_hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
-    spec = gpu_hopper.split_spec(BFLOAT16, 128)[0]
+    assert hopper.default_tile(128, None, 2048, 2048).persistent
+    assert hopper.auto_split(short, 132) == (t, 2)
+    assert hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile, 132) is None
+    assert hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
+    spec = hopper.split_spec(BFLOAT16, 128)[0]
     assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
-    assert spec in gpu_hopper.all_hopper_forward_specs()
+    assert spec in hopper.all_hopper_forward_specs()
 
 
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
@@ -223,12 +222,12 @@ def test_logical_bytes_follow_block_m():
 
 
 def _launched_spec(op, dtype, hd, causal):
-    """What gpu_hopper launches with the table's tile passed as the tile (the backward K/V kernel:
+    """What hopper launches with the table's tile passed as the tile (the backward K/V kernel:
     atomic dQ, the TMA kernel; without a tile the default may be the warp-specialized one, which
     the tuner does not time: pick_hopper_backward_tile then returns None)."""
     if op == "fwd_wgmma":
-        return gpu_hopper.forward_spec(dtype, hd, causal, schedule.HOPPER_FORWARD_TILES[hd])[0]
-    return gpu_hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
+        return hopper.forward_spec(dtype, hd, causal, schedule.HOPPER_FORWARD_TILES[hd])[0]
+    return hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
 
 
 @pytest.mark.parametrize("op,hd", [("fwd_wgmma", hd) for hd in sorted(schedule.HOPPER_FORWARD_TILES)]
@@ -273,7 +272,7 @@ def check_cache_round_trip(op, res, tile_cls, source, mma_sync_op, mma_sync_sour
     """A Hopper op's winner at d=128 survives the cache file, keyed by its own kernel source; the
     mma.sync kernel's entry for the same bucket stays separate."""
     key = bucket_key(op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096)
-    assert key.source_hash == _build.source_hash(source) != _build.source_hash(mma_sync_source)
+    assert key.source_hash == build.source_hash(source) != build.source_hash(mma_sync_source)
     assert source in str(key) and f"|{op}|" in str(key)
     assert not tune_mod.same_tile(op, res.best_tile, table_tile(op, 128))  # a winner that is not the table's
     TuneCache().put(key, res, shape=(2, 16, 16, 4096, 4096, 128))
@@ -417,7 +416,7 @@ def test_tune_explicit_wgmma_is_checked_before_timing(fake_device, fake_gpu):
 
 
 def test_tune_cli_reports_wgmma_off_hopper(fake_device, monkeypatch, capsys):
-    import cuflash.__main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
     fake_device["cc"] = 80
@@ -428,7 +427,7 @@ def test_tune_cli_reports_wgmma_off_hopper(fake_device, monkeypatch, capsys):
 
 
 def test_schedules_cli_shows_both_forward_kernels_on_h200(capsys):
-    from cuflash.__main__ import main
+    from cuflash.cli.main import main
 
     assert main(["schedules", "--shape", "2,16,4096,128", "--no-compile", "--device", "h200"]) == 0
     out = capsys.readouterr().out
@@ -482,7 +481,7 @@ class _DeviceArrayStandIn:
 
 @pytest.mark.parametrize("env", [None, "1"])
 def test_gpu_forward_passes_the_tuned_tile_to_the_wgmma_launch(monkeypatch, env):
-    from cuflash import gpu
+    from cuflash.kernels import forward as gpu
 
     if env is not None:
         monkeypatch.setenv("CUFLASH_TUNE", env)
@@ -494,8 +493,8 @@ def test_gpu_forward_passes_the_tuned_tile_to_the_wgmma_launch(monkeypatch, env)
         return tuned if tune_mod.tune_mode() != "off" else None
 
     monkeypatch.setattr(tune_mod, "pick_hopper_forward_tile", pick)
-    monkeypatch.setattr(gpu_hopper, "applies", lambda p, vec: vec)
-    monkeypatch.setattr(gpu_hopper, "forward", lambda p, *arrays, tile=None: launched.append(tile))
+    monkeypatch.setattr(hopper, "applies", lambda p, vec: vec)
+    monkeypatch.setattr(hopper, "forward", lambda p, *arrays, tile=None: launched.append(tile))
     p = _problem(d=128, n=1024)
     q4, k4, v4, o4 = (_DeviceArrayStandIn((2, 16, 1024, 128)) for _ in range(4))
     gpu.forward(p, q4, k4, v4, o4, _DeviceArrayStandIn((2, 16, 1024), 4))

@@ -16,14 +16,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cuflash import cpu, gpu, gpu_backward, gpu_hopper, schedule
-from cuflash._arrays import BFLOAT16
-from cuflash._problem import Problem
-from cuflash.device_limits import H200
-from cuflash.schedule import HopperBwdTile, TileConfig
-from cuflash.tune import (
-    Candidate, candidates, legal_candidates, register_cap, shortlist, table_tile, violations,
-)
+from cuflash.backends import numpy as cpu
+from cuflash.kernels import forward as gpu
+from cuflash.kernels import backward as gpu_backward
+from cuflash.kernels import hopper
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16
+from cuflash.core.problem import Problem
+from cuflash.plan.device_limits import H200
+from cuflash.plan.schedule import HopperBwdTile, TileConfig
+from cuflash.tune import Candidate, candidates, legal_candidates, register_cap, shortlist, table_tile, violations
 
 from test_tune import (  # noqa: F401 - fixtures are found in the module's namespace
     _NumpyAsCupy, _nvrtc_or_skip, assert_wrong_candidate_never_wins, fake_gpu, isolated_cache,
@@ -62,7 +64,7 @@ def test_space_buckets_and_names():
     c = kv(192, 3, 64)
     assert (c.threads, c.area, c.stages, c.kernel_hd) == (384, 192 * 192, 0, 64)
     with pytest.raises(ValueError, match="bucket"):
-        candidates("bwd_wgmma", 32)  # gpu_hopper.backward_applies is false there
+        candidates("bwd_wgmma", 32)  # hopper.backward_applies is false there
 
 
 def test_shared_memory_by_hand():
@@ -281,28 +283,28 @@ def _kv_launch(made):
 
 
 def test_backward_rejects_a_hopper_tile_where_the_kernel_does_not_run(launches, monkeypatch):
-    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: False)  # e.g. not sm_90
+    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: False)  # e.g. not sm_90
     with pytest.raises(ValueError, match="hopper_tile"):
         _run_backward(_problem(n=1024), hopper_tile=HopperBwdTile(64, 1, "t"))
     assert launches == []  # refused before anything launched
     # And the real condition on sm_90: d=32 has no Hopper backward tile, so it never applies; 128,
     # 192 (the 256 kernel) and 256 have.
-    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: True)
+    monkeypatch.setattr(hopper, "_on_hopper", lambda: True)
     table = schedule.HOPPER_BACKWARD_TILES
-    assert not gpu_hopper._applies(_problem(d=32), True, table)
-    assert all(gpu_hopper._applies(_problem(d=d), True, table) for d in (128, 160, 192, 256))
-    assert not gpu_hopper._applies(_problem(d=256), False, table)  # rows without 16-byte alignment
+    assert not hopper._applies(_problem(d=32), True, table)
+    assert all(hopper._applies(_problem(d=d), True, table) for d in (128, 160, 192, 256))
+    assert not hopper._applies(_problem(d=256), False, table)  # rows without 16-byte alignment
 
 
 @pytest.mark.parametrize("tma", [True, False])
 def test_backward_at_d256_runs_the_split_head_dim_tile_or_mma_sync(launches, monkeypatch, tma):
     # d=256 on sm_90: the TMA kernel of the split-head-dim tile (64 keys per block, 256 threads),
     # and where TMA cannot run, the mma.sync kernels (that tile's cp.async variant spills).
-    from cuflash import tma as tma_mod
+    from cuflash.kernels import tma as tma_mod
 
     monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
-    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: vec)
-    monkeypatch.setattr(gpu_hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: tma)
     monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
     p = _problem(d=256, n=1000)
     _run_backward(p)
@@ -326,14 +328,14 @@ def test_backward_at_d192_runs_the_d256_kernel(launches, monkeypatch, tma, deter
     # bucket's 192. Without TMA, the mma.sync kernels (192 wide).
     import cupy as fake
 
-    from cuflash import tma as tma_mod
+    from cuflash.kernels import tma as tma_mod
 
     allocated = []
     zeros = fake.zeros
     fake.zeros = fake.empty = lambda shape, dtype=None: allocated.append(tuple(shape)) or zeros(shape, dtype)
     monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
-    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: vec)
-    monkeypatch.setattr(gpu_hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: tma)
     monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
     p = _problem(d=160, n=1000)
     _run_backward(p, deterministic=deterministic)
@@ -364,15 +366,15 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
         return tuned if tune_mod.tune_mode() != "off" else None
 
     monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", pick)
-    monkeypatch.setattr(gpu_hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
     # The stand-in arrays cannot be encoded as tensor maps: the table's tile runs with cp.async loads.
-    monkeypatch.setattr(gpu_hopper, "tma_ok", lambda *arrays: False)
+    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: False)
     p = _problem(d=128, n=1024)
     # No tile: the table's (CUFLASH_TUNE unset) or the pick's.
     _run_backward(p)
     expr, grid, threads, smem = _kv_launch(launches)
     want = tuned if env == "1" else replace(schedule.HOPPER_BACKWARD_TILES[128], tma=False)
-    assert expr == gpu_hopper.backward_kv_spec(BFLOAT16, 128, True, False, want)[0].expression
+    assert expr == hopper.backward_kv_spec(BFLOAT16, 128, True, False, want)[0].expression
     assert grid[0] == -(-1024 // want.block_n) and threads == want.threads and smem == want.smem_bytes(128)
     assert asked == [False]
     # An explicit hopper_tile wins over the pick (which is not asked).
@@ -380,7 +382,7 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
     explicit = HopperBwdTile(64, 3, "search")
     _run_backward(p, hopper_tile=explicit, deterministic=True)
     expr, grid, threads, _ = _kv_launch(launches)
-    assert expr == gpu_hopper.backward_kv_spec(BFLOAT16, 128, True, True, explicit)[0].expression
+    assert expr == hopper.backward_kv_spec(BFLOAT16, 128, True, True, explicit)[0].expression
     assert grid[0] == -(-1024 // 192) and threads == 384 and asked == [False]
     assert any("attn_bwd_dq<" in m[0] for m in launches)  # deterministic: the mma.sync dQ kernel too
 
@@ -389,7 +391,7 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
 
 
 def test_tune_cli_refuses_bwd_wgmma_off_hopper(fake_gpu, monkeypatch, capsys):
-    import cuflash.__main__ as cli
+    from cuflash.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setattr(tune_mod, "_problem_for_shape", lambda shape, dtype, causal, hkv=None: _problem(d=shape[-1]))
@@ -405,7 +407,7 @@ def test_tune_cli_refuses_bwd_wgmma_off_hopper(fake_gpu, monkeypatch, capsys):
 
 
 def test_schedules_cli_shows_the_hopper_backward_on_h200(capsys):
-    from cuflash.__main__ import main
+    from cuflash.cli.main import main
 
     args = ["--no-compile", "--device", "h200"]
     assert main(["schedules", "--shape", "2,16,4096,128", "--bwd", *args]) == 0

@@ -1,7 +1,7 @@
 """Bad inputs: every one raises the right exception type with a message that names the argument.
 
 Runs on NumPy arrays (the CPU backend); the validation is shared with the CUDA backend and the
-reference (cuflash._problem), and both public entry points and the reference are checked.
+reference (cuflash.core.problem), and both public entry points and the reference are checked.
 """
 
 import re
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import reference
-from cuflash._arrays import BFLOAT16
+from cuflash.backends import reference
+from cuflash.core.arrays import BFLOAT16
 from cuflash.testing import random_array, random_inputs
 
 
@@ -301,7 +301,7 @@ def test_forward_flags_must_be_bool(flag, value):
     with pytest.raises(TypeError, match=names_argument(flag)):
         cuflash.attention(q, k, v, **{flag: value})
     with pytest.raises(TypeError, match=names_argument("return_lse")):
-        cuflash.reference.attention(q, k, v, return_lse=value)
+        cuflash.backends.reference.attention(q, k, v, return_lse=value)
     o, lse = cuflash.attention(q, k, v, **{flag: np.bool_(True)}, **({} if flag == "return_lse" else {"return_lse": True}))
     assert o.shape == q.shape and lse.shape == (2, 6)
 

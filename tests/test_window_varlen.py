@@ -1,7 +1,7 @@
 """Sliding window and packed variable-length sequences (issue #5) on the NumPy backend.
 
 The oracle is the float64 reference evaluated with a mask this file builds itself, pair by pair
-from the documented definition (_brute_mask), never with cuflash.masks: a windowed problem is
+from the documented definition (_brute_mask), never with cuflash.core.masks: a windowed problem is
 held to ``mask=brute_visible(...)``, a packed batch to the block-diagonal mask of its sequences
 (one big problem over the packed arrays, so the varlen code is not part of its own oracle).
 Accuracy is the naive-error rule of cuflash.testing (forward factor 2, backward factor 3).
@@ -16,17 +16,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _problem, cpu, masks, reference, schedule
-from cuflash._arrays import BFLOAT16
-from cuflash._layout import to_bhsd
-from cuflash.testing import (
-    assert_backward_within_naive_error,
-    assert_forward_within_naive_error,
-    random_array,
-    random_inputs,
-    reference64,
-    reference64_backward,
-)
+from cuflash.core import problem as _problem
+from cuflash.backends import numpy as cpu
+from cuflash.core import masks
+from cuflash.backends import reference
+from cuflash.plan import schedule
+from cuflash.core.arrays import BFLOAT16
+from cuflash.core.layout import to_bhsd
+from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, reference64, reference64_backward
 
 from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
@@ -522,11 +519,11 @@ def test_gpu_bad_window_is_still_a_value_error(fake_cupy):
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("window", [None, (0, 0), (2, -1), (-1, 1), (1, 3), (4, 0), (0, 5), (30, 30), (-1, -1)])
 def test_band_kernel_offsets_match_brute_force(causal, window):
-    # The band kernels get the bounds relative to the diagonal (cuflash.gpu.band_offsets), add each
+    # The band kernels get the bounds relative to the diagonal (cuflash.kernels.forward.band_offsets), add each
     # sequence's nk - nq when aligned bottom-right, and clamp an open side (+-OPEN) to nk / -nq.
     # Done the kernels' way (64-bit sums, then the clamp) for every small (nq, nk), that must be
     # the documented mask.
-    from cuflash import gpu
+    from cuflash.kernels import forward as gpu
 
     p = types.SimpleNamespace(causal=masks.normalize_causal(causal), window=masks.normalize_window(window))
     hi_rel, lo_rel, align = gpu.band_offsets(p)
@@ -544,7 +541,7 @@ def test_window_problems_take_the_hopper_forward_but_not_the_hopper_backward(rng
     # The wgmma forward has a band instantiation (attn_fwd_wgmma_band), so on sm_90 applies()
     # takes a windowed problem; the wgmma backward masks no band: backward_applies() refuses it
     # before it asks for a device. CUFLASH_KERNELS=mma_sync turns the forward's off as well.
-    from cuflash import gpu_hopper
+    from cuflash.kernels import hopper as gpu_hopper
 
     q, k, v = random_inputs(rng, (1, 2, 8, 64), (1, 2, 300, 64), np.float16)
     p = _problem.validate_forward(q, k, v, causal=True, window=(16, 0))
@@ -581,7 +578,8 @@ def test_forward_band_dispatch(rng, monkeypatch, hopper, mode, d):
     # aligned rows, a head dim of HOPPER_FORWARD_TILES) the window and the packed batch launch
     # attn_fwd_wgmma_band, with the mma.sync band kernel's arguments and grid (64 x warpgroups rows
     # per block); otherwise attn_fwd_band. An explicit tile= (schedule search) keeps mma.sync.
-    from cuflash import gpu, gpu_hopper
+    from cuflash.kernels import forward as gpu
+    from cuflash.kernels import hopper as gpu_hopper
 
     fake = types.ModuleType("cupy")
     fake.ascontiguousarray = lambda a: a
@@ -621,7 +619,7 @@ def test_forward_band_dispatch(rng, monkeypatch, hopper, mode, d):
 
 
 def test_hopper_band_kernels_are_compiled_in_ci():
-    from cuflash import gpu_hopper
+    from cuflash.kernels import hopper as gpu_hopper
 
     names = {s.expression for s in gpu_hopper.all_hopper_forward_specs()}
     for dtype in (np.float16, BFLOAT16):
@@ -630,7 +628,7 @@ def test_hopper_band_kernels_are_compiled_in_ci():
 
 
 def test_float32_band_kernel_is_not_implemented():
-    from cuflash import gpu
+    from cuflash.kernels import forward as gpu
 
     with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
         gpu.forward_spec(np.float32, 64, True, True, band=True)
@@ -643,7 +641,7 @@ def test_float32_band_kernel_is_not_implemented():
 
 
 def test_backward_band_kernels_are_compiled_in_ci():
-    from cuflash import gpu_backward
+    from cuflash.kernels import backward as gpu_backward
 
     names = {s.expression for s in gpu_backward.all_backward_specs()}
     for dtype in (np.float16, BFLOAT16):

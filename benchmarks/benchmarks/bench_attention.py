@@ -144,9 +144,9 @@ def peak_live_bytes(cp, fn):
 
 def reference_module():
     try:
-        from cuflash import reference
+        from cuflash.backends import reference
     except ImportError as exc:
-        raise NotImplementedError(f"cuflash.reference is not available: {exc}") from None
+        raise NotImplementedError(f"cuflash.backends.reference is not available: {exc}") from None
     return reference
 
 
@@ -303,14 +303,14 @@ class CuflashDecode(_Decode):
 
 
 class CuflashDecodeUncached(CuflashDecode):
-    """The same decode step with cuflash.attention's plan cache off (cuflash.plan_cache): each
+    """The same decode step with cuflash.attention's plan cache off (cuflash.api.plan_cache): each
     call validates, plans and launches through CuPy (CuflashDecode's later calls run from the
     plan made on its second call; compare track_host_us)."""
 
     def setup(self, cache_len, b_hq_hkv):
         self.make_inputs(cache_len, b_hq_hkv)
         import cuflash
-        from cuflash import plan_cache
+        from cuflash.api import plan_cache
 
         def op():
             with plan_cache.disabled():

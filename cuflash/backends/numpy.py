@@ -5,9 +5,9 @@ running row max m, running sum l and an unnormalized accumulator, normalize once
 write O (input dtype) and the natural-log LSE (float32). Nothing Nq x Nk is ever built; the
 largest temporary is one (B, Hq, block_m, block_n) score tile. Like the CUDA kernel:
 
-* the tile sizes are the kernel's (:func:`cuflash.schedule.cpu_blocks`), so the CPU tests walk
+* the tile sizes are the kernel's (:func:`cuflash.plan.schedule.cpu_blocks`), so the CPU tests walk
   the same ragged last tiles, skipped fully-masked tiles and diagonal tiles;
-* a sliding window (``p.window``, :func:`cuflash.masks.row_bounds`) computes only the K/V tiles
+* a sliding window (``p.window``, :func:`cuflash.core.masks.row_bounds`) computes only the K/V tiles
   that meet the band of a query tile, on both sides; tiles the band cuts are masked to -inf;
 * K/V tiles are always ``block_n`` keys wide, zero-filled past Nk, and keys past Nk are masked
   to -inf (zero-filled keys would otherwise score 0 and leak into the softmax);
@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import masks, schedule
+from ..core import masks
+from ..plan import schedule
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)

@@ -23,8 +23,8 @@ BASE_OPTIONS = ("-std=c++17",)
 
 
 def source_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+    package = Path(__file__).resolve().parent.parent  # cuflash/
+    for cand in (package / "cuda_src", package.parent / "cuda_src"):  # installed, or a source checkout
         if cand.is_dir():
             return cand
     raise FileNotFoundError("cuflash: kernel sources (cuda_src/) not found next to the package")

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _problem, masks
-from ._arrays import BFLOAT16
-from ._layout import from_bhsd, to_bhsd
+from ..core import problem as _problem
+from ..core import masks
+from ..core.arrays import BFLOAT16
+from ..core.layout import from_bhsd, to_bhsd
 
 _PRECISIONS = {"float32": np.float32, "float64": np.float64}
 _NEG_INF = float("-inf")

@@ -4,7 +4,7 @@ Used for 16-bit inputs when all query rows that share a K/V head (GQA group x ne
 the decode tile's packed rows. Everything else takes the prefill kernel.
 
 With several splits the blocks' partial results go through a float32 workspace and the last split
-of each (sequence, K/V head) to finish merges them (a counter per pair, cuflash.stream_counters),
+of each (sequence, K/V head) to finish merges them (a counter per pair, cuflash.kernels.counters),
 or, with 2, 4 or 8 splits on sm_90, the splits of one (K/V head, sequence) form a thread-block
 cluster and merge through distributed shared memory (attn_decode_cluster; no workspace). Either
 way one launch. attn_decode_combine, a second kernel, merges the workspace where that measured
@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import schedule, stream_counters
-from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
-from ._build import KernelSpec, get_function
+from ..plan import schedule
+from . import counters as stream_counters
+from ..core.arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
+from .build import KernelSpec, get_function
 
 _LOG2E = 1.4426950408889634
 _COMBINE_THREADS = 128  # (kCombineThreads in decode_common.cuh)
@@ -236,7 +237,7 @@ def wide_rows(tile) -> bool:
 def applies(p, k4, v4) -> bool:
     """Decode needs few query rows per K/V head, a long cache and 16-byte loads of K and V
     (unaligned caches take the prefill kernel, whose scalar-load path handles them)."""
-    from .gpu import _vector_ok
+    from .forward import _vector_ok
 
     return p.nq <= 16 and p.nk >= MIN_KEYS and row_tiles_for(p) is not None and _vector_ok((k4, v4), p.d)
 
@@ -353,13 +354,13 @@ def tma_applicable(p, k4, v4, tile) -> bool:
     """Whether attn_decode_tma can run this problem with this tile: an sm_90 device with
     cuda-bindings, d of 64 or 128, few enough packed rows, unit-stride rows whose base and
     strides TMA can address."""
-    from . import gpu_hopper
+    from . import hopper
 
     if p.d not in schedule.DECODE_TMA_TILES or row_blocks(p) > 1 or row_tiles_for(p) > tile.max_row_tiles:
         return False
     import cupy
 
-    return gpu_hopper._is_hopper(cupy.cuda.Device().id) and gpu_hopper.tma_ok(k4, v4)
+    return hopper._is_hopper(cupy.cuda.Device().id) and hopper.tma_ok(k4, v4)
 
 
 def _tma_maps(a4):
@@ -599,7 +600,7 @@ def _launch_scalars(p, strides, paged_shift, chunk, row_blocks_=1):
     combine kernel's after its arrays, as NumPy scalars, per (problem, element strides of q, k, v,
     o and the page table, page shift, keys per split). A decode loop repeats one geometry, and
     building ~30 scalars per call cost about as much host time as the launches themselves."""
-    from .gpu import band_offsets
+    from .forward import band_offsets
 
     q_s, k_s, v_s, o_s, table_stride = strides
     if paged_shift is not None:  # caches (num_blocks, block_size, Hkv, d): page, head, row strides
@@ -620,7 +621,7 @@ def _launch_scalars(p, strides, paged_shift, chunk, row_blocks_=1):
 class DecodeLaunch(NamedTuple):
     """One decode call's launches for a geometry: the split kernel and, with splits merged by a
     second kernel, attn_decode_combine. The arrays are supplied per call (main_args /
-    combine_args), so a repeated geometry can keep this (cuflash.prepared)."""
+    combine_args), so a repeated geometry can keep this (cuflash.api.prepared)."""
 
     plan: DecodePlan
     spec: KernelSpec
@@ -744,7 +745,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE."""
     import cupy
 
-    from .gpu import _elem_strides
+    from .forward import _elem_strides
 
     dev = cupy.cuda.Device().id
     lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
@@ -779,7 +780,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 # cache read is at least this many bytes (~120 us on the H200): its blocks then wait on the device
 # instead of launching after the last split (+0.3% at L=64k, B=8, Hkv=8), but the launch costs
 # ~25-45 us more host time, which a shorter call (host-bound without a CUDA graph) would pay.
-# A packed launch (cuflash.prepared, the plan cache) costs no more host time that way, so it
+# A packed launch (cuflash.api.prepared, the plan cache) costs no more host time that way, so it
 # always does: 1-2 us less per call on short caches (B=1 Hkv=8 L=32k, 24 splits: 45.5 vs 47.6 us;
 # L=8k, 16 splits: 21.9 vs 22.8; evidence-20261201/sweep_longpdl_*.json). Except from
 # PDL_COMBINE_MAX_SPLITS splits on, where waiting on the device measured slower (one K/V head, Hq=32,
@@ -813,7 +814,7 @@ def _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile
     """attn_decode_tma (asked for by tma_tile) and, with splits, the combine kernel."""
     import cupy
 
-    from .gpu import _elem_strides, band_offsets
+    from .forward import _elem_strides, band_offsets
 
     lp = launch_plan(p, _sm_count(dev), splits, tma_tile, waves, cluster, _runs_clusters(dev))
     if paged is not None or p.window is not None:

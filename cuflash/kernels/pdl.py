@@ -36,7 +36,7 @@ def available() -> bool:
         return False
     import cupy
 
-    from .gpu_decode import _runs_clusters  # compute capability >= 9.0, read once per device
+    from .decode import _runs_clusters
 
     return _runs_clusters(cupy.cuda.Device().id)
 

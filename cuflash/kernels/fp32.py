@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import schedule
-from ._build import KernelSpec
+from ..plan import schedule
+from .build import KernelSpec
 
 _LANES = 8  # threads across the keys / head dim of one row group (the kernel's kLanes)
 _PAD = 2  # doubles of padding per shared-memory row (the kernel's kLd / kLdP)
@@ -80,9 +80,9 @@ FORWARD_TILES_FP32_MMA: dict[int, Fp32TileConfig] = {
 
 def _on_sm90() -> bool:
     try:
-        from . import gpu_hopper
+        from . import hopper
 
-        return gpu_hopper._on_hopper()
+        return hopper._on_hopper()
     except ImportError:  # no CuPy: nothing runs here
         return False
 
@@ -91,9 +91,9 @@ def mma_runs(d: int, *, modelled: bool = False) -> bool:
     """Whether float32 head dim d runs on the float64 tensor cores: a bucket of
     FORWARD_TILES_FP32_MMA, CUFLASH_KERNELS=auto, and an sm_90 device (``modelled``: the H200 the
     accounting models, whatever this machine has)."""
-    from . import gpu_hopper
+    from . import hopper
 
-    if schedule.head_dim_bucket(d) not in FORWARD_TILES_FP32_MMA or not gpu_hopper.enabled():
+    if schedule.head_dim_bucket(d) not in FORWARD_TILES_FP32_MMA or not hopper.enabled():
         return False
     return modelled or _on_sm90()
 
@@ -231,9 +231,9 @@ def backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4):
     import cupy
     import numpy as np
 
-    from ._build import get_function
-    from .gpu import _elem_strides, _unit_d
-    from .gpu_backward import _LOG2E, _MAX_GRID_YZ
+    from .build import get_function
+    from .forward import _elem_strides, _unit_d
+    from .backward import _LOG2E, _MAX_GRID_YZ
 
     if p.batch == 0 or p.hkv == 0:
         return

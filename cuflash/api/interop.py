@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import BFLOAT16, is_cupy_array
+from ..core.arrays import BFLOAT16, is_cupy_array
 
 # DLPack device types (dlpack.h).
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13

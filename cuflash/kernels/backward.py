@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from . import schedule
-from ._arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
-from ._build import KernelSpec, get_function
+from ..plan import schedule
+from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
+from .build import KernelSpec, get_function
 
 _LOG2E = 1.4426950408889634
 _PREP_THREADS = 256
@@ -49,8 +49,8 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     `tile` overrides the table (schedule search)."""
     dtype = np.dtype(dtype)
     if dtype == FLOAT32:
-        from .gpu import _FP32_BAND
-        from .gpu_fp32 import backward_specs_fp32
+        from .forward import _FP32_BAND
+        from .fp32 import backward_specs_fp32
 
         if band:
             raise NotImplementedError(_FP32_BAND)
@@ -83,7 +83,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
 
 
 def all_backward_specs():
-    from .gpu_fp32 import all_backward_specs_fp32
+    from .fp32 import all_backward_specs_fp32
 
     specs = all_backward_specs_fp32()
     for dtype in (FLOAT16, BFLOAT16):
@@ -107,7 +107,7 @@ def workspace_bytes(p, frag_dq: bool = False, hopper_atomic: bool = False) -> in
     HEAD_DIM; with frag_dq, the warp-specialized wgmma kernel's, each head's Nq padded to 64) and D.
     float32 inputs: the float64 lse2 and D of gpu_fp32.backward_workspace_bytes."""
     if np.dtype(p.dtype) == FLOAT32:
-        from .gpu_fp32 import backward_workspace_bytes
+        from .fp32 import backward_workspace_bytes
 
         return backward_workspace_bytes(p)
     width = schedule.dq_accumulator_width(schedule.head_dim_bucket(p.d), hopper_atomic)
@@ -117,7 +117,7 @@ def workspace_bytes(p, frag_dq: bool = False, hopper_atomic: bool = False) -> in
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
              cu_seqlens=None, max_seqlens=None):
     """hopper_tile (a schedule.HopperBwdTile, schedule search): the wgmma K/V kernel's tile; only
-    where gpu_hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile.
+    where hopper.backward_applies, else ValueError. tile: the mma.sync kernels' BackwardTile.
 
     A window (p.window) or packed sequences (``cu_seqlens=(cu_q, cu_k)``, device int32 offsets;
     the arrays are then (1, H, total, d) views of the packed ones, lse3 (1, Hq, total_q), and
@@ -125,20 +125,21 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     launch each for all sequences."""
     import cupy
 
-    from . import gpu_decode, gpu_hopper
-    from .gpu import _unit_d, _vector_ok
+    from . import decode
+    from . import hopper
+    from .forward import _unit_d, _vector_ok
 
     band = p.window is not None or cu_seqlens is not None
     if band and cu_seqlens is not None and max_seqlens is None:
         raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
     if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic on the FMA pipes (gpu_fp32)
         if band:
-            from .gpu import _FP32_BAND
+            from .forward import _FP32_BAND
 
             raise NotImplementedError(_FP32_BAND)
         if tile is not None or hopper_tile is not None:
             raise ValueError("tile / hopper_tile: float32 runs its own kernels (gpu_fp32.BACKWARD_TILES_FP32)")
-        from .gpu_fp32 import backward_fp32
+        from .fp32 import backward_fp32
 
         backward_fp32(p, do4, q4, k4, v4, dq4, dk4, dv4)
         return
@@ -148,29 +149,29 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     vec = _vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d)
     hopper_kv = None
     if hopper_tile is not None:
-        if band or not gpu_hopper.backward_applies(p, vec):
+        if band or not hopper.backward_applies(p, vec):
             raise ValueError("hopper_tile: the wgmma backward K/V kernel does not run for this problem here (it needs "
                              "sm_90, float16/bfloat16 with 16-byte-aligned rows, a head dim of HOPPER_BACKWARD_TILES "
-                             f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {gpu_hopper.ENV}=auto)")
-        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic, tile=hopper_tile)
-    elif tile is None and not band and gpu_hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
-        from .tune import pick_hopper_backward_tile  # its autotuned tile when CUFLASH_TUNE asks
+                             f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {hopper.ENV}=auto)")
+        hopper_kv = hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic, tile=hopper_tile)
+    elif tile is None and not band and hopper.backward_applies(p, vec):  # sm_90: the K/V kernel on wgmma
+        from ..tune import pick_hopper_backward_tile
 
-        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
+        hopper_kv = hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=pick_hopper_backward_tile(p, deterministic))
-    if hopper_kv is not None and hopper_kv[1].tma and not gpu_hopper.tma_ok(
+    if hopper_kv is not None and hopper_kv[1].tma and not hopper.tma_ok(
             q4, do4, *((k4, v4) if hopper_kv[1].persistent else ())):
         if hopper_tile is not None:
             raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
         # The cp.async variant of a split-head-dim tile spills (255 registers), so the mma.sync kernels run.
-        hopper_kv = None if hopper_kv[1].split_d else gpu_hopper.backward_kv_spec(
+        hopper_kv = None if hopper_kv[1].split_d else hopper.backward_kv_spec(
             p.dtype, p.d, p.causal is not None, deterministic, tile=dataclasses.replace(hopper_kv[1], tma=False, ws=False))
     if hopper_kv is not None and hopper_kv[1].persistent and (
             -(-p.nk // hopper_kv[1].block_n) * p.hkv * min(p.batch, _MAX_GRID_YZ) >= 2**31):  # int32 unit count
-        hopper_kv = gpu_hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
+        hopper_kv = hopper.backward_kv_spec(p.dtype, p.d, p.causal is not None, deterministic,
                                                 tile=dataclasses.replace(hopper_kv[1], persistent=False))
     if tile is None and vec and hopper_kv is None and not band:  # autotuned winner when CUFLASH_TUNE asks, else the table
-        from .tune import pick_backward_tile
+        from ..tune import pick_backward_tile
 
         tile = pick_backward_tile(p, deterministic=deterministic)
     specs, hd, t = backward_specs(p.dtype, p.d, p.causal is not None, vec, deterministic, tile, band=band)
@@ -180,7 +181,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     off = np.int32(p.causal_offset if p.causal is not None else 0)
     band_args = ()
     if band:
-        from .gpu import band_offsets
+        from .forward import band_offsets
 
         hi, lo, align = band_offsets(p)
         off, band_args = np.int32(hi), (np.int32(lo), np.int32(align))
@@ -203,7 +204,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     acc_hd = schedule.dq_accumulator_width(hd, hopper_kv is not None and not deterministic)
     if frag_dq:
         dq_acc = cupy.zeros((p.batch, schedule.dq_accumulator_floats(1, p.hq, p.nq, acc_hd, True)), dtype=np.float32)
-        specs["convert"] = gpu_hopper.dq_convert_frag_spec(p.dtype, acc_hd)
+        specs["convert"] = hopper.dq_convert_frag_spec(p.dtype, acc_hd)
     else:
         dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, acc_hd), dtype=np.float32)
         if acc_hd != hd:
@@ -233,7 +234,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
                 grid = (n_blocks, p.hkv, nz)
                 if hopper_kv is not None and hopper_kv[1].persistent:  # units walked by <= one block per SM
                     units = n_blocks * p.hkv * nz
-                    grid = (min(units, _PERSISTENT_BLOCKS or gpu_decode._sm_count(cupy.cuda.Device().id)), 1, 1)
+                    grid = (min(units, _PERSISTENT_BLOCKS or decode._sm_count(cupy.cuda.Device().id)), 1, 1)
                     extra = (np.int32(n_blocks), np.int32(p.hkv), np.int32(units))
                 get_function(specs["kv"])(
                     grid, (specs["kv"].threads,),

@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import accounting, schedule
-from .accounting import format_table
+from .. import accounting
+from ..plan import schedule
+from ..accounting import format_table
 
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
 KERNEL_REGEX = "regex:attn_(fwd|decode)"  # the prefill kernel, or split-KV decode and its combine
@@ -258,9 +259,9 @@ def _offline_registers(dims):
     try:
         import numpy as np
 
-        from ._arrays import BFLOAT16
-        from ._build import compile_offline
-        from .gpu import forward_spec
+        from ..core.arrays import BFLOAT16
+        from ..kernels.build import compile_offline
+        from ..kernels.forward import forward_spec
 
         dt = BFLOAT16 if dims["dtype"] == "bfloat16" else np.dtype(dims["dtype"])
         spec, _ = forward_spec(dt, dims["d"], bool(dims["causal"]), True)
@@ -296,7 +297,7 @@ def ncu_command(ncu, dims):
         argv += ["--decode", str(dims["nk"])]
     if dims["causal"]:
         argv.append("--causal")
-    launcher = "import sys, cuflash.report as r; sys.exit(r.main(sys.argv[1:]))"
+    launcher = "import sys, cuflash.cli.report as r; sys.exit(r.main(sys.argv[1:]))"
     return [ncu, "--clock-control", "none", "--metrics", ",".join(NCU_METRICS), "-k", KERNEL_REGEX,
             "--csv", "--page", "raw", "--print-units", "base", sys.executable, "-c", launcher, *argv]
 
@@ -332,7 +333,7 @@ def parse_ncu_csv(text):
 
 def _measure(ncu, dims) -> int:
     env = dict(os.environ)
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = ncu_command(ncu, dims)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -379,8 +380,8 @@ def _launch_only(*, batch, hq, hkv, nq, nk, d, dtype, causal) -> int:
     import cupy
     import numpy as np
 
-    from ._arrays import BFLOAT16
-    from .api import attention
+    from ..core.arrays import BFLOAT16
+    from ..api.functional import attention
 
     dt = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng()

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _problem, interop, plan_cache
-from ._arrays import may_share_memory
-from ._layout import from_bhsd, is_view_of, to_bhsd
+from ..core import problem as _problem
+from . import interop
+from . import plan_cache
+from ..core.arrays import may_share_memory
+from ..core.layout import from_bhsd, is_view_of, to_bhsd
 
 
 def _backend(p):
     if p.xp is np:
-        from . import cpu
+        from ..backends import numpy as cpu
 
         return cpu
-    from . import gpu
+    from ..kernels import forward as gpu
 
     return gpu
 
@@ -29,7 +31,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         (Nq, d) array is a single head. NumPy arrays run the NumPy tiled backend, CuPy arrays the
         CUDA kernels. torch tensors, JAX arrays and other ``__dlpack__`` /
         ``__cuda_array_interface__`` producers are used without copies, on their device and (torch)
-        current stream, and results come back as the caller's kind of array (cuflash.interop).
+        current stream, and results come back as the caller's kind of array (cuflash.api.interop).
     k, v : arrays (..., Hkv, Nk, d) (or (..., Nk, Hkv, d)); Hq must be a multiple of Hkv (GQA/MQA).
     causal : False, True / "bottom_right" (query i sees keys j <= i + Nk - Nq, FlashAttention's
         convention) or "top_left" (j <= i, torch SDPA's). Rows that see no key give o = 0 and
@@ -53,7 +55,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     window : optional (left, right) ints >= -1, FlashAttention's sliding window: query i sees key
         j only if diag - left <= j <= diag + right, diag = i + Nk - Nq (bottom-right, also without
         causal; i for causal="top_left"); -1 leaves a side unbounded, (-1, -1) is no window. With
-        causal the right end is the smaller bound. Defined by cuflash.masks.row_bounds; checked
+        causal the right end is the smaller bound. Defined by cuflash.core.masks.row_bounds; checked
         on the host without any copy (TypeError / ValueError).
     cu_seqlens_q, cu_seqlens_k : optional int32 1-D arrays of B + 1 offsets (FlashAttention's
         varlen API): q is then packed (total_q, Hq, d) and k, v (total_k, Hkv, d) - the "bshd"
@@ -86,7 +88,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
 
     A decode geometry called twice (CuPy arrays or CUDA torch tensors with the same shapes,
     strides, dtypes, device and options) is planned once, and later calls launch from the plan
-    (cuflash.plan_cache): the same checks and results, less host time. ``CUFLASH_PLAN_CACHE=0``
+    (cuflash.api.plan_cache): the same checks and results, less host time. ``CUFLASH_PLAN_CACHE=0``
     turns that off.
     """
     if cu_seqlens_q is None and cu_seqlens_k is None:
@@ -103,7 +105,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
                                 outputs=("out",))
 def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
                kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
-    """attention without a plan: validate, convert foreign arrays (cuflash.interop), plan, run."""
+    """attention without a plan: validate, convert foreign arrays (cuflash.api.interop), plan, run."""
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
     if block_table is not None:
@@ -169,7 +171,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
-        from . import gpu_decode
+        from ..kernels import decode as gpu_decode
 
         if gpu_decode.applies(p, k_cache, v_cache):
             table = xp.ascontiguousarray(block_table)
@@ -198,7 +200,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     import dataclasses
 
     if p.xp is not np:
-        from . import gpu_decode
+        from ..kernels import decode as gpu_decode
 
         if gpu_decode.applies(p, k4, v4):
             gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
@@ -221,7 +223,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_ls
     o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
-        from . import gpu
+        from ..kernels import forward as gpu
 
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
         (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))

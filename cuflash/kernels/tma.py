@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._arrays import BFLOAT16, FLOAT16
+from ..core.arrays import BFLOAT16, FLOAT16
 
 # The device struct TmaDesc (cuda_src/tma.cuh): 16 opaque 64-bit words.
 TMAP_DTYPE = np.dtype({"names": ["opaque"], "formats": [("<u8", (16,))]})

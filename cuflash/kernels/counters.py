@@ -49,7 +49,7 @@ def for_cupy_launch(n: int, dtype="int32"):
     queued; None otherwise)."""
     import cupy
 
-    from ._problem import stream_is_capturing
+    from ..core.problem import stream_is_capturing
 
     stream = cupy.cuda.get_current_stream().ptr
     if not stream_is_capturing():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import masks
-from ._arrays import SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
+from .arrays import SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
 
 LAYOUTS = ("bhsd", "bshd")
 

@@ -3,8 +3,8 @@
 
 They cover 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
 vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES / HOPPER_BACKWARD_TILES
-entry; everything else, and every other GPU, runs the mma.sync kernels of cuflash.gpu and
-cuflash.gpu_backward. Sliding windows and packed sequences run the forward's band instantiation
+entry; everything else, and every other GPU, runs the mma.sync kernels of cuflash.kernels.forward and
+cuflash.kernels.backward. Sliding windows and packed sequences run the forward's band instantiation
 (attn_fwd_wgmma_band) here too; their backward stays on the mma.sync band kernels.
 ``CUFLASH_KERNELS=mma_sync`` turns
 the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
@@ -18,9 +18,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import schedule, stream_counters
-from ._arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
-from ._build import KernelSpec
+from ..plan import schedule
+from . import counters
+from ..core.arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
+from .build import KernelSpec
 
 ENV = "CUFLASH_KERNELS"
 
@@ -84,7 +85,7 @@ def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
     few key tiles on average (schedule.persistent_rule), HOPPER_FORWARD_LONG_ROWS' longer key tile
     while rows see many keys, else the table's. `causal`: None, False or the mask kind
     (masks.normalize_causal's)."""
-    from . import masks
+    from ..core import masks
 
     hd = schedule.head_dim_bucket(d)
     if nq > 0:
@@ -150,7 +151,7 @@ def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, in
 
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
-    the arguments of cuflash.gpu's attn_fwd_band (bounds and cu_seqlens at run time)."""
+    the arguments of cuflash.kernels.forward's attn_fwd_band (bounds and cu_seqlens at run time)."""
     if tile is not None and tile.tma:
         raise ValueError("tile: the band kernel has no TMA variant (packed sequences share one tensor)")
     return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile or cp_async_tile(d))
@@ -186,7 +187,7 @@ def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.
     a block's shared memory on the H200; none for the others (d = 192, 256). At most 2 math
     warpgroups (the tiles probes sweep); d=64's 3-warpgroup persistent tile is a rule of its own
     (schedule.HOPPER_FORWARD_PERSISTENT)."""
-    from .device_limits import H200
+    from ..plan.device_limits import H200
 
     out = []
     for pp in (False, True):
@@ -227,13 +228,13 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     `persistent_blocks` blocks (tests: a few blocks walk many tiles each). `split`: the key
     split of full attention on a per-tile TMA tile - None: split_plan's choice, False: none,
     an int: that many pieces per query tile (tests, probes)."""
-    from .gpu import launch_forward
+    from .forward import launch_forward
 
     addressable = tma_ok(q4, k4, v4)
     if split is None and addressable and (tile is None or (tile.tma and not tile.persistent)):
         import cupy
 
-        from .gpu_decode import _sm_count
+        from .decode import _sm_count
 
         sms = _sm_count(cupy.cuda.Device().id)
         if tile is None:
@@ -261,7 +262,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split
     if t.persistent:
         import cupy
 
-        from .gpu_decode import _sm_count
+        from .decode import _sm_count
 
         blocks = persistent_blocks or _sm_count(cupy.cuda.Device().id)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
@@ -272,7 +273,7 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
     `maps`: forward's tensor maps of tile t."""
     import cupy
 
-    from .gpu import _MAX_GRID_Z, launch_forward
+    from .forward import _MAX_GRID_Z, launch_forward
 
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
     if p.causal is not None or maps is None or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
@@ -282,9 +283,9 @@ def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
     slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
-    # A counter per query tile (cuflash.stream_counters: kept per stream, left zero by each launch's
+    # A counter per query tile (cuflash.kernels.counters: kept per stream, left zero by each launch's
     # last pieces; a captured call's own, zeroed by a memset node on every replay).
-    flags, _held = stream_counters.for_cupy_launch(tiles, np.uint32)  # (_held: kept until launched)
+    flags, _held = counters.for_cupy_launch(tiles, np.uint32)  # (_held: kept until launched)
     launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
                    extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, np.uint64(flags)))
 
@@ -320,7 +321,7 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
 
 def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
     """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
-    from .gpu_backward import _CONVERT_THREADS
+    from .backward import _CONVERT_THREADS
 
     return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, true>",
                       _CONVERT_THREADS, 0)

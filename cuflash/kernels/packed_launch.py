@@ -68,7 +68,7 @@ class PackedLaunch:
     every ``POINTER`` entry (in order) filled from ``launch(stream, *pointers)``.
 
     ``programmatic``: launch as a programmatic dependent of the kernel before it on the stream
-    (cuLaunchKernelEx with programmatic stream serialization, as cuflash.pdl does through
+    (cuLaunchKernelEx with programmatic stream serialization, as cuflash.kernels.pdl does through
     cuda-bindings); the kernel must wait (griddepcontrol.wait) before reading that kernel's
     results."""
 

@@ -6,7 +6,7 @@ each call, and CuPy converts every kernel argument on every launch: about 90 us 
 decode call on the H200 machine, more than the kernel itself on a 4k cache (tools/
 decode_host_parts.py). ``prepare_attention`` does that work once, like a cuDNN graph or
 FlashInfer's plan/run: a call then checks that its arrays have the prepared geometry, allocates
-the outputs and launches the decode kernel through a packed parameter block (cuflash._launch).
+the outputs and launches the decode kernel through a packed parameter block (cuflash.kernels.packed_launch).
 
 What a call may change: the arrays' data (their addresses), kv_lens' and block_table's values.
 What it may not: kinds (CuPy, torch, ...), device, shapes, strides, dtypes, which of kv_lens /
@@ -25,9 +25,12 @@ import contextlib
 
 import numpy as np
 
-from . import _problem, api, interop, stream_counters
-from ._arrays import byte_range, dtype_name
-from ._layout import is_view_of, to_bhsd
+from ..core import problem as _problem
+from . import functional as api
+from . import interop
+from ..kernels import counters as stream_counters
+from ..core.arrays import byte_range, dtype_name
+from ..core.layout import is_view_of, to_bhsd
 
 _ARRAYS = ("q", "k", "v", "kv_lens", "block_table")
 
@@ -198,7 +201,7 @@ class _CupyArrays:
 
 class _TorchArrays:
     """Per-call array operations of the decode fast path for CUDA torch tensors (torch's
-    allocator and current stream, as cuflash.interop runs torch calls)."""
+    allocator and current stream, as cuflash.api.interop runs torch calls)."""
 
     def __init__(self, device):
         import torch
@@ -268,8 +271,8 @@ class _DecodeCall:
         views of the caller's arrays (calls then go through cuflash.attention)."""
         import cupy
 
-        from . import gpu_decode
-        from .gpu import _elem_strides
+        from ..kernels import decode as gpu_decode
+        from ..kernels.forward import _elem_strides
 
         p, bs = checked.p, checked.block_size
         q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
@@ -299,9 +302,10 @@ class _DecodeCall:
                    extents, q_given)
 
     def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks, extents, q_given):
-        from . import gpu_decode, pdl
-        from ._build import get_function
-        from ._launch import POINTER, PackedLaunch
+        from ..kernels import decode as gpu_decode
+        from ..kernels import pdl
+        from ..kernels.build import get_function
+        from ..kernels.packed_launch import POINTER, PackedLaunch
 
         self.arrays = _TorchArrays(where.device) if where.kind == interop.TORCH else _CupyArrays(where.device)
         self.p = p
@@ -367,7 +371,7 @@ class _DecodeCall:
             ws = [lib.empty(shape) for shape in self.workspace]
             ptrs += [lib.ptr(w) for w in ws]
             pairs = self.pairs
-            if self.merge_last:  # (under capture a fresh buffer of the graph: cuflash.stream_counters)
+            if self.merge_last:  # (under capture a fresh buffer of the graph: cuflash.kernels.counters)
                 ws.append(lib.empty((pairs,)) if lib.capturing() else None)
                 ptrs.append(stream_counters.zeroed(pairs, stream, None if ws[-1] is None else lib.ptr(ws[-1])))
             else:

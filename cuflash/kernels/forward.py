@@ -6,9 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from . import masks, schedule
-from ._arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
-from ._build import KernelSpec, get_function
+from ..core import masks
+from ..plan import schedule
+from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
+from .build import KernelSpec, get_function
 
 _MAX_GRID_Z = 65535
 _LOG2E = 1.4426950408889634
@@ -50,7 +51,7 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool =
     if dtype == FLOAT32:
         if band:
             raise NotImplementedError(_FP32_BAND)
-        from .gpu_fp32 import forward_spec_fp32
+        from .fp32 import forward_spec_fp32
 
         return forward_spec_fp32(d, causal, vec, tile)
     hd, t = schedule.forward_tile(d, vec)
@@ -80,7 +81,7 @@ def _b(x: bool) -> str:
 
 def all_forward_specs():
     """Every forward instantiation the package can launch: what CI compiles for sm_90a."""
-    from .gpu_fp32 import all_forward_specs_fp32
+    from .fp32 import all_forward_specs_fp32
 
     specs = all_forward_specs_fp32()
     for dtype in (FLOAT16, BFLOAT16):
@@ -109,10 +110,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
         return
     qu, ku, vu = _unit_d(q4), _unit_d(k4), _unit_d(v4)
     if tile is None:
-        from . import gpu_decode
+        from . import decode
 
-        if gpu_decode.applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV (any band)
-            gpu_decode.forward(p, qu, ku, vu, o4, lse3)
+        if decode.applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV (any band)
+            decode.forward(p, qu, ku, vu, o4, lse3)
             return
     if p.window is not None:  # the band kernels (wgmma on sm_90)
         forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
@@ -122,18 +123,18 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
     if tile is None:
-        from . import gpu_hopper
+        from . import hopper
 
-        if gpu_hopper.applies(p, vec):  # sm_90: the wgmma kernel (its autotuned tile when CUFLASH_TUNE asks)
-            from .tune import pick_hopper_forward_tile
+        if hopper.applies(p, vec):  # sm_90: the wgmma kernel (its autotuned tile when CUFLASH_TUNE asks)
+            from ..tune import pick_hopper_forward_tile
 
             tuned = pick_hopper_forward_tile(p)
-            if tuned is not None and tuned.tma and not gpu_hopper.tma_ok(q4, k4, v4):
+            if tuned is not None and tuned.tma and not hopper.tma_ok(q4, k4, v4):
                 tuned = None  # a TMA winner, rows TMA cannot address: the cp.async kernel's tile
-            gpu_hopper.forward(p, q4, k4, v4, o4, lse3, tile=tuned)
+            hopper.forward(p, q4, k4, v4, o4, lse3, tile=tuned)
             return
     if tile is None and vec:  # autotuned winner when CUFLASH_TUNE asks for it, else the table
-        from .tune import pick_forward_tile
+        from ..tune import pick_forward_tile
 
         tile = pick_forward_tile(p)
     spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, vec, tile)
@@ -175,7 +176,7 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
 
 def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):
     """Sliding window and/or packed sequences on attn_fwd_band (every GPU, 16-bit inputs), or on
-    sm_90 where gpu_hopper.applies (and no ``tile`` is given) on attn_fwd_wgmma_band.
+    sm_90 where hopper.applies (and no ``tile`` is given) on attn_fwd_wgmma_band.
 
     Uniform batch: as :func:`forward`. Packed (``cu_seqlens=(cu_q, cu_k)``, device int32 arrays
     of B + 1 offsets): q4, k4, v4, o4 are (1, H, total, d) views of the packed arrays, lse3 is
@@ -189,10 +190,10 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
     vec = _vector_ok((q4, k4, v4, o4), p.d)
-    from . import gpu_hopper
+    from . import hopper
 
-    if tile is None and gpu_hopper.applies(p, vec):  # same arguments, grid and lse layout
-        spec, t = gpu_hopper.forward_band_spec(p.dtype, p.d)
+    if tile is None and hopper.applies(p, vec):  # same arguments, grid and lse layout
+        spec, t = hopper.forward_band_spec(p.dtype, p.d)
     else:
         spec, t = forward_spec(p.dtype, p.d, True, vec, tile, band=True)
     fn = get_function(spec)
@@ -224,6 +225,6 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, **band):
-    from . import gpu_backward
+    from . import backward as gpu_backward
 
     gpu_backward.backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, **band)
