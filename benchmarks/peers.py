@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-TOKENS = 16384  # B * N of the forward grid (peers-h200.md)
+TOKENS = 16384  # B * N of the forward grid (docs/performance.md)
 MODEL_WIDTH = 2048  # H * d of the forward grid
 GRID_N = (512, 1024, 2048, 4096, 8192, 16384)
 GRID_D = (64, 128, 256)

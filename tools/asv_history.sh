@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# asv history on the GPU machine for HEAD and earlier kernel commits, without a network.
+# asv history on a GPU machine for HEAD and earlier kernel commits, without a network.
+# Run it in a throwaway copy of the repository: it swaps cuflash/ and cuda_src/ in place.
 #
 #   OUT=dir bash tools/asv_history.sh HEAD_SHA [OLD_SHA ...]
 #
-# Needs: asv importable (carried wheels installed into $ASV_SITE, kept off the global path), .asvrepo (a bare clone: asv reads commit dates from it),
+# Needs: asv importable (optionally from $ASV_SITE, kept off the global path), .asvrepo (a bare clone: asv reads commit dates from it),
 # .asvtrees/<sha>/ (cuflash + cuda_src of each older commit, from `git archive`). Each commit is
 # benchmarked in the current interpreter with its own package tree on PYTHONPATH and recorded
 # under its hash (--set-commit-hash); results go to $OUT/asv_results.tar (benchmarks/results/asv/).
@@ -13,7 +14,7 @@ cd "$root/benchmarks" || exit 2
 sed "s#\"repo\": \"..\"#\"repo\": \"$root/.asvrepo\"#" asv.conf.json > asv.device.json
 PYTHONPATH="$root${ASV_SITE:+:$ASV_SITE}" python3 -m asv machine --config asv.device.json --machine h200 --yes > /dev/null
 export CUFLASH_ASV_SMALL=${CUFLASH_ASV_SMALL:-1}
-# Older commits replace the package in place (this is the device's throwaway copy): asv's
+# Older commits replace the package in place: asv's
 # benchmark processes may put the repository root on sys.path, so PYTHONPATH alone could measure
 # HEAD's code under an old hash. HEAD's package is saved first and restored after each.
 head_save=$(mktemp -d)

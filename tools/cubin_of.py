@@ -1,6 +1,6 @@
 """The cubin of one kernel instantiation, compiled by NVRTC exactly as cuflash compiles it for sm_90a
 (the same source, options and CUFLASH_NVRTC_OPTIONS), so that its SASS can be read where
-cuobjdump / nvdisasm exist (the GPU machine; this machine's toolkit has neither):
+cuobjdump / nvdisasm exist (a machine with the CUDA toolkit):
 
     python3 tools/cubin_of.py attn_decode.cu "attn_decode<Bf16, 128, 4, 16, 4, 2, false, true, false, 3>" out.cubin
     cuobjdump -sass out.cubin > out.sass

@@ -1,4 +1,5 @@
-"""The peers' decode grid (peers-h200.md) for the decode probes: cells and their inputs."""
+"""The decode grid of benchmarks/peers.py (d=128, Hq=32) for decode measurements: cells, inputs,
+and a case that times a variant next to torch SDPA's backends."""
 
 CELLS = [(L, B, hkv) for L in (4096, 16384, 65536) for B, hkv in ((8, 8), (64, 8), (8, 32))]
 
@@ -14,7 +15,7 @@ def decode_inputs(L, B, hkv, hq=32, d=128, nq=1):
 
 
 class ProbeCase:
-    """One decode shape for the probes that time forced launches (GPU machine): decode_inputs' torch
+    """One decode shape for measurements that time forced launches (GPU machine): decode_inputs' torch
     tensors, their CuPy views, the validated problem, output buffers, and cuDNN's output (float32)
     as the check a variant's result must pass before it is timed (no mask: nq query tokens see
     every key)."""
@@ -46,7 +47,7 @@ class ProbeCase:
 
     def forward_us(self, timer, **kw):
         """Microseconds of gpu_decode.forward(**kw) once its output, written over NaNs, is within 0.02
-        of cuDNN's; else "wrong <error>", or the exception's text (one variant must not end a probe)."""
+        of cuDNN's; else "wrong <error>", or the exception's text (one variant must not end a run)."""
         import cupy as cp
 
         from cuflash import gpu_decode

@@ -1,47 +1,104 @@
 #!/usr/bin/env bash
-# One GPU check on the lent machine: GPU tests, then the benchmark (if present), then a summary.
+# The GPU check: the GPU test suite, the benchmarks against torch's SDPA backends (forward,
+# backward, decode, paged decode, decode host time), merged into bench.json, and summary.json
+# written by tools/summarize.py, whose table is printed last. Run from anywhere on a GPU machine:
 #
-#   OUT=/some/dir bash tools/gpu_check.sh
+#   OUT=dir bash tools/gpu_check.sh
 #
 # Environment:
-#   OUT               output folder (required); every file lands directly in it (at most 6 files)
-#   GPU_CHECK_TESTS   pytest selection, default "-m gpu tests/"
-#   GPU_CHECK_BENCH   set to 0 to skip the benchmark
-#   GPU_CHECK_BENCH_ARGS  extra arguments for benchmarks/peers.py, e.g. "--quick --max-seconds 300"
-#   GIT_COMMIT        commit id to record when .git did not travel with the working tree
+#   OUT            output folder (required); every file lands directly in it:
+#                  nvidia-smi.txt, junit.xml, tests.log, paged.json, paged.log, bench.log,
+#                  bench.json, summary.json
+#   PART           all (default), tests (the test suite only) or bench (the benchmarks only)
+#   GPU_CHECK_TESTS  pytest selection, default "-m gpu tests/"
+#   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
+#   TEST_TIMEOUT   seconds for the test suite (default: no limit)
+#   BLAS_THREADS   threads of each worker's float64 references (default: the libraries' own)
+#   GRID=full      forward and backward at d = 64, 128, 256, N = 1k..16k, bf16 and fp16
+#                  (otherwise a smaller grid: bf16, fp16 at d=128 only, backward at 4k and 16k)
+#   MQA=0          skip the decode shapes with many query heads per K/V head
+#   PAGED=0        skip the paged-cache benchmark (tools/paged_bench.py)
+#   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
+#   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #
-# Files: nvidia-smi.txt, tests.log, junit.xml, bench.log, bench.json, summary.json.
-# Exit status: non-zero when the tests or the benchmark failed.
-set -o pipefail
-
+# Exit status: non-zero when the tests, a benchmark or the summary failed.
+set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PART=${PART:-all}
+rc=0
 
 echo "== nvidia-smi"
-nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; head -15 "$OUT/nvidia-smi.txt"
 
-echo "== tests: ${GPU_CHECK_TESTS:=-m gpu tests/}"
-# shellcheck disable=SC2086  # the selection is a list of pytest arguments
-python3 -m pytest -q $GPU_CHECK_TESTS -rs --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
-tests_rc=$?
+if [ "$PART" != bench ]; then
+    if [ -n "${BLAS_THREADS:-}" ]; then
+        export OPENBLAS_NUM_THREADS=$BLAS_THREADS OMP_NUM_THREADS=$BLAS_THREADS MKL_NUM_THREADS=$BLAS_THREADS
+    fi
+    workers=()
+    if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-2}"); fi
+    limit=()
+    if [ -n "${TEST_TIMEOUT:-}" ]; then limit=(timeout "$TEST_TIMEOUT"); fi
+    echo "== tests: ${GPU_CHECK_TESTS:=-m gpu tests/}"
+    # shellcheck disable=SC2086  # the selection is a list of pytest arguments
+    "${limit[@]}" python3 -m pytest -q $GPU_CHECK_TESTS -p no:cacheprovider -rfE "${workers[@]}" \
+        --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
+    tests_rc=$?
+    echo "tests rc=$tests_rc"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -3 "$OUT/tests.log"
+    [ "$tests_rc" -ne 0 ] && rc=1
+fi
+[ "$PART" = tests ] && exit "$rc"
 
-bench_rc=0
-if [ "${GPU_CHECK_BENCH:-1}" != "0" ] && [ -f benchmarks/peers.py ]; then
-    echo "== benchmark: benchmarks/peers.py ${GPU_CHECK_BENCH_ARGS:-}"
-    # shellcheck disable=SC2086
-    python3 benchmarks/peers.py ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-    bench_rc=$?
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ "${GRID:-}" = full ]; then
+    fwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); FWD_TIMEOUT=${FWD_TIMEOUT:-270}
+    bwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); BWD_TIMEOUT=${BWD_TIMEOUT:-200}
 else
-    echo "== benchmark: skipped (benchmarks/peers.py absent or GPU_CHECK_BENCH=0)"
+    fwd_grid=(--d 64,128,256 --n 1024,2048,4096,16384); FWD_TIMEOUT=${FWD_TIMEOUT:-170}
+    bwd_grid=(--d 64,128,256 --n 4096,16384); BWD_TIMEOUT=${BWD_TIMEOUT:-140}
+fi
+bench() {  # name timeout peers.py-arguments...
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" python3 benchmarks/peers.py "$@" --out "$tmp/$name.json" > "$tmp/$name.log" 2>&1
+    local r=$?; echo "$name bench rc=$r"; [ "$r" -ne 0 ] && rc=1
+    cat "$tmp/$name.log" >> "$OUT/bench.log"
+}
+: > "$OUT/bench.log"
+bench fwd "$FWD_TIMEOUT" --ops fwd "${fwd_grid[@]}" --max-seconds "$(( FWD_TIMEOUT - 20 ))"
+bench bwd "$BWD_TIMEOUT" --ops bwd "${bwd_grid[@]}" --impls cuflash,torch-flash,torch-cudnn \
+    --max-seconds "$(( BWD_TIMEOUT - 15 ))"
+bench decode 60 --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient --max-seconds 45
+# Decode shapes with many query heads per K/V head (MQA), against the same peers.
+if [ "${MQA:-1}" = 1 ]; then
+    bench decode_mqa 50 --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
+        --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,2x48x1x32768,4x64x1x16384,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64
+fi
+if [ "${PAGED:-1}" = 1 ]; then
+    timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1
+    echo "paged bench rc=$?"; grep PAGED "$OUT/paged.log"
+fi
+# Host time of one decode call, layer by layer (cached plan, uncached, prepared, torch SDPA).
+if [ "${HOST_PARTS:-1}" = 1 ]; then
+    echo "== decode host time (tools/decode_host_parts.py)" >> "$OUT/bench.log"
+    (cd tools && timeout 90 python3 decode_host_parts.py --calls 300) >> "$OUT/bench.log" 2>&1; echo "host parts rc=$?"
 fi
 
-echo "== gpu_check: tests rc=$tests_rc, benchmark rc=$bench_rc"
+python3 - "$tmp" "$OUT/bench.json" <<'PY'
+import json, sys, pathlib
+parts = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
+merged = dict(parts[0]) if parts else {}
+merged["bench"] = [row for p in parts for row in p.get("bench", [])]
+merged["ceilings_per_run"] = [p.get("ceilings") for p in parts]
+merged["complete"] = all(p.get("complete", False) for p in parts)
+pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
+print(f"merged {len(parts)} benchmark runs, {len(merged['bench'])} rows")
+PY
+
 echo "== summary ($OUT/summary.json)"
-python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json"
-summary_rc=$?
-if [ "$tests_rc" -ne 0 ] || [ "$bench_rc" -ne 0 ] || [ "$summary_rc" -ne 0 ]; then
-    exit 1
-fi
+python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
+[ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
+echo "== gpu_check: exit $rc"
+exit "$rc"

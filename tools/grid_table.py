@@ -1,10 +1,10 @@
-"""The Hopper issue's grid as one table: cuflash against cuDNN per cell, over several passes.
+"""The benchmark grid as one table: cuflash against cuDNN per cell, over several passes.
 
     python3 tools/grid_table.py fwd_1.json bwd_1.json fwd_2.json ... (benchmarks/peers.py outputs)
 
 Per cell (op, dtype, d, N, causal; decode also B and heads): cuDNN ms / cuflash ms in each pass (same process, same inputs),
-their min and max, and whether the cell meets the issue's bar (1.05; decode 1.0; no bar for the
-backward past d=128 or decode shapes outside the issue's grid) in every pass (met), in none (short)
+their min and max, and whether the cell meets the target (1.05; decode 1.0; no bar for the
+backward past d=128 or decode shapes outside the decode grid) in every pass (met), in none (short)
 or in some (split). Decode grid cells also get
 cuflash's and cuDNN's read rate as a share of the same run's read-only stream (ceilings.read_tbps).
 """
@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 
 BAR = 1.05
-# The decode issue's grid (peers-h200.md): d=128, Hq=32, (B, Hkv) in these; other decode shapes
+# The decode grid (benchmarks/peers.py --ops decode): d=128, Hq=32, (B, Hkv) in these; other decode shapes
 # (MQA, other head dims: benchmarks/peers.py --decode-shapes) are listed without a verdict.
 DECODE_GRID_HEADS = {(8, 8), (64, 8), (8, 32)}
 
@@ -52,7 +52,7 @@ def main(paths):
         shape = f"B{b} H{hq}/{hkv}" if op == "decode" else ""
         rs = ratios[cell]
         lo, hi = min(rs), max(rs)
-        bar = 1.0 if op == "decode" else BAR  # the decode issue's bar; backward's bar is at d <= 128
+        bar = 1.0 if op == "decode" else BAR  # the decode target; backward's bar is at d <= 128
         verdict = "-" if _no_bar(cell) else "met" if lo >= bar else "short" if hi < bar else "split"
         if verdict in ("short", "split"):
             short.append((cell, lo, hi))
@@ -74,7 +74,7 @@ def main(paths):
 
 
 def _no_bar(cell):
-    """Cells outside the bars: the backward past d=128, decode shapes outside the issue's grid."""
+    """Cells outside the bars: the backward past d=128, decode shapes outside the decode grid."""
     op, dtype, d, n, causal, b, hq, hkv = cell
     return (op == "bwd" and d > 128) or (op == "decode" and not in_decode_grid(d, b, hq, hkv))
 

@@ -1,4 +1,4 @@
-"""Evidence run for the tile schedule search on one GPU (written for the H200), one process.
+"""The tile schedule search on one GPU (written for the H200), one process.
 
 For d in {64, 128, 256} and N in {1k, 4k, 16k} (B*N = 16384 tokens, H*d = 2048, bfloat16), causal
 and not, for both kernel families of the forward and of the backward's K/V kernel ("fwd" and
@@ -196,7 +196,7 @@ def select_candidates(entry, info_cache, budget, log):
 
 
 def _tflops(op, b, h, n, d, causal, seconds):
-    """Peers' dense-equivalent convention (PERF.md): 4*B*H*N^2*d, halved causal, x2.5 backward."""
+    """Peers' dense-equivalent convention (docs/accounting.md): 4*B*H*N^2*d, halved causal, x2.5 backward."""
     f = 4 * b * h * n * n * d / (2 if causal else 1) * (1 if op in FORWARD_OPS else 2.5)
     return f / seconds / 1e12
 

@@ -28,8 +28,8 @@ def _run(cmd) -> str | None:
 
 
 def git_commit() -> dict:
-    """The GIT_COMMIT variable when the caller passed one (the device machine's copy of the tree
-    can carry a stale .git), else HEAD from git."""
+    """The GIT_COMMIT variable when the caller passed one (a copied tree may lack .git or carry
+    a stale one), else HEAD from git."""
     env = os.environ.get("GIT_COMMIT")
     if env:
         return {"commit": env, "commit_source": "GIT_COMMIT", "dirty": None}

@@ -21,14 +21,14 @@ import zlib
 
 import numpy as np
 
-TOKENS = 16384  # B * N, as in peers-h200.md
+TOKENS = 16384  # B * N, as in benchmarks/peers.py
 MODEL_WIDTH = 2048  # H * d
 REFERENCE_BYTES_PER_PAIR = 16  # S and P in float32 plus temporaries (peers note: ~4 such matrices)
 REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS
 REFERENCE_MAX_BYTES = 40e9
 L2_FLUSH_BYTES = 256 << 20
 EVENT_REPEATS = 20
-# CUFLASH_ASV_SMALL=1 keeps the history runs on the lent GPU inside its time budget: bf16, d=128,
+# CUFLASH_ASV_SMALL=1 keeps the history runs short: bf16, d=128,
 # non-causal, N in {1024, 4096} (still "over N" for the published comparison).
 import os as _os
 
