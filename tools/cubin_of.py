@@ -10,14 +10,14 @@ import sys
 sys.path.insert(0, ".")
 from cuda.bindings import nvrtc  # noqa: E402
 
-from cuflash import _build  # noqa: E402
+from cuflash.kernels import build
 
 
 def main(source, expression, out):
-    src = _build.load_source(source).encode()
+    src = build.load_source(source).encode()
     _, prog = nvrtc.nvrtcCreateProgram(src, source.encode(), 0, [], [])
     nvrtc.nvrtcAddNameExpression(prog, expression.encode())
-    opts = [o.encode() for o in _build.arch_options(90)]
+    opts = [o.encode() for o in build.arch_options(90)]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)

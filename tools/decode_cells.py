@@ -25,7 +25,7 @@ class ProbeCase:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from cuflash._problem import validate_forward
+        from cuflash.core.problem import validate_forward
 
         self.q, self.k, self.v, self.nbytes = decode_inputs(L, B, hkv, hq, d, nq)
         self.qc, self.kc, self.vc = (cp.from_dlpack(x) for x in (self.q, self.k, self.v))
@@ -50,7 +50,7 @@ class ProbeCase:
         of cuDNN's; else "wrong <error>", or the exception's text (one variant must not end a run)."""
         import cupy as cp
 
-        from cuflash import gpu_decode
+        from cuflash.kernels import decode as gpu_decode
 
         def f():
             gpu_decode.forward(self.p, self.qc, self.kc, self.vc, self.o4, self.lse3, **kw)

@@ -11,10 +11,14 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import _problem, api, gpu, gpu_decode, plan_cache
-from cuflash.gpu import _elem_strides
-from cuflash._layout import to_bhsd
-from cuflash._problem import validate_forward
+from cuflash.core import problem
+from cuflash.api.functional import attention as api
+from cuflash.kernels import forward as gpu
+from cuflash.kernels import decode as gpu_decode
+from cuflash.api import plan_cache
+from cuflash.kernels.forward import _elem_strides
+from cuflash.core.layout import to_bhsd
+from cuflash.core.problem import validate_forward
 from decode_host_profile import host_us  # (tools/, this script's folder)
 
 
@@ -57,7 +61,7 @@ def main():
         "gpu_decode.forward (outputs given)": lambda: gpu_decode.forward(p, q4, k4, v4, o4, lse3),
         "launch_plan": lambda: gpu_decode.launch_plan(p, gpu_decode._sm_count(dev)),
         "api._forward_outputs": lambda: api._forward_outputs(p, None),
-        "_problem.warn_if_capture_unsafe": lambda: _problem.warn_if_capture_unsafe(),
+        "problem.warn_if_capture_unsafe": lambda: problem.warn_if_capture_unsafe(),
         "cupy get_current_stream().is_capturing()": lambda: cp.cuda.get_current_stream().is_capturing(),
         "to_bhsd x3": lambda: (to_bhsd(q, p, hq, 1), to_bhsd(k, p, hkv, nk), to_bhsd(v, p, hkv, nk)),
         "gpu.forward (outputs given)": lambda: gpu.forward(p, q4, k4, v4, o4, lse3),
@@ -95,10 +99,10 @@ def main():
         with plan_cache.disabled():
             return cuflash.attention(tq, tk, tv)
     parts["attention (public, torch), plan cache off"] = torch_uncached
-    # the torch path's layers (cuflash.interop): imports, the stream context, the result's export
+    # the torch path's layers (cuflash.api.interop): imports, the stream context, the result's export
     import inspect
 
-    from cuflash import interop
+    from cuflash.api import interop
 
     torch_stream = interop.external_stream(torch.cuda.current_stream().cuda_stream, 0)
 

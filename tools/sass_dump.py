@@ -13,15 +13,15 @@ import tempfile
 sys.path.insert(0, ".")
 from cuda.bindings import nvrtc  # noqa: E402
 
-from cuflash import _build  # noqa: E402
+from cuflash.kernels import build
 
 
 def cubin(source, expression):
-    src = _build.load_source(source).encode()
+    src = build.load_source(source).encode()
     _, prog = nvrtc.nvrtcCreateProgram(src, source.encode(), 0, [], [])
     try:
         nvrtc.nvrtcAddNameExpression(prog, expression.encode())
-        opts = [o.encode() for o in _build.BASE_OPTIONS + ("-arch=sm_90a",)]
+        opts = [o.encode() for o in build.BASE_OPTIONS + ("-arch=sm_90a",)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise SystemExit(f"{expression}: NVRTC failed")

@@ -33,11 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuflash import device_limits, schedule  # noqa: E402
-from cuflash.tune import (  # noqa: E402
-    FORWARD_OPS, HOPPER_OPS, OP_TITLE, Candidate, backward_tile_kwargs, candidates, estimated_registers,
-    largest_first, likely_spills, occupancy, op_buckets, shortlist, table_tile,
-)
+from cuflash.plan import device_limits
+from cuflash.plan import schedule
+from cuflash.tune import FORWARD_OPS, HOPPER_OPS, OP_TITLE, Candidate, backward_tile_kwargs, candidates, estimated_registers, largest_first, likely_spills, occupancy, op_buckets, shortlist, table_tile
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -115,16 +113,16 @@ class Budget:
 
 
 def _warm_one(source, expression):
-    """Worker process: compile one kernel with CuPy exactly as cuflash._build.get_function does,
+    """Worker process: compile one kernel with CuPy exactly as cuflash.kernels.build.get_function does,
     which stores the cubin in CuPy's on-disk cache (name expressions included, CuPy >= 14)."""
     import cupy
 
-    from cuflash import _build
+    from cuflash.kernels import build
 
     t0 = time.monotonic()
     try:
         cc = int(cupy.cuda.Device().compute_capability)
-        mod = cupy.RawModule(code=_build.load_source(source), options=_build.arch_options(cc),
+        mod = cupy.RawModule(code=build.load_source(source), options=build.arch_options(cc),
                              name_expressions=(expression,))
         mod.get_function(expression)
         return expression, None, time.monotonic() - t0
@@ -149,7 +147,7 @@ def _precompile(specs, workers, log):
 
 def _compile_info(cand, causal, info_cache):
     """CompileInfo of one instantiation (bfloat16, vectorized), compiled once per run."""
-    from cuflash._arrays import BFLOAT16
+    from cuflash.core.arrays import BFLOAT16
     from cuflash.tune import compile_device_info, spec_for
 
     spec = spec_for(cand, BFLOAT16, causal)
@@ -207,8 +205,9 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cuflash import gpu, gpu_backward
-    from cuflash._problem import validate_forward
+    from cuflash.kernels import forward as gpu
+    from cuflash.kernels import backward as gpu_backward
+    from cuflash.core.problem import validate_forward
     from cuflash.tune import cuda_median_time, forward_launcher
 
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs, recorded for a replay
@@ -307,7 +306,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
 def screen(pl, args, budget, log):
     """Compile and screen every (op, d): {(op, d): (chosen, largest, records)}, records holding
     [non-causal, causal] compile records for the chosen candidates."""
-    from cuflash._arrays import BFLOAT16
+    from cuflash.core.arrays import BFLOAT16
     from cuflash.tune import spec_for
 
     def warm(cands, causal):
