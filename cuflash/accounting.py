@@ -25,9 +25,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from .core import masks
-from .plan import schedule
 from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
 from .core.problem import check_offset_values
+from .plan import decode, dispatch, schedule
+from .plan.hopper import split_partials
+from .plan.target import H200
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 METHODS = ("tiled", "reference")
@@ -407,41 +409,60 @@ def _check_config(config, name="config"):
     return config
 
 
-# What cuflash's GPU modules fail with when a kernel family does not exist (yet) for a dtype.
-_NO_KERNEL = (ImportError, NotImplementedError, KeyError, AttributeError)
+# The accounting plans for the modelled H200 (132 SMs) with contiguous, 16-byte-aligned arrays,
+# through the dispatch the launchers read (plan.dispatch), whatever GPU this machine has.
+MODEL = H200
+H200_SM_COUNT = MODEL.sm_count
 
 
-def _hopper_runs(dtype, hd, table) -> bool:
-    """Whether the modelled GPU (the H200, sm_90) runs the wgmma kernel of `table` here."""
-    from .kernels import hopper as gpu_hopper
+def _model_problem(dtype, d, causal, nq=None, nk=None, batch=None, hq=None, hkv=None):
+    """The few problem fields the dispatch reads (lengths None: the tables' tiles)."""
+    kind = masks.normalize_causal(causal)
+    hkv = hkv or hq
+    return SimpleNamespace(dtype=np.dtype(dtype), d=d, causal=kind, nq=nq, nk=nk, batch=batch, hq=hq, hkv=hkv,
+                           group=(hq // hkv) if hq and hkv else 1, window=None)
 
-    return dtype.itemsize == 2 and hd in table and gpu_hopper.enabled()
+
+def _backward_plan(dtype, d, causal, deterministic):
+    """The backward plan on the modelled H200, or None where no GPU kernel exists for the dtype."""
+    try:
+        return dispatch.backward_plan(_model_problem(dtype, d, causal), MODEL, dispatch.ALIGNED,
+                                      deterministic=bool(deterministic), tuned=False)
+    except (NotImplementedError, KeyError):
+        return None
 
 
-def _dq_accumulator_width(dtype, hd, deterministic) -> int:
-    """Floats per row of the modelled GPU's dQ accumulator: the bucket, or the wgmma K/V kernel's
-    HEAD_DIM where that kernel adds dQ (schedule.dq_accumulator_width)."""
-    hopper_atomic = not deterministic and _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES)
-    return schedule.dq_accumulator_width(hd, hopper_atomic)
+def _dq_accumulator_width(dtype, hd, deterministic, causal=False) -> int:
+    """Floats per row of the modelled GPU's dQ accumulator (plan.dispatch.BackwardPlan.acc_head_dim)."""
+    plan = _backward_plan(dtype, hd, causal, deterministic)
+    return plan.acc_head_dim if plan is not None and plan.kernel != "fp32" else hd
 
 
 def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
     """Whether the modelled GPU's backward runs the warp-specialized wgmma kernel (whose dQ
-    accumulator is in fragment order); as gpu_backward.backward picks with 16-byte-aligned rows."""
-    if deterministic or not _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES):
-        return False
-    return schedule.hopper_backward_tile(hd, causal is not None).ws
+    accumulator is in fragment order)."""
+    plan = _backward_plan(dtype, hd, causal, deterministic)
+    return plan is not None and plan.frag_dq
+
+
+def _backward_on_wgmma(dtype, hd, causal, deterministic) -> bool:
+    plan = _backward_plan(dtype, hd, causal, deterministic)
+    return plan is not None and plan.kernel == "wgmma"
+
+
+def model_forward_plan(dtype, d, causal=False, nq=None, nk=None, batch=None, hq=None):
+    """plan.dispatch.forward_plan of this shape on the modelled H200 (contiguous arrays)."""
+    return dispatch.forward_plan(_model_problem(np.dtype(dtype), d, causal, nq, nk, batch, hq), MODEL, dispatch.ALIGNED,
+                                 tuned=False)
 
 
 def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=None, hq=None):
-    """Tile, shared memory and threads of the forward kernel cuflash launches (vectorized path)
-    on the modelled GPU, the H200: the wgmma kernel where it applies (CUFLASH_KERNELS=mma_sync:
-    the mma.sync kernel). With the sequence lengths (nq, nk), the tile the dispatch picks for
-    them (short sequences: the persistent kernel, gpu_hopper.default_tile), else the table's.
+    """Tile, shared memory and threads of the forward kernel cuflash launches (contiguous arrays) on
+    the modelled GPU, the H200: plan.dispatch.forward_plan's (the wgmma kernel where it applies;
+    CUFLASH_KERNELS=mma_sync: the mma.sync kernel). With the sequence lengths (nq, nk) and the grid
+    (batch, hq), the tile and key split the dispatch picks for them, else the table's.
 
-    Read from cuflash.kernels.forward(_hopper).forward_spec, the spec the launch and the compile check use, so the
-    numbers follow the kernels (the float32 kernel has its own tile table); a ``config`` replaces
-    the table's TileConfig (its smem_bytes is then trusted)."""
+    A ``config`` replaces the table's TileConfig (its smem_bytes is then trusted)."""
     dtype = _check_dtype("dtype", dtype)
     hd = schedule.head_dim_bucket(d)
     if config is not None:
@@ -449,75 +470,45 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
         return SimpleNamespace(block_m=config.block_m, block_n=config.block_n, hd=hd, threads=config.threads,
                                smem=config.smem_bytes(hd, dtype.itemsize), source="config")
     try:
-        from .kernels import hopper as gpu_hopper
-        from .kernels.forward import forward_spec
-
-        is_causal = masks.normalize_causal(causal) is not None
-        if _hopper_runs(dtype, hd, schedule.HOPPER_FORWARD_TILES):
-            tile = None
-            if nq is not None and nk is not None:
-                tile = gpu_hopper.default_tile(d, masks.normalize_causal(causal), nq, nk)
-            auto = None
-            if None not in (nq, nk, batch, hq):  # with the grid: the key split where the dispatch takes it
-                auto = gpu_hopper.auto_split(SimpleNamespace(causal=masks.normalize_causal(causal), batch=batch, hq=hq,
-                                                             nq=nq, nk=nk, d=d), H200_SM_COUNT)
-            if auto is not None:
-                spec, t = gpu_hopper.split_spec(dtype, d, auto[0])
-            else:
-                spec, t = gpu_hopper.forward_spec(dtype, d, is_causal, tile)
-        elif dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernel where it exists
-            from .kernels.fp32 import FORWARD_TILES_FP32, FORWARD_TILES_FP32_MMA, mma_runs
-
-            table = FORWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else FORWARD_TILES_FP32
-            spec, t = forward_spec(dtype, d, is_causal, True, table[hd])
-        else:
-            spec, t = forward_spec(dtype, d, is_causal, True)
-        return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
-                               smem=spec.smem_bytes, source=spec.short_name)
-    except _NO_KERNEL:
+        plan = model_forward_plan(dtype, d, causal, nq, nk, batch, hq)
+    except (NotImplementedError, KeyError):
         _, t = schedule.forward_tile(d)
         return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=t.threads,
                                smem=t.smem_bytes(hd, dtype.itemsize), source="schedule.FORWARD_TILES")
-
-
-H200_SM_COUNT = 132
+    t, spec = plan.tile, plan.spec
+    return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
+                           smem=spec.smem_bytes, source=spec.short_name)
 
 
 def _forward_key_split(p, causal):
     """(slots, rows, columns) of the key split's float32 partials in the forward cuflash launches
-    on the modelled H200 for this shape (16-byte aligned inputs), or None."""
-    from types import SimpleNamespace as NS
-
-    from .kernels import hopper as gpu_hopper
-
-    hd = schedule.head_dim_bucket(p.d)
-    if p.nq == 0 or not _hopper_runs(p.dtype, hd, schedule.HOPPER_FORWARD_TILES):
+    on the modelled H200 for this shape (contiguous inputs), or None."""
+    if p.nq == 0:
         return None
-    dims = NS(causal=causal, batch=p.batch, hq=p.hq, nq=p.nq, nk=p.nk, d=p.d)
-    auto = gpu_hopper.auto_split(dims, H200_SM_COUNT)
-    return None if auto is None else gpu_hopper.split_partials(dims, *auto)
+    mp = _model_problem(p.dtype, p.d, causal, p.nq, p.nk, p.batch, p.hq)
+    try:
+        plan = dispatch.forward_plan(mp, MODEL, dispatch.ALIGNED, tuned=False)
+    except (NotImplementedError, KeyError):
+        return None
+    return split_partials(mp, plan.tile, plan.splits) if plan.kernel == "wgmma_split" else None
 
 
 def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
-    """The split-KV decode launch cuflash makes for this shape (16-byte aligned inputs), or None.
-    cluster=False: the launch whose splits merge through memory (gpu_decode.launch_plan)."""
-    try:
-        from .kernels import decode as gpu_decode
-    except _NO_KERNEL:
-        return None
+    """The split-KV decode launch cuflash makes for this shape (contiguous inputs), or None.
+    cluster=False: the launch whose splits merge through memory (plan.decode.launch_plan)."""
     p = SimpleNamespace(dtype=dtype, d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv, batch=batch,
-                        causal=masks.normalize_causal(causal))
-    if not (nq <= 16 and nk >= gpu_decode.MIN_KEYS and gpu_decode.row_tiles_for(p) is not None):
+                        causal=masks.normalize_causal(causal), window=None)
+    if not dispatch.decode_applies(p, kv_vec=True):
         return None
-    lp = gpu_decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
+    lp = decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
     # (launch_plan's choice: the planner's own launch, wide-rows blocks included)
-    row_blocks = gpu_decode.launch_problem(p, H200_SM_COUNT, cluster=cluster).hkv // hkv
+    row_blocks = decode.launch_problem(p, H200_SM_COUNT, cluster=cluster).hkv // hkv
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
-    main = gpu_decode.launch_spec(dtype, d, p.causal is not None, lp)
+    main = decode.launch_spec(dtype, d, p.causal is not None, lp)
     # cluster: the splits merge in the cluster's distributed shared memory (no partials in memory)
     # last_merges: the partials go through memory and the last split of each pair merges them
-    last_merges = gpu_decode.last_split_merges(lp, p.group // row_blocks * nq, d)
+    last_merges = decode.last_split_merges(lp, p.group // row_blocks * nq, d)
     return SimpleNamespace(splits=lp.splits, cluster=lp.cluster, keys=keys, source=main.short_name,
                            smem=main.smem_bytes, threads=main.threads, rows=16 * lp.row_tiles, block_n=lp.tile.block_n,
                            last_merges=last_merges, row_blocks=row_blocks)
@@ -526,35 +517,23 @@ def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
 def backward_launch(dtype, d, causal=False, deterministic=False):
     """Tiles and shared memory of the backward kernels cuflash launches, or None where there is none.
 
-    From cuflash.kernels.backward.backward_specs: the K/V-parallel main kernel (block_n keys per block,
-    streaming block_m query rows; on the modelled H200 the wgmma one where it applies) and, when
+    From plan.dispatch.backward_plan on the modelled H200: the K/V-parallel main kernel (block_n
+    keys per block, streaming block_m query rows; the wgmma one where it applies) and, when
     deterministic, the separate dQ kernel. float32: attn_bwd_f32_kv (block_n keys, block_m-row
     query tiles) and attn_bwd_f32_dq, which always runs (row statistics, then dQ)."""
     dtype = _check_dtype("dtype", dtype)
-    if dtype == FLOAT32:  # the modelled H200's: the float64 tensor-core kernels where they exist
-        from .kernels.fp32 import BACKWARD_TILES_FP32, BACKWARD_TILES_FP32_MMA, backward_specs_fp32, mma_runs
-
-        hd = schedule.head_dim_bucket(d)
-        table = BACKWARD_TILES_FP32_MMA if mma_runs(d, modelled=True) else BACKWARD_TILES_FP32
-        specs, hd, t = backward_specs_fp32(d, masks.normalize_causal(causal) is not None, table[hd])
-        return SimpleNamespace(block_m=t.kv_block_m, block_n=t.kv_block_n, hd=hd, threads=specs["kv"].threads,
+    plan = _backward_plan(dtype, d, causal, deterministic)
+    if plan is None:
+        return None
+    specs, t = plan.specs, plan.tile
+    if plan.kernel == "fp32":  # the float64 kernels (tensor cores where they exist on the H200)
+        return SimpleNamespace(block_m=t.kv_block_m, block_n=t.kv_block_n, hd=plan.head_dim, threads=specs["kv"].threads,
                                smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
                                dq_block_m=t.dq_block_m, dq_block_n=t.dq_block_n, dq_threads=specs["dq"].threads,
                                dq_smem=specs["dq"].smem_bytes, fp64=True)
-    try:
-        from .kernels.backward import backward_specs
-
-        is_causal = masks.normalize_causal(causal) is not None
-        specs, hd, t = backward_specs(dtype, d, is_causal, True, bool(deterministic))
-    except _NO_KERNEL:
-        return None
     dq = specs.get("dq")
-    kv_tile = t
-    if _hopper_runs(dtype, hd, schedule.HOPPER_BACKWARD_TILES):  # the K/V kernel on wgmma
-        from .kernels import hopper as gpu_hopper
-
-        specs["kv"], kv_tile = gpu_hopper.backward_kv_spec(dtype, d, is_causal, bool(deterministic))
-    return SimpleNamespace(block_m=kv_tile.block_m, block_n=kv_tile.block_n, hd=hd, threads=specs["kv"].threads,
+    kv_tile = plan.hopper or t
+    return SimpleNamespace(block_m=kv_tile.block_m, block_n=kv_tile.block_n, hd=plan.head_dim, threads=specs["kv"].threads,
                            smem=specs["kv"].smem_bytes, source=specs["kv"].short_name,
                            dq_block_m=t.dq_block_m if dq else None, dq_block_n=t.dq_block_n if dq else None,
                            dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None, fp64=False)
@@ -991,7 +970,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
                                    "columns), read+written per visible tile (64 x 64 bulk reduce-adds), read once to convert"))
         elif not deterministic:
             # the wgmma K/V kernel adds every column of its HEAD_DIM (192: 256), the mma.sync one d
-            hopper = config is None and _hopper_runs(dt, hd, schedule.HOPPER_BACKWARD_TILES)
+            hopper = config is None and _backward_on_wgmma(dt, hd, causal, deterministic)
             width = schedule.dq_accumulator_width(hd, hopper)
             cols = width if hopper else d
             entries.append(IOEntry(p + "dQ accumulator", bh * q_rows * cols + qe, rows * width + bh * q_rows * cols,

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from cuflash.plan import hopper as plan_hopper
 
 _SEED_ENV = "CUFLASH_SEED"  # set to replay a failing test with the seed it printed
 
@@ -64,9 +65,8 @@ def pytest_runtest_makereport(item, call):
 def kernels(request, monkeypatch):
     """Both kernel families: on a Hopper GPU "auto" runs the wgmma kernels where they apply and
     "mma_sync" forces the fallback, so neither goes untested; elsewhere the two coincide."""
-    from cuflash.kernels import hopper
 
-    monkeypatch.setenv(hopper.ENV, request.param)
+    monkeypatch.setenv(plan_hopper.ENV, request.param)
     return request.param
 
 

@@ -17,6 +17,7 @@ from cuflash.core import masks
 from cuflash.cli import report
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
+from cuflash.plan import decode as plan_decode
 
 from _brute_mask import brute_visible
 
@@ -277,14 +278,13 @@ def test_decode_shape_reports_the_decode_kernel_and_its_splits():
     # Without splits=, a decode shape gets the splits the decode kernel picks on the H200, and
     # the decode kernel's shared memory; a prefill shape gets neither. B=4, Hkv=8: 9 splits, more
     # than a cluster holds, so a combine kernel merges them through float32 partials.
-    from cuflash.kernels import decode as gpu_decode
 
     r = cuflash.memory_report((4, 32, 1, 128), (4, 8, 16384, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
     p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=16384, hq=32, hkv=8, group=4, batch=4, causal=None)
-    rt, _, splits, _, cluster = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)
+    rt, _, splits, _, cluster = plan_decode.launch_plan(p, accounting.H200_SM_COUNT)
     assert splits > 1 and not cluster and by["O partials"].bytes == 4 * 32 * 1 * splits * 128 * 4
-    main = gpu_decode.decode_specs(BFLOAT16, 128, rt, False, True)[0]
+    main = plan_decode.decode_specs(BFLOAT16, 128, rt, False, True)[0]
     smem = by["shared memory / block (fwd)"]
     assert smem.bytes == main.smem_bytes and main.short_name in smem.note
     prefill = {e.name for e in cuflash.memory_report((8, 32, 512, 128), (8, 8, 16384, 128), pass_="fwd").entries}
@@ -294,18 +294,17 @@ def test_decode_shape_reports_the_decode_kernel_and_its_splits():
 def test_decode_cluster_shape_reports_no_partials():
     # B=8, Hkv=8: 2-8 splits, merged inside a thread-block cluster: no workspace; the shared
     # memory entry names the cluster kernel (the same shared memory as the combine path's kernel).
-    from cuflash.kernels import decode as gpu_decode
 
     r = cuflash.memory_report((8, 32, 1, 128), (8, 8, 12288, 128), pass_="fwd")
     by = {e.name: e for e in r.entries}
     p = types.SimpleNamespace(dtype=np.dtype(BFLOAT16), d=128, nq=1, nk=12288, hq=32, hkv=8, group=4, batch=8, causal=None)
-    lp = gpu_decode.launch_plan(p, accounting.H200_SM_COUNT)
-    assert lp.cluster and lp.splits in gpu_decode.CLUSTER_SIZES
+    lp = plan_decode.launch_plan(p, accounting.H200_SM_COUNT)
+    assert lp.cluster and lp.splits in plan_decode.CLUSTER_SIZES
     assert not any(e.category == "workspace" for e in r.entries)
-    spec = gpu_decode.launch_spec(BFLOAT16, 128, False, lp)  # the plan's tile (at 12k: ring 1, the same bytes)
+    spec = plan_decode.launch_spec(BFLOAT16, 128, False, lp)  # the plan's tile (at 12k: ring 1, the same bytes)
     assert spec.expression.startswith("attn_decode_cluster<")
     smem = by["shared memory / block (fwd)"]
-    assert smem.bytes == spec.smem_bytes == gpu_decode.decode_specs(BFLOAT16, 128, lp.row_tiles, False, True)[0].smem_bytes
+    assert smem.bytes == spec.smem_bytes == plan_decode.decode_specs(BFLOAT16, 128, lp.row_tiles, False, True)[0].smem_bytes
     assert spec.short_name in smem.note
     # an explicit splits= still models the combine kernel's partials
     forced = {e.name: e for e in cuflash.memory_report((8, 32, 1, 128), (8, 8, 12288, 128), pass_="fwd", splits=3).entries}
@@ -584,7 +583,6 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
     """Few query tokens over a long cache: the split-KV kernel's traffic, not the prefill tiles'."""
     from types import SimpleNamespace
 
-    from cuflash.kernels import decode as gpu_decode
     from cuflash.core import masks
 
     B, H, Hkv, nq, nk, d = 8, 32, 8, 1, 12288, 128
@@ -595,14 +593,14 @@ def test_io_decode_reads_the_cache_once_per_kv_head(causal):
     assert by["K"].reads == by["V"].reads == B * Hkv * keys * d  # not B * H: GQA rows share the pass
     p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=Hkv, group=H // Hkv, batch=B,
                         causal=masks.normalize_causal(causal))
-    _, _, splits, _, cluster = gpu_decode.launch_plan(p, 132)
+    _, _, splits, _, cluster = plan_decode.launch_plan(p, 132)
     assert cluster and splits > 1  # B=8, Hkv=8: the splits merge in a cluster, not through memory
     assert by["O partials"].reads == by["O partials"].writes == by["LSE partials"].reads == 0
     # B=2: more splits than a cluster holds, so the combine kernel reads the float32 partials back
     m2 = cuflash.io_model((2, H, nq, d), nk=nk, hkv=Hkv, causal=causal)
     by2 = {e.name: e for e in m2.entries}
     p2 = SimpleNamespace(**{**vars(p), "batch": 2})
-    _, _, splits2, _, cluster2 = gpu_decode.launch_plan(p2, 132)
+    _, _, splits2, _, cluster2 = plan_decode.launch_plan(p2, 132)
     rows = 2 * Hkv * splits2 * (H // Hkv) * nq
     assert not cluster2 and splits2 > 8 and by2["O partials"].reads == by2["O partials"].writes == rows * d
     assert m.computed_pairs == B * H * masks.pair_count(masks.normalize_causal(causal), nq, nk)
@@ -616,20 +614,19 @@ def test_io_decode_row_blocks_reread_the_cache(monkeypatch, B, H, nk, blocks):
     The table's tiles (the wide-rows rule off); with the rule, B=2 Hq=64 reads the head once."""
     from types import SimpleNamespace
 
-    from cuflash.kernels import decode as gpu_decode
 
     if (B, H) == (2, 64):
         wide = {e.name: e for e in cuflash.io_model((B, H, 1, 128), nk=nk, hkv=1).entries}
         assert wide["K"].reads == B * nk * 128
-    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
+    monkeypatch.setattr(plan_decode, "WIDE_ROWS_AUTO", False)
 
     nq, d = 1, 128
     p = SimpleNamespace(dtype=np.dtype(BFLOAT16), d=d, nq=nq, nk=nk, hq=H, hkv=1, group=H, batch=B, causal=None)
-    assert gpu_decode.row_blocks(p, 132) == blocks
+    assert plan_decode.row_blocks(p, 132) == blocks
     m = cuflash.io_model((B, H, nq, d), nk=nk, hkv=1)
     by = {e.name: e for e in m.entries}
     assert by["K"].reads == by["V"].reads == blocks * B * nk * d
-    lp = gpu_decode.launch_plan(p, 132)
+    lp = plan_decode.launch_plan(p, 132)
     assert lp.row_tiles == -(-(H // blocks) // 16)
     rows = B * lp.splits * H * nq if lp.splits > 1 and not lp.cluster else 0  # (row blocks split the rows, not add)
     assert by["O partials"].writes == rows * d and by["LSE partials"].writes == rows

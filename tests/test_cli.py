@@ -123,7 +123,7 @@ def test_demo_fails_when_the_result_is_wrong(monkeypatch, capsys):
         o[..., 0, 0] += np.asarray(0.25, dtype=o.dtype)
         return o, lse
 
-    monkeypatch.setattr(cuflash, "attention", off_by_a_bit)
+    monkeypatch.setattr(cli, "attention", off_by_a_bit)
     rc = cli.main(["demo", "--backend", "cpu", "--n", "32", "--h", "1", "--repeats", "1", "--warmup", "0"])
     assert rc == 1
     assert "FAILED" in capsys.readouterr().out

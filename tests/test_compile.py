@@ -1,54 +1,37 @@
 """Compile every kernel instantiation the package can launch for sm_90a with NVRTC (no GPU needed).
 
 Each instantiation must compile, and must not spill: spills and a stack frame turn register
-traffic into local-memory traffic in the inner loop. The specs come from every ``all_*_specs``
-function of cuflash.kernels.forward and its sibling modules cuflash.gpu_* (forward, backward, decode, ...), so
-a new kernel family is checked as soon as such a function lists it.
+traffic into local-memory traffic in the inner loop. The specs come from cuflash.plan.registry,
+the one list of kernel families the dispatch can launch, so a new family is checked as soon as the
+registry lists it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
-
-import cuflash.kernels
 import re
 import shutil
 
 import pytest
 
-import cuflash
+from cuflash.core import sources
 from cuflash.kernels import build as _build
+from cuflash.plan import registry
 
 ARCH = "sm_90a"
-_SPEC_LIST = re.compile(r"all_\w+_specs(_\w+)?")
 
 
 def _spec_lists():
-    """(name, function or the exception that stopped its module's import) for each all_*_specs."""
-    found = []
-    names = sorted("kernels." + m.name for m in pkgutil.iter_modules(cuflash.kernels.__path__))
-    for name in names:
-        try:
-            module = importlib.import_module(f"cuflash.{name}")
-        except Exception as exc:  # noqa: BLE001 - becomes a failing test, not a collection crash
-            found.append((f"{name}-import", exc))
-            continue
-        for attr in sorted(dir(module)):
-            fn = getattr(module, attr)
-            # Only functions defined here: a re-export would be listed twice.
-            if _SPEC_LIST.fullmatch(attr) and callable(fn) and fn.__module__ == module.__name__:
-                found.append((f"{name}.{attr}", fn))
-    return found
+    """(family, function) for each kernel family of the registry."""
+    return sorted(registry.FAMILIES.items())
 
 
 def _spec_params():
     """One pytest.param per instantiation; a list that fails to build becomes a failing test."""
     params, seen = [], set()
     lists = _spec_lists()
-    if not any(name == "gpu.all_forward_specs" for name, _ in lists):  # else this file checks nothing
-        params.append(pytest.param(None, LookupError("no cuflash.kernels.forward.all_forward_specs()"), id="all_forward_specs-missing"))
+    if "forward" not in dict(lists):  # else this file checks nothing
+        params.append(pytest.param(None, LookupError("the registry lists no forward family"), id="forward-missing"))
     for list_name, make in lists:
         if isinstance(make, Exception):
             params.append(pytest.param(None, make, id=list_name))
@@ -136,7 +119,7 @@ _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 def _kernel_files():
-    return sorted(p.name for p in _build.source_dir().glob("*.cu"))
+    return sorted(p.name for p in sources.source_dir().glob("*.cu"))
 
 
 def _headers_reached(root, name, seen=None):
@@ -152,33 +135,33 @@ def _headers_reached(root, name, seen=None):
 def source_copy(tmp_path, monkeypatch):
     """A private copy of cuda_src that _build reads instead of the real one."""
     copy = tmp_path / "cuda_src"
-    shutil.copytree(_build.source_dir(), copy)
-    _build.load_source.cache_clear()
+    shutil.copytree(sources.source_dir(), copy)
+    sources.load_source.cache_clear()
     monkeypatch.setattr(_build, "source_dir", lambda: copy)
     yield copy
-    _build.load_source.cache_clear()  # the next test must read the real sources again
+    sources.load_source.cache_clear()  # the next test must read the real sources again
 
 
 def _header_cases():
-    root = _build.source_dir()
+    root = sources.source_dir()
     return [(kernel, header) for kernel in _kernel_files() for header in sorted(_headers_reached(root, kernel))]
 
 
 @pytest.mark.parametrize(("kernel", "header"), _header_cases())
 def test_editing_a_header_changes_the_source_hash(source_copy, kernel, header):
-    before = _build.source_hash(kernel)
-    inlined = _build.load_source(kernel)
+    before = sources.source_hash(kernel)
+    inlined = sources.load_source(kernel)
     assert not _LOCAL_INCLUDE.search(inlined), f"{kernel}: a local #include survived inlining"
 
     marker = f"__cuflash_test_marker_{header.replace('.', '_')}"
     with open(source_copy / header, "a") as f:
         f.write(f"\n#define {marker} 1\n")
-    _build.load_source.cache_clear()
+    sources.load_source.cache_clear()
 
-    after_text = _build.load_source(kernel)
+    after_text = sources.load_source(kernel)
     assert marker in after_text, f"{kernel}: the edit of {header} is not in the inlined source"
     assert after_text.count(marker) == 1, f"{kernel}: {header} was inlined more than once"
-    assert _build.source_hash(kernel) != before, f"{kernel}: editing {header} left the source hash unchanged"
+    assert sources.source_hash(kernel) != before, f"{kernel}: editing {header} left the source hash unchanged"
 
 
 def test_header_cases_exist():

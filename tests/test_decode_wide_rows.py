@@ -14,10 +14,12 @@ import pytest
 from _kvlens_check import check_per_sequence
 
 
-from cuflash.kernels import decode as gpu_decode
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
+from cuflash.kernels import decode as decode_kernels
+from cuflash.kernels import device
+from cuflash.plan import decode as plan_decode
 
 H200_SMS = 132
 
@@ -36,17 +38,17 @@ def test_wide_rows_plan(d, hq, nq, rt):
     # key tile is not shrunk for the rows (each warp holds one row tile's scores); never a cluster.
     t = schedule.DECODE_TILES_WIDE_ROWS[d]
     p = _problem(4, hq, 1, nq, 8192, d)
-    lp = gpu_decode.launch_plan(p, H200_SMS, tile=t)
+    lp = plan_decode.launch_plan(p, H200_SMS, tile=t)
     assert lp.row_tiles == rt and lp.tile == t and not lp.cluster
-    assert gpu_decode.launch_problem(p, H200_SMS, t).hkv == (2 if hq * nq > 64 else 1)
-    spec = gpu_decode.launch_spec(p.dtype, d, False, lp)
+    assert plan_decode.launch_problem(p, H200_SMS, t).hkv == (2 if hq * nq > 64 else 1)
+    spec = plan_decode.launch_spec(p.dtype, d, False, lp)
     assert spec.expression.startswith(f"attn_decode<Bf16, {d}, {rt}, {t.block_n}, 4, {t.stages},")
     assert spec.expression.endswith(f", {t.ring}>")
-    assert spec in gpu_decode.all_decode_specs()
+    assert spec in plan_decode.all_decode_specs()
     for splits in (1, 4):
-        assert not gpu_decode.launch_plan(p, H200_SMS, splits=splits, tile=t).cluster
+        assert not plan_decode.launch_plan(p, H200_SMS, splits=splits, tile=t).cluster
     with pytest.raises(ValueError, match="wide-rows"):
-        gpu_decode.launch_plan(p, H200_SMS, tile=t, cluster=True)
+        plan_decode.launch_plan(p, H200_SMS, tile=t, cluster=True)
 
 
 def test_wide_rows_tiles_fit_their_kernel():
@@ -63,8 +65,8 @@ def _launch(monkeypatch):
 
     monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
-    real = gpu_decode.get_function
-    monkeypatch.setattr(gpu_decode, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
+    real = decode_kernels.get_function
+    monkeypatch.setattr(decode_kernels, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
     return launched
 
 
@@ -116,7 +118,7 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
         kc, vc, table = paged_cache(rng, k, v, lens, 64)
         qg, kcg, vcg, tg = (cupy.asarray(a) for a in (q, kc, vc, table))
         p, block = validate_paged(qg, kcg, vcg, tg)
-        gpu_decode.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, paged=(tg, block), **kw)
+        decode_kernels.forward(p, to_bhsd(qg, p, hq, nq), kcg, vcg, o4, lse3, paged=(tg, block), **kw)
     else:
         qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
         if "qview" in case:
@@ -125,7 +127,7 @@ def test_wide_rows_decode(rng, monkeypatch, case, merge):
             qg = wide[..., 1:d + 1]
             assert qg.data.ptr % 16 == 2 and qg.strides[-2] == (d + 3) * qg.itemsize
         p = validate_forward(qg, kg, vg, causal=causal, window=window)
-        gpu_decode.forward(p, qg, kg, vg, o4, lse3, **kw)
+        decode_kernels.forward(p, qg, kg, vg, o4, lse3, **kw)
     rt = -(-min(hq * nq, 64) // 16)
     assert launched and launched[0].startswith(f"attn_decode<{'Fp16' if dtype == FLOAT16 else 'Bf16'}, {d}, {rt},")
     assert launched[0].endswith(f", {t.ring}>"), launched
@@ -144,60 +146,60 @@ def test_wide_rows_planner_rule(monkeypatch):
     wide = schedule.DECODE_TILES_WIDE_ROWS
     for b, hq, nq, nk, d, rt in [(8, 64, 1, 32768, 128, 4), (32, 64, 1, 16384, 128, 4), (8, 64, 1, 16384, 64, 4),
                                  (128, 64, 1, 2048, 64, 4), (64, 48, 1, 16384, 64, 3), (64, 128, 1, 16384, 64, 4)]:
-        lp = gpu_decode.launch_plan(_problem(b, hq, 1, nq, nk, d), H200_SMS)
-        assert gpu_decode.wide_rows(lp.tile) and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
+        lp = plan_decode.launch_plan(_problem(b, hq, 1, nq, nk, d), H200_SMS)
+        assert plan_decode.wide_rows(lp.tile) and lp.row_tiles == rt and not lp.cluster, (b, hq, nk, d, lp)
     p = _problem(8, 64, 1, 1, 16384, 128)
-    assert gpu_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
+    assert plan_decode.launch_problem(p, tile=wide[128]).hkv == 1  # (one row block of 64 rows per head)
     for q in [_problem(1, 64, 1, 1, 16384, 128), _problem(1, 64, 1, 1, 8192, 128),  # short splits, few blocks
               _problem(2, 64, 1, 1, 16384, 64),
               _problem(16, 48, 1, 1, 4096, 64),  # short splits, the table's merge in a cluster
               _problem(8, 32, 1, 1, 16384, 128),  # 32 rows: two row tiles
               _problem(8, 64, 1, 1, 16384, 256)]:  # no d=256 wide tile
-        assert gpu_decode.launch_plan(q, H200_SMS).tile.ring < 3, q
+        assert plan_decode.launch_plan(q, H200_SMS).tile.ring < 3, q
     # short splits, but the wide tile's own launch has WIDE_SHORT_MIN_WAVES blocks per SM
     for b, hq, nq, nk, d in [(2, 48, 1, 32768, 128), (4, 64, 1, 16384, 128), (4, 128, 1, 8192, 128),
                              (1, 128, 1, 32768, 64), (1, 32, 16, 8192, 128), (1, 64, 1, 32768, 128),
                              (2, 64, 1, 16384, 128), (5, 32, 16, 1024, 128)]:
         q = _problem(b, hq, hq // 4 if nq == 16 else 1, nq, nk, d)
-        assert gpu_decode._short_blocks(gpu_decode.launch_problem(q, tile=wide[d]), H200_SMS), q
-        lp = gpu_decode.launch_plan(q, H200_SMS)
-        blocks = lp.splits * gpu_decode.launch_problem(q, H200_SMS).hkv * b
-        assert lp.tile == wide[d] and blocks >= gpu_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
+        assert plan_decode._short_blocks(plan_decode.launch_problem(q, tile=wide[d]), H200_SMS), q
+        lp = plan_decode.launch_plan(q, H200_SMS)
+        blocks = lp.splits * plan_decode.launch_problem(q, H200_SMS).hkv * b
+        assert lp.tile == wide[d] and blocks >= plan_decode.WIDE_SHORT_MIN_WAVES[d] * H200_SMS, (q, lp)
     # four row tiles with splits of WIDE_LONG_MIN_CHUNK keys or more: ring 4 (WIDE_LONG_AUTO, on by
     # default; off, ring 3), the same split count
     long = schedule.DECODE_TILES_WIDE_ROWS_LONG[128]
-    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", False)
-    assert gpu_decode.launch_plan(_problem(8, 64, 1, 1, 32768, 128), H200_SMS).tile == wide[128]
-    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", True)
+    monkeypatch.setattr(plan_decode, "WIDE_LONG_AUTO", False)
+    assert plan_decode.launch_plan(_problem(8, 64, 1, 1, 32768, 128), H200_SMS).tile == wide[128]
+    monkeypatch.setattr(plan_decode, "WIDE_LONG_AUTO", True)
     for b, hq, nq, nk, d, want in [(8, 64, 1, 32768, 128, long), (64, 64, 1, 16384, 128, long),
                                    (16, 128, 1, 8192, 128, long), (8, 32, 16, 4096, 128, long),
                                    (16, 48, 1, 8192, 128, wide[128]),  # (three row tiles)
                                    (1, 64, 1, 131072, 128, wide[128]), (4, 64, 1, 16384, 128, wide[128]),  # (short)
                                    (16, 64, 1, 16384, 64, wide[64])]:  # (no d=64 ring-4 tile)
         q = _problem(b, hq, hq // 4 if nq == 16 else 1, nq, nk, d)
-        lp = gpu_decode.launch_plan(q, H200_SMS)
-        three = gpu_decode.launch_plan(q, H200_SMS, tile=wide[d])
+        lp = plan_decode.launch_plan(q, H200_SMS)
+        three = plan_decode.launch_plan(q, H200_SMS, tile=wide[d])
         assert lp.tile == want and lp.splits in (three.splits, three.splits - 1), (q, lp, three)
         assert (lp.tile == long) == (lp.row_tiles == 4 and three.chunk >= schedule.WIDE_LONG_MIN_CHUNK and d == 128)
-        assert gpu_decode.launch_spec(q.dtype, d, False, lp) in gpu_decode.all_decode_specs()
-    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", False)
+        assert plan_decode.launch_spec(q.dtype, d, False, lp) in plan_decode.all_decode_specs()
+    monkeypatch.setattr(plan_decode, "WIDE_LONG_AUTO", False)
     table = schedule.DECODE_TILES[128]
-    assert gpu_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
+    assert plan_decode.launch_plan(p, H200_SMS, tile=table).tile.ring == 0
     for kw in (dict(splits=8), dict(waves=1), dict(cluster=True)):
-        assert gpu_decode.launch_plan(p, H200_SMS, **kw).tile.ring < 3, kw
-    assert gpu_decode.launch_plan(p, H200_SMS, cluster=False).tile == wide[128]  # (merges through memory anyway)
+        assert plan_decode.launch_plan(p, H200_SMS, **kw).tile.ring < 3, kw
+    assert plan_decode.launch_plan(p, H200_SMS, cluster=False).tile == wide[128]  # (merges through memory anyway)
     # the launch problem carries the choice: planned again, the same launch
-    lpp = gpu_decode.launch_problem(p, H200_SMS)
-    assert lpp.hkv == 1 and gpu_decode.launch_plan(lpp, H200_SMS) == gpu_decode.launch_plan(p, H200_SMS)
-    assert gpu_decode.launch_problem(p, H200_SMS, cluster=True).hkv == 2  # (two blocks of two row tiles)
+    lpp = plan_decode.launch_problem(p, H200_SMS)
+    assert lpp.hkv == 1 and plan_decode.launch_plan(lpp, H200_SMS) == plan_decode.launch_plan(p, H200_SMS)
+    assert plan_decode.launch_problem(p, H200_SMS, cluster=True).hkv == 2  # (two blocks of two row tiles)
     # cluster=True launches those row blocks too (the accounting reads launch_problem)
-    forced = gpu_decode.launch_plan(p, H200_SMS, cluster=True)
+    forced = plan_decode.launch_plan(p, H200_SMS, cluster=True)
     assert forced.cluster and forced.tile.ring < 3 and forced.row_tiles == 2
     d64 = _problem(8, 32, 1, 4, 16384, 64)  # (128 packed rows: four row blocks of two row tiles)
-    assert gpu_decode.launch_plan(d64, H200_SMS, cluster=True).row_tiles == 128 // 16 // (
-        gpu_decode.launch_problem(d64, H200_SMS, cluster=True).hkv)
-    monkeypatch.setattr(gpu_decode, "WIDE_ROWS_AUTO", False)
-    assert gpu_decode.launch_plan(p, H200_SMS).tile.ring < 3
+    assert plan_decode.launch_plan(d64, H200_SMS, cluster=True).row_tiles == 128 // 16 // (
+        plan_decode.launch_problem(d64, H200_SMS, cluster=True).hkv)
+    monkeypatch.setattr(plan_decode, "WIDE_ROWS_AUTO", False)
+    assert plan_decode.launch_plan(p, H200_SMS).tile.ring < 3
 
 
 @pytest.mark.parametrize("long_auto", [False, True])
@@ -206,16 +208,16 @@ def test_decode_launch_plans_as_launch_plan(monkeypatch, long_auto):
     # planner's own launch and a caller's: fefb761 launched ring 3 where launch_plan said ring 4.
     from cuflash.core.problem import validate_forward
 
-    monkeypatch.setattr(gpu_decode, "_sm_count", lambda dev: H200_SMS)
-    monkeypatch.setattr(gpu_decode, "_runs_clusters", lambda dev: True)
-    monkeypatch.setattr(gpu_decode, "WIDE_LONG_AUTO", long_auto)
+    monkeypatch.setattr(device, "sm_count", lambda dev: H200_SMS)
+    monkeypatch.setattr(device, "compute_capability", lambda dev: 90)
+    monkeypatch.setattr(plan_decode, "WIDE_LONG_AUTO", long_auto)
     strides = ((1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1), 0)
     for b, hq, hkv, nq, nk, d in [(8, 64, 1, 1, 32768, 128), (64, 64, 1, 1, 16384, 128), (2, 48, 1, 1, 32768, 128),
                                   (8, 32, 8, 16, 4096, 128), (8, 32, 8, 1, 16384, 128), (1, 64, 1, 1, 32768, 128),
                                   (16, 64, 1, 1, 16384, 64)]:
         p = validate_forward(np.empty((b, hq, nq, d), BFLOAT16), *(np.empty((b, hkv, nk, d), BFLOAT16) for _ in "kv"))
         for kw in ({}, {"splits": 8}, {"tile": schedule.DECODE_TILES_WIDE_ROWS[d]}):
-            launch = gpu_decode.decode_launch(p, 0, strides, **kw)
-            assert launch.plan == gpu_decode.launch_plan(p, H200_SMS, **kw), (p, kw)
+            launch = decode_kernels.decode_launch(p, 0, strides, **kw)
+            assert launch.plan == plan_decode.launch_plan(p, H200_SMS, **kw), (p, kw)
         if long_auto and (b, hq, nk) in ((8, 64, 32768), (64, 64, 16384)):
-            assert gpu_decode.decode_launch(p, 0, strides).plan.tile.ring == 4
+            assert decode_kernels.decode_launch(p, 0, strides).plan.tile.ring == 4

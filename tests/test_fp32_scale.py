@@ -10,20 +10,21 @@ import numpy as np
 import pytest
 
 from cuflash.core import problem
-from cuflash.kernels import forward as gpu
 from cuflash.core.arrays import FLOAT16, FLOAT32
+from cuflash.kernels import forward as forward_kernels
+from cuflash.plan import forward as plan_forward
 from test_fp32_backward import _ptx_params  # the kernel's PTX parameter types
 
 
 def _launch_args(monkeypatch, dtype):
     calls = []
-    monkeypatch.setattr(gpu, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append(args))
+    monkeypatch.setattr(forward_kernels, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append(args))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, n, 96)).astype(dtype) for n in (5, 7, 7))
     p = problem.validate_forward(q, k, v, causal="top_left", scale=0.3)
     o, lse = np.empty_like(q), np.empty((1, 2, 5), np.float32)
-    spec, tile = gpu.forward_spec(p.dtype, p.d, True, False)
-    gpu.launch_forward(spec, tile.block_m, p, q, k, v, o, lse)
+    spec, tile = plan_forward.forward_spec(p.dtype, p.d, True, False)
+    forward_kernels.launch_forward(spec, tile.block_m, p, q, k, v, o, lse)
     (args,) = calls
     return spec, args[-1], p
 
@@ -43,5 +44,5 @@ def test_launcher_passes_16_bit_kernels_a_float_scale(monkeypatch):
 
 def test_float32_kernel_takes_its_scale_as_a_double():
     pytest.importorskip("cuda.bindings.nvrtc")
-    spec, _ = gpu.forward_spec(FLOAT32, 96, True, False)
+    spec, _ = plan_forward.forward_spec(FLOAT32, 96, True, False)
     assert _ptx_params(spec)[-1] == "f64", f"last parameter of {spec.expression}"

@@ -11,10 +11,11 @@ import pytest
 
 import cuflash
 from cuflash import accounting
-from cuflash.kernels import decode
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.problem import validate_forward
 from cuflash.testing import random_inputs, recorded_allocations
+from cuflash.plan import decode as plan_decode
+from cuflash.plan import hopper as plan_hopper
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -45,13 +46,12 @@ def test_forward_bytes(causal):
 def test_forward_bytes_key_split():
     # 32 query tiles of 16 key tiles: the forward splits them in halves (a grid under one wave) and
     # allocates the first halves' float32 partials; the counters were allocated by the warm-up call.
-    from cuflash.kernels import hopper
 
     q, k, v = _inputs((1, 2, 2048, 128), (1, 2, 2048, 128), 5)
     p = validate_forward(q, k, v)
-    if cupy.cuda.Device().compute_capability != "90" or not hopper.applies(p, True):
+    if cupy.cuda.Device().compute_capability != "90" or not plan_hopper.applies(p, True):
         pytest.skip("the key split runs on sm_90's wgmma forward")
-    assert hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"]) is not None
+    assert plan_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"]) is not None
     sizes = _recorded(lambda: cuflash.attention(q, k, v, return_lse=True))
     rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd")
     assert any("key split" in e.name for e in rep.entries), rep.table()
@@ -76,9 +76,9 @@ def test_decode_bytes():
     q, k, v = _inputs((4, 32, 1, 128), (4, 8, 8192, 128), 4)
     p = validate_forward(q, k, v, causal=True)
     sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    _, _, splits, _ = decode.plan(p, sm)
+    _, _, splits, _ = plan_decode.plan(p, sm)
     assert splits > 1  # this shape must exercise the partials
     sizes = _recorded(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True))
     rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd", causal=True, splits=splits)
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, splits, rep.table())
-    assert decode.workspace_bytes(p, splits) == sum(sizes) - 2 * (4 * 32 * 128) - 4 * 32 * 4
+    assert plan_decode.workspace_bytes(p, splits) == sum(sizes) - 2 * (4 * 32 * 128) - 4 * 32 * 4

@@ -12,6 +12,7 @@ import pytest
 import cuflash
 from cuflash.core.arrays import FLOAT32
 from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
+from cuflash.plan import backward as plan_backward
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -107,7 +108,6 @@ def test_bitwise_reproducible(kernels):
 
 def test_workspace_is_float64_lse_and_d():
     """Every device allocation the backward makes, recorded through CuPy's allocator hook."""
-    from cuflash.kernels import backward as gpu_backward
     from cuflash.core.problem import validate_forward
 
     rng = np.random.default_rng(49)
@@ -119,7 +119,7 @@ def test_workspace_is_float64_lse_and_d():
     grads, sizes = recorded_allocations(lambda: cuflash.attention_backward(do, q, k, v, o, lse))
     grad_bytes = b * h * n * d * 4
     assert sorted(sizes) == sorted([grad_bytes] * 3 + [b * h * n * 8] * 2), sizes
-    assert gpu_backward.workspace_bytes(validate_forward(q, k, v)) == 2 * b * h * n * 8
+    assert plan_backward.workspace_bytes(validate_forward(q, k, v)) == 2 * b * h * n * 8
     del grads
 
 

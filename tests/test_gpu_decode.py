@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.kernels import decode as gpu_decode
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.core.layout import to_bhsd
 from cuflash.core.problem import validate_forward
 from cuflash.testing import random_inputs
+from cuflash.backends import cuda
+from cuflash.kernels import decode as decode_kernels
+from cuflash.kernels import device
+from cuflash.plan import decode as plan_decode
 
 from _kvlens_check import check_per_sequence
 from test_decode_cluster import _launch  # records the expressions gpu_decode launches
@@ -31,7 +34,7 @@ def test_decode_kv_lens(dtype, causal, nq, hq, hkv, d):
     lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
     qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
     p = validate_forward(qg, kg, vg, causal=causal)
-    used_decode = gpu_decode.applies(p, to_bhsd(kg, p, hkv, nk), to_bhsd(vg, p, hkv, nk))
+    used_decode = cuda.decode_applies(p, to_bhsd(kg, p, hkv, nk), to_bhsd(vg, p, hkv, nk))
     o = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype) if dtype == FLOAT16 else None
     o, lse = cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=o)
     check_per_sequence(o, lse, q, k, v, lens, causal, dtype)
@@ -48,7 +51,7 @@ def test_decode_split_counts(splits):
     p = validate_forward(qg, kg, vg, causal=True)
     o4 = cupy.empty(qg.shape, dtype=qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits)
+    decode_kernels.forward(p, qg, kg, vg, o4, lse3, splits=splits)
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, BFLOAT16)
 
 
@@ -59,7 +62,7 @@ def test_decode_combine_as_dependent(monkeypatch, use_pdl, splits):
     # every cache): it must wait for every split's partials. Output and LSE start poisoned.
     from cuflash.kernels import pdl
 
-    monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
+    monkeypatch.setattr(decode_kernels, "PDL_COMBINE_MIN_BYTES", 0)
     monkeypatch.setattr(pdl, "_ENABLED", use_pdl)
     rng = np.random.default_rng(splits + 90)
     b, hq, hkv, nq, nk, d = 3, 16, 4, 2, 5000, 128
@@ -68,7 +71,7 @@ def test_decode_combine_as_dependent(monkeypatch, use_pdl, splits):
     p = validate_forward(qg, kg, vg, causal="bottom_right")
     o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False, merge="kernel")
+    decode_kernels.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False, merge="kernel")
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, "bottom_right", BFLOAT16)
 
 
@@ -93,8 +96,8 @@ def test_decode_window(monkeypatch, window, causal, nq, with_lens):
     """The split-KV kernel's band mask (attn_decode<..., WINDOW>): each token against the
     brute-force mask of its own sequence's keys; the decode kernel (not the band kernel) ran."""
     launched = []
-    real = gpu_decode.launch_spec
-    monkeypatch.setattr(gpu_decode, "launch_spec",
+    real = plan_decode.launch_spec
+    monkeypatch.setattr(plan_decode, "launch_spec",
                         lambda *a, **kw: launched.append(real(*a, **kw).expression) or real(*a, **kw))
     rng = np.random.default_rng([nq, len(str(causal)), window[0] + 9, window[1] + 5, int(with_lens)])
     b, hq, hkv, nk, d = 4, 8, 2, 1500, 64 if nq == 16 else 128  # (64 packed rows: d=64's tile)
@@ -127,7 +130,7 @@ def test_decode_window_split_counts(splits):
     p = validate_forward(qg, kg, vg, causal=True, window=(300, 0))
     o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
+    decode_kernels.forward(p, qg, kg, vg, o4, lse3, splits=splits, cluster=False)
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, FLOAT16, window=(300, 0))
 
 
@@ -148,20 +151,20 @@ def test_decode_many_block_tiles(monkeypatch, which, causal, nq):
     p = validate_forward(qg, kg, vg, causal=causal)
     o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    gpu_decode.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, tile=tile, splits=1)
+    decode_kernels.forward(p, qg, kg, vg, o4, lse3, kv_lens=lg, tile=tile, splits=1)
     check_per_sequence(o4, lse3, q, k, v, lens, causal, BFLOAT16)
     assert any(f", {tile.block_n}, {tile.warps}, {tile.stages}," in e for e in launched), launched
 
 
 @pytest.mark.parametrize("per_sm", [1, 2, 4])
 def test_decode_api_takes_the_no_split_tile(monkeypatch, per_sm):
-    # Through the API with a paged cache, on a stand-in device of 8 SMs (gpu_decode._sm_count): one,
+    # Through the API with a paged cache, on a stand-in device of 8 SMs (device.sm_count): one,
     # two and four (sequence, K/V head) blocks per SM launch the no-split tile (ring 2), no split, no
     # combine; shuffled pages, NaN spare pages, kv_lens 0 and 1 among the sequences.
     from test_paged import run_paged
 
     sms, hkv, n = 8, 8, 3000
-    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: sms)
+    monkeypatch.setattr(device, "sm_count", lambda device_id: sms)
     b = per_sm * sms // hkv
     launched = _launch(monkeypatch)
     rng = np.random.default_rng([b, n])
@@ -178,7 +181,7 @@ def test_decode_api_takes_the_cluster_ring(monkeypatch, causal):
     # Through the API on a stand-in device of 8 SMs: 4 splits of more than CLUSTER_RING_MIN_CHUNK
     # keys merge in a cluster and run ring 1 (DECODE_TILES_LONG_CLUSTER_SPLITS); kv_lens 0, 1,
     # mid-split and full; output and LSE poisoned.
-    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: 8)
+    monkeypatch.setattr(device, "sm_count", lambda device_id: 8)
     launched = _launch(monkeypatch)
     rng = np.random.default_rng([len(str(causal)), 41])
     b, hq, hkv, nk, d = 4, 16, 1, 9000, 128
@@ -229,7 +232,7 @@ def test_decode_block_rings(monkeypatch, ring, shape, case):
     for r in (0, ring):
         o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
         lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-        gpu_decode.forward(p, *args, o4, lse3, kv_lens=lg, tile=schedule.DecodeTile(bn, warps, stages, 2, "test", r),
+        decode_kernels.forward(p, *args, o4, lse3, kv_lens=lg, tile=schedule.DecodeTile(bn, warps, stages, 2, "test", r),
                            **kw)
         outs.append((o4.get(), lse3.get()))
     assert any(e.endswith(f", {ring}>") for e in launched), launched
@@ -249,8 +252,8 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
         monkeypatch.setattr(build, cache, {})
     small, large = schedule.DECODE_TILES_LONG_SPLITS[128], schedule.DECODE_TILES_NO_SPLIT[128]
     assert small.smem_bytes(128, 1) < large.smem_bytes(128, 1)
-    assert gpu_decode.decode_specs(BFLOAT16, 128, 1, False, True, small)[0].expression == \
-        gpu_decode.decode_specs(BFLOAT16, 128, 1, False, True, large)[0].expression
+    assert plan_decode.decode_specs(BFLOAT16, 128, 1, False, True, small)[0].expression == \
+        plan_decode.decode_specs(BFLOAT16, 128, 1, False, True, large)[0].expression
     rng = np.random.default_rng(77)
     b, hq, hkv, nk, d = 2, 32, 8, 900, 128
     q, k, v = random_inputs(rng, (b, hq, 1, d), (b, hkv, nk, d), BFLOAT16)
@@ -260,7 +263,7 @@ def test_one_kernel_asked_for_more_shared_memory(monkeypatch):
     for tile in (small, large):
         o4 = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
         lse3 = cupy.full((b, hq, 1), np.nan, dtype=np.float32)
-        gpu_decode.forward(p, qg, kg, vg, o4, lse3, tile=tile, splits=1)
+        decode_kernels.forward(p, qg, kg, vg, o4, lse3, tile=tile, splits=1)
         outs.append(o4.get())
     check_per_sequence(outs[1], lse3, q, k, v, [nk] * b, False, BFLOAT16)
     np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
@@ -275,7 +278,7 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
     # (planner's choice, on a stand-in device of 8 SMs so that a small batch splits). Outputs poisoned.
     from test_paged import run_paged
 
-    monkeypatch.setattr(gpu_decode, "_sm_count", lambda device_id: 8)
+    monkeypatch.setattr(device, "sm_count", lambda device_id: 8)
     launched = _launch(monkeypatch)
     t = schedule.DECODE_TILES_FEW_PAIRS[d]
     if case == "combine" and d in schedule.DECODE_FEW_PAIRS_CLUSTERS_ONLY:
@@ -301,4 +304,4 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
     if case == "combine":  # 4 splits of 5000 keys: more than CLUSTER_MAX_CHUNK, merged through the workspace
         assert launched[0].startswith("attn_decode<"), launched
         plan = types.SimpleNamespace(splits=4, cluster=False, tile=t, row_tiles=1)  # (the launched tile: the merge under "auto")
-        assert launched[-1].startswith("attn_decode_combine<") != gpu_decode.last_split_merges(plan, hq // hkv * 2, d), launched
+        assert launched[-1].startswith("attn_decode_combine<") != plan_decode.last_split_merges(plan, hq // hkv * 2, d), launched

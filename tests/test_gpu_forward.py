@@ -19,13 +19,14 @@ import pytest
 
 import cuflash
 from cuflash.core import problem as _problem
-from cuflash.kernels import forward as gpu
-from cuflash.kernels import hopper
 from cuflash.core import masks
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.core.layout import is_view_of, to_bhsd
 from cuflash.testing import assert_within_naive_error, naive_attention_in_dtype, random_array, random_inputs, recorded_allocations, reference64
+from cuflash.backends import cuda
+from cuflash.kernels import forward as forward_kernels
+from cuflash.plan import hopper as plan_hopper
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -69,7 +70,7 @@ def device_inputs(rng, shape_q, shape_kv, dtype, scale=1.0):
 
 
 def forward_poisoned(q, k, v, *, causal=False, scale=None, layout="bhsd"):
-    """gpu.forward into NaN-poisoned o and lse (the backend contract cuflash.attention uses).
+    """cuda.forward into NaN-poisoned o and lse (the backend contract cuflash.attention uses).
 
     Checks that q, k, v are unchanged bit for bit; returns (o, lse) on the device."""
     before = [raw(a).copy() for a in (q, k, v)]
@@ -79,7 +80,7 @@ def forward_poisoned(q, k, v, *, causal=False, scale=None, layout="bhsd"):
     o4, lse3 = to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq))
     assert is_view_of(o4, o) and is_view_of(lse3, lse)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    gpu.forward(p, q4, k4, v4, o4, lse3)
+    cuda.forward(p, q4, k4, v4, o4, lse3)
     assert_unchanged((q, k, v), before)
     return o, lse
 
@@ -295,30 +296,30 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("not a Hopper GPU: the wgmma kernel does not apply")
     launched = []
-    real = gpu.get_function
+    real = forward_kernels.get_function
 
     def recording(spec):
         launched.append(spec.expression)
         return real(spec)
 
-    monkeypatch.setattr(gpu, "get_function", recording)
+    monkeypatch.setattr(forward_kernels, "get_function", recording)
     # A short key range runs the persistent kernel where HOPPER_FORWARD_PERSISTENT has a rule
     # (d = 64, 128; d=64 without a mask at any length), a long one the table's tile: both are what
-    # hopper.default_tile names.
+    # plan_hopper.default_tile names.
     for nk in (150, 4000):
         launched.clear()
         q, k, v = device_inputs(rng, (1, 2, 130, d), (1, 2, nk, d), dtype)
         o, lse = forward_poisoned(q, k, v)
-        tile = hopper.default_tile(d, None, 130, nk)
+        tile = plan_hopper.default_tile(d, None, 130, nk)
         rule = schedule.persistent_rule(schedule.head_dim_bucket(d), False, nk)
         assert tile == (rule.tile if rule else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)])
         # (a grid of fewer query tiles than SMs runs the key split on the table's tile)
         p = _problem.validate_forward(q, k, v)
-        auto = hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])
+        auto = plan_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"])
         if auto:  # a grid under one wave: its tiles split by keys
-            want = [hopper.split_spec(dtype, d, auto[0])[0].expression]
+            want = [plan_hopper.split_spec(dtype, d, auto[0])[0].expression]
         else:
-            want = [hopper.forward_spec(dtype, d, False, tile)[0].expression]
+            want = [plan_hopper.forward_spec(dtype, d, False, tile)[0].expression]
         assert launched == want
         check_rows(o, lse, q, k, v)
 

@@ -15,6 +15,8 @@ import pytest
 import cuflash
 from cuflash.core.arrays import FLOAT16
 from cuflash.testing import assert_forward_within_naive_error, random_array, to_numpy
+from cuflash.kernels import decode as decode_kernels
+from cuflash.plan import decode as plan_decode
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -69,14 +71,13 @@ def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine, vi
     # launched as the split kernel's programmatic dependent: the capture must keep that edge, and
     # the replay be exact; via "prepared": the step is a cuflash.prepare_attention call, its
     # packed launches captured)
-    from cuflash.kernels import decode as gpu_decode
     from cuflash.kernels import pdl
 
     if pdl_combine:
         if not pdl.available():
             pytest.skip("programmatic dependent launch needs sm_90 and cuda-bindings")
-        monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
-        monkeypatch.setattr(gpu_decode, "MERGE", "kernel")
+        monkeypatch.setattr(decode_kernels, "PDL_COMBINE_MIN_BYTES", 0)
+        monkeypatch.setattr(plan_decode, "MERGE", "kernel")
     rng = np.random.default_rng([b, hq, nk, 61])
     q = cupy.empty((b, hq, 1, 128), FLOAT16)
     k, v = (cupy.empty((b, hkv, nk, 128), FLOAT16) for _ in range(2))

@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cuflash.kernels import hopper
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import backward as backward_kernels
+from cuflash.plan import hopper as plan_hopper
 from test_gpu_backward import _run
 
 cupy = pytest.importorskip("cupy")
@@ -32,16 +33,16 @@ def tma_backward(monkeypatch):
         pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
     monkeypatch.setenv("CUFLASH_KERNELS", "auto")
     launched = []
-    real = hopper.backward_kv_spec
+    real = plan_hopper.backward_kv_spec
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         launched.append(out[0].expression)
         return out
 
-    monkeypatch.setattr(hopper, "backward_kv_spec", recording)
+    monkeypatch.setattr(plan_hopper, "backward_kv_spec", recording)
     for hd, t in list(schedule.HOPPER_BACKWARD_TILES.items()):
-        monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, hopper.backward_tma(t) if not t.tma else t)
+        monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, hd, plan_hopper.backward_tma(t) if not t.tma else t)
     monkeypatch.setattr(schedule, "HOPPER_BACKWARD_WS", {})  # the TMA kernel itself, not the warp-specialized one
     yield launched
     assert launched and all("attn_bwd_kv_wgmma_tma<" in e for e in launched), launched
@@ -106,7 +107,7 @@ def test_warp_specialized(monkeypatch, tma_backward, dtype, d, causal, math_stat
     t = schedule.HOPPER_BACKWARD_TILES[d]
     # (math_stats: lse and D copied by the math warpgroups a step ahead, not by the producer)
     monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
-                        dataclasses.replace(hopper.backward_tma(t), ws=True, math_stats=math_stats))
+                        dataclasses.replace(plan_hopper.backward_tma(t), ws=True, math_stats=math_stats))
     rng = np.random.default_rng([d, len(str(causal)), dtype.itemsize, 47])
     _run(rng, 2, 2, 2, 97, 130, d, dtype, causal)
     _run(rng, 1, 8, 2, 1000, 300, d, dtype, causal)
@@ -130,12 +131,11 @@ def test_warp_specialized_persistent(monkeypatch, tma_backward, blocks, d, causa
     # Q/dO ring, its mbarrier phases and the dQ tiles' barriers running on across units, and dK/dV
     # staged in K/V's own tiles. 3 blocks: every block walks many units of different lengths
     # (causal), of several heads and batch entries, some with no step (rows that see no key).
-    from cuflash.kernels import backward as gpu_backward
 
-    monkeypatch.setattr(gpu_backward, "_PERSISTENT_BLOCKS", blocks)
+    monkeypatch.setattr(backward_kernels, "_PERSISTENT_BLOCKS", blocks)
     t = schedule.HOPPER_BACKWARD_TILES[d]
     monkeypatch.setitem(schedule.HOPPER_BACKWARD_TILES, d,
-                        dataclasses.replace(hopper.backward_tma(t), ws=True, persistent=True))
+                        dataclasses.replace(plan_hopper.backward_tma(t), ws=True, persistent=True))
     rng = np.random.default_rng([d, len(str(causal)), 59])
     _run(rng, 2, 2, 2, 97, 130, d, BFLOAT16, causal)
     _run(rng, 3, 6, 3, 333, 290, d, FLOAT16, causal)

@@ -1,6 +1,6 @@
 """The TMA-fed wgmma forward (attn_fwd_wgmma_tma) vs the float64 reference, by the naive-error rule.
 
-The tile is forced through hopper.forward (the table's TMA tiles and variants of them). What TMA changes is where tiles come from: rank-4 tensor maps over (d, rows, heads, batch)
+The tile is forced through cuda.forward_wgmma (the table's TMA tiles and variants of them). What TMA changes is where tiles come from: rank-4 tensor maps over (d, rows, heads, batch)
 whose boxes past the tensor are zero-filled by the copy engine. So the cases are the ones that
 stress addressing: lengths that end mid-box, Nq != Nk, padded head dims (d < the tile's), GQA
 (K/V head = h / group), several batch entries, the bshd layout (row stride = H * d), rows that
@@ -16,10 +16,12 @@ import pytest
 
 import cuflash
 from cuflash.core import problem as _problem
-from cuflash.kernels import hopper
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.core.layout import to_bhsd
+from cuflash.backends import cuda
+from cuflash.kernels import forward as forward_kernels
+from cuflash.plan import hopper as plan_hopper
 from test_gpu_forward import (
     assert_unchanged,
     check_rows,
@@ -60,7 +62,7 @@ def forward_tma(q, k, v, tile, *, causal=False, layout="bhsd", persistent_blocks
     lse = poisoned(p.lse_shape(), FLOAT32)
     o4, lse3 = to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq))
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    hopper.forward(p, q4, k4, v4, o4, lse3, tile=tile, persistent_blocks=persistent_blocks, split=split)
+    cuda.forward_wgmma(p, q4, k4, v4, o4, lse3, tile=tile, persistent_blocks=persistent_blocks, split=split)
     assert_unchanged((q, k, v), before)
     return o, lse
 
@@ -119,13 +121,12 @@ def test_long_rows_dispatch(rng, monkeypatch):
     # The dispatch takes the long-rows tile once rows see min_keys keys on average (min_keys
     # lowered so that a smaller problem qualifies: rows past the persistent rule's 2048 keys,
     # enough query tiles that no key split applies) and the result is right.
-    from cuflash.kernels import forward as gpu
 
     rule = schedule.HOPPER_FORWARD_LONG_ROWS[128]
     monkeypatch.setattr(schedule, "HOPPER_FORWARD_LONG_ROWS", {128: dataclasses.replace(rule, min_keys=2100)})
     seen = []
-    real = gpu.launch_forward
-    monkeypatch.setattr(gpu, "launch_forward", lambda spec, *a, **kw: seen.append(spec.expression) or real(spec, *a, **kw))
+    real = forward_kernels.launch_forward
+    monkeypatch.setattr(forward_kernels, "launch_forward", lambda spec, *a, **kw: seen.append(spec.expression) or real(spec, *a, **kw))
     sq, skv = shapes("bhsd", (4,), 4, 4, 2100, 2100, 128)
     q, k, v = device_inputs(rng, sq, skv, BFLOAT16)
     before = [raw(a).copy() for a in (q, k, v)]
@@ -188,7 +189,7 @@ def test_persistent_schedule(rng, epilogue, blocks, pingpong, causal, d):
     # under bottom_right with nq > nk, 1, many; odd counts flip the ring's parity mid-tile), GQA,
     # a ragged last query tile, odd query-tile counts (a causal unit pairs tiles m and M-1-m; the
     # middle one of an odd count runs alone) and units that do not divide among the blocks.
-    variants = hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[d], d)
+    variants = plan_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[d], d)
     tile = next(t for t in variants if t.pingpong == pingpong and t.wg_epilogue == epilogue)
     for batch, hq, hkv, nq, nk in ((3, 3, 1, 515, 700), (2, 4, 2, 300, 129), (1, 2, 2, 1000, 257)):
         run_and_check(rng, FLOAT16, (batch,), hq, hkv, nq, nk, d, causal=causal, tile=tile, persistent_blocks=blocks)
@@ -208,7 +209,7 @@ def test_persistent_three_warpgroups(rng, blocks, causal, dtype):
 
 def test_persistent_many_tiles_per_sm(rng):
     # One block per SM with about 4 tiles each (132 SMs on the H200), bshd layout.
-    tile = hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]
+    tile = plan_hopper.persistent_variants(schedule.HOPPER_FORWARD_TILES[128], 128)[0]
     run_and_check(rng, BFLOAT16, (4,), 16, 4, 1031, 1031, 128, causal="bottom_right", tile=tile, layout="bshd")
 
 
@@ -260,7 +261,7 @@ def test_key_split_plan_runs(rng):
         pytest.skip(f"the case is sized for 128+ SMs, this GPU has {sms}")
     q, k, v = device_inputs(rng, (1, 4, 2048, 128), (1, 4, 2048, 128), BFLOAT16)
     p = _problem.validate_forward(q, k, v)
-    assert hopper.auto_split(p, sms) == (tma_tile(128), 2)
+    assert plan_hopper.auto_split(p, sms) == (tma_tile(128), 2)
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     check_rows(o, lse, q, k, v, rng=rng)
 
@@ -314,6 +315,6 @@ def test_unaligned_rows_raise(rng):
     o = poisoned(p.q_shape(), p.dtype)
     lse = poisoned(p.lse_shape(), FLOAT32)
     with pytest.raises(ValueError, match="tile"):
-        hopper.forward(p, to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk),
+        cuda.forward_wgmma(p, to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk),
                            to_bhsd(o, p, p.hq, p.nq), lse.reshape((p.batch, p.hq, p.nq)), tile=tma_tile(128))
     assert bool(cupy.isnan(lse.astype(np.float32)).all()), "nothing may be launched"

@@ -21,9 +21,9 @@ import pytest
 
 import cuflash
 from cuflash.kernels import build
-from cuflash.kernels import forward as gpu
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, assert_within_naive_error, naive_attention_backward_in_dtype, naive_attention_in_dtype, random_array, random_inputs
+from cuflash.backends import cuda
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ SHAPE = (2, 4, 160, 64)
 def launches(monkeypatch):
     """Record, for each forward launch, the pointers, CuPy's current stream and the current device."""
     seen = []
-    real_forward = gpu.forward
+    real_forward = cuda.forward
 
     def spy(p, q4, k4, v4, o4, lse3, **kw):
         seen.append({
@@ -45,7 +45,7 @@ def launches(monkeypatch):
         })
         return real_forward(p, q4, k4, v4, o4, lse3, **kw)
 
-    monkeypatch.setattr(gpu, "forward", spy)
+    monkeypatch.setattr(cuda, "forward", spy)
     return seen
 
 

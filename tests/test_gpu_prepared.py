@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.kernels import decode as gpu_decode
 from cuflash.kernels import pdl
 from cuflash.api import plan_cache
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import random_inputs
+from cuflash.kernels import decode as decode_kernels
+from cuflash.plan import decode as plan_decode
 
 from _kvlens_check import check_per_sequence
 from test_paged import paged_cache
@@ -107,8 +108,8 @@ def test_prepared_decode_combine_as_dependent(monkeypatch):
     # as attention does for caches of 512 MiB and more (the gate lowered to every cache).
     if not pdl.available():
         pytest.skip("programmatic dependent launch needs sm_90 and cuda-bindings")
-    monkeypatch.setattr(gpu_decode, "PDL_COMBINE_MIN_BYTES", 0)
-    monkeypatch.setattr(gpu_decode, "MERGE", "kernel")  # (by default the last split merges: no combine)
+    monkeypatch.setattr(decode_kernels, "PDL_COMBINE_MIN_BYTES", 0)
+    monkeypatch.setattr(plan_decode, "MERGE", "kernel")  # (by default the last split merges: no combine)
     rng = np.random.default_rng(11)
     b, hq, hkv, nq, nk = SHAPES["combine-split"]
     args, kw, host = _case(rng, SHAPES["combine-split"], BFLOAT16, "lens")

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.kernels import backward as backward_kernels
+from cuflash.kernels import decode as decode_kernels
+from cuflash.kernels import forward as forward_kernels
 from cuflash.core import problem as _problem
-from cuflash.kernels import forward as gpu
-from cuflash.kernels import backward as gpu_backward
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, to_numpy
 
@@ -86,14 +87,13 @@ def assert_hidden_rows(o, lse, vis, rows_axis):
 def record_launches(monkeypatch):
     """The expressions of every kernel that cuflash's GPU modules fetch, in order (the wgmma
     forward fetches through gpu, the wgmma backward through gpu_backward)."""
-    from cuflash.kernels import decode as gpu_decode
     from cuflash.api import plan_cache
 
     # A planned decode geometry (cuflash.api.plan_cache) launches what the planner chose when the plan
     # was made, without fetching again: record the planner's choice on every call.
     monkeypatch.setattr(plan_cache, "enabled", False)
     launched = []
-    for mod in (gpu, gpu_backward, gpu_decode):
+    for mod in (forward_kernels, backward_kernels, decode_kernels):
         real = mod.get_function
 
         def recording(spec, real=real):

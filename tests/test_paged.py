@@ -9,6 +9,7 @@ import pytest
 import cuflash
 from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.testing import random_inputs
+from cuflash.kernels import decode as decode_kernels
 
 from _kvlens_check import check_per_sequence
 
@@ -156,11 +157,10 @@ def test_paged_gpu_window(monkeypatch, rng, window, causal, nq):
     (only those the window reaches), the window on each sequence's own kv_lens[b] keys."""
     import cupy
 
-    from cuflash.kernels import decode as gpu_decode
 
     seen = []
-    real = gpu_decode.forward
-    monkeypatch.setattr(gpu_decode, "forward", lambda *a, **kw: seen.append(kw.get("paged")) or real(*a, **kw))
+    real = decode_kernels.forward
+    monkeypatch.setattr(decode_kernels, "forward", lambda *a, **kw: seen.append(kw.get("paged")) or real(*a, **kw))
     lens = np.array([0, 1, 257, 1300, 999], dtype=np.int32)
     run_paged(cupy, rng, BFLOAT16, 5, 8, 2, nq, 1300, 128, 64, lens, causal, window=window)
     assert len(seen) == 1 and seen[0] is not None
@@ -171,11 +171,10 @@ def test_paged_gpu_runs_the_decode_kernel(monkeypatch):
     """Decode shapes read the pages in place (no gather): the decode launch sees the table."""
     import cupy
 
-    from cuflash.kernels import decode as gpu_decode
 
     seen = []
-    real = gpu_decode.forward
-    monkeypatch.setattr(gpu_decode, "forward", lambda *a, **kw: seen.append(kw.get("paged")) or real(*a, **kw))
+    real = decode_kernels.forward
+    monkeypatch.setattr(decode_kernels, "forward", lambda *a, **kw: seen.append(kw.get("paged")) or real(*a, **kw))
     rng = np.random.default_rng(3)
     lens = np.array([500, 700], dtype=np.int32)
     run_paged(cupy, rng, BFLOAT16, 2, 8, 2, 1, 700, 128, 64, lens, False)

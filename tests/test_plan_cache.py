@@ -147,7 +147,7 @@ def test_a_failing_prepare_leaves_the_geometry_uncached(fake_cupy, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("a bug in preparing")
 
-    monkeypatch.setattr(prepared, "PreparedAttention", broken)
+    monkeypatch.setattr(plan_cache, "PreparedAttention", broken)
     for _ in range(4):
         assert plan_cache.run(*_qkv(nk=777), None, None, None, OPTS) is plan_cache.MISS
     key = plan_cache._key(*_qkv(nk=777), None, None, OPTS)
@@ -156,7 +156,7 @@ def test_a_failing_prepare_leaves_the_geometry_uncached(fake_cupy, monkeypatch):
     def invalid(*a, **k):
         raise ValueError("kv_lens: values must lie in ...")
 
-    monkeypatch.setattr(prepared, "PreparedAttention", invalid)
+    monkeypatch.setattr(plan_cache, "PreparedAttention", invalid)
     for _ in range(4):
         assert plan_cache.run(*_qkv(nk=778), None, None, None, OPTS) is plan_cache.MISS
     assert plan_cache._key(*_qkv(nk=778), None, None, OPTS) not in plan_cache._plans

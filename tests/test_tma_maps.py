@@ -1,6 +1,6 @@
-"""Which (B, H, N, d) views the TMA kernels take (hopper.tma_ok), the byte strides their
+"""Which (B, H, N, d) views the TMA kernels take (decode_kernels.tma_ok), the byte strides their
 tensor maps get (tma.bhsd_strides), and which TMA tile the dispatch picks for a shape
-(hopper.default_tile); no GPU needed (stand-in arrays with CuPy's attributes)."""
+(plan_hopper.default_tile); no GPU needed (stand-in arrays with CuPy's attributes)."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash.kernels import hopper
 from cuflash.plan import schedule
 from cuflash.kernels import tma
 from cuflash.plan.device_limits import H200
+from cuflash.kernels import decode as decode_kernels
+from cuflash.plan import hopper as plan_hopper
 
 
 def view(shape, strides_elems, ptr=1 << 20, itemsize=2):
@@ -35,16 +36,16 @@ def test_strides_and_nominal_strides_for_unit_axes():
 
 @pytest.mark.skipif(not tma.available(), reason="cuda-bindings is not installed")
 def test_tma_ok_rules():
-    assert hopper.tma_ok(contiguous((2, 4, 300, 128)), contiguous((2, 2, 300, 128)))
+    assert decode_kernels.tma_ok(contiguous((2, 4, 300, 128)), contiguous((2, 2, 300, 128)))
     # an empty axis (no keys in the cache, no queries): no map can describe it
-    assert not hopper.tma_ok(contiguous((1, 1, 0, 64)))
-    assert not hopper.tma_ok(contiguous((0, 4, 300, 64)))
+    assert not decode_kernels.tma_ok(contiguous((1, 1, 0, 64)))
+    assert not decode_kernels.tma_ok(contiguous((0, 4, 300, 64)))
     # a row stride of 129 elements (258 bytes) is not a multiple of 16 bytes
-    assert not hopper.tma_ok(view((1, 2, 64, 128), (2 * 64 * 129, 64 * 129, 129, 1)))
+    assert not decode_kernels.tma_ok(view((1, 2, 64, 128), (2 * 64 * 129, 64 * 129, 129, 1)))
     # a base 2 bytes off 16-byte alignment
-    assert not hopper.tma_ok(contiguous((1, 2, 64, 128), ptr=(1 << 20) + 2))
+    assert not decode_kernels.tma_ok(contiguous((1, 2, 64, 128), ptr=(1 << 20) + 2))
     # a head dim with stride 2 (not unit)
-    assert not hopper.tma_ok(view((1, 2, 64, 64), (2 * 64 * 128, 64 * 128, 128, 2)))
+    assert not decode_kernels.tma_ok(view((1, 2, 64, 64), (2 * 64 * 128, 64 * 128, 128, 2)))
 
 
 # --------------------------------------------------------------------------- persistent dispatch
@@ -75,7 +76,7 @@ _LONG128 = schedule.HOPPER_FORWARD_LONG_ROWS[128].tile
     ],
 )
 def test_default_tile_follows_the_rules(d, causal, n, want):
-    t = hopper.default_tile(d, causal, n, n)
+    t = plan_hopper.default_tile(d, causal, n, n)
     assert t == (want or schedule.HOPPER_FORWARD_TILES[d])
     assert t.tma and t.smem_bytes(d) <= H200.smem_per_block_optin
     if want is not None and want.persistent:
@@ -89,7 +90,7 @@ def test_default_tile_follows_the_long_rows_rule(causal, n):
     # Mean visible keys per row >= min_keys: the longer key tile; just below it the table's (or,
     # for few key tiles, the persistent rule's).
     rule = schedule.HOPPER_FORWARD_LONG_ROWS[128]
-    t = hopper.default_tile(128, causal, n, n)
+    t = plan_hopper.default_tile(128, causal, n, n)
     mean = (n * (n + 1) // 2 if causal else n * n) // n
     assert (t == rule.tile) == (mean >= rule.min_keys)
     assert rule.tile.smem_bytes(128) <= H200.smem_per_block_optin

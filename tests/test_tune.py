@@ -23,17 +23,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _targets import FAKE, SM80, SM90, on_target
 
 import cuflash
+from cuflash.cli import tune as cli_tune
 from cuflash.kernels import build
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16, FLOAT32
 from cuflash.core.problem import Problem
 from cuflash.plan.device_limits import H200, from_attributes, occupancy
 from cuflash.plan.schedule import TileConfig
-from cuflash.tune import OPS, Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, evaluate_static, legal_candidates, logical_bytes, pow2_bucket, search, shortlist, table_tile, violations
+from cuflash.autotune import evaluate_static, logical_bytes, search
+from cuflash.plan.tuning import OPS, Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, legal_candidates, pow2_bucket, shortlist, table_tile, violations
+from cuflash import autotune
+from cuflash.backends import cuda
+from cuflash.plan import tuning
 
-tune_mod = sys.modules["cuflash.tune"]  # `cuflash.tune` itself is the function
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,9 +47,9 @@ def isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own cache directory, tuning off, and a forgetful process memo."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CUFLASH_TUNE", raising=False)
-    tune_mod.clear_memo()
+    tuning.clear_memo()
     yield tmp_path / "cache" / "tune.json"
-    tune_mod.clear_memo()
+    tuning.clear_memo()
 
 
 def fwd(bm, bn, w, st, hd=128):
@@ -64,9 +69,9 @@ def dq(bm, bn, w, split, hd=128):
 
 
 def test_tune_export_is_the_function_and_module_stays_importable():
-    assert callable(cuflash.tune) and cuflash.tune is tune_mod.tune
+    assert callable(cuflash.tune) and cuflash.tune is autotune.tune
     assert "tune" in cuflash.__all__
-    assert tune_mod.pick_forward_tile is not None
+    assert tuning.pick_forward_tile is not None
 
 
 def test_limits_from_cupy_attribute_names():
@@ -130,10 +135,10 @@ def test_occupancy_zero_when_a_block_cannot_launch():
 
 def test_table_tiles_are_legal_candidates():
     for op in OPS:
-        for hd in tune_mod.op_buckets(op):
+        for hd in tuning.op_buckets(op):
             legal = legal_candidates(op, hd, H200)
             table = table_tile(op, hd)
-            assert any(tune_mod.same_tile(op, c.tile, table) for c in legal), (op, hd)
+            assert any(tuning.same_tile(op, c.tile, table) for c in legal), (op, hd)
 
 
 @pytest.mark.parametrize("cand,why", [
@@ -152,7 +157,7 @@ def test_illegal_candidates_with_reason(cand, why):
 
 def test_legal_candidates_satisfy_mirrored_asserts():
     for op in OPS:
-        for hd in tune_mod.op_buckets(op):
+        for hd in tuning.op_buckets(op):
             for c in legal_candidates(op, hd, H200):
                 assert c.smem_bytes <= H200.smem_per_block_optin
                 assert c.threads <= H200.max_threads_per_block
@@ -164,9 +169,9 @@ def test_legal_candidates_satisfy_mirrored_asserts():
                     assert t.warps % (t.block_m // 16) == 0
                 elif op == "fwd_wgmma":  # HopperFwdTraits, Sw128Tile, and the generated wrappers
                     assert t.stages >= 2 and t.block_n % 16 == 0 and hd % 64 == 0
-                    assert t.block_n in tune_mod.wgmma_shapes() and hd in tune_mod.wgmma_shapes()
+                    assert t.block_n in tuning.wgmma_shapes() and hd in tuning.wgmma_shapes()
                 elif op == "bwd_wgmma":  # HopperBwdTraits
-                    assert hd % 64 == 0 and t.block_m in (64, 64 * t.warpgroups) and hd in tune_mod.wgmma_shapes()
+                    assert hd % 64 == 0 and t.block_m in (64, 64 * t.warpgroups) and hd in tuning.wgmma_shapes()
                 else:
                     assert (t.dq_block_m // t.dq_warps) % 16 == 0
 
@@ -192,23 +197,23 @@ def test_compiler_rejects_what_the_mirror_rejects(cand):
     _nvrtc_or_skip()
     assert violations(cand, H200)
     with pytest.raises(build.CompileError):
-        build.compile_offline(tune_mod.spec_for(cand, BFLOAT16, False))
+        build.compile_offline(tuning.spec_for(cand, BFLOAT16, False))
 
 
 def test_compile_report_is_cached_across_processes(isolated_cache, monkeypatch):
     _nvrtc_or_skip()
     cand = fwd(64, 32, 4, 2, 32)  # a small legal kernel: fast to compile
     assert not violations(cand, H200)
-    spec = tune_mod.spec_for(cand, BFLOAT16, False)
-    info = tune_mod.compile_offline_info(spec, "sm_90a", TuneCache())
+    spec = tuning.spec_for(cand, BFLOAT16, False)
+    info = autotune.compile_offline_info(spec, "sm_90a", TuneCache())
     assert info.error is None and info.registers and 0 < info.registers <= 255
-    tune_mod.clear_memo()
+    tuning.clear_memo()
 
     def no_compile(*a, **k):
         raise AssertionError("should have come from the cache file")
 
     monkeypatch.setattr(build, "compile_offline", no_compile)
-    again = tune_mod.compile_offline_info(spec, "sm_90a", TuneCache())
+    again = autotune.compile_offline_info(spec, "sm_90a", TuneCache())
     assert again == info
 
 
@@ -284,11 +289,11 @@ def test_evaluate_static_marks_illegal_and_oversubscribed():
 
 def test_shortlist_starts_with_table_spans_shapes_and_is_legal():
     for op in OPS:
-        for hd in tune_mod.op_buckets(op):
+        for hd in tuning.op_buckets(op):
             cands = candidates(op, hd)
             sl = shortlist(cands, 6, H200, table_tile(op, hd))
             assert 1 <= len(sl) <= 6
-            assert tune_mod.same_tile(op, sl[0].tile, table_tile(op, hd))
+            assert tuning.same_tile(op, sl[0].tile, table_tile(op, hd))
             assert all(not violations(c, H200) for c in sl)
             assert len({c.name for c in sl}) == len(sl)
             full = shortlist(cands, None, H200, table_tile(op, hd))
@@ -331,13 +336,13 @@ def test_pow2_buckets_and_keys():
 
 def test_cache_path_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "a"))
-    assert tune_mod.cache_path() == tmp_path / "a" / "tune.json"
+    assert tuning.cache_path() == tmp_path / "a" / "tune.json"
     monkeypatch.delenv("CUFLASH_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert tune_mod.cache_path() == tmp_path / "xdg" / "cuflash" / "tune.json"
+    assert tuning.cache_path() == tmp_path / "xdg" / "cuflash" / "tune.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert tune_mod.cache_path() == tmp_path / "home" / ".cache" / "cuflash" / "tune.json"
+    assert tuning.cache_path() == tmp_path / "home" / ".cache" / "cuflash" / "tune.json"
 
 
 def _result(op="fwd", hd=128, winner_name=None):
@@ -354,7 +359,7 @@ def test_cache_round_trip(isolated_cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         found, tile = TuneCache().winner(key)
-    assert found and tune_mod.same_tile("fwd", tile, res.best_tile)
+    assert found and tuning.same_tile("fwd", tile, res.best_tile)
     assert "autotuned on FakeGPU" in tile.reason
     entry = TuneCache().get(key)
     assert entry["version"] == cuflash.__version__ and entry["source_hash"] == build.source_hash("attn_fwd.cu")
@@ -406,10 +411,10 @@ def test_version_or_source_change_invalidates(isolated_cache, monkeypatch, what)
     TuneCache().put(old, _result())
     TuneCache().put(other, _result("bwd", 128))
     if what == "version":
-        monkeypatch.setattr(tune_mod, "_version", lambda: "999.0")
+        monkeypatch.setattr(tuning, "_version", lambda: "999.0")
     else:
-        real = tune_mod.source_hash
-        monkeypatch.setattr(tune_mod, "source_hash", lambda op: "0123456789abcdef" if op == "fwd" else real(op))
+        real = tuning.source_hash
+        monkeypatch.setattr(tuning, "source_hash", lambda op: "0123456789abcdef" if op == "fwd" else real(op))
     new = bucket_key("fwd", "FakeGPU", BFLOAT16, 128, False, 4096, 4096)
     assert new != old
     cache = TuneCache()
@@ -457,9 +462,10 @@ class FakeTuner:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(tune_mod, "_current_device_name", lambda: "FakeGPU")
-    monkeypatch.setattr(tune_mod, "GpuTuner", FakeTuner)
-    monkeypatch.setattr(tune_mod, "_stream_is_capturing", lambda: False)
+    on_target(monkeypatch, FAKE)
+    monkeypatch.setattr(tuning, "_autotuner", FakeTuner)  # first-use autotuning (registered by cuflash.autotune)
+    monkeypatch.setattr(autotune, "GpuTuner", FakeTuner)  # cuflash.tune() ahead of time
+    monkeypatch.setattr(tuning, "_stream_is_capturing", lambda: False)
     FakeTuner.made, FakeTuner.fastest, FakeTuner.wrong = [], None, set()
     return FakeTuner
 
@@ -472,37 +478,37 @@ def test_tune_off_uses_the_table_and_touches_nothing(fake_gpu, isolated_cache, m
     key = bucket_key("fwd", "FakeGPU", BFLOAT16, 128, True, 4096, 4096)
     TuneCache().put(key, _result())
     before = isolated_cache.read_text()
-    assert tune_mod.pick_forward_tile(_problem()) is None
-    assert tune_mod.pick_backward_tile(_problem(), deterministic=True) is None
+    assert tuning.pick_forward_tile(_problem(), FAKE) is None
+    assert tuning.pick_backward_tile(_problem(), FAKE, deterministic=True) is None
     assert fake_gpu.made == [] and isolated_cache.read_text() == before
 
 
 def test_autotune_on_first_use_then_cache(fake_gpu, isolated_cache, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
     p = _problem(d=104)  # bucket 128
-    cands = shortlist(candidates("fwd", 128), tune_mod.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd", 128))
+    cands = shortlist(candidates("fwd", 128), tuning.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd", 128))
     fake_gpu.fastest, fake_gpu.wrong = cands[1].name, {cands[2].name}
-    tile = tune_mod.pick_forward_tile(p)
+    tile = tuning.pick_forward_tile(p, FAKE)
     assert Candidate("fwd", 128, tile).name == cands[1].name and fake_gpu.made == [("fwd", 104)]
-    assert tune_mod.pick_forward_tile(p) == tile and len(fake_gpu.made) == 1  # memo
-    tune_mod.clear_memo()  # a new process: read from the file, no tuning
+    assert tuning.pick_forward_tile(p, FAKE) == tile and len(fake_gpu.made) == 1  # memo
+    tuning.clear_memo()  # a new process: read from the file, no tuning
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
-    assert tune_mod.pick_forward_tile(p) == tile and len(fake_gpu.made) == 1
+    assert tuning.pick_forward_tile(p, FAKE) == tile and len(fake_gpu.made) == 1
     # Same bucket (N 3000 -> 4096, d 128), other N bucket -> not tuned in "cached" mode.
-    assert tune_mod.pick_forward_tile(_problem(d=128, n=3000)) == tile
-    assert tune_mod.pick_forward_tile(_problem(d=128, n=8192)) is None and len(fake_gpu.made) == 1
+    assert tuning.pick_forward_tile(_problem(d=128, n=3000), FAKE) == tile
+    assert tuning.pick_forward_tile(_problem(d=128, n=8192), FAKE) is None and len(fake_gpu.made) == 1
 
 
 def test_autotune_never_picks_a_wrong_candidate(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
-    cands = shortlist(candidates("fwd", 64), tune_mod.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd", 64))
+    cands = shortlist(candidates("fwd", 64), tuning.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd", 64))
     fake_gpu.fastest = cands[3].name
     fake_gpu.wrong = {cands[3].name}  # the fastest is wrong
-    tile = tune_mod.pick_forward_tile(_problem(d=64))
+    tile = tuning.pick_forward_tile(_problem(d=64), FAKE)
     assert tile is not None and Candidate("fwd", 64, tile).name != cands[3].name
     # All wrong: the table stays (None), and that verdict is cached too.
     fake_gpu.wrong = {c.name for c in candidates("fwd", 32)}
-    assert tune_mod.pick_forward_tile(_problem(d=32)) is None
+    assert tuning.pick_forward_tile(_problem(d=32), FAKE) is None
     entry = TuneCache().get(bucket_key("fwd", "FakeGPU", BFLOAT16, 32, True, 4096, 4096))
     assert entry["winner"] is None and all(c["status"] == "wrong" for c in entry["candidates"])
 
@@ -514,36 +520,36 @@ def test_autotune_failure_falls_back_to_table(fake_gpu, monkeypatch):
         def run(self, **kw):
             raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(tune_mod, "GpuTuner", Broken)
+    monkeypatch.setattr(tuning, "_autotuner", Broken)
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        assert tune_mod.pick_forward_tile(_problem()) is None
+        assert tuning.pick_forward_tile(_problem(), FAKE) is None
 
 
 def test_untuned_dtypes_and_bad_mode(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
-    assert tune_mod.pick_forward_tile(_problem(dtype=FLOAT32)) is None  # float32 has its own kernel
-    assert tune_mod.pick_forward_tile(_problem(d=100)) is None  # d % 8 != 0: the scalar-load kernel
+    assert tuning.pick_forward_tile(_problem(dtype=FLOAT32), FAKE) is None  # float32 has its own kernel
+    assert tuning.pick_forward_tile(_problem(d=100), FAKE) is None  # d % 8 != 0: the scalar-load kernel
     assert fake_gpu.made == []
     with pytest.raises(ValueError, match="multiple of 8"):
         cuflash.tune((1, 2, 128, 60))
     monkeypatch.setenv("CUFLASH_TUNE", "sometimes")
     with pytest.warns(RuntimeWarning, match="CUFLASH_TUNE"):
-        assert tune_mod.pick_forward_tile(_problem()) is None
+        assert tuning.pick_forward_tile(_problem(), FAKE) is None
 
 
 def test_backward_pick_combines_main_and_dq_winners(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
     p = _problem(d=64)
-    kv_cands = shortlist(candidates("bwd", 64), tune_mod.DEFAULT_MAX_CANDIDATES, H200, table_tile("bwd", 64))
+    kv_cands = shortlist(candidates("bwd", 64), tuning.DEFAULT_MAX_CANDIDATES, H200, table_tile("bwd", 64))
     fake_gpu.fastest = kv_cands[2].name
-    plain = tune_mod.pick_backward_tile(p)
+    plain = tuning.pick_backward_tile(p, FAKE)
     assert Candidate("bwd", 64, plain).name == kv_cands[2].name
     table = schedule.BACKWARD_TILES[64]
-    assert all(getattr(plain, f) == getattr(table, f) for f in tune_mod.DQ_SPACE)  # dq fields untouched
-    dq_cands = shortlist(candidates("bwd_dq", 64, plain), tune_mod.DEFAULT_MAX_CANDIDATES, H200, table)
+    assert all(getattr(plain, f) == getattr(table, f) for f in tuning.DQ_SPACE)  # dq fields untouched
+    dq_cands = shortlist(candidates("bwd_dq", 64, plain), tuning.DEFAULT_MAX_CANDIDATES, H200, table)
     fake_gpu.fastest = dq_cands[1].name
-    det = tune_mod.pick_backward_tile(p, deterministic=True)
-    assert tune_mod.same_tile("bwd", det, plain)
+    det = tuning.pick_backward_tile(p, FAKE, deterministic=True)
+    assert tuning.same_tile("bwd", det, plain)
     assert Candidate("bwd_dq", 64, det).name == dq_cands[1].name
     assert fake_gpu.made == [("bwd", 64), ("bwd_dq", 64)]
 
@@ -566,7 +572,7 @@ def test_schedules_cli_on_cpu(capsys, isolated_cache):
     key = bucket_key("bwd", "NVIDIA H200", BFLOAT16, 128, True, 1024, 1024)
     res = _result("bwd", 128)
     TuneCache().put(key, res)
-    tune_mod.clear_memo()
+    tuning.clear_memo()
     assert main(["schedules", "--shape", "2,8,1024,128", "--causal", "--bwd", "--no-compile", "--device", "h200",
                  "--all"]) == 0
     out = capsys.readouterr().out
@@ -578,7 +584,7 @@ def test_schedules_cli_on_cpu(capsys, isolated_cache):
 def test_tune_cli_needs_a_gpu(monkeypatch, capsys):
     from cuflash.cli import main as cli
 
-    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA device (test)")
+    monkeypatch.setattr(cli_tune, "gpu_unavailable_reason", lambda: "no CUDA device (test)")
     assert cli.main(["tune", "--shape", "1,2,128,64"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -622,7 +628,7 @@ def test_schedule_search_plan_and_no_gpu_imports():
     finally:
         sys.path.remove(str(ROOT / "tools"))
     for (op, d), entry in s.plan().items():
-        assert tune_mod.same_tile(op, entry["order"][0].tile, table_tile(op, d))
+        assert tuning.same_tile(op, entry["order"][0].tile, table_tile(op, d))
         assert all(not violations(c, H200) for c in entry["order"] + entry["largest"])
         areas = [c.area for c in entry["largest"]]
         assert areas == sorted(areas, reverse=True)
@@ -655,9 +661,6 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
     backend standing in for the kernels (it honours block_m/block_n) and a fake timer. A kernel
     that corrupts one output element must fail the check and never be picked."""
     from cuflash.backends import numpy as cpu
-    from cuflash.kernels import forward as gpu
-    from cuflash.kernels import backward as gpu_backward
-    from cuflash.kernels import hopper
 
     corrupt = {"name": None}
 
@@ -678,11 +681,11 @@ def test_gpu_tuner_check_and_selection_with_the_cpu_backend(monkeypatch, op):
         if Candidate("bwd", 64, tile).name == corrupt["name"]:
             dk4[0, 0, 5, 2] += 0.25
 
-    monkeypatch.setattr(gpu, "forward", fake_forward)
-    monkeypatch.setattr(hopper, "forward", fake_hopper_forward)
-    monkeypatch.setattr(gpu_backward, "backward", fake_backward)
+    monkeypatch.setattr(cuda, "forward", fake_forward)
+    monkeypatch.setattr(cuda, "forward_wgmma", fake_hopper_forward)
+    monkeypatch.setattr(cuda, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
-    tuner = tune_mod.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)
+    tuner = autotune.GpuTuner(op, p, limits=H200, seed=1, cupy=_NumpyAsCupy)
     small = tuner._small_problem()
     assert small["ps"].nq == 300 and small["ps"].hkv == 1 and small["ps"].hq == 2  # GQA kept
     assert_wrong_candidate_never_wins(monkeypatch, tuner, corrupt)
@@ -774,7 +777,7 @@ def test_schedule_search_device_flow_with_fakes(tmp_path, monkeypatch):
         spills = zlib.crc32(spec.expression.encode()) % 3 == 0 or ("true, true>" in spec.expression and ", 8, " in spec.expression)
         return CompileInfo(200, 16 if spills else 0, 0, "fake")
 
-    monkeypatch.setattr(tune_mod, "compile_device_info", fake_compile)
+    monkeypatch.setattr(autotune, "compile_device_info", fake_compile)
     ran = []
 
     def fake_run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):

@@ -16,22 +16,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _targets import FAKE, SM80, SM90, on_target
 
 import cuflash
+from cuflash.cli import tune as cli_tune
+from cuflash.kernels import hopper as hopper_kernels
+from cuflash.kernels import operands
 from cuflash.kernels import build
-from cuflash.kernels import hopper
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.core.problem import Problem
 from cuflash.plan.device_limits import H200, occupancy
 from cuflash.plan.schedule import HopperTile
-from cuflash.tune import Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, hopper_forward_violations, legal_candidates, register_cap, search, shortlist, table_tile, violations
+from cuflash.autotune import search
+from cuflash.plan.tuning import Candidate, CompileInfo, TuneCache, TuneCacheWarning, bucket_key, candidates, hopper_forward_violations, legal_candidates, register_cap, shortlist, table_tile, violations
+from cuflash import autotune
+from cuflash.backends import cuda
+from cuflash.plan import hopper as plan_hopper
+from cuflash.plan import tuning
 
 # The stand-in tuner, the NVRTC skip, and the fixtures (isolated_cache is autouse here too: pytest
 # collects fixtures from the module's namespace).
 from test_tune import FakeTuner, _nvrtc_or_skip, cupy_or_stand_in, fake_gpu, isolated_cache  # noqa: F401
 
-tune_mod = sys.modules["cuflash.tune"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,11 +50,11 @@ def hop(bn, wg, st, hd=128):
 
 
 def test_space_buckets_and_names():
-    assert tune_mod.op_buckets("fwd_wgmma") == tuple(schedule.HOPPER_FORWARD_TILES) == (64, 128, 192, 256)
+    assert tuning.op_buckets("fwd_wgmma") == tuple(schedule.HOPPER_FORWARD_TILES) == (64, 128, 192, 256)
     cands = candidates("fwd_wgmma", 64)
     assert len(cands) == 8 * 3 * 4
     assert len({c.name for c in cands}) == len(cands)
-    table = [c for c in cands if tune_mod.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
+    table = [c for c in cands if tuning.same_tile("fwd_wgmma", c.tile, schedule.HOPPER_FORWARD_TILES[64])]
     assert [c.name for c in table] == ["192x128wg3s2"]
     # The TMA table tile: 3 math warpgroups and the producer warpgroup; 192 query rows x 128 keys.
     assert table[0].threads == 512 and table[0].area == 192 * 128
@@ -62,14 +69,14 @@ def test_wrappers_match_the_generator():
         import gen_wgmma
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    assert tune_mod.wgmma_shapes() == tuple(sorted(gen_wgmma.SHAPES))
-    assert set(tune_mod.WGMMA_SPACE["block_n"]) <= set(tune_mod.wgmma_shapes())
+    assert tuning.wgmma_shapes() == tuple(sorted(gen_wgmma.SHAPES))
+    assert set(tuning.WGMMA_SPACE["block_n"]) <= set(tuning.wgmma_shapes())
 
 
 def test_table_tiles_are_legal():
     for hd, t in schedule.HOPPER_FORWARD_TILES.items():
         assert violations(Candidate("fwd_wgmma", hd, t), H200) == []
-        assert any(tune_mod.same_tile("fwd_wgmma", c.tile, t) for c in legal_candidates("fwd_wgmma", hd, H200))
+        assert any(tuning.same_tile("fwd_wgmma", c.tile, t) for c in legal_candidates("fwd_wgmma", hd, H200))
 
 
 def test_shared_memory_by_hand():
@@ -86,11 +93,11 @@ def test_d256_table_tile():
     # the dispatch runs it for both.
     t = schedule.HOPPER_FORWARD_TILES[256]
     assert t.block_n == 64 and t.wg_epilogue and t.tma and not t.pingpong
-    assert hopper.default_tile(256, "bottom_right", 4096, 4096) is t
-    assert hopper.default_tile(256, None, 4096, 4096) is t
-    assert hopper.forward_spec(BFLOAT16, 256, True)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, true, false, true>"
-    assert hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, false, false, true>"
-    assert all(hopper.forward_spec(BFLOAT16, 256, c)[0] in hopper.all_hopper_forward_specs() for c in (False, True))
+    assert plan_hopper.default_tile(256, "bottom_right", 4096, 4096) is t
+    assert plan_hopper.default_tile(256, None, 4096, 4096) is t
+    assert plan_hopper.forward_spec(BFLOAT16, 256, True)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, true, false, true>"
+    assert plan_hopper.forward_spec(BFLOAT16, 256, False)[0].expression == "attn_fwd_wgmma_tma<Bf16, 256, 64, 2, 2, false, false, true>"
+    assert all(plan_hopper.forward_spec(BFLOAT16, 256, c)[0] in plan_hopper.all_hopper_forward_specs() for c in (False, True))
     assert hopper_forward_violations(256, t) == []
     assert any("epilogue" in v for v in hopper_forward_violations(256, replace(t, pingpong=True)))
 
@@ -117,18 +124,18 @@ def test_key_split_applies_to_full_attention_on_per_tile_tiles():
     # key tiles (halves: one round); the benchmark's B=4, H=16, N=4k (2048 tiles) does not.
     t = schedule.HOPPER_FORWARD_TILES[128]
     small = Problem(np, "bhsd", (1,), 1, 1, 8192, 8192, 128, np.dtype(BFLOAT16), None, 1.0)
-    assert hopper.split_plan(small, t, 132) == 2
-    assert hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
-    assert hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
+    assert plan_hopper.split_plan(small, t, 132) == 2
+    assert plan_hopper.split_plan(replace(small, nq=4096, nk=4096, batch_shape=(4,), hq=16, hkv=16), t, 132) is None
+    assert plan_hopper.split_plan(replace(small, causal="bottom_right"), t, 132) is None
     # N=2k: the dispatch's tile is the persistent one; the split takes the table's instead
     short = replace(small, nq=2048, nk=2048, hq=4, hkv=4)
-    assert hopper.default_tile(128, None, 2048, 2048).persistent
-    assert hopper.auto_split(short, 132) == (t, 2)
-    assert hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile, 132) is None
-    assert hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
-    spec = hopper.split_spec(BFLOAT16, 128)[0]
+    assert plan_hopper.default_tile(128, None, 2048, 2048).persistent
+    assert plan_hopper.auto_split(short, 132) == (t, 2)
+    assert plan_hopper.split_plan(small, schedule.HOPPER_FORWARD_PERSISTENT[128][0].tile, 132) is None
+    assert plan_hopper.split_plan(replace(small, d=256), schedule.HOPPER_FORWARD_TILES[256], 132) is None  # spills
+    spec = plan_hopper.split_spec(BFLOAT16, 128)[0]
     assert spec.expression == "attn_fwd_wgmma_tma_split<Bf16, 128, 128, 2, 2, false, false>"
-    assert spec in hopper.all_hopper_forward_specs()
+    assert spec in plan_hopper.all_hopper_forward_specs()
 
 
 # d=128 (the TMA kernel: its 8 x (1 + 4 s) bytes of mbarriers too): 64 x wg + 2 x s x bn <=
@@ -184,12 +191,12 @@ def test_register_cap_of_launch_bounds():
 def test_estimate_orders_spills_like_ptxas():
     # S (block_n/2) + O (d/2) + P (block_n/4) + 40; measured with NVRTC 13 for sm_90a: 192x128wg3
     # at d=64 compiles to 167 registers (cap 168), 192x160wg3 and 192x96wg3 at d=128 spill.
-    assert tune_mod.estimated_registers(hop(128, 3, 3, 64)) == 64 + 32 + 32 + 40 == 168
-    assert not tune_mod.likely_spills(hop(128, 3, 3, 64), H200)
-    assert tune_mod.likely_spills(hop(160, 3, 3, 64), H200)
-    assert tune_mod.likely_spills(hop(96, 3, 3, 128), H200)
-    assert tune_mod.likely_spills(hop(256, 1, 3, 64), H200)  # 264 > 255
-    assert not tune_mod.likely_spills(hop(128, 1, 3, 128), H200)
+    assert tuning.estimated_registers(hop(128, 3, 3, 64)) == 64 + 32 + 32 + 40 == 168
+    assert not tuning.likely_spills(hop(128, 3, 3, 64), H200)
+    assert tuning.likely_spills(hop(160, 3, 3, 64), H200)
+    assert tuning.likely_spills(hop(96, 3, 3, 128), H200)
+    assert tuning.likely_spills(hop(256, 1, 3, 64), H200)  # 264 > 255
+    assert not tuning.likely_spills(hop(128, 1, 3, 128), H200)
 
 
 @pytest.mark.parametrize("cand,regs,blocks,warps,limiter", [
@@ -213,7 +220,7 @@ def test_logical_bytes_follow_block_m():
     # Non-causal: every query tile reads all of K and V; 64-row tiles (1 warpgroup) read them
     # twice as often as 128-row ones: 2 (K, V) x B*H x N*d x 2 B x (N/64 - N/128) more.
     shape = (1, 2, 1024, 128)
-    one, two = (tune_mod.logical_bytes(hop(64, wg, 3), shape) for wg in (1, 2))
+    one, two = (autotune.logical_bytes(hop(64, wg, 3), shape) for wg in (1, 2))
     assert one - two == 2 * 2 * 1024 * 128 * 2 * 8
     assert two == cuflash.io_model(shape, schedule.TileConfig(128, 64, 4, 2, "t"), pass_="fwd").bytes
 
@@ -226,8 +233,8 @@ def _launched_spec(op, dtype, hd, causal):
     atomic dQ, the TMA kernel; without a tile the default may be the warp-specialized one, which
     the tuner does not time: pick_hopper_backward_tile then returns None)."""
     if op == "fwd_wgmma":
-        return hopper.forward_spec(dtype, hd, causal, schedule.HOPPER_FORWARD_TILES[hd])[0]
-    return hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
+        return plan_hopper.forward_spec(dtype, hd, causal, schedule.HOPPER_FORWARD_TILES[hd])[0]
+    return plan_hopper.backward_kv_spec(dtype, hd, causal, False, tile=schedule.HOPPER_BACKWARD_TILES[hd])[0]
 
 
 @pytest.mark.parametrize("op,hd", [("fwd_wgmma", hd) for hd in sorted(schedule.HOPPER_FORWARD_TILES)]
@@ -237,10 +244,10 @@ def test_table_tiles_compile_clean_for_sm90a(op, hd, dtype):
     _nvrtc_or_skip()
     cand = Candidate(op, hd, table_tile(op, hd))
     for causal in (False, True):
-        spec = tune_mod.spec_for(cand, dtype, causal)
+        spec = tuning.spec_for(cand, dtype, causal)
         assert spec == _launched_spec(op, dtype, hd, causal)  # the tuner compiles what runs
-        assert spec.source == tune_mod.OP_SOURCE[op] and spec.threads == cand.threads
-        info = tune_mod.compile_offline_info(spec, "sm_90a", TuneCache())
+        assert spec.source == tuning.OP_SOURCE[op] and spec.threads == cand.threads
+        info = autotune.compile_offline_info(spec, "sm_90a", TuneCache())
         assert info.error is None and info.clean, info
         assert 0 < info.registers <= register_cap(H200, cand.threads)
 
@@ -251,10 +258,10 @@ def test_compile_report_decides_spills():
     # "spills" from the compiler, and a new block_n (96, a generated wrapper) compiles cleanly.
     spilled = hop(256, 2, 3, 64)
     assert violations(spilled, H200) == []
-    ev = tune_mod.evaluate_static(spilled, H200, lambda c: tune_mod.compile_offline_info(
-        tune_mod.spec_for(c, BFLOAT16, False), "sm_90a"))
+    ev = autotune.evaluate_static(spilled, H200, lambda c: autotune.compile_offline_info(
+        tuning.spec_for(c, BFLOAT16, False), "sm_90a"))
     assert ev.status == "spills" and ev.compile.spill_bytes > 0
-    clean = tune_mod.compile_offline_info(tune_mod.spec_for(hop(96, 2, 4, 128), BFLOAT16, True), "sm_90a")
+    clean = autotune.compile_offline_info(tuning.spec_for(hop(96, 2, 4, 128), BFLOAT16, True), "sm_90a")
     assert clean.clean and clean.registers <= 255
 
 
@@ -274,12 +281,12 @@ def check_cache_round_trip(op, res, tile_cls, source, mma_sync_op, mma_sync_sour
     key = bucket_key(op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096)
     assert key.source_hash == build.source_hash(source) != build.source_hash(mma_sync_source)
     assert source in str(key) and f"|{op}|" in str(key)
-    assert not tune_mod.same_tile(op, res.best_tile, table_tile(op, 128))  # a winner that is not the table's
+    assert not tuning.same_tile(op, res.best_tile, table_tile(op, 128))  # a winner that is not the table's
     TuneCache().put(key, res, shape=(2, 16, 16, 4096, 4096, 128))
-    tune_mod.clear_memo()
+    tuning.clear_memo()
     found, tile = TuneCache().winner(key)
     assert found and isinstance(tile, tile_cls)
-    assert tune_mod.same_tile(op, tile, res.best_tile) and "autotuned on FakeGPU" in tile.reason
+    assert tuning.same_tile(op, tile, res.best_tile) and "autotuned on FakeGPU" in tile.reason
     assert TuneCache().winner(bucket_key(mma_sync_op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096)) == (False, None)
 
 
@@ -308,8 +315,8 @@ def test_wgmma_source_change_leaves_other_entries(isolated_cache, monkeypatch):
                      compile_fn=lambda c: CompileInfo(128, 0, 0, "fake"), check_fn=lambda c: None,
                      time_fn=lambda c: 1e-3)
     TuneCache().put(fwd_key, fwd_res)
-    real = tune_mod.source_hash
-    monkeypatch.setattr(tune_mod, "source_hash", lambda op: "0" * 16 if op == "fwd_wgmma" else real(op))
+    real = tuning.source_hash
+    monkeypatch.setattr(tuning, "source_hash", lambda op: "0" * 16 if op == "fwd_wgmma" else real(op))
     with pytest.warns(TuneCacheWarning, match="1 stale"):
         cache = TuneCache()
         assert cache.winner(bucket_key("fwd_wgmma", "FakeGPU", BFLOAT16, 128, False, 4096, 4096)) == (False, None)
@@ -329,44 +336,44 @@ def test_pick_is_none_when_tuning_is_off(fake_gpu, isolated_cache, monkeypatch, 
     if env is not None:
         monkeypatch.setenv("CUFLASH_TUNE", env)
     TuneCache().put(bucket_key(op, "FakeGPU", BFLOAT16, 128, True, 4096, 4096), _result(op=op))
-    tune_mod.clear_memo()
-    assert getattr(tune_mod, pick)(_problem()) is None  # even with a cached winner
+    tuning.clear_memo()
+    assert getattr(tuning, pick)(_problem(), FAKE) is None  # even with a cached winner
     assert fake_gpu.made == []
 
 
 def test_pick_tunes_then_reads_the_cache(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
-    cands = shortlist(candidates("fwd_wgmma", 64), tune_mod.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd_wgmma", 64))
+    cands = shortlist(candidates("fwd_wgmma", 64), tuning.DEFAULT_MAX_CANDIDATES, H200, table_tile("fwd_wgmma", 64))
     fake_gpu.fastest, fake_gpu.wrong = cands[2].name, {cands[1].name}
-    tile = tune_mod.pick_hopper_forward_tile(_problem(d=64))
+    tile = tuning.pick_hopper_forward_tile(_problem(d=64), FAKE)
     assert isinstance(tile, HopperTile) and Candidate("fwd_wgmma", 64, tile).name == cands[2].name
     assert fake_gpu.made == [("fwd_wgmma", 64)]
     # The fastest is wrong: never picked.
     fake_gpu.fastest, fake_gpu.wrong = cands[3].name, {cands[3].name}
-    tile128 = tune_mod.pick_hopper_forward_tile(_problem(d=128))
+    tile128 = tuning.pick_hopper_forward_tile(_problem(d=128), FAKE)
     assert tile128 is not None and Candidate("fwd_wgmma", 128, tile128).name != cands[3].name
-    tune_mod.clear_memo()
+    tuning.clear_memo()
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
-    assert tune_mod.pick_hopper_forward_tile(_problem(d=64)) == tile
-    assert tune_mod.pick_hopper_forward_tile(_problem(d=64, n=16384)) is None  # other N bucket, not tuned
+    assert tuning.pick_hopper_forward_tile(_problem(d=64), FAKE) == tile
+    assert tuning.pick_hopper_forward_tile(_problem(d=64, n=16384), FAKE) is None  # other N bucket, not tuned
     assert len(fake_gpu.made) == 2
     # The mma.sync forward's pick is separate: nothing cached for it.
-    assert tune_mod.pick_forward_tile(_problem(d=64)) is None
+    assert tuning.pick_forward_tile(_problem(d=64), FAKE) is None
 
 
 def test_pick_outside_the_hopper_buckets(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUFLASH_TUNE", "1")
-    assert tune_mod.pick_hopper_forward_tile(_problem(d=32)) is None
-    assert tune_mod.pick_hopper_forward_tile(_problem(d=100)) is None  # d % 8: scalar loads
+    assert tuning.pick_hopper_forward_tile(_problem(d=32), FAKE) is None
+    assert tuning.pick_hopper_forward_tile(_problem(d=100), FAKE) is None  # d % 8: scalar loads
     assert fake_gpu.made == []
 
 
 def test_gpu_tuner_refuses_what_the_kernel_cannot_run():
     p = _problem(d=128)
     with pytest.raises(ValueError, match="sm_90"):
-        tune_mod.GpuTuner("fwd_wgmma", p, limits=replace(H200, name="A100", cc=80), cupy=object())
+        autotune.GpuTuner("fwd_wgmma", p, limits=replace(H200, name="A100", cc=80), cupy=object())
     with pytest.raises(ValueError, match="bucket"):
-        tune_mod.GpuTuner("fwd_wgmma", _problem(d=32), limits=H200, cupy=object())
+        autotune.GpuTuner("fwd_wgmma", _problem(d=32), limits=H200, cupy=object())
 
 
 # --------------------------------------------------------------------------- tune(), command line
@@ -376,8 +383,8 @@ def test_gpu_tuner_refuses_what_the_kernel_cannot_run():
 def fake_device(fake_gpu, monkeypatch):
     """tune() without CuPy: problems built on NumPy, a settable compute capability."""
     state = {"cc": 90}
-    monkeypatch.setattr(tune_mod, "_problem_for_shape", lambda shape, dtype, causal, hkv=None: _problem(d=shape[-1]))
-    monkeypatch.setattr(tune_mod, "_current_device_cc", lambda: state["cc"])
+    monkeypatch.setattr(autotune, "_problem_for_shape", lambda shape, dtype, causal, hkv=None: _problem(d=shape[-1]))
+    monkeypatch.setattr(autotune, "_current_device_cc", lambda: state["cc"])
     monkeypatch.delenv("CUFLASH_KERNELS", raising=False)
     return state
 
@@ -418,7 +425,7 @@ def test_tune_explicit_wgmma_is_checked_before_timing(fake_device, fake_gpu):
 def test_tune_cli_reports_wgmma_off_hopper(fake_device, monkeypatch, capsys):
     from cuflash.cli import main as cli
 
-    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cli_tune, "gpu_unavailable_reason", lambda: None)
     fake_device["cc"] = 80
     assert cli.main(["tune", "--shape", "2,16,4096,128", "--ops", "fwd_wgmma"]) == 2
     assert "sm_90" in capsys.readouterr().err
@@ -432,7 +439,7 @@ def test_schedules_cli_shows_both_forward_kernels_on_h200(capsys):
     assert main(["schedules", "--shape", "2,16,4096,128", "--no-compile", "--device", "h200"]) == 0
     out = capsys.readouterr().out
     assert out.index("forward (mma.sync)") < out.index("forward, Hopper wgmma kernel")
-    assert "gpu.forward runs the wgmma kernel for this bucket" in out
+    assert "the forward runs the wgmma kernel for this bucket" in out
     # The d=128 table tile (TMA): Q + 2 x 2 tiles of 128 keys + 9 mbarriers + 1 KiB alignment slack.
     line = next(ln for ln in out.splitlines() if ln.startswith("128x128wg2s2 "))
     assert "table" in line and f"{(128 + 512) * 256 + 72 + 1024:,}" == "164,936" and "164,936" in line
@@ -459,7 +466,7 @@ def test_schedule_search_skips_wgmma_off_hopper(tmp_path, monkeypatch):
         sys.path.remove(str(ROOT / "tools"))
     monkeypatch.setattr(s.device_limits, "from_cupy", lambda: replace(H200, name="A100", cc=80))
     monkeypatch.setattr(cupy, "empty", lambda *a, **k: None, raising=False)
-    monkeypatch.setattr(tune_mod, "compile_device_info", lambda spec: CompileInfo(100, 0, 0, "fake"))
+    monkeypatch.setattr(autotune, "compile_device_info", lambda spec: CompileInfo(100, 0, 0, "fake"))
     monkeypatch.setattr(s, "run_shape", lambda op, d, n, b, h, causal, chosen, *a: {
         "d": d, "n": n, "b": b, "h": h, "causal": causal, "torch_flash_s": 1e-3, "candidates": {}})
     assert s.main(["--out", str(tmp_path), "--workers", "0", "--ds", "64", "--ns", "1024"]) == 0
@@ -471,7 +478,7 @@ def test_schedule_search_skips_wgmma_off_hopper(tmp_path, monkeypatch):
 
 
 class _DeviceArrayStandIn:
-    """What gpu.forward reads of a CuPy array before it launches: shape, strides, alignment."""
+    """What cuda.forward reads of a CuPy array before it launches: shape, strides, alignment."""
 
     def __init__(self, shape, itemsize=2):
         self.shape, self.itemsize = shape, itemsize
@@ -481,21 +488,24 @@ class _DeviceArrayStandIn:
 
 @pytest.mark.parametrize("env", [None, "1"])
 def test_gpu_forward_passes_the_tuned_tile_to_the_wgmma_launch(monkeypatch, env):
-    from cuflash.kernels import forward as gpu
 
     if env is not None:
         monkeypatch.setenv("CUFLASH_TUNE", env)
     tuned = HopperTile(96, 2, 4, "autotuned (stand-in)")
     asked, launched = [], []
 
-    def pick(p):  # stands in for the cache/tuner, honouring the mode like _pick does
+    def pick(p, target, autotuner=None):  # stands in for the cache/tuner, honouring the mode like _pick does
         asked.append(p)
-        return tuned if tune_mod.tune_mode() != "off" else None
+        return tuned if tuning.tune_mode() != "off" else None
 
-    monkeypatch.setattr(tune_mod, "pick_hopper_forward_tile", pick)
-    monkeypatch.setattr(hopper, "applies", lambda p, vec: vec)
-    monkeypatch.setattr(hopper, "forward", lambda p, *arrays, tile=None: launched.append(tile))
+    monkeypatch.setattr(tuning, "pick_hopper_forward_tile", pick)
+    on_target(monkeypatch, SM90)
+    monkeypatch.setattr(operands, "tma_ok", lambda *arrays: True)
+    monkeypatch.setattr(hopper_kernels, "launch", lambda plan, p, *arrays, **kw: launched.append(plan))
     p = _problem(d=128, n=1024)
     q4, k4, v4, o4 = (_DeviceArrayStandIn((2, 16, 1024, 128)) for _ in range(4))
-    gpu.forward(p, q4, k4, v4, o4, _DeviceArrayStandIn((2, 16, 1024), 4))
-    assert asked == [p] and launched == [tuned if env == "1" else None]
+    cuda.forward(p, q4, k4, v4, o4, _DeviceArrayStandIn((2, 16, 1024), 4))
+    assert asked == [p] and len(launched) == 1
+    plan = launched[0]
+    want = tuned if env == "1" else plan_hopper.default_tile(p.d, p.causal, p.nq, p.nk)
+    assert plan.kernel == "wgmma" and plan.tile == want

@@ -15,24 +15,30 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from _targets import FAKE, SM80, SM90, on_target
 
+from cuflash.cli import tune as cli_tune
 from cuflash.backends import numpy as cpu
-from cuflash.kernels import forward as gpu
-from cuflash.kernels import backward as gpu_backward
-from cuflash.kernels import hopper
+from cuflash.kernels import operands
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.problem import Problem
 from cuflash.plan.device_limits import H200
 from cuflash.plan.schedule import HopperBwdTile, TileConfig
-from cuflash.tune import Candidate, candidates, legal_candidates, register_cap, shortlist, table_tile, violations
+from cuflash.plan.tuning import Candidate, candidates, legal_candidates, register_cap, shortlist, table_tile, violations
+from cuflash import autotune
+from cuflash.kernels import backward as backward_kernels
+from cuflash.backends import cuda
+from cuflash.kernels import decode as decode_kernels
+from cuflash.plan import backward as plan_backward
+from cuflash.plan import hopper as plan_hopper
+from cuflash.plan import tuning
 
 from test_tune import (  # noqa: F401 - fixtures are found in the module's namespace
     _NumpyAsCupy, _nvrtc_or_skip, assert_wrong_candidate_never_wins, fake_gpu, isolated_cache,
 )
 from test_tune_hopper import _result as hopper_result, check_cache_round_trip
 
-tune_mod = sys.modules["cuflash.tune"]
 
 
 def kv(bm, wg, hd=128):
@@ -47,7 +53,7 @@ def _problem(d=128, n=4096, dtype=BFLOAT16):
 
 
 def test_space_buckets_and_names():
-    assert tune_mod.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128, 192, 256)
+    assert tuning.op_buckets("bwd_wgmma") == tuple(schedule.HOPPER_BACKWARD_TILES) == (64, 128, 192, 256)
     cands = candidates("bwd_wgmma", 64)
     assert len(cands) == 3 * 3 and len({c.name for c in cands}) == 9
     assert Candidate("bwd_wgmma", 64, schedule.HOPPER_BACKWARD_TILES[64]).name == "q128k128wg2"
@@ -64,7 +70,7 @@ def test_space_buckets_and_names():
     c = kv(192, 3, 64)
     assert (c.threads, c.area, c.stages, c.kernel_hd) == (384, 192 * 192, 0, 64)
     with pytest.raises(ValueError, match="bucket"):
-        candidates("bwd_wgmma", 32)  # hopper.backward_applies is false there
+        candidates("bwd_wgmma", 32)  # plan_hopper.backward_applies is false there
 
 
 def test_shared_memory_by_hand():
@@ -123,7 +129,7 @@ def test_thread_limit_applies():
     (kv(64, 3, 128), 128),  # keys: 128 % 192 != 0
 ])
 def test_dq_columns_follow_the_traits(cand, cols):
-    assert tune_mod.hopper_dq_columns(cand.hd, cand.tile) == cols
+    assert tuning.hopper_dq_columns(cand.hd, cand.tile) == cols
 
 
 def test_estimate_orders_spills_like_ptxas():
@@ -132,12 +138,12 @@ def test_estimate_orders_spills_like_ptxas():
     # 168 cap of 384 threads. d=128: q64k128wg2 251, clean; q128k128wg2 spills 120 B, q64k192wg3
     # 1832 B; q64k64wg1 is 255 non-causal and spills causal.
     assert register_cap(H200, 384) == 168
-    assert tune_mod.estimated_registers(kv(128, 2, 64)) == 64 + 64 + 16 + 40 == 184
-    assert tune_mod.estimated_registers(kv(64, 2, 128)) == 128 + 64 + 16 + 40 == 248
+    assert tuning.estimated_registers(kv(128, 2, 64)) == 64 + 64 + 16 + 40 == 184
+    assert tuning.estimated_registers(kv(64, 2, 128)) == 128 + 64 + 16 + 40 == 248
     clean = {(hd, c.name) for hd in (64, 128) for c in legal_candidates("bwd_wgmma", hd, H200)
-             if not tune_mod.likely_spills(c, H200)}
+             if not tuning.likely_spills(c, H200)}
     assert clean == {(64, "q64k64wg1"), (64, "q64k128wg2"), (64, "q128k128wg2"), (128, "q64k128wg2")}
-    assert not tune_mod.likely_spills(kv(64, 2, 128), H200) and tune_mod.likely_spills(kv(128, 2, 128), H200)
+    assert not tuning.likely_spills(kv(64, 2, 128), H200) and tuning.likely_spills(kv(128, 2, 128), H200)
 
 
 def test_shortlist_starts_with_the_table_and_keeps_every_legal_tile():
@@ -152,10 +158,10 @@ def test_logical_bytes_are_the_backward_model():
 
     shape = (1, 2, 1024, 128)
     c = kv(64, 2)
-    want = cuflash.io_model(shape, tune_mod._IoTile(64, 128, 256, c.smem_bytes), pass_="bwd").bytes
-    assert tune_mod.logical_bytes(c, shape) == want
+    want = cuflash.io_model(shape, autotune._IoTile(64, 128, 256, c.smem_bytes), pass_="bwd").bytes
+    assert autotune.logical_bytes(c, shape) == want
     # Non-causal: each key block re-reads Q, dO, LSE, D: half as many key blocks, less traffic.
-    assert tune_mod.logical_bytes(kv(64, 1), shape) > want
+    assert autotune.logical_bytes(kv(64, 1), shape) > want
 
 
 # --------------------------------------------------------------------------- compiles (NVRTC, no GPU)
@@ -167,8 +173,8 @@ def test_compile_report_decides_spills():
     # and a 128-column dQ do not fit 255 registers.
     c = kv(128, 2, 128)
     assert violations(c, H200) == []
-    ev = tune_mod.evaluate_static(c, H200, lambda x: tune_mod.compile_offline_info(
-        tune_mod.spec_for(x, BFLOAT16, False), "sm_90a"))
+    ev = autotune.evaluate_static(c, H200, lambda x: autotune.compile_offline_info(
+        tuning.spec_for(x, BFLOAT16, False), "sm_90a"))
     assert ev.status == "spills" and ev.compile.spill_bytes > 0
 
 
@@ -185,28 +191,28 @@ def test_pick_tunes_checks_then_reads_the_cache(fake_gpu, monkeypatch):
     cands = shortlist(candidates("bwd_wgmma", 64), None, H200, table_tile("bwd_wgmma", 64))
     fake_gpu.fastest, fake_gpu.wrong = cands[1].name, {cands[1].name}  # the fastest is wrong: never picked
     # None: the table tile won, and its default kernel (warp-specialized per HOPPER_BACKWARD_WS) runs
-    tile = tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64)
+    tile = tuning.pick_hopper_backward_tile(_problem(d=64), FAKE) or table_tile("bwd_wgmma", 64)
     assert isinstance(tile, HopperBwdTile) and Candidate("bwd_wgmma", 64, tile).name != cands[1].name
     assert fake_gpu.made == [("bwd_wgmma", 64)]
     # The deterministic backward runs the ATOMIC_DQ = false instantiation, which was never checked.
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=64), deterministic=True) is None
-    tune_mod.clear_memo()
+    assert tuning.pick_hopper_backward_tile(_problem(d=64), FAKE, deterministic=True) is None
+    tuning.clear_memo()
     monkeypatch.setenv("CUFLASH_TUNE", "cached")
-    assert tune_mod.same_tile("bwd_wgmma", tune_mod.pick_hopper_backward_tile(_problem(d=64)) or table_tile("bwd_wgmma", 64),
+    assert tuning.same_tile("bwd_wgmma", tuning.pick_hopper_backward_tile(_problem(d=64), FAKE) or table_tile("bwd_wgmma", 64),
                               tile)
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=32)) is None  # no Hopper backward there
-    assert tune_mod.pick_backward_tile(_problem(d=64)) is None  # the mma.sync op is separate
+    assert tuning.pick_hopper_backward_tile(_problem(d=32), FAKE) is None  # no Hopper backward there
+    assert tuning.pick_backward_tile(_problem(d=64), FAKE) is None  # the mma.sync op is separate
     assert fake_gpu.made == [("bwd_wgmma", 64)]
 
 
 def test_gpu_tuner_refuses_what_the_kernel_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="sm_90"):
-        tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=replace(H200, name="A100", cc=80), cupy=object())
+        autotune.GpuTuner("bwd_wgmma", _problem(), limits=replace(H200, name="A100", cc=80), cupy=object())
     with pytest.raises(ValueError, match="bucket"):
-        tune_mod.GpuTuner("bwd_wgmma", _problem(d=32), limits=H200, cupy=object())
+        autotune.GpuTuner("bwd_wgmma", _problem(d=32), limits=H200, cupy=object())
     monkeypatch.setenv("CUFLASH_KERNELS", "mma_sync")
-    with pytest.raises(ValueError, match="mma_sync"):  # gpu_backward.backward would refuse every hopper_tile
-        tune_mod.GpuTuner("bwd_wgmma", _problem(), limits=H200, cupy=object())
+    with pytest.raises(ValueError, match="mma_sync"):  # cuda.backward would refuse every hopper_tile
+        autotune.GpuTuner("bwd_wgmma", _problem(), limits=H200, cupy=object())
 
 
 def test_gpu_tuner_checks_gradients_before_timing(monkeypatch):
@@ -227,18 +233,18 @@ def test_gpu_tuner_checks_gradients_before_timing(monkeypatch):
         if Candidate("bwd_wgmma", 64, hopper_tile).name == corrupt["name"]:
             dk4[0, 0, 5, 2] += 0.25
 
-    monkeypatch.setattr(gpu, "forward", fake_forward)
-    monkeypatch.setattr(gpu_backward, "backward", fake_backward)
+    monkeypatch.setattr(cuda, "forward", fake_forward)
+    monkeypatch.setattr(cuda, "backward", fake_backward)
     p = Problem(np, "bhsd", (1,), 4, 2, 300, 300, 64, np.dtype(BFLOAT16), "bottom_right", 0.125)
-    tuner = tune_mod.GpuTuner("bwd_wgmma", p, limits=H200, seed=1, cupy=_NumpyAsCupy)
+    tuner = autotune.GpuTuner("bwd_wgmma", p, limits=H200, seed=1, cupy=_NumpyAsCupy)
     assert_wrong_candidate_never_wins(monkeypatch, tuner, corrupt)
 
 
-# --------------------------------------------------------------------------- gpu_backward.backward
+# --------------------------------------------------------------------------- cuda.backward
 
 
 class _Arr:
-    """What gpu_backward.backward reads of a CuPy array before a launch: shape, strides, alignment,
+    """What cuda.backward reads of a CuPy array before a launch: shape, strides, alignment,
     and slicing by batch (returned unchanged: one batch chunk)."""
 
     def __init__(self, shape, itemsize=2):
@@ -252,7 +258,7 @@ class _Arr:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """gpu_backward.backward with CuPy and the kernels stubbed: the (expression, grid, threads)
+    """cuda.backward with CuPy and the kernels stubbed: the (expression, grid, threads)
     of every launch, in order."""
     import types
 
@@ -267,15 +273,16 @@ def launches(monkeypatch):
             made.append((spec.expression, grid, block[0], shared_mem))
         return launch
 
-    monkeypatch.setattr(gpu_backward, "get_function", get_function)
+    monkeypatch.setattr(backward_kernels, "get_function", get_function)
     monkeypatch.delenv("CUFLASH_KERNELS", raising=False)
+    on_target(monkeypatch, SM90)
     return made
 
 
 def _run_backward(p, **kw):
     q = _Arr((2, 16, p.nq, p.d))
     lse = _Arr((2, 16, p.nq), 4)
-    gpu_backward.backward(p, q, q, q, q, q, lse, q, q, q, **kw)
+    cuda.backward(p, q, q, q, q, q, lse, q, q, q, **kw)
 
 
 def _kv_launch(made):
@@ -283,17 +290,17 @@ def _kv_launch(made):
 
 
 def test_backward_rejects_a_hopper_tile_where_the_kernel_does_not_run(launches, monkeypatch):
-    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: False)  # e.g. not sm_90
+    monkeypatch.setattr(plan_hopper, "backward_applies", lambda p, vec, target: False)  # e.g. not sm_90
     with pytest.raises(ValueError, match="hopper_tile"):
         _run_backward(_problem(n=1024), hopper_tile=HopperBwdTile(64, 1, "t"))
     assert launches == []  # refused before anything launched
     # And the real condition on sm_90: d=32 has no Hopper backward tile, so it never applies; 128,
     # 192 (the 256 kernel) and 256 have.
-    monkeypatch.setattr(hopper, "_on_hopper", lambda: True)
+    on_target(monkeypatch, SM90)
     table = schedule.HOPPER_BACKWARD_TILES
-    assert not hopper._applies(_problem(d=32), True, table)
-    assert all(hopper._applies(_problem(d=d), True, table) for d in (128, 160, 192, 256))
-    assert not hopper._applies(_problem(d=256), False, table)  # rows without 16-byte alignment
+    assert not plan_hopper._applies(_problem(d=32), True, table, SM90)
+    assert all(plan_hopper._applies(_problem(d=d), True, table, SM90) for d in (128, 160, 192, 256))
+    assert not plan_hopper._applies(_problem(d=256), False, table, SM90)  # rows without 16-byte alignment
 
 
 @pytest.mark.parametrize("tma", [True, False])
@@ -302,9 +309,9 @@ def test_backward_at_d256_runs_the_split_head_dim_tile_or_mma_sync(launches, mon
     # and where TMA cannot run, the mma.sync kernels (that tile's cp.async variant spills).
     from cuflash.kernels import tma as tma_mod
 
-    monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
-    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
-    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(tuning, "pick_hopper_backward_tile", lambda p, target, deterministic=False, autotuner=None: None)
+    monkeypatch.setattr(plan_hopper, "backward_applies", lambda p, vec, target: vec)
+    monkeypatch.setattr(operands, "tma_ok", lambda *arrays: tma)
     monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
     p = _problem(d=256, n=1000)
     _run_backward(p)
@@ -333,9 +340,9 @@ def test_backward_at_d192_runs_the_d256_kernel(launches, monkeypatch, tma, deter
     allocated = []
     zeros = fake.zeros
     fake.zeros = fake.empty = lambda shape, dtype=None: allocated.append(tuple(shape)) or zeros(shape, dtype)
-    monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", lambda p, deterministic=False: None)
-    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
-    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: tma)
+    monkeypatch.setattr(tuning, "pick_hopper_backward_tile", lambda p, target, deterministic=False, autotuner=None: None)
+    monkeypatch.setattr(plan_hopper, "backward_applies", lambda p, vec, target: vec)
+    monkeypatch.setattr(operands, "tma_ok", lambda *arrays: tma)
     monkeypatch.setattr(tma_mod, "bhsd_map", lambda a, rows: ("map", rows))
     p = _problem(d=160, n=1000)
     _run_backward(p, deterministic=deterministic)
@@ -351,7 +358,7 @@ def test_backward_at_d192_runs_the_d256_kernel(launches, monkeypatch, tma, deter
     assert (2, 16, 1000, width) in allocated
     assert f"attn_bwd_dq_convert<Bf16, {width}>" in names
     assert any(n.startswith("attn_bwd_dq<Bf16, 192,") for n in names) == deterministic
-    assert gpu_backward.workspace_bytes(p, False, tma and not deterministic) == (2 * 16 * 1000 * width + 2 * 16 * 1000) * 4
+    assert plan_backward.workspace_bytes(p, False, tma and not deterministic) == (2 * 16 * 1000 * width + 2 * 16 * 1000) * 4
 
 
 @pytest.mark.parametrize("env", [None, "1"])
@@ -361,20 +368,20 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
     tuned = HopperBwdTile(64, 1, "autotuned (stand-in)")
     asked = []
 
-    def pick(p, deterministic=False):  # stands in for the cache/tuner, honouring the mode like _pick does
+    def pick(p, target, deterministic=False, autotuner=None):  # stands in for the cache/tuner, honouring the mode like _pick does
         asked.append(deterministic)
-        return tuned if tune_mod.tune_mode() != "off" else None
+        return tuned if tuning.tune_mode() != "off" else None
 
-    monkeypatch.setattr(tune_mod, "pick_hopper_backward_tile", pick)
-    monkeypatch.setattr(hopper, "backward_applies", lambda p, vec: vec)
+    monkeypatch.setattr(tuning, "pick_hopper_backward_tile", pick)
+    monkeypatch.setattr(plan_hopper, "backward_applies", lambda p, vec, target: vec)
     # The stand-in arrays cannot be encoded as tensor maps: the table's tile runs with cp.async loads.
-    monkeypatch.setattr(hopper, "tma_ok", lambda *arrays: False)
+    monkeypatch.setattr(operands, "tma_ok", lambda *arrays: False)
     p = _problem(d=128, n=1024)
     # No tile: the table's (CUFLASH_TUNE unset) or the pick's.
     _run_backward(p)
     expr, grid, threads, smem = _kv_launch(launches)
     want = tuned if env == "1" else replace(schedule.HOPPER_BACKWARD_TILES[128], tma=False)
-    assert expr == hopper.backward_kv_spec(BFLOAT16, 128, True, False, want)[0].expression
+    assert expr == plan_hopper.backward_kv_spec(BFLOAT16, 128, True, False, want)[0].expression
     assert grid[0] == -(-1024 // want.block_n) and threads == want.threads and smem == want.smem_bytes(128)
     assert asked == [False]
     # An explicit hopper_tile wins over the pick (which is not asked).
@@ -382,7 +389,7 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
     explicit = HopperBwdTile(64, 3, "search")
     _run_backward(p, hopper_tile=explicit, deterministic=True)
     expr, grid, threads, _ = _kv_launch(launches)
-    assert expr == hopper.backward_kv_spec(BFLOAT16, 128, True, True, explicit)[0].expression
+    assert expr == plan_hopper.backward_kv_spec(BFLOAT16, 128, True, True, explicit)[0].expression
     assert grid[0] == -(-1024 // 192) and threads == 384 and asked == [False]
     assert any("attn_bwd_dq<" in m[0] for m in launches)  # deterministic: the mma.sync dQ kernel too
 
@@ -393,12 +400,12 @@ def test_backward_launches_the_hopper_tile(launches, monkeypatch, env):
 def test_tune_cli_refuses_bwd_wgmma_off_hopper(fake_gpu, monkeypatch, capsys):
     from cuflash.cli import main as cli
 
-    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
-    monkeypatch.setattr(tune_mod, "_problem_for_shape", lambda shape, dtype, causal, hkv=None: _problem(d=shape[-1]))
-    monkeypatch.setattr(tune_mod, "_current_device_cc", lambda: 80)
+    monkeypatch.setattr(cli_tune, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(autotune, "_problem_for_shape", lambda shape, dtype, causal, hkv=None: _problem(d=shape[-1]))
+    monkeypatch.setattr(autotune, "_current_device_cc", lambda: 80)
     assert cli.main(["tune", "--shape", "2,16,4096,128", "--ops", "bwd_wgmma"]) == 2
     assert "bwd_wgmma needs an sm_90" in capsys.readouterr().err
-    monkeypatch.setattr(tune_mod, "_current_device_cc", lambda: 90)
+    monkeypatch.setattr(autotune, "_current_device_cc", lambda: 90)
     assert cli.main(["tune", "--shape", "2,8,4096,32", "--ops", "bwd_wgmma"]) == 2
     assert "head-dim buckets (64, 128, 192, 256)" in capsys.readouterr().err
     assert fake_gpu.made == []
@@ -438,8 +445,8 @@ def test_schedules_cli_shows_the_hopper_backward_on_h200(capsys):
 def test_a_pick_of_the_table_tile_leaves_the_default_kernel(monkeypatch):
     # The tuner times the TMA kernel; when its winner is the table's tile, the default (on the H200
     # warp-specialized for d=128) must run, not the TMA kernel the tuner timed.
-    monkeypatch.setattr(tune_mod, "_pick", lambda op, p, base=None: replace(table_tile(op, 128), reason="tuned"))
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=128)) is None
+    monkeypatch.setattr(tuning, "_pick", lambda op, p, target, base=None, **kw: replace(table_tile(op, 128), reason="tuned"))
+    assert tuning.pick_hopper_backward_tile(_problem(d=128), SM90) is None
     other = HopperBwdTile(64, 1, "tuned")
-    monkeypatch.setattr(tune_mod, "_pick", lambda op, p, base=None: other)
-    assert tune_mod.pick_hopper_backward_tile(_problem(d=128)) is other
+    monkeypatch.setattr(tuning, "_pick", lambda op, p, target, base=None, **kw: other)
+    assert tuning.pick_hopper_backward_tile(_problem(d=128), SM90) is other

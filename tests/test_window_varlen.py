@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+from _targets import SM80, SM90, on_target
 
 import cuflash
 from cuflash.core import problem as _problem
@@ -24,6 +25,12 @@ from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.layout import to_bhsd
 from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, reference64, reference64_backward
+from cuflash.backends import cuda
+from cuflash.kernels import forward as forward_kernels
+from cuflash.kernels import operands
+from cuflash.plan import backward as plan_backward
+from cuflash.plan import forward as plan_forward
+from cuflash.plan import hopper as plan_hopper
 
 from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
@@ -523,11 +530,10 @@ def test_band_kernel_offsets_match_brute_force(causal, window):
     # sequence's nk - nq when aligned bottom-right, and clamp an open side (+-OPEN) to nk / -nq.
     # Done the kernels' way (64-bit sums, then the clamp) for every small (nq, nk), that must be
     # the documented mask.
-    from cuflash.kernels import forward as gpu
 
     p = types.SimpleNamespace(causal=masks.normalize_causal(causal), window=masks.normalize_window(window))
-    hi_rel, lo_rel, align = gpu.band_offsets(p)
-    assert -gpu.OPEN <= lo_rel <= hi_rel <= gpu.OPEN and gpu.OPEN == 2**31 - 1
+    hi_rel, lo_rel, align = forward_kernels.band_offsets(p)
+    assert -operands.OPEN <= lo_rel <= hi_rel <= operands.OPEN and operands.OPEN == 2**31 - 1
     for nq in range(0, 9):
         for nk in range(0, 9):
             shift = nk - nq if align else 0
@@ -541,24 +547,21 @@ def test_window_problems_take_the_hopper_forward_but_not_the_hopper_backward(rng
     # The wgmma forward has a band instantiation (attn_fwd_wgmma_band), so on sm_90 applies()
     # takes a windowed problem; the wgmma backward masks no band: backward_applies() refuses it
     # before it asks for a device. CUFLASH_KERNELS=mma_sync turns the forward's off as well.
-    from cuflash.kernels import hopper as gpu_hopper
 
     q, k, v = random_inputs(rng, (1, 2, 8, 64), (1, 2, 300, 64), np.float16)
     p = _problem.validate_forward(q, k, v, causal=True, window=(16, 0))
-    assert gpu_hopper.backward_applies(p, True) is False  # no device asked
-    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: True)
-    monkeypatch.delenv(gpu_hopper.ENV, raising=False)
-    assert gpu_hopper.applies(p, True) is True and gpu_hopper.backward_applies(p, True) is False
-    assert gpu_hopper.applies(p, False) is False  # unaligned rows: the mma.sync band kernel's scalar path
-    monkeypatch.setenv(gpu_hopper.ENV, "mma_sync")
-    assert gpu_hopper.applies(p, True) is False
-    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: False)
-    monkeypatch.setenv(gpu_hopper.ENV, "auto")
-    assert gpu_hopper.applies(p, True) is False
+    assert plan_hopper.backward_applies(p, True, SM90) is False
+    monkeypatch.delenv(plan_hopper.ENV, raising=False)
+    assert plan_hopper.applies(p, True, SM90) is True and plan_hopper.backward_applies(p, True, SM90) is False
+    assert plan_hopper.applies(p, False, SM90) is False  # unaligned rows: the mma.sync band kernel's scalar path
+    monkeypatch.setenv(plan_hopper.ENV, "mma_sync")
+    assert plan_hopper.applies(p, True, SM90) is False
+    monkeypatch.setenv(plan_hopper.ENV, "auto")
+    assert plan_hopper.applies(p, True, SM80) is False
 
 
 class _Arr:
-    """What gpu.forward_band reads of a CuPy array before a launch: shape, strides, alignment,
+    """What cuda.forward_band reads of a CuPy array before a launch: shape, strides, alignment,
     and slicing (returned unchanged)."""
 
     def __init__(self, shape, itemsize=2):
@@ -574,12 +577,10 @@ class _Arr:
 @pytest.mark.parametrize("mode", ["auto", "mma_sync"])
 @pytest.mark.parametrize("d", [64, 128, 111])
 def test_forward_band_dispatch(rng, monkeypatch, hopper, mode, d):
-    # gpu.forward_band with CuPy and the launches stubbed: on sm_90 (CUFLASH_KERNELS=auto, 16-bit
+    # cuda.forward_band with CuPy and the launches stubbed: on sm_90 (CUFLASH_KERNELS=auto, 16-bit
     # aligned rows, a head dim of HOPPER_FORWARD_TILES) the window and the packed batch launch
     # attn_fwd_wgmma_band, with the mma.sync band kernel's arguments and grid (64 x warpgroups rows
     # per block); otherwise attn_fwd_band. An explicit tile= (schedule search) keeps mma.sync.
-    from cuflash.kernels import forward as gpu
-    from cuflash.kernels import hopper as gpu_hopper
 
     fake = types.ModuleType("cupy")
     fake.ascontiguousarray = lambda a: a
@@ -591,64 +592,61 @@ def test_forward_band_dispatch(rng, monkeypatch, hopper, mode, d):
             made.append((spec.expression, grid, block[0], shared_mem, args))
         return launch
 
-    monkeypatch.setattr(gpu, "get_function", get_function)
-    monkeypatch.setattr(gpu_hopper, "_on_hopper", lambda: hopper)
-    monkeypatch.setenv(gpu_hopper.ENV, mode)
+    monkeypatch.setattr(forward_kernels, "get_function", get_function)
+    on_target(monkeypatch, SM90 if hopper else SM80)
+    monkeypatch.setenv(plan_hopper.ENV, mode)
     nq, nk = 300, 333
     q, k, v = random_inputs(rng, (2, 4, nq, d), (2, 2, nk, d), np.float16)
     p = _problem.validate_forward(q, k, v, causal=True, window=(70, 20))
     q4, k4, o4, lse3 = _Arr((2, 4, nq, d)), _Arr((2, 2, nk, d)), _Arr((2, 4, nq, d)), _Arr((2, 4, nq), 4)
-    gpu.forward_band(p, q4, k4, k4, o4, lse3)
+    cuda.forward_band(p, q4, k4, k4, o4, lse3)
     cu = (_Arr((6,), 4), _Arr((6,), 4))
-    gpu.forward_band(p, q4, k4, k4, o4, lse3, cu_seqlens=cu, max_seqlen_q=200)
+    cuda.forward_band(p, q4, k4, k4, o4, lse3, cu_seqlens=cu, max_seqlen_q=200)
     wgmma = hopper and mode == "auto" and d in (64, 128)
     if wgmma:
-        spec, t = gpu_hopper.forward_band_spec(np.float16, d)
+        spec, t = plan_hopper.forward_band_spec(np.float16, d)
         assert spec.expression.startswith("attn_fwd_wgmma_band<")
     else:
-        spec, t = gpu.forward_spec(np.float16, d, True, d % 8 == 0, band=True)
+        spec, t = plan_forward.forward_spec(np.float16, d, True, d % 8 == 0, band=True)
         assert spec.expression.startswith("attn_fwd_band<")
     assert [m[:4] for m in made] == [(spec.expression, (-(-nq // t.block_m), 4, 2), spec.threads, spec.smem_bytes),
                                      (spec.expression, (-(-200 // t.block_m), 4, 5), spec.threads, spec.smem_bytes)]
-    hi, lo, align = gpu.band_offsets(p)
-    assert made[0][4][-6:-2] == (hi, np.float32(p.scale * gpu._LOG2E), lo, align)
+    hi, lo, align = forward_kernels.band_offsets(p)
+    assert made[0][4][-6:-2] == (hi, np.float32(p.scale * operands.LOG2E), lo, align)
     assert made[0][4][-2:] == (0, 0) and made[1][4][-2:] == cu
     made.clear()
-    gpu.forward_band(p, q4, k4, k4, o4, lse3, tile=schedule.forward_tile(d, d % 8 == 0)[1])
+    cuda.forward_band(p, q4, k4, k4, o4, lse3, tile=schedule.forward_tile(d, d % 8 == 0)[1])
     assert len(made) == 1 and made[0][0].startswith("attn_fwd_band<")
 
 
 def test_hopper_band_kernels_are_compiled_in_ci():
-    from cuflash.kernels import hopper as gpu_hopper
 
-    names = {s.expression for s in gpu_hopper.all_hopper_forward_specs()}
+    names = {s.expression for s in plan_hopper.all_hopper_forward_specs()}
     for dtype in (np.float16, BFLOAT16):
         for hd in schedule.HOPPER_FORWARD_TILES:
-            assert gpu_hopper.forward_band_spec(dtype, hd)[0].expression in names
+            assert plan_hopper.forward_band_spec(dtype, hd)[0].expression in names
 
 
 def test_float32_band_kernel_is_not_implemented():
-    from cuflash.kernels import forward as gpu
 
     with pytest.raises(NotImplementedError, match="float32 GPU inputs"):
-        gpu.forward_spec(np.float32, 64, True, True, band=True)
+        plan_forward.forward_spec(np.float32, 64, True, True, band=True)
     # every 16-bit (head dim, load path) has its band kernel in the list CI compiles
-    names = {s.expression for s in gpu.all_forward_specs()}
+    names = {s.expression for s in plan_forward.all_forward_specs()}
     for dtype in (np.float16, BFLOAT16):
         for hd in schedule.HEAD_DIM_BUCKETS:
             for vec in (False, True):
-                assert gpu.forward_spec(dtype, hd, True, vec, band=True)[0].expression in names
+                assert plan_forward.forward_spec(dtype, hd, True, vec, band=True)[0].expression in names
 
 
 def test_backward_band_kernels_are_compiled_in_ci():
-    from cuflash.kernels import backward as gpu_backward
 
-    names = {s.expression for s in gpu_backward.all_backward_specs()}
+    names = {s.expression for s in plan_backward.all_backward_specs()}
     for dtype in (np.float16, BFLOAT16):
         for hd in schedule.HEAD_DIM_BUCKETS:
             for vec in (False, True):
                 for det in (False, True):
-                    specs = gpu_backward.backward_specs(dtype, hd, True, vec, det, band=True)[0]
+                    specs = plan_backward.backward_specs(dtype, hd, True, vec, det, band=True)[0]
                     assert specs["kv"].expression.startswith("attn_bwd_kv_band<")
                     assert not det or specs["dq"].expression.startswith("attn_bwd_dq_band<")
                     assert {s.expression for s in specs.values()} <= names

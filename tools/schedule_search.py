@@ -4,7 +4,7 @@ For d in {64, 128, 256} and N in {1k, 4k, 16k} (B*N = 16384 tokens, H*d = 2048, 
 and not, for both kernel families of the forward and of the backward's K/V kernel ("fwd" and
 "bwd": mma.sync, every d; "fwd_wgmma" and "bwd_wgmma": the Hopper wgmma kernels, for the head
 dims of their Hopper tables (bwd_wgmma: 64 and 128), skipped on other GPUs): every candidate on a short list (the built-in table's tile, the largest
-legal tile, then diverse block shapes, PER_BUCKET per (op, d); see cuflash.tune.shortlist; for
+legal tile, then diverse block shapes, PER_BUCKET per (op, d); see cuflash.plan.tuning.shortlist; for
 bwd_wgmma every legal one) that
 compiles without spilling is run once, compared with torch SDPA's flash output (max abs diff;
 a candidate further off than twice the table's own difference, or one bfloat16 rounding of the
@@ -35,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuflash.plan import device_limits
 from cuflash.plan import schedule
-from cuflash.tune import FORWARD_OPS, HOPPER_OPS, OP_TITLE, Candidate, backward_tile_kwargs, candidates, estimated_registers, largest_first, likely_spills, occupancy, op_buckets, shortlist, table_tile
+from cuflash.autotune import backward_tile_kwargs
+from cuflash.plan.device_limits import occupancy
+from cuflash.plan.tuning import (FORWARD_OPS, HOPPER_OPS, OP_TITLE, Candidate, candidates, estimated_registers, largest_first,
+                                likely_spills, op_buckets, shortlist, table_tile)
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -148,7 +151,8 @@ def _precompile(specs, workers, log):
 def _compile_info(cand, causal, info_cache):
     """CompileInfo of one instantiation (bfloat16, vectorized), compiled once per run."""
     from cuflash.core.arrays import BFLOAT16
-    from cuflash.tune import compile_device_info, spec_for
+    from cuflash.autotune import compile_device_info
+    from cuflash.plan.tuning import spec_for
 
     spec = spec_for(cand, BFLOAT16, causal)
     if spec not in info_cache:
@@ -205,10 +209,9 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cuflash.kernels import forward as gpu
-    from cuflash.kernels import backward as gpu_backward
+    from cuflash.autotune import cuda_median_time, forward_launcher
+    from cuflash.backends import cuda
     from cuflash.core.problem import validate_forward
-    from cuflash.tune import cuda_median_time, forward_launcher
 
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs, recorded for a replay
     torch.manual_seed(seed)
@@ -250,7 +253,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
         raise RuntimeError(f"no torch SDPA reference for {shape}: {row['torch_errors']}")
     if op not in FORWARD_OPS:
         # cuflash's own forward (the table's tile) gives the o and lse the backward reads.
-        gpu.forward(p, qc, kc, vc, o4, lse3, tile=schedule.forward_tile(d)[1])
+        cuda.forward(p, qc, kc, vc, o4, lse3, tile=schedule.forward_tile(d)[1])
         doc = cp.from_dlpack(do)
         grads_t = [torch.empty_like(x) for x in (q, k, v)]
         grads = [cp.from_dlpack(g) for g in grads_t]
@@ -262,7 +265,7 @@ def run_shape(op, d, n, b, h, causal, chosen, flush, budget, log):
         if op in FORWARD_OPS:
             forward(p, qc, kc, vc, o4, lse3, tile=cand.tile)
         else:
-            gpu_backward.backward(p, doc, qc, kc, vc, o4, lse3, *grads, **backward_tile_kwargs(op, cand.tile))
+            cuda.backward(p, doc, qc, kc, vc, o4, lse3, *grads, **backward_tile_kwargs(op, cand.tile))
 
     outs = [o_t] if op in FORWARD_OPS else grads_t
     table = table_tile(op, schedule.head_dim_bucket(d))
@@ -307,7 +310,7 @@ def screen(pl, args, budget, log):
     """Compile and screen every (op, d): {(op, d): (chosen, largest, records)}, records holding
     [non-causal, causal] compile records for the chosen candidates."""
     from cuflash.core.arrays import BFLOAT16
-    from cuflash.tune import spec_for
+    from cuflash.plan.tuning import spec_for
 
     def warm(cands, causal):
         # CuPy's compile cache warmed in parallel; the serial compiles afterwards are cache hits.

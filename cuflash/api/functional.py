@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backends import cuda
+from ..backends import numpy as numpy_backend
 from ..core import problem as _problem
-from . import interop
-from . import plan_cache
 from ..core.arrays import may_share_memory
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
+from . import interop, plan_cache
+from .prepared import PreparedAttention
 
 
 def _backend(p):
-    if p.xp is np:
-        from ..backends import numpy as cpu
-
-        return cpu
-    from ..kernels import forward as gpu
-
-    return gpu
+    return numpy_backend if p.xp is np else cuda
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
@@ -171,11 +167,9 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
-        from ..kernels import decode as gpu_decode
-
-        if gpu_decode.applies(p, k_cache, v_cache):
+        if cuda.decode_applies(p, k_cache, v_cache):
             table = xp.ascontiguousarray(block_table)
-            gpu_decode.forward(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
+            cuda.decode(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
     if not done:
         why = "outside decode shapes each sequence's pages are gathered on the host, which cannot be captured"
@@ -200,10 +194,8 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     import dataclasses
 
     if p.xp is not np:
-        from ..kernels import decode as gpu_decode
-
-        if gpu_decode.applies(p, k4, v4):
-            gpu_decode.forward(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
+        if cuda.decode_applies(p, k4, v4):
+            cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
             lens_host = _problem.to_host(lens_dev, "kv_lens", "outside decode shapes each sequence runs as its own "
@@ -223,12 +215,10 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_ls
     o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
-        from ..kernels import forward as gpu
-
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
         (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
         q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-        gpu.forward_band(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
+        cuda.forward_band(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
         if not direct[0]:
             o[...] = from_bhsd(o4, p, p.hq, p.nq)
         return (o, lse) if return_lse else o
@@ -365,3 +355,24 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=No
                                   deterministic=deterministic, **masking)
 
     return o, vjp
+
+
+def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None,
+                      block_table=None, window=None, validate=True):
+    """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None)`` equal to
+    ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens, block_table=block_table,
+    out=out)`` for arrays of the geometry given here (same kinds, device, shapes, strides, dtypes;
+    kv_lens / block_table given iff given here). The arguments are checked here as attention
+    checks them; the example arrays' values are not read (but kv_lens' and block_table's with
+    validate=True, as attention would).
+
+    ``validate`` applies to every call: True copies kv_lens / block_table to the host each call
+    to check their values (as attention does); False skips that (out-of-range kv_lens are clamped
+    by the decode kernel; block_table entries are trusted), and a call then needs no host read:
+    it can be captured in a CUDA graph. A call's ``out`` must be an array like the result (q's
+    shape, dtype, kind and device, C-contiguous) that overlaps no input.
+
+    The returned object's ``path`` says how calls run: "decode" (validated once, the decode kernel
+    launched from a packed parameter block) or "attention" (cuflash.attention per call)."""
+    return PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
+                                           window=window, validate=validate), kv_lens, block_table, fallback=attention)

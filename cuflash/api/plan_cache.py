@@ -21,10 +21,13 @@ planner's choices of when it was made (CUFLASH_KERNELS and tuning settings read 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from collections import OrderedDict
+
+from ..core import config
+from .prepared import PreparedAttention
+from .prepared import _geometry as out_geometry
 
 MISS = object()  # the call is not a cached decode geometry: run the uncached path
 _NOT_DECODE = object()  # prepared, but not the decode fast path (prefill shapes, unaligned K/V...)
@@ -32,7 +35,7 @@ _NOT_DECODE = object()  # prepared, but not the decode fast path (prefill shapes
 MAX_PLANS = 32  # decode geometries kept (a model has a few: its layers share one)
 MAX_SEEN = 256  # geometries seen once, waiting for a second call
 
-enabled = os.environ.get("CUFLASH_PLAN_CACHE", "1") != "0"
+enabled = config.plan_cache_enabled()
 _lock = threading.Lock()
 _plans: OrderedDict = OrderedDict()
 _seen: OrderedDict = OrderedDict()
@@ -114,8 +117,6 @@ def run(q, k, v, kv_lens, block_table, out, options):
     if plan is _NOT_DECODE:
         return MISS
     if out is not None:
-        from .prepared import _geometry as out_geometry
-
         if out_geometry(plan.kind, out) != plan.out_geometry:
             return MISS  # attention writes other layouts through a scratch array
     result = plan({"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}, out)
@@ -131,8 +132,6 @@ def _prepare(q, k, v, kv_lens, block_table, options):
     for a call it rejects (invalid arguments or values): nothing is cached, and the uncached path
     raises its own error. Anything else that goes wrong while preparing leaves the geometry to the
     uncached path for good (_NOT_DECODE), which then fails or succeeds on its own."""
-    from .prepared import PreparedAttention
-
     causal, scale, layout, return_lse, validate, window = options
     try:
         prepared = PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,

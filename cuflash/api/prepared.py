@@ -3,8 +3,8 @@
 A decoding loop calls attention with the same shapes, strides and dtypes on every token; only
 the data (and the lengths in kv_lens) change. ``cuflash.attention`` re-validates and re-plans
 each call, and CuPy converts every kernel argument on every launch: about 90 us of host time per
-decode call on the H200 machine, more than the kernel itself on a 4k cache (tools/
-decode_host_parts.py). ``prepare_attention`` does that work once, like a cuDNN graph or
+decode call on the H200 machine, more than the kernel itself on a 4k cache
+(tools/decode_host_parts.py measures it). ``prepare_attention`` does that work once, like a cuDNN graph or
 FlashInfer's plan/run: a call then checks that its arrays have the prepared geometry, allocates
 the outputs and launches the decode kernel through a packed parameter block (cuflash.kernels.packed_launch).
 
@@ -13,7 +13,7 @@ What it may not: kinds (CuPy, torch, ...), device, shapes, strides, dtypes, whic
 block_table are given - a call that differs raises ValueError naming the argument.
 
 The fast path covers what runs the split-KV decode kernel (float16/bfloat16 CuPy arrays or
-CUDA torch tensors, few query rows per K/V head, see gpu_decode.applies); every other prepared
+CUDA torch tensors, few query rows per K/V head, see plan.dispatch.decode_applies); every other prepared
 problem (NumPy, prefill shapes, other array kinds) calls ``cuflash.attention`` with the prepared
 options after the same geometry check, so results never depend on which path ran. Results are
 bitwise those of ``cuflash.attention`` on the same inputs (tests/test_gpu_prepared.py).
@@ -26,9 +26,15 @@ import contextlib
 import numpy as np
 
 from ..core import problem as _problem
-from . import functional as api
 from . import interop
+from ..backends import cuda
 from ..kernels import counters as stream_counters
+from ..kernels import decode as decode_kernels
+from ..plan import decode as decode_plan
+from ..kernels import pdl
+from ..kernels.build import get_function
+from ..kernels.operands import elem_strides
+from ..kernels.packed_launch import POINTER, PackedLaunch
 from ..core.arrays import byte_range, dtype_name
 from ..core.layout import is_view_of, to_bhsd
 
@@ -63,31 +69,12 @@ def _describe(g) -> str:
     return f"{g[1].__name__} shape {g[2]} dtype {g[3]}"
 
 
-def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None,
-                      block_table=None, window=None, validate=True):
-    """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None)`` equal to
-    ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens, block_table=block_table,
-    out=out)`` for arrays of the geometry given here (same kinds, device, shapes, strides, dtypes;
-    kv_lens / block_table given iff given here). The arguments are checked here as attention
-    checks them; the example arrays' values are not read (but kv_lens' and block_table's with
-    validate=True, as attention would).
-
-    ``validate`` applies to every call: True copies kv_lens / block_table to the host each call
-    to check their values (as attention does); False skips that (out-of-range kv_lens are clamped
-    by the decode kernel; block_table entries are trusted), and a call then needs no host read:
-    it can be captured in a CUDA graph. A call's ``out`` must be an array like the result (q's
-    shape, dtype, kind and device, C-contiguous) that overlaps no input.
-
-    The returned object's ``path`` says how calls run: "decode" (validated once, the decode kernel
-    launched from a packed parameter block) or "attention" (cuflash.attention per call)."""
-    return PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-                                           window=window, validate=validate), kv_lens, block_table)
-
-
 class PreparedAttention:
     """See :func:`prepare_attention`."""
 
-    def __init__(self, q, k, v, options, kv_lens, block_table):
+    def __init__(self, q, k, v, options, kv_lens, block_table, fallback=None):
+        """``fallback(q, k, v, *, kv_lens, block_table, out, **options)``: what a call off the decode
+        fast path runs (cuflash.attention; None: such a call raises)."""
         _problem.check_flag("return_lse", options["return_lse"])
         _problem.check_flag("validate", options["validate"])
         given = {"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}
@@ -95,6 +82,7 @@ class PreparedAttention:
         self._kind = where.kind
         self._geometry = {n: _geometry(self._kind, a) for n, a in given.items()}
         self._options = options
+        self._fallback = fallback
         with interop.ForeignCall(where) as call:
             checked = _Checked(call, given, options)
             self._decode = None
@@ -118,7 +106,9 @@ class PreparedAttention:
             result = self._decode(arrays, out)
             if result is not None:
                 return result
-        return api.attention(q, k, v, kv_lens=kv_lens, block_table=block_table, out=out, **self._options)
+        if self._fallback is None:
+            raise ValueError("this prepared call runs the decode kernel only; these arrays do not")
+        return self._fallback(q, k, v, kv_lens=kv_lens, block_table=block_table, out=out, **self._options)
 
     def __repr__(self):
         return f"PreparedAttention(path={self.path!r}, kernel={self.kernel!r})"
@@ -271,8 +261,6 @@ class _DecodeCall:
         views of the caller's arrays (calls then go through cuflash.attention)."""
         import cupy
 
-        from ..kernels import decode as gpu_decode
-        from ..kernels.forward import _elem_strides
 
         p, bs = checked.p, checked.block_size
         q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
@@ -287,25 +275,21 @@ class _DecodeCall:
             return None  # a strided kv_lens: attention copies it
         if table is not None and not table.flags.c_contiguous:
             return None  # attention copies it
-        if not gpu_decode.applies(p, k4, v4):
+        if not cuda.decode_applies(p, k4, v4):
             return None
         # A fresh result's layout, laid over q's memory (never read or written): preparing, which
         # cuflash.attention's plan cache does inside a call, allocates nothing.
         o_template = cupy.ndarray(p.q_shape(), dtype=p.dtype, memptr=q.data)
         o4 = to_bhsd(o_template, p, p.hq, p.nq)
-        strides = (_elem_strides(q4), _elem_strides(k4), _elem_strides(v4), _elem_strides(o4),
+        strides = (elem_strides(q4), elem_strides(k4), elem_strides(v4), elem_strides(o4),
                    table.strides[0] // table.itemsize if table is not None else 0)
-        dl = gpu_decode.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
+        dl = decode_kernels.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
         offsets = tuple(a4.data.ptr - a.data.ptr for a4, a in views) + (o4.data.ptr - o_template.data.ptr,)
         extents = [tuple(x - a.data.ptr for x in byte_range(a)) for a in (q, k, v)]
         return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None,
                    extents, q_given)
 
     def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks, extents, q_given):
-        from ..kernels import decode as gpu_decode
-        from ..kernels import pdl
-        from ..kernels.build import get_function
-        from ..kernels.packed_launch import POINTER, PackedLaunch
 
         self.arrays = _TorchArrays(where.device) if where.kind == interop.TORCH else _CupyArrays(where.device)
         self.p = p
@@ -324,14 +308,14 @@ class _DecodeCall:
         self.main = PackedLaunch(get_function(spec), dl.grid, (spec.threads,),
                                  dl.main_args(*(POINTER,) * 5, part, part, part, lens, table), spec.smem_bytes)
         self.combine = None
-        # The partials merge in the last split of each pair, or in attn_decode_combine (gpu_decode.MERGE).
-        self.merge_last = gpu_decode.last_split_merges(dl.plan, dl.rows, p.d)
+        # The partials merge in the last split of each pair, or in attn_decode_combine (decode_plan.MERGE).
+        self.merge_last = decode_plan.last_split_merges(dl.plan, dl.rows, p.d)
         names = [spec.short_name]
         if self.workspace is not None and not self.merge_last:
-            cspec = gpu_decode.combine_spec(p.dtype, p.d)
+            cspec = decode_plan.combine_spec(p.dtype, p.d)
             # A programmatic dependent where available (a packed launch costs no more host time that way).
-            programmatic = gpu_decode.combine_programmatic(p, packed=True, splits=dl.plan.splits) and pdl.available()
-            self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(), (gpu_decode._COMBINE_THREADS,),
+            programmatic = decode_kernels.combine_programmatic(p, packed=True, splits=dl.plan.splits) and pdl.available()
+            self.combine = PackedLaunch(get_function(cspec), dl.combine_grid(), (decode_plan._COMBINE_THREADS,),
                                         dl.combine_args(*(POINTER,) * 4), 0, programmatic)
             names.append(cspec.short_name)
         self.kernel_names = tuple(names)

@@ -2,18 +2,17 @@
 
     cuflash demo [--b B --h H --hkv HKV --n N --nk NK --d D --dtype T --causal [MODE] --backend B]
     cuflash report ...        (cuflash.cli.report)
-    cuflash tune / schedules  (cuflash.tune)
+    cuflash tune / schedules  (cuflash.cli.tune)
 
 ``demo`` runs attention on fresh random inputs with the best backend available, checks whole
 heads against the float64 reference with the accuracy rule of :mod:`cuflash.testing`, and prints
 the time, the exact FLOP count and the bytes it used. Subcommands that live in their own module
-are listed in ``DELEGATED`` and imported only when called.
+are listed in ``DELEGATED`` and take the rest of the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -21,30 +20,23 @@ import time
 
 import numpy as np
 
-# name -> (module, function, help). Each function takes the remaining argv and returns an exit code.
+from .. import testing
+from ..api.functional import attention
+from ..core import masks
+from . import report, tune
+from .common import gpu_unavailable_reason
+
+# name -> (function, help). Each function takes the remaining argv and returns an exit code.
 DELEGATED = {
-    "report": ("cuflash.cli.report", "main", "accounting report (cuflash.cli.report); see `cuflash report --help`"),
-    "tune": ("cuflash.tune", "main_tune", "autotune tile schedules ahead of time (GPU); see `cuflash tune --help`"),
-    "schedules": ("cuflash.tune", "main_schedules", "legal tiles, registers, occupancy, traffic, tuned times"),
+    "report": (report.main, "accounting report: FLOPs, memory and traffic of one shape; see `cuflash report --help`"),
+    "tune": (tune.main_tune, "autotune tile schedules ahead of time (GPU); see `cuflash tune --help`"),
+    "schedules": (tune.main_schedules, "legal tiles, registers, occupancy, traffic, tuned times"),
 }
 
 DTYPES = ("float16", "bfloat16", "float32")
 # (B, H, N, d) when not given: small enough for NumPy, large enough to fill an H200.
 CPU_DEFAULTS = (1, 4, 512, 64)
 GPU_DEFAULTS = (4, 16, 4096, 128)
-
-
-def gpu_unavailable_reason():
-    """None when CuPy imports and sees a device, else why not."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a CUDA install that fails on import
-        return f"cupy is not importable ({type(exc).__name__})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver / no device
-        return f"no CUDA device ({type(exc).__name__})"
-    return None if n > 0 else "no CUDA device"
 
 
 def _dtype(name):
@@ -90,8 +82,6 @@ def _timed_median(run, backend, warmup, repeats):
 
 def _check_heads(q, k, v, o, lse, heads, group, causal, dtype):
     """Compare whole heads (b, h) of o and lse with the float64 reference; (ok, lines)."""
-    from .. import testing
-
     lines, ok = [], True
     for b, h in heads:
         g = h // group
@@ -112,9 +102,6 @@ def _check_heads(q, k, v, o, lse, heads, group, causal, dtype):
 
 
 def demo(args) -> int:
-    from .. import attention
-    from ..core import masks
-
     reason = gpu_unavailable_reason()
     backend = args.backend
     if backend == "auto":
@@ -215,22 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     dp.set_defaults(run=demo)
 
-    for name, (_, _, help_text) in DELEGATED.items():
+    for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return ap
 
 
 def run_delegated(name, rest) -> int:
-    module_name, func_name, _ = DELEGATED[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # the module exists but one of its own imports is missing: show that
-        print(f"cuflash {name}: {module_name} is not part of this installation yet", file=sys.stderr)
-        return 2
-    rc = getattr(module, func_name)(rest)
-    return int(rc or 0)
+    run, _ = DELEGATED[name]
+    return int(run(rest) or 0)
 
 
 def main(argv=None) -> int:

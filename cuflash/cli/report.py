@@ -14,6 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from ..api.functional import attention
+from ..core.arrays import BFLOAT16
+from ..kernels.build import compile_offline
 from .. import accounting
 from ..plan import schedule
 from ..accounting import format_table
@@ -257,15 +262,10 @@ def write_plots(directory, dims, series):
 def _offline_registers(dims):
     """Registers per thread of the forward kernel for this shape, from ptxas via NVRTC; None if unknown."""
     try:
-        import numpy as np
-
-        from ..core.arrays import BFLOAT16
-        from ..kernels.build import compile_offline
-        from ..kernels.forward import forward_spec
-
         dt = BFLOAT16 if dims["dtype"] == "bfloat16" else np.dtype(dims["dtype"])
-        spec, _ = forward_spec(dt, dims["d"], bool(dims["causal"]), True)
-        return compile_offline(spec).registers
+        plan = accounting.model_forward_plan(dt, dims["d"], dims["causal"], dims["nq"], dims["nk"], dims["batch"],
+                                             dims["hq"])
+        return compile_offline(plan.spec).registers
     except Exception as e:  # a report without register counts is still a report
         print(f"cuflash report: registers unknown ({type(e).__name__}: {e})", file=sys.stderr)
         return None
@@ -378,10 +378,6 @@ def _measure(ncu, dims) -> int:
 def _launch_only(*, batch, hq, hkv, nq, nk, d, dtype, causal) -> int:
     """One forward on fresh random CuPy data: the launch --measure profiles."""
     import cupy
-    import numpy as np
-
-    from ..core.arrays import BFLOAT16
-    from ..api.functional import attention
 
     dt = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng()

@@ -11,75 +11,22 @@ with the very same text, options and name expression, and parses ptxas's resourc
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+from ..core import config
+from ..plan.spec import KernelSpec
+from ..core.sources import load_source, source_dir, source_hash  # noqa: F401 - re-exported for tools
+
 BASE_OPTIONS = ("-std=c++17",)
 
 
-def source_dir() -> Path:
-    package = Path(__file__).resolve().parent.parent  # cuflash/
-    for cand in (package / "cuda_src", package.parent / "cuda_src"):  # installed, or a source checkout
-        if cand.is_dir():
-            return cand
-    raise FileNotFoundError("cuflash: kernel sources (cuda_src/) not found next to the package")
-
-
-@lru_cache(maxsize=None)
-def load_source(name: str) -> str:
-    """The kernel file's text with its local headers inlined once each (like #pragma once)."""
-    root = source_dir()
-    seen: set[str] = set()
-
-    def expand(fname: str) -> str:
-        if fname in seen:
-            return ""
-        seen.add(fname)
-        text = (root / fname).read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: f"// ---- {m.group(1)} ----\n" + expand(m.group(1)), text)
-
-    return expand(name)
-
-
-def source_hash(name: str) -> str:
-    # get_function asks on every launch: load_source returns its cached text object, whose hash
-    # Python keeps, so _text_hash's lookup is cheap and the SHA-256 runs once per text.
-    return _text_hash(load_source(name))
-
-
-@lru_cache(maxsize=None)
-def _text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """One launchable instantiation: a source file and the template name expression."""
-
-    source: str
-    expression: str
-    threads: int
-    smem_bytes: int
-
-    @property
-    def short_name(self) -> str:
-        return self.expression.replace(" ", "")
-
-
 def arch_options(cc: int) -> tuple[str, ...]:
-    # sm_90a unlocks wgmma/setmaxnreg on Hopper; plain sm_XX elsewhere. CUFLASH_NVRTC_OPTIONS
-    # (space separated, e.g. "-lineinfo") is a debugging aid for sanitizer/profiler runs.
-    import os
-
+    # sm_90a unlocks wgmma/setmaxnreg on Hopper; plain sm_XX elsewhere. The debug options
+    # (config.nvrtc_options) follow, and are part of every compiled module's cache key.
     arch = "sm_90a" if cc == 90 else f"sm_{cc}"
-    extra = tuple(os.environ.get("CUFLASH_NVRTC_OPTIONS", "").split())
-    return BASE_OPTIONS + (f"-arch={arch}",) + extra
+    return BASE_OPTIONS + (f"-arch={arch}",) + config.nvrtc_options()
 
 
 _modules: dict = {}
@@ -88,12 +35,18 @@ _smem_optin: dict = {}  # the same keys: the dynamic shared memory the function 
 _lock = threading.Lock()
 
 
+def _module_key(device_id: int, spec: KernelSpec) -> tuple:
+    # The text's hash (headers inlined) and the options: an edited header or a debug option never
+    # serves a module compiled without it.
+    return (device_id, spec.source, source_hash(spec.source), spec.expression, config.nvrtc_options())
+
+
 def get_function(spec: KernelSpec):
     """The compiled cupy RawKernel for spec on the current device (compiled once per device)."""
     import cupy
 
     dev = cupy.cuda.Device()
-    key = (dev.id, spec.source, source_hash(spec.source), spec.expression)
+    key = _module_key(dev.id, spec)
     fn = _modules.get(key)
     # Two specs may share an expression with different shared memory (a decode tile capped at two
     # blocks per SM asks for more): the opt-in follows the largest asked for so far.
@@ -123,8 +76,7 @@ def get_module(spec: KernelSpec):
     import cupy
 
     get_function(spec)
-    dev = cupy.cuda.Device()
-    return _raw_modules[(dev.id, spec.source, source_hash(spec.source), spec.expression)]
+    return _raw_modules[_module_key(cupy.cuda.Device().id, spec)]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ are), and a memset node zeroes it on every replay.
 
 from __future__ import annotations
 
+from ..core.problem import stream_is_capturing
+
 import threading
 
 _buffers: dict = {}  # (device, stream handle) -> (address, counters)
@@ -48,8 +50,6 @@ def for_cupy_launch(n: int, dtype="int32"):
     shared buffer, or under capture a fresh CuPy array (`holder`: keep it until the launch is
     queued; None otherwise)."""
     import cupy
-
-    from ..core.problem import stream_is_capturing
 
     stream = cupy.cuda.get_current_stream().ptr
     if not stream_is_capturing():

@@ -1,350 +1,45 @@
-"""Hopper kernels (wgmma, sm_90a), chosen automatically on sm_90: the forward
-(cuda_src/attn_fwd_wgmma.cu) and the backward's main K/V kernel (cuda_src/attn_bwd_wgmma.cu).
-
-They cover 16-bit inputs with 16-byte-aligned rows (the same condition as the mma.sync kernels'
-vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES / HOPPER_BACKWARD_TILES
-entry; everything else, and every other GPU, runs the mma.sync kernels of cuflash.kernels.forward and
-cuflash.kernels.backward. Sliding windows and packed sequences run the forward's band instantiation
-(attn_fwd_wgmma_band) here too; their backward stays on the mma.sync band kernels.
-``CUFLASH_KERNELS=mma_sync`` turns
-the Hopper kernels off (fallback and A/B comparisons); the default is ``auto``.
-"""
+"""wgmma forward launches (cuda_src/attn_fwd_wgmma.cu, sm_90a) of a plan.dispatch.ForwardPlan:
+tensor maps for the TMA-fed kernels, a persistent grid of one block per SM, and the key split's
+float32 partials and per-tile counters."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from functools import lru_cache
-
 import numpy as np
 
-from ..plan import schedule
-from . import counters
-from ..core.arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
-from .build import KernelSpec
-
-ENV = "CUFLASH_KERNELS"
+from ..plan.dispatch import ForwardPlan
+from ..plan.hopper import split_partials
+from . import counters, device, tma
+from .forward import launch_forward
 
 
-def enabled() -> bool:
-    mode = os.environ.get(ENV, "auto")
-    if mode not in ("auto", "mma_sync"):
-        raise ValueError(f"{ENV}={mode!r}: expected 'auto' or 'mma_sync'")
-    return mode == "auto"
-
-
-@lru_cache(maxsize=None)
-def _is_hopper(device_id: int) -> bool:
-    import cupy
-
-    return cupy.cuda.Device(device_id).compute_capability == "90"
-
-
-def _on_hopper() -> bool:
-    import cupy
-
-    return _is_hopper(cupy.cuda.Device().id)
-
-
-def _applies(p, vec: bool, table) -> bool:
-    if not vec or np.dtype(p.dtype) not in KERNEL_TYPE:
-        return False
-    if schedule.head_dim_bucket(p.d) not in table or not enabled():
-        return False
-    return _on_hopper()
-
-
-def applies(p, vec: bool) -> bool:
-    """Whether the current device runs this problem's forward on the wgmma kernel (a window or
-    packed sequences: its band instantiation, see forward_band_spec)."""
-    return _applies(p, vec, schedule.HOPPER_FORWARD_TILES)
-
-
-def backward_applies(p, vec: bool) -> bool:
-    """Whether the current device runs this problem's backward K/V kernel on wgmma (never with a
-    window: the mma.sync band kernels take windows and packed sequences)."""
-    if p.window is not None:
-        return False
-    return _applies(p, vec, schedule.HOPPER_BACKWARD_TILES)
-
-
-def _forward_spec(kernel, dtype, d, flags, tile):
-    hd = schedule.head_dim_bucket(d)
-    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    if t.tma:  # its own kernel (tensor-map parameters); always warp-specialized
-        kernel = kernel + ("_tma_persistent" if t.persistent else "_tma")
-        producer = f", {'true' if t.pingpong else 'false'}" + (", true" if t.wg_epilogue else "")
-    else:
-        producer = ", true" if t.producer else ""
-    expr = f"{kernel}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}{flags}{producer}>"
-    return KernelSpec("attn_fwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
-
-
-def default_tile(d: int, causal, nq: int, nk: int) -> schedule.HopperTile:
-    """The TMA tile the dispatch picks for this shape: a persistent kernel while a query tile sees
-    few key tiles on average (schedule.persistent_rule), HOPPER_FORWARD_LONG_ROWS' longer key tile
-    while rows see many keys, else the table's. `causal`: None, False or the mask kind
-    (masks.normalize_causal's)."""
-    from ..core import masks
-
-    hd = schedule.head_dim_bucket(d)
-    if nq > 0:
-        kind = masks.normalize_causal(causal)
-        mean_keys = masks.pair_count(kind, nq, nk) // nq  # visible keys per row, whole keys
-        rule = schedule.persistent_rule(hd, kind is not None, mean_keys)
-        if rule is not None:
-            return rule.tile
-        long_rows = schedule.HOPPER_FORWARD_LONG_ROWS.get(hd)
-        if long_rows is not None and mean_keys >= long_rows.min_keys:
-            return long_rows.tile
-    return schedule.HOPPER_FORWARD_TILES[hd]
-
-
-def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of the wgmma forward for these runtime choices (no tile: the table's)."""
-    tile = tile or schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
-    return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
-
-
-def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
-    tile (the table's by default), every query tile split into key ranges."""
-    hd = schedule.head_dim_bucket(d)
-    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    if not t.tma or t.persistent:
-        raise ValueError("tile: the key split runs the per-tile TMA kernel (tma=True, persistent=False)")
-    if hd not in schedule.SPLIT_HEAD_DIMS:
-        raise ValueError(f"d={d}: the key split is built for head-dim buckets {schedule.SPLIT_HEAD_DIMS}")
-    b = lambda x: "true" if x else "false"  # noqa: E731
-    params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(t.pingpong)}, {b(t.wg_epilogue)}"
-    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_split<{params}>", t.threads, t.smem_bytes(hd)), t
-
-
-def split_plan(p, t: schedule.HopperTile, sm_count: int):
-    """Pieces per query tile of the key split for this problem on tile t, or None: full attention
-    (no causal mask) on a per-tile TMA tile whose grid has fewer query tiles than SMs
-    (schedule.key_splits). Every per-tile TMA tile runs one block per SM (its setmaxnreg split
-    takes the whole register file)."""
-    if (p.causal is not None or not t.tma or t.persistent or p.nk == 0
-            or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS):
-        return None
-    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    return schedule.key_splits(tiles, sm_count, -(-p.nk // t.block_n))
-
-
-def auto_split(p, sm_count: int):
-    """(table tile, pieces per tile) when the dispatch splits this problem's query tiles by keys
-    (split_plan on the full-attention table tile, which then replaces a persistent tile), else None."""
-    if p.causal is not None or schedule.head_dim_bucket(p.d) not in schedule.SPLIT_HEAD_DIMS:
-        return None
-    t = schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(p.d)]
-    splits = split_plan(p, t, sm_count)
-    return None if splits is None else (t, splits)
-
-
-def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, int]:
-    """(slots, rows, columns) of the key split's float32 partials: one slot per piece but each
-    tile's last, a tile's block_m rows of O over the head-dim bucket (accumulator order) and of LSE."""
-    tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
-
-
-def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
-    the arguments of cuflash.kernels.forward's attn_fwd_band (bounds and cu_seqlens at run time)."""
-    if tile is not None and tile.tma:
-        raise ValueError("tile: the band kernel has no TMA variant (packed sequences share one tensor)")
-    return _forward_spec("attn_fwd_wgmma_band", dtype, d, "", tile or cp_async_tile(d))
-
-
-def cp_async_tile(d: int) -> schedule.HopperTile:
-    """The cp.async kernel's tile (band problems, and rows TMA cannot address)."""
-    return schedule.HOPPER_FORWARD_CP_ASYNC_TILES[schedule.head_dim_bucket(d)]
-
-
-def warp_specialized(t: schedule.HopperTile) -> schedule.HopperTile:
-    """The table tile with a producer warpgroup (at most 2 math warpgroups: the producer's
-    registers come out of theirs). Measured slower at d >= 128 with cp.async loads (notes/PERF.md);
-    kept selectable and compiled in CI as the base of a TMA producer."""
-    return schedule.HopperTile(t.block_n, min(t.warpgroups, 2), t.stages, "warp-specialized " + t.reason, True)
-
-
-def tma_ok(*arrays) -> bool:
-    """Whether these (B, H, N, d) views can be read through tensor maps: cuda-bindings present,
-    no empty axis (a map's extents are >= 1; e.g. an empty cache), unit-stride rows, 16-byte
-    aligned bases and strides (TMA's rule)."""
-    from . import tma
-
-    if not tma.available():
-        return False
-    return all(min(a.shape) > 0 and a.strides[-1] == a.itemsize and tma.encodable(a.data.ptr, tma.bhsd_strides(a))
-               for a in arrays)
-
-
-def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.HopperTile]:
-    """The persistent forms of a TMA tile (own-pace and ping-pong, block-wide or per-warpgroup
-    epilogue) whose extra O tile still fits
-    a block's shared memory on the H200; none for the others (d = 192, 256). At most 2 math
-    warpgroups (the tiles probes sweep); d=64's 3-warpgroup persistent tile is a rule of its own
-    (schedule.HOPPER_FORWARD_PERSISTENT)."""
-    from ..plan.device_limits import H200
-
-    out = []
-    for pp in (False, True):
-        for wge in (False, True):
-            v = dataclasses.replace(t, warpgroups=min(t.warpgroups, 2), pingpong=pp, persistent=True, wg_epilogue=wge,
-                                    reason="")
-            if t.tma and v.smem_bytes(head_dim) <= H200.smem_per_block_optin:
-                out.append(v)
-    return out
-
-
-def all_hopper_forward_specs():
-    """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
-    TMA table's tiles, their ping-pong and persistent variants, the cp.async tiles and their
-    warp-specialized variants, and the band instantiations)."""
-    plain = [
-        forward_spec(dtype, hd, causal, tile)[0]
-        for dtype in (FLOAT16, BFLOAT16)
-        for hd, t in schedule.HOPPER_FORWARD_TILES.items()
-        for causal in (False, True)
-        for tile in dict.fromkeys((t, dataclasses.replace(t, pingpong=True, persistent=False, wg_epilogue=False, reason=""),
-                                   dataclasses.replace(t, pingpong=False, persistent=False, wg_epilogue=False, reason=""),
-                                   *persistent_variants(t, hd), cp_async_tile(hd),
-                                   *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ()) if r.for_mask(causal)),
-                                   *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile] if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
-                                   warp_specialized(cp_async_tile(hd))))
-    ]
-    plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
-    band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
-    split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
-    return plain + band + split
-
-
-def forward(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
-    """Launch the wgmma forward (the caller checked `applies`); same contract as gpu.forward.
-    Without a tile: the TMA table's where tma_ok, else the cp.async kernel's. A forced TMA tile
-    on rows TMA cannot address raises ValueError. A persistent tile runs one block per SM, or
-    `persistent_blocks` blocks (tests: a few blocks walk many tiles each). `split`: the key
-    split of full attention on a per-tile TMA tile - None: split_plan's choice, False: none,
-    an int: that many pieces per query tile (tests, probes)."""
-    from .forward import launch_forward
-
-    addressable = tma_ok(q4, k4, v4)
-    if split is None and addressable and (tile is None or (tile.tma and not tile.persistent)):
-        import cupy
-
-        from .decode import _sm_count
-
-        sms = _sm_count(cupy.cuda.Device().id)
-        if tile is None:
-            auto = auto_split(p, sms)
-            if auto is not None:
-                tile, split = auto
-        else:
-            split = split_plan(p, tile, sms)
-    if tile is None:
-        tile = default_tile(p.d, p.causal, p.nq, p.nk) if addressable else cp_async_tile(p.d)
-    spec, t = forward_spec(p.dtype, p.d, p.causal is not None, tile)
+def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None):
+    """Launch a "wgmma" or "wgmma_split" plan. A persistent tile runs one block per SM, or
+    `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
+    t = plan.tile
     maps = None
     if t.tma:
-        from . import tma
-
-        if not addressable:
-            raise ValueError("tile: the TMA-fed kernel needs cuda-bindings and 16-byte aligned rows and strides")
-
         def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
             return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
-    if split:
-        _forward_split(p, q4, k4, v4, o4, lse3, t, split, maps)
+    if plan.kernel == "wgmma_split":
+        _launch_split(plan, p, q4, k4, v4, o4, lse3, maps)
         return
     blocks = None
     if t.persistent:
-        import cupy
-
-        from .decode import _sm_count
-
-        blocks = persistent_blocks or _sm_count(cupy.cuda.Device().id)
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
+        blocks = persistent_blocks or device.sm_count(device.current_id())
+    launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 
-def _forward_split(p, q4, k4, v4, o4, lse3, t, splits, maps):
-    """attn_fwd_wgmma_tma_split with `splits` pieces per query tile (one launch: a 1-D grid);
-    `maps`: forward's tensor maps of tile t."""
+def _launch_split(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, maps):
+    """attn_fwd_wgmma_tma_split with plan.splits pieces per query tile (one launch: a 1-D grid)."""
     import cupy
 
-    from .forward import _MAX_GRID_Z, launch_forward
-
+    t, splits = plan.tile, plan.splits
     tiles = -(-p.nq // t.block_m) * p.hq * p.batch
-    if p.causal is not None or maps is None or p.batch > _MAX_GRID_Z or not 1 <= splits <= 64:
-        raise ValueError(f"split={splits}: the key split needs full attention, a TMA tile, at most "
-                         f"{_MAX_GRID_Z} batch entries and 1 <= split <= 64")
-    spec, _ = split_spec(p.dtype, p.d, t)
     slots, rows, hd = split_partials(p, t, splits)
     part_o = cupy.empty((max(slots, 1), rows, hd), dtype=np.float32)
     part_lse = cupy.empty((max(slots, 1), rows), dtype=np.float32)
     # A counter per query tile (cuflash.kernels.counters: kept per stream, left zero by each launch's
     # last pieces; a captured call's own, zeroed by a memset node on every replay).
     flags, _held = counters.for_cupy_launch(tiles, np.uint32)  # (_held: kept until launched)
-    launch_forward(spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
+    launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
                    extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, np.uint64(flags)))
-
-
-def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
-    """(KernelSpec, HopperBwdTile) of the wgmma backward K/V kernel (same arguments as attn_bwd_kv)."""
-    bucket = schedule.head_dim_bucket(d)
-    t = tile or schedule.hopper_backward_tile(bucket, causal)
-    hd = schedule.hopper_backward_head_dim(bucket)  # the kernel's HEAD_DIM (192: the 256 kernel)
-    if t.split_d != (hd > 128):
-        raise ValueError(f"tile: split_d must be {hd > 128} at head dim {hd} (HopperBwdTraits::kSplitD)")
-    if t.split_d and t.ws:  # (its dQ halves do not fit the warp-specialized kernel's 64 x 64 dQ tiles)
-        t = dataclasses.replace(t, ws=False, persistent=False, math_stats=False)
-    if t.ws and (deterministic or not t.tma):  # the warp-specialized kernel adds dQ atomically, by TMA
-        t = dataclasses.replace(t, ws=False)
-    if t.persistent and not t.ws:  # only the warp-specialized kernel walks units
-        t = dataclasses.replace(t, persistent=False)
-    if t.persistent and not t.math_stats:  # its producer has no room for them
-        t = dataclasses.replace(t, math_stats=True)
-    if not t.ws and t.math_stats:
-        t = dataclasses.replace(t, math_stats=False)
-    if t.ws:
-        tail = "" if t.persistent else f", {'true' if t.math_stats else 'false'}"
-        expr = (f"attn_bwd_kv_wgmma_ws{'_persistent' if t.persistent else ''}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, "
-                f"{t.block_m}, {t.warpgroups}, {'true' if causal else 'false'}{tail}>")
-        return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
-    expr = (
-        f"attn_bwd_kv_wgmma{'_tma' if t.tma else ''}<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
-        f"{'true' if causal else 'false'}, {'false' if deterministic else 'true'}>"
-    )
-    return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
-
-
-def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
-    """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
-    from .backward import _CONVERT_THREADS
-
-    return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, true>",
-                      _CONVERT_THREADS, 0)
-
-
-def backward_tma(t: schedule.HopperBwdTile) -> schedule.HopperBwdTile:
-    """The tile with Q and dO fetched by TMA (attn_bwd_kv_wgmma_tma)."""
-    return t if t.tma else dataclasses.replace(t, tma=True, reason="TMA-fed " + t.reason)
-
-
-def all_hopper_backward_specs():
-    specs = [
-        backward_kv_spec(dtype, hd, causal, det, tile)[0]
-        for dtype in (FLOAT16, BFLOAT16)
-        for hd, t in schedule.HOPPER_BACKWARD_TILES.items()
-        for tile in ((dataclasses.replace(backward_tma(t), ws=False),) if t.split_d else  # (no cp.async variant: it spills)
-                     (dataclasses.replace(t, tma=False), dataclasses.replace(backward_tma(t), ws=False),
-                      dataclasses.replace(backward_tma(t), ws=True),
-                      dataclasses.replace(backward_tma(t), ws=True, math_stats=True),
-                      dataclasses.replace(backward_tma(t), ws=True, persistent=True)))
-        for causal in (False, True)
-        for det in (False, True)
-    ]
-    specs += [dq_convert_frag_spec(dtype, schedule.hopper_backward_head_dim(hd))
-              for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
-    return list(dict.fromkeys(specs))

@@ -23,6 +23,8 @@ import ctypes
 
 import numpy as np
 
+from . import device
+
 _ENABLED = True  # tests and probes switch it off to compare against the ordinary launch
 
 
@@ -34,11 +36,7 @@ def available() -> bool:
         from cuda.bindings import driver  # noqa: F401
     except ImportError:
         return False
-    import cupy
-
-    from .decode import _runs_clusters
-
-    return _runs_clusters(cupy.cuda.Device().id)
+    return device.compute_capability(device.current_id()) >= 90
 
 
 def _param_bytes(arg) -> bytes:

@@ -170,3 +170,6 @@ def device_name(device_id: int) -> str:
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         _NAMES[device_id] = name
     return name
+
+
+MAX_GRID_YZ = 65535  # a launch grid's y and z limit: batch entries and sequences go in chunks of this many

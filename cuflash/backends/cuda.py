@@ -1,0 +1,108 @@
+"""CUDA backend: a validated problem's arrays -> plan.dispatch's plan -> cuflash.kernels' launches,
+on CuPy's current stream. Outputs are written in place (o4 (B, Hq, Nq, d), lse3 (B, Hq, Nq) float32;
+the gradients dq4, dk4, dv4).
+
+The ``tile`` / ``hopper_tile`` / ``split`` / ``persistent_blocks`` arguments force a plan (tests,
+the schedule search and the tuner); without them the dispatch decides."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.arrays import FLOAT32
+from ..plan import dispatch
+from ..plan.forward import FP32_BAND
+from ..kernels import backward as backward_kernels
+from ..kernels import decode as decode_kernels
+from ..kernels import device, fp32, hopper
+from ..kernels import forward as forward_kernels
+from ..kernels.operands import describe, unit_d, vector_ok
+
+
+def _check_out(o4, p):
+    if o4.strides[-1] != o4.itemsize and p.d > 1:
+        raise ValueError("out: the head dim must have unit stride")
+
+
+def decode_applies(p, k4, v4) -> bool:
+    """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V)."""
+    return dispatch.decode_applies(p, vector_ok((k4, v4), p.d))
+
+
+def decode(p, q4, k4, v4, o4, lse3, **options):
+    """Split-KV decode (the caller checked decode_applies); options as kernels.decode.forward."""
+    decode_kernels.forward(p, q4, k4, v4, o4, lse3, **options)
+
+
+def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
+    """The forward of a validated problem. ``tile``: the portable kernel's TileConfig (or a
+    float32 tile), which skips the decode and Hopper kernels."""
+    if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
+    if tile is None and decode_applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV
+        decode_kernels.forward(p, qu, ku, vu, o4, lse3)
+        return
+    if p.window is not None:  # the band kernels (wgmma on sm_90)
+        forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
+        return
+    _check_out(o4, p)
+    target = device.current()
+    plan = dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper), tile=tile)
+    _launch_forward(plan, p, qu, ku, vu, o4, lse3)
+
+
+def forward_wgmma(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
+    """The wgmma forward on a forced tile and/or key split (plan.dispatch.wgmma_forward_plan; the
+    caller checked plan.hopper.applies)."""
+    target = device.current()
+    ops = describe(p.d, q4, k4, v4, o4, maps=True)
+    plan = dispatch.wgmma_forward_plan(p, target, ops, tile=tile, split=split)
+    hopper.launch(plan, p, q4, k4, v4, o4, lse3, persistent_blocks=persistent_blocks)
+
+
+def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None, tile=None):
+    """Sliding window and/or packed sequences (plan.dispatch.band_forward_plan); packed:
+    ``cu_seqlens=(cu_q, cu_k)`` and ``max_seqlen_q`` as kernels.forward.launch_band takes them."""
+    if np.dtype(p.dtype) == FLOAT32:
+        raise NotImplementedError(FP32_BAND)
+    if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
+    _check_out(o4, p)
+    ops = dispatch.Operands(vec=vector_ok((q4, k4, v4, o4), p.d))
+    plan = dispatch.band_forward_plan(p, device.current(), ops, tile=tile)
+    forward_kernels.launch_band(plan, p, q4, k4, v4, o4, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
+
+
+def _launch_forward(plan, p, q4, k4, v4, o4, lse3):
+    if plan.kernel in ("wgmma", "wgmma_split"):
+        hopper.launch(plan, p, q4, k4, v4, o4, lse3)
+    else:
+        forward_kernels.launch_forward(plan.spec, plan.block_m, p, q4, k4, v4, o4, lse3)
+
+
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
+             cu_seqlens=None, max_seqlens=None):
+    """The gradients of a validated problem into dq4, dk4, dv4. A window (p.window) or packed
+    sequences (``cu_seqlens=(cu_q, cu_k)`` device int32 offsets, ``max_seqlens=(longest q,
+    longest k)`` host ints; the arrays are (1, H, total, d) views of the packed ones) run the band
+    kernels. ``tile`` / ``hopper_tile``: forced tiles (plan.dispatch.backward_plan)."""
+    packed = cu_seqlens is not None
+    if packed and max_seqlens is None:
+        raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
+    target = device.current()
+    if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic on the FMA pipes or float64 tensor cores
+        plan = dispatch.backward_plan(p, target, dispatch.Operands(vec=False), deterministic=deterministic,
+                                      packed=packed, tile=tile, hopper_tile=hopper_tile)
+        fp32.launch_backward(plan, p, do4, q4, k4, v4, dq4, dk4, dv4)
+        return
+    if p.batch == 0 or p.hq == 0:
+        return
+    do4, q4, k4, v4, o4 = (unit_d(a) for a in (do4, q4, k4, v4, o4))
+    ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)
+    plan = dispatch.backward_plan(p, target, ops, deterministic=deterministic, packed=packed, tile=tile,
+                                  hopper_tile=hopper_tile)
+    band = p.window is not None or packed
+    backward_kernels.launch(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, band=band,
+                            cu_seqlens=cu_seqlens, max_seqlens=max_seqlens)

@@ -1,0 +1,198 @@
+"""The one dispatch: which kernel, tile and schedule run a validated problem on a target GPU.
+
+Every launcher (cuflash.kernels, through cuflash.backends.cuda), the accounting and the tuner read
+these plans, so what is launched, what is counted and what is compiled in CI cannot drift apart.
+A plan depends on the problem, the target (plan.target.Target: sm_90 or not, its SM count) and a
+few facts of the call's arrays (Operands); an explicit tile (schedule search, tests) overrides the
+tables, and with ``CUFLASH_TUNE`` the tuning cache's winner does (plan.tuning).
+
+Order of the forward's choice:
+  few query rows per K/V head over a long cache -> split-KV decode (plan.decode);
+  a window or packed sequences -> the band kernels (wgmma on sm_90, else mma.sync);
+  sm_90, 16-bit, 16-byte-aligned rows, a head dim of the Hopper tables -> the wgmma forward, on a
+  tile that depends on the shape (persistent, long rows, a key split of short full-attention grids);
+  everything else -> the portable mma.sync kernel (float32: the float64 kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.arrays import FLOAT32
+from . import decode, hopper, schedule, tuning
+from .backward import backward_specs, dq_convert_spec
+from .device_limits import MAX_GRID_YZ
+from .forward import FP32_BAND, forward_spec
+from .fp32 import backward_specs_fp32
+from .spec import KernelSpec
+from .target import Target
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What the dispatch reads of a call's arrays."""
+
+    vec: bool  # every array: d % 8 == 0, 16-byte aligned bases and row strides (16-byte loads)
+    tma_q: bool = False  # q (backward: q and dO) readable through tensor maps
+    tma_kv: bool = False  # k and v readable through tensor maps
+    kv_vec: bool = False  # k and v alone allow 16-byte loads (split-KV decode)
+
+
+ALIGNED = Operands(vec=True, tma_q=True, tma_kv=True, kv_vec=True)  # contiguous arrays: what the accounting models
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split"
+    spec: KernelSpec
+    tile: object  # schedule.TileConfig, schedule.HopperTile or plan.fp32.Fp32TileConfig
+    splits: int = 0  # wgmma_split: key pieces per query tile
+
+    @property
+    def block_m(self) -> int:
+        return self.tile.block_m
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    kernel: str  # "mma" | "band" | "wgmma" (the K/V kernel on wgmma) | "fp32"
+    specs: dict  # role -> KernelSpec: prep, kv, convert and, deterministic, dq (fp32: dq, kv)
+    head_dim: int  # the head-dim bucket of the portable kernels
+    tile: object  # schedule.BackwardTile (the prep / dq / convert kernels') or plan.fp32.Fp32BackwardTile
+    hopper: schedule.HopperBwdTile | None = None  # the wgmma K/V kernel's tile
+    kv_block_n: int = 0  # keys per block of the K/V kernel that runs
+    frag_dq: bool = False  # the warp-specialized K/V kernel: a fragment-order dQ accumulator
+    acc_head_dim: int = 0  # floats per row of the float32 dQ accumulator
+
+
+def _known(p, *names) -> bool:
+    """Whether the problem gives these fields (the accounting may plan without lengths or a grid:
+    the tables' tiles then)."""
+    return all(getattr(p, f, None) is not None for f in names)
+
+
+def decode_applies(p, kv_vec: bool) -> bool:
+    """Split-KV decode takes few query rows per K/V head over a long cache, with 16-byte loads of K
+    and V (unaligned caches take the prefill kernel, whose scalar-load path handles them)."""
+    return p.nq <= 16 and p.nk >= decode.MIN_KEYS and decode.row_tiles_for(p) is not None and kv_vec
+
+
+def decode_tma_applies(p, tile, target: Target, tma_kv: bool) -> bool:
+    """Whether attn_decode_tma can run this problem with this tile: sm_90 with cuda-bindings, d of
+    64 or 128, few enough packed rows, K and V rows whose base and strides TMA can address."""
+    if p.d not in schedule.DECODE_TMA_TILES or decode.row_blocks(p) > 1 or decode.row_tiles_for(p) > tile.max_row_tiles:
+        return False
+    return target.hopper and tma_kv
+
+
+def forward_plan(p, target: Target, ops: Operands, *, tile=None, tuned: bool = True, autotuner=None) -> ForwardPlan:
+    """The prefill forward's plan (the caller checked decode_applies first). ``tile``: a forced
+    tile of the portable kernel; ``tuned``: consult the tuning cache (``autotuner``: a
+    plan.tuning autotuner factory for CUFLASH_TUNE=1's first use)."""
+    if getattr(p, "window", None) is not None:
+        return band_forward_plan(p, target, ops, tile=tile)
+    if tile is None and hopper.applies(p, ops.vec, target):
+        picked = tuning.pick_hopper_forward_tile(p, target, autotuner) if tuned else None
+        if picked is not None and picked.tma and not (ops.tma_q and ops.tma_kv):
+            picked = None  # a TMA winner, rows TMA cannot address: the cp.async kernel's tile
+        return wgmma_forward_plan(p, target, ops, tile=picked)
+    if tile is None and ops.vec and tuned:
+        tile = tuning.pick_forward_tile(p, target, autotuner)
+    spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, ops.vec, tile, target=target)
+    return ForwardPlan("mma", spec, tile)
+
+
+def wgmma_forward_plan(p, target: Target, ops: Operands, *, tile=None, split=None) -> ForwardPlan:
+    """The wgmma forward (the caller checked hopper.applies). Without a tile: the TMA kernel on
+    the shape's tile (hopper.default_tile) where the rows are TMA-addressable, else the cp.async
+    kernel's. ``split``: the key split of full attention on a per-tile TMA tile - None: the
+    plan's choice (hopper.split_plan), False: none, an int: that many pieces per query tile."""
+    addressable = ops.tma_q and ops.tma_kv
+    grid = _known(p, "nq", "nk", "batch", "hq")
+    if split is None and addressable and (tile is None or (tile.tma and not tile.persistent)) and grid:
+        if tile is None:
+            auto = hopper.auto_split(p, target.sm_count)
+            if auto is not None:
+                tile, split = auto
+        else:
+            split = hopper.split_plan(p, tile, target.sm_count)
+    if tile is None:
+        tile = (hopper.default_tile(p.d, p.causal, p.nq, p.nk) if addressable and _known(p, "nq", "nk")
+                else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(p.d)] if addressable
+                else hopper.cp_async_tile(p.d))
+    spec, t = hopper.forward_spec(p.dtype, p.d, p.causal is not None, tile)
+    if t.tma and not addressable:
+        raise ValueError("tile: the TMA-fed kernel needs cuda-bindings and 16-byte aligned rows and strides")
+    if split:
+        if p.causal is not None or not t.tma or p.batch > MAX_GRID_YZ or not 1 <= split <= 64:
+            raise ValueError(f"split={split}: the key split needs full attention, a TMA tile, at most "
+                             f"{MAX_GRID_YZ} batch entries and 1 <= split <= 64")
+        spec, _ = hopper.split_spec(p.dtype, p.d, t)
+        return ForwardPlan("wgmma_split", spec, t, splits=int(split))
+    return ForwardPlan("wgmma", spec, t)
+
+
+def band_forward_plan(p, target: Target, ops: Operands, *, tile=None) -> ForwardPlan:
+    """Sliding window and/or packed sequences: attn_fwd_wgmma_band where hopper.applies (and no
+    tile is forced), else attn_fwd_band (every GPU, 16-bit inputs)."""
+    if np.dtype(p.dtype) == FLOAT32:
+        raise NotImplementedError(FP32_BAND)
+    if tile is None and hopper.applies(p, ops.vec, target):  # same arguments, grid and lse layout
+        spec, t = hopper.forward_band_spec(p.dtype, p.d)
+        return ForwardPlan("wgmma_band", spec, t)
+    spec, t = forward_spec(p.dtype, p.d, True, ops.vec, tile, band=True)
+    return ForwardPlan("band", spec, t)
+
+
+def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = False, packed: bool = False, tile=None,
+                  hopper_tile=None, tuned: bool = True, autotuner=None) -> BackwardPlan:
+    """The backward's kernels. ``tile``: the portable kernels' BackwardTile; ``hopper_tile`` (a
+    schedule.HopperBwdTile): the wgmma K/V kernel's, only where hopper.backward_applies (else
+    ValueError). A window or packed sequences run the band kernels."""
+    band = getattr(p, "window", None) is not None or packed
+    causal = p.causal is not None
+    if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic (plan.fp32), deterministic either way
+        if band:
+            raise NotImplementedError(FP32_BAND)
+        if tile is not None or hopper_tile is not None:
+            raise ValueError("tile / hopper_tile: float32 runs its own kernels (plan.fp32.BACKWARD_TILES_FP32)")
+        specs, hd, t = backward_specs_fp32(p.d, causal, target=target)
+        return BackwardPlan("fp32", specs, hd, t, kv_block_n=t.kv_block_n)
+    kv = None
+    if hopper_tile is not None:
+        if band or not hopper.backward_applies(p, ops.vec, target):
+            raise ValueError("hopper_tile: the wgmma backward K/V kernel does not run for this problem here (it needs "
+                             "sm_90, float16/bfloat16 with 16-byte-aligned rows, a head dim of HOPPER_BACKWARD_TILES "
+                             f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {hopper.ENV}=auto)")
+        kv = hopper.backward_kv_spec(p.dtype, p.d, causal, deterministic, tile=hopper_tile)
+    elif tile is None and not band and hopper.backward_applies(p, ops.vec, target):
+        picked = tuning.pick_hopper_backward_tile(p, target, deterministic, autotuner) if tuned else None
+        kv = hopper.backward_kv_spec(p.dtype, p.d, causal, deterministic, tile=picked)
+    if kv is not None and kv[1].tma and not (ops.tma_q and (ops.tma_kv or not kv[1].persistent)):
+        if hopper_tile is not None:
+            raise ValueError("hopper_tile: the TMA kernel needs cuda-bindings and 16-byte aligned Q/dO rows and strides")
+        # The cp.async variant of a split-head-dim tile spills (255 registers), so the mma.sync kernels run.
+        kv = None if kv[1].split_d else hopper.backward_kv_spec(
+            p.dtype, p.d, causal, deterministic, tile=dataclasses.replace(kv[1], tma=False, ws=False))
+    if kv is not None and kv[1].persistent and _known(p, "nk", "hkv", "batch") and (
+            -(-p.nk // kv[1].block_n) * p.hkv * min(p.batch, MAX_GRID_YZ) >= 2**31):  # int32 unit count
+        kv = hopper.backward_kv_spec(p.dtype, p.d, causal, deterministic,
+                                     tile=dataclasses.replace(kv[1], persistent=False))
+    if tile is None and ops.vec and kv is None and not band and tuned:
+        tile = tuning.pick_backward_tile(p, target, deterministic, autotuner)
+    specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band)
+    kv_block_n = t.block_n
+    frag_dq = kv is not None and kv[1].ws
+    # Rows of the accumulator: the wgmma K/V kernel adds dQ rows of its own HEAD_DIM (192: 256).
+    acc_hd = schedule.dq_accumulator_width(hd, kv is not None and not deterministic)
+    if kv is not None:
+        specs["kv"], kv_block_n = kv[0], kv[1].block_n
+    if frag_dq:
+        specs["convert"] = hopper.dq_convert_frag_spec(p.dtype, acc_hd)
+    elif acc_hd != hd:
+        specs["convert"] = dq_convert_spec(p.dtype, acc_hd)
+    kernel = "wgmma" if kv is not None else "band" if band else "mma"
+    return BackwardPlan(kernel, specs, hd, t, kv[1] if kv is not None else None, kv_block_n, frag_dq, acc_hd)
