@@ -141,6 +141,18 @@ def check_flag(name, value):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
+MAX_HEAD_DIM = 256  # the largest head dim of the kernels' tile tables (plan.schedule.HEAD_DIM_BUCKETS)
+
+
+def check_head_dim(d: int):
+    """Every backend takes the head dims the GPU kernels take, 1 to MAX_HEAD_DIM, so that a
+    problem that runs on the NumPy backend also runs on the GPU."""
+    if d == 0:
+        raise ValueError("q: head dim d must be at least 1")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
+
+
 def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
     """Check q, k, v and the options; return the Problem or raise ValueError/TypeError."""
     check_layout(layout)
@@ -168,8 +180,7 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window
         raise ValueError(f"v: head dim {dv} must equal q's head dim {d} (equal widths only)")
     if (hv, nv) != (hkv, nk):
         raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
-    if d == 0:
-        raise ValueError("q: head dim d must be at least 1")
+    check_head_dim(d)
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
     scale = check_scale(scale, d)
@@ -383,8 +394,7 @@ def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None
     if block_table.ndim != 2 or block_table.shape[0] != qb:
         raise ValueError(f"block_table: expected shape ({qb}, max_blocks) (q's batch, pages per sequence), "
                          f"got {tuple(block_table.shape)}")
-    if d == 0:
-        raise ValueError("q: head dim d must be at least 1")
+    check_head_dim(d)
     scale = check_scale(scale, d)
     nk = block_table.shape[1] * bs
     return Problem(xp, layout, (qb,), hq, hkv, nq, nk, d, dtype, masks.normalize_causal(causal), scale,

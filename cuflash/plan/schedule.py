@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..core.problem import MAX_HEAD_DIM
+
 # Head dims are padded on chip to the next of these; the swizzled shared-memory layout needs a
 # row of 32 elements or a multiple of 64 (8 chunks of 16 bytes), and loads zero-fill the padding.
 HEAD_DIM_BUCKETS = (32, 64, 128, 192, 256)
-MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+assert HEAD_DIM_BUCKETS[-1] == MAX_HEAD_DIM  # validation (core.problem) admits exactly the tables' head dims
 
 
 @dataclass(frozen=True)
