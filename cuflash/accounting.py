@@ -615,12 +615,12 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
             slots, tile_rows, width = key_split
             E += [MemoryEntry("O partials (key split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
                               f"float32 {slots} pieces x {tile_rows} rows x {width}: a grid under one wave splits its "
-                              "query tiles by keys, all pieces of a tile but its last (gpu_hopper.split_plan)", phase="fwd"),
+                              "query tiles by keys, all pieces of a tile but its last (plan.hopper.split_plan)", phase="fwd"),
                   MemoryEntry("LSE partials (key split)", WORKSPACE, slots * tile_rows * LSE_ITEMSIZE,
                               f"float32 {slots} pieces x {tile_rows} rows", phase="fwd")]
             notes.append("the key split also keeps a 4 KiB counter buffer per device and stream from its first "
                          "launch on (zeroed again by every launch; not counted per call)")
-        if bwd and p.dtype == FLOAT32:  # gpu_fp32: no dQ accumulator; float64 row statistics
+        if bwd and p.dtype == FLOAT32:  # float32 kernels (plan.fp32): no dQ accumulator; float64 row statistics
             E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp recomputed by the dQ kernel "
                               "(base 2), B*Hq*Nq*8; the saved float32 LSE is not read", phase="bwd"),
                   MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(P*dP), B*Hq*Nq*8", phase="bwd")]
@@ -931,7 +931,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             visited += r > 0
             bwd_computed += r * (min(nk, col0 + bbn) - col0)
         bwd_computed *= bh
-        if bl is not None and bl.fp64:  # gpu_fp32: the dQ kernel's two passes form LSE and D itself
+        if bl is not None and bl.fp64:  # float32 kernels: the dQ kernel's two passes form LSE and D itself
             dq_keys, _ = _kv_tile_reads(causal, nq, nk, bl.dq_block_m, bl.dq_block_n)
             entries += [
                 IOEntry(p + "Q (dQ kernel)", qe, 0, s, "read once"),

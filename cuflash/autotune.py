@@ -327,7 +327,7 @@ def forward_launcher(op: str):
 
 
 def backward_tile_kwargs(op: str, tile) -> dict:
-    """The keyword gpu_backward.backward takes backward op's tile by: the wgmma K/V kernel's
+    """The keyword backends.cuda.backward takes backward op's tile by: the wgmma K/V kernel's
     HopperBwdTile goes to hopper_tile (which also keeps the mma.sync tile out of the way)."""
     return {"hopper_tile": tile} if op == "bwd_wgmma" else {"tile": tile}
 
@@ -356,7 +356,7 @@ class GpuTuner:
             raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU; {self.limits.name} is cc {self.limits.cc}")
         if op == "bwd_wgmma":
 
-            if not config.hopper_kernels():  # gpu_backward.backward would refuse every hopper_tile
+            if not config.hopper_kernels():  # backends.cuda.backward would refuse every hopper_tile
                 raise ValueError(f"{op}: {config.KERNELS}=mma_sync turns the wgmma backward off")
         self.base = base
         self.causal = p.causal is not None
@@ -535,9 +535,9 @@ def _text_progress(prefix, stream=None):
 
 
 def ops_that_run(hd: int, cc: int) -> tuple:
-    """The tuned kernels that gpu.forward and gpu_backward.backward launch for 16-bit,
+    """The tuned kernels that backends.cuda.forward and backends.cuda.backward launch for 16-bit,
     16-byte-aligned inputs of head-dim bucket hd on compute capability cc (the conditions of
-    gpu_hopper.applies / backward_applies): the forward, "fwd_wgmma" or "fwd", and the backward's
+    plan.hopper.applies / backward_applies): the forward, "fwd_wgmma" or "fwd", and the backward's
     K/V kernel, "bwd_wgmma" or "bwd"."""
 
     hopper = cc == 90 and config.hopper_kernels()

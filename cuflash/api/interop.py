@@ -34,7 +34,7 @@ scratch) belongs to CuPy's pool on that stream: like torch's caching allocator, 
 another stream must be kept alive until that stream is done with it.
 
 Devices: all inputs must live on one device (else ValueError); the call runs inside
-``cupy.cuda.Device(n)`` so allocations, compiled modules (cached per device by _build) and launches
+``cupy.cuda.Device(n)`` so allocations, compiled modules (cached per device by kernels.build) and launches
 are on device n.
 
 Mixing kinds (say a torch tensor and a CuPy array) raises TypeError naming the odd argument. torch

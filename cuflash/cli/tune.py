@@ -107,7 +107,7 @@ def main_schedules(argv) -> int:
 
     if args.device == "h200" or (args.device == "auto" and gpu_unavailable_reason() is not None):
         limits = device_limits.H200
-        where = "recorded H200 limits (/work/shared/reference/device-facts.md)"
+        where = "recorded H200 limits (cuflash.plan.device_limits.H200)"
     else:
         if gpu_unavailable_reason() is not None:
             print(f"cuflash schedules: --device current, but {gpu_unavailable_reason()}", file=sys.stderr)

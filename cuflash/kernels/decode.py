@@ -80,7 +80,7 @@ class DecodeLaunch(NamedTuple):
         return head + (p.d,), head
 
     def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table):
-        """split_done: the pairs' split counters (stream_counters.zeroed) for the merge by the last split,
+        """split_done: the pairs' split counters (counters.zeroed) for the merge by the last split,
         or a null pointer (one split, or attn_decode_combine merges)."""
         if self.plan.cluster:  # the cluster merges in shared memory: no workspace parameters
             return (q4, k4, v4, o4, lse3, lens, table, *self.middle)
@@ -114,8 +114,8 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
             cluster=None, merge=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
-    kernel (sm_90, d 64/128, see plan.dispatch.decode_tma_applies): measured no faster than the cp.async kernel on
-    the H200 (decode probe, 7366127), so it runs only when asked for. `paged` = (block_table,
+    kernel (sm_90, d 64/128, see plan.dispatch.decode_tma_applies): measured no faster than the
+    cp.async kernel on the H200, so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
     splits merge (see launch_plan): None picks, False forces the float32 workspace, True the cluster
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
@@ -157,10 +157,10 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
 # ~25-45 us more host time, which a shorter call (host-bound without a CUDA graph) would pay.
 # A packed launch (cuflash.api.prepared, the plan cache) costs no more host time that way, so it
 # always does: 1-2 us less per call on short caches (B=1 Hkv=8 L=32k, 24 splits: 45.5 vs 47.6 us;
-# L=8k, 16 splits: 21.9 vs 22.8; evidence-20261201/sweep_longpdl_*.json). Except from
+# L=8k, 16 splits: 21.9 vs 22.8). Except from
 # PDL_COMBINE_MAX_SPLITS splits on, where waiting on the device measured slower (one K/V head, Hq=32,
 # B=1, the sliced combine: L=128k, 256 splits, 44.4 vs 37.0 us; L=32k, 128 splits, 24.5 vs 23.6;
-# 33-64 splits within 1% either way; evidence-20261201c/wide_pdl*.txt).
+# 33-64 splits within 1% either way).
 PDL_COMBINE_MIN_BYTES = 512 << 20
 
 
@@ -169,7 +169,7 @@ PDL_COMBINE_MAX_SPLITS = 128
 
 def combine_programmatic(p, packed: bool = False, splits: int = 1) -> bool:
     """Whether the combine kernel after `splits` splits runs as the split kernel's programmatic
-    dependent (`packed`: launched from a _launch.PackedLaunch)."""
+    dependent (`packed`: launched from a packed_launch.PackedLaunch)."""
     if splits >= PDL_COMBINE_MAX_SPLITS:
         return False
     return packed or 2 * p.batch * p.hkv * p.nk * p.d * np.dtype(p.dtype).itemsize >= PDL_COMBINE_MIN_BYTES

@@ -9,7 +9,7 @@ slots. Each parameter gets its own 8-byte slot (the driver copies each parameter
 its slot, so 4-byte scalars sit in the low bytes: little-endian hosts only, as CUDA's are).
 
 The kernel's own attributes (dynamic shared memory opt-in, cluster dimensions compiled in with
-``__cluster_dims__``) are the function's, set once by _build.get_function, so the plain launch is
+``__cluster_dims__``) are the function's, set once by kernels.build.get_function, so the plain launch is
 the same launch CuPy makes.
 """
 

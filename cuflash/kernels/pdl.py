@@ -7,12 +7,11 @@ stream-serialization attribute.
 The dependent kernel must not read what the previous one writes before `griddepcontrol.wait`
 (cuda_src/common.cuh, pdl_wait). Its user: decode's combine kernel, whose blocks are resident and
 waiting when the split kernel's last block ends instead of launching after it (H200: +0.3% on the
-long-context cell that merges that way, +3% where the combine is forced on a 4k cache;
-benchmarks/results/evidence-20261130g/pdl_decode.log). On the H200 the stream order stays
-transitive: work after a dependent that never waits still starts after the kernel before it
-(tests/test_gpu_pdl.py). Where this is unavailable (no cuda-bindings, a GPU before sm_90)
-`launch` is CuPy's ordinary launch, also correct: the instructions are no-ops without a
-programmatic dependency.
+long-context cell that merges that way, +3% where the combine is forced on a 4k cache). On the
+H200 the stream order stays transitive: work after a dependent that never waits still starts after
+the kernel before it (tests/test_gpu_pdl.py). Where this is unavailable (no cuda-bindings, a GPU
+before sm_90) `launch` is CuPy's ordinary launch, also correct: the instructions are no-ops
+without a programmatic dependency.
 
 Host cost: ~25-45 us more per launch than CuPy's (the ctypes parameter buffers and the
 cuda-bindings call), so it is used only where the GPU time is long next to it."""
@@ -25,7 +24,7 @@ import numpy as np
 
 from . import device
 
-_ENABLED = True  # tests and probes switch it off to compare against the ordinary launch
+_ENABLED = True  # tests switch it off to compare against the ordinary launch
 
 
 def available() -> bool:

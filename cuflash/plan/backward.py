@@ -92,7 +92,7 @@ def workspace_bytes(p, frag_dq: bool = False, hopper_atomic: bool = False) -> in
     """Device bytes the backward allocates beyond dq, dk, dv: the float32 dQ accumulator (rows
     padded to the head-dim bucket, or with hopper_atomic - the wgmma K/V kernel adds dQ - to its
     HEAD_DIM; with frag_dq, the warp-specialized wgmma kernel's, each head's Nq padded to 64) and D.
-    float32 inputs: the float64 lse2 and D of gpu_fp32.backward_workspace_bytes."""
+    float32 inputs: the float64 lse2 and D of plan.fp32.backward_workspace_bytes."""
     if np.dtype(p.dtype) == FLOAT32:
         return fp32_workspace_bytes(p)
     width = schedule.dq_accumulator_width(schedule.head_dim_bucket(p.d), hopper_atomic)

@@ -75,11 +75,11 @@ def row_blocks(p, sm_count=None) -> int:
 
 # At d=64 the planner's blocks of 3-4 row tiles (one K/V head's 33-64 packed rows) lose to twice as
 # many blocks of at most this many rows, each reading the K/V head, unless their splits merge in a
-# 2-block cluster. tools/mqa_rows_probe.py (twenty-third session, evidence-20261201e/), Hq=64 Hkv=1,
-# x the faster of cuDNN / FA2, one block of four row tiles -> two of two: B=8 L=16k 0.76 -> 0.94,
-# B=16 L=8k / 16k 0.68 / 0.68 -> 0.85 / 0.80, B=32 L=4k / 8k / 16k 0.63 / 0.69 / 0.75 -> 0.79 / 0.82 /
-# 0.84, B=64 L=2k / 4k / 8k / 16k 0.62 / 0.63 / 0.65 / 0.69 -> 0.88 / 0.82 / 0.77 / 0.73; in 2-block
-# clusters (B=128, L=2k-8k) the four-row-tile blocks stay ahead, 0.71-0.73 against 0.66-0.70.
+# 2-block cluster. H200, Hq=64 Hkv=1, x the faster of cuDNN / FA2, one block of four row tiles ->
+# two of two: B=8 L=16k 0.76 -> 0.94, B=16 L=8k / 16k 0.68 / 0.68 -> 0.85 / 0.80, B=32 L=4k / 8k /
+# 16k 0.63 / 0.69 / 0.75 -> 0.79 / 0.82 / 0.84, B=64 L=2k / 4k / 8k / 16k 0.62 / 0.63 / 0.65 / 0.69
+# -> 0.88 / 0.82 / 0.77 / 0.73; in 2-block clusters (B=128, L=2k-8k) the four-row-tile blocks stay
+# ahead, 0.71-0.73 against 0.66-0.70.
 _WIDE_D64_ROWS = 32
 
 
@@ -113,8 +113,7 @@ def _short_blocks(p, sm_count: int) -> bool:
     26.4 (24.0). Where the splits are longer, two row tiles stay: Hq=32 B=1 L=128k 35.6 / 35.6, B=8
     L=32k 48.8 / 54.4; Hq=64 B=1 L=64k 30.6 / 33.1, B=2 L=32k 30.5 / 31.9; Hq=128 B=1 L=32k 29.8 / 31.9.
     d=64 (32-key tiles: splits of >= 512 keys), B=1: Hq=32 L=32k 21.4 / 15.2 (14.9), L=128k 28.9 / 22.7
-    (26.2); Hq=64 L=32k (four row tiles) 29.9 / 16.4 (16.8). tools/row_block_probe.py,
-    evidence-20261201d/row-blocks/ and final-e6a603b/.)"""
+    (26.2); Hq=64 L=32k (four row tiles) 29.9 / 16.4 (16.8).)"""
     t, waves = _own_launch_tile(p, sm_count)
     return -(-span_keys(p) // _min_split_keys(t)) <= _wanted_splits(p, sm_count, waves)
 
@@ -170,40 +169,26 @@ def _launch_problem_and_tile(p, sm_count: int, splits, tile, waves, cluster):
 # The planner's own launch (no caller's tile, splits or waves; cluster not forced on) takes the
 # wide-rows tile (schedule.DECODE_TILES_WIDE_ROWS: a row tile per warp over all of a step's keys,
 # FA2's order) for K/V heads of more than two row tiles of packed rows (MQA with Hq >= 48 at nq = 1,
-# nq = 16 tokens of a GQA group of 4), except where its splits would be held down by the shortest
-# split (_short_blocks: B = 1-6 in the probes, where the table's blocks stayed ahead at 10 of 11
-# shapes, evidence-20261201f/short-splits/) and it would launch few blocks (WIDE_SHORT_MIN_WAVES).
-# tools/wide_rows_probe.py (twenty-fourth session, evidence-20261201f/), Hkv=1, x the faster of cuDNN / FA2, planner -> wide: d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77
-# -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64 B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64
-# L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90, Hq=48 B=64 L=16k 0.76 -> 1.01; short splits stay:
-# Hq=64 B=1 L=32k d=128 0.87 against 0.81, Hq=128 B=1 L=16k 0.86 against 0.81. At 32 packed rows
-# (Hq=32) the two-row-tile blocks stay ahead (1.05 against 1.02 at B=8 L=32k).
-# CUFLASH_DECODE_WIDE_ROWS=0 turns the rule off (A/B).
-# Short splits after the block ring's predicate-free copy (075d3cb made the wide kernel 2-8% faster):
-# the wide tile still takes them where its own launch has at least this many blocks per SM (its
-# split count is held down by its shortest split there). tools/wide_rows_probe.py short (twenty-fifth
-# session, two passes, evidence-20261201g/), Hkv=1, x the faster peer, table -> wide: d=128 with
-# 256 wide blocks B=2 Hq=48 L=32k 0.92 -> 1.00, B=4 Hq=64 L=16k 0.93 -> 0.98; 192: B=3 Hq=64 L=16k
-# 0.93 -> 0.94, B=6 Hq=64 L=8k 0.93 -> 0.94; with 128 (then, before the Q fix below) the table's
-# one-row-tile blocks stayed ahead
-# (B=1 Hq=64 L=32k 0.89 against 0.83, B=2 Hq=64 L=16k 0.90 / 0.86, B=4 Hq=64 L=8k 0.87 / 0.83,
-# B=1 Hq=128 L=16k 0.87 / 0.83; B=1 Hq=48 L=32k 0.89 / 0.89). d=64 with 128 wide blocks: B=1 Hq=128
-# L=32k 1.01 -> 1.06, B=4 Hq=64 L=16k 0.99 -> 1.04; with 48-64 the table stays ahead (B=2 Hq=64 L=16k
-# 0.97 against 0.87, B=1 Hq=64 L=32k 1.00 / 0.89, B=2 Hq=128 L=8k 0.97 / 0.86). Nor where the table's
-# own launch merges its splits in a cluster: the 50 shapes this rule moved (d=64 / 128, B=1-16, MQA
-# Hq=48-128 and nq=16 GQA) ran the wide tile 0-10% faster, except three of those, at d=64: B=4
-# Hq=32 Hkv=8 nq=16 L=2k 1.28 against 1.49, B=16 Hq=48 L=4k 1.09 / 1.19, B=16 Hq=128 L=2k 0.92 /
-# 1.02 (the other three: +-0-3%). Examples of the rest: d=128 B=1 Hq=128 L=32k 0.91 -> 0.99, B=8
-# Hq=48 L=8k 0.90 -> 0.99, B=1 Hq=32 Hkv=8 nq=16 L=8k 1.58 -> 1.68; d=64 B=2 Hq=128 L=16k 0.98 ->
-# 1.05 (x the faster peer, two passes; evidence-20261201g/short-rule/).
-# d=128 went from 1.4 to 0.9 once the wide block's Q was loaded in one round trip (attn_decode's
-# kQBatch; its block start 5.6-6.7 -> 2.6 us, block trace): 128 wide blocks now beat the table's
-# one-row-tile blocks at every one of the 16 shapes the change moved that were probed (twenty-sixth
-# session, two passes, x cuDNN, table -> wide; evidence-20261201h/short-rule/moved.log): B=1 Hq=64
-# L=32k 0.91 -> 0.94, Hq=48 0.91 -> 0.96, Hq=128 L=16k 0.88 -> 0.91, B=2 Hq=64 L=16k 0.91 -> 0.96,
-# B=4 Hq=64 L=8k 0.89 -> 0.94, B=8 Hq=64 L=4k 0.87 -> 0.91, GQA nq=16 B=5 L=1k 0.94 -> 1.41, nq=4
-# Hkv=2 B=4 L=4k 2.57 -> 2.68. With 64 wide blocks the table stays ahead (B=1 Hq=64 L=16k 0.92 vs 0.89
-# at 128 splits, L=8k 0.95 vs 0.87; short.log).
+# nq = 16 tokens of a GQA group of 4). H200, Hkv=1, x the faster of cuDNN / FA2, planner -> wide:
+# d=128 Hq=64 B=8 L=32k 0.82 -> 0.92, B=32 L=16k 0.77 -> 0.95, B=64 L=4k 0.74 -> 0.83; d=64 Hq=64
+# B=8 L=16k 0.93 -> 1.14, B=32 L=8k 0.83 -> 1.03, B=64 L=4k 0.84 -> 0.93, B=128 L=2k 0.70 -> 0.90,
+# Hq=48 B=64 L=16k 0.76 -> 1.01. At 32 packed rows (Hq=32) the two-row-tile blocks stay ahead
+# (1.05 against 1.02 at B=8 L=32k).
+# Where its splits are held down by the shortest split (_short_blocks) the wide tile needs at least
+# WIDE_SHORT_MIN_WAVES blocks per SM (two passes, x cuDNN, table -> wide). d=128 with 128 wide
+# blocks (since the wide block loads Q in one round trip, attn_decode's kQBatch: block start
+# 5.6-6.7 -> 2.6 us) won at all 16 shapes measured: B=1 Hq=64 L=32k 0.91 -> 0.94, Hq=48 0.91 ->
+# 0.96, Hq=128 L=16k 0.88 -> 0.91, B=2 Hq=64 L=16k 0.91 -> 0.96, B=4 Hq=64 L=8k 0.89 -> 0.94, B=8
+# Hq=64 L=4k 0.87 -> 0.91, GQA nq=16 B=5 L=1k 0.94 -> 1.41, nq=4 Hkv=2 B=4 L=4k 2.57 -> 2.68; with
+# 64 the table stays ahead (B=1 Hq=64 L=16k 0.92 vs 0.89 at 128 splits, L=8k 0.95 vs 0.87). d=64
+# (x the faster peer) with 128 wide blocks: B=1 Hq=128 L=32k 1.01 -> 1.06, B=4 Hq=64 L=16k 0.99 ->
+# 1.04; with 48-64 the table stays ahead (B=2 Hq=64 L=16k 0.97 against 0.87, B=1 Hq=64 L=32k 1.00 /
+# 0.89, B=2 Hq=128 L=8k 0.97 / 0.86).
+# Nor with short splits where the table's own launch merges its splits in a cluster: the 50 shapes
+# this moved (d=64 / 128, B=1-16, MQA Hq=48-128 and nq=16 GQA) ran the wide tile 0-10% faster,
+# except three at d=64 (B=4 Hq=32 Hkv=8 nq=16 L=2k 1.28 against 1.49, B=16 Hq=48 L=4k 1.09 / 1.19,
+# B=16 Hq=128 L=2k 0.92 / 1.02); e.g. d=128 B=1 Hq=128 L=32k 0.91 -> 0.99, B=8 Hq=48 L=8k 0.90 ->
+# 0.99, B=1 Hq=32 Hkv=8 nq=16 L=8k 1.58 -> 1.68 (x the faster peer, two passes).
 WIDE_SHORT_MIN_WAVES = {64: 0.9, 128: 0.9}
 WIDE_ROWS_AUTO = True  # the planner may take the wide-rows tile (tests turn it off to reach the table)
 
@@ -358,12 +343,11 @@ def num_splits(p, tile, sm_count: int, waves: int | None = None) -> int:
     pairs than SMs the count is rounded down, so that the splits fit the SMs' block slots in one
     round: a few more blocks than slots ran as a second round or a third block on some SMs (H200,
     bf16 d=128 Hq=32 Hkv=8, us against cuDNN: B=2 L=128k 16 splits 249.9 vs 17 255.3 / 246.5;
-    B=4 L=32k 8 vs 9 130.2 vs 133.1 / 129.3; evidence-20261201/sweep_few.json)."""
+    B=4 L=32k 8 vs 9 130.2 vs 133.1 / 129.3)."""
     want = _wanted_splits(p, sm_count, waves)
     keys, per_split_min = span_keys(p), _min_split_keys(tile)
     # (With the combine kernel, splits of >= 512 keys had paid: B=1 Hkv=8 L=8k, 16 splits 22.1 us
-    # against 32 of 256 keys 24.4. Merged by the last split, 32 are ahead: 18.0 vs 18.5; cuDNN 19.2;
-    # evidence-20261201b/merge_sweep.json.)
+    # against 32 of 256 keys 24.4. Merged by the last split, 32 are ahead: 18.0 vs 18.5; cuDNN 19.2.)
     return max(1, min(want, -(-keys // per_split_min)))
 
 
@@ -405,25 +389,25 @@ class DecodePlan(NamedTuple):
     cluster: bool  # the splits form one thread-block cluster and merge in it (no workspace, no combine)
 
 
-# The automatic merge for a few (sequence, head) blocks (H200, B=8 Hkv=8 Hq=32 d=128, decode probe
-# of c9371b7, us against cuDNN's 41.6 / 130.1 / 482.2 at L = 4k / 16k / 64k): 4 splits beat the
-# 5 that two waves ask for either way (combine 45.1 / 133.8 / 490.9 vs 46.5 / 136.4 / 495.0); a
-# cluster of 4 helps while splits are short (42.9 / 134.3 / 505.3) and 8-block clusters are slow
-# (52.8 / 159.6 / 581.4). So: 3-7 wanted splits become 4 (2 stay 2), merged in a cluster up to
-# CLUSTER_MAX_CHUNK keys per split, through the workspace beyond. 8 or more (at most 33 pairs)
-# keep their count and the combine kernel: 4 would leave half the SMs' slots empty (B=4 Hkv=8
-# L=32k: 4 in a cluster 153.4 us, 8 combined 130.2, cuDNN 129.3; evidence-20261201/sweep_few.json).
+# The automatic merge for a few (sequence, head) blocks (H200, B=8 Hkv=8 Hq=32 d=128, decode kernel
+# alone, us against cuDNN's 41.6 / 130.1 / 482.2 at L = 4k / 16k / 64k): 4 splits beat the 5 that
+# two waves ask for either way (combine 45.1 / 133.8 / 490.9 vs 46.5 / 136.4 / 495.0); a cluster of
+# 4 helps while splits are short (42.9 / 134.3 / 505.3) and 8-block clusters are slow (52.8 / 159.6
+# / 581.4). So: 3-7 wanted splits become 4 (2 stay 2), merged in a cluster up to CLUSTER_MAX_CHUNK
+# keys per split, through the workspace beyond. 8 or more (at most 33 pairs) keep their count and
+# the combine kernel: 4 would leave half the SMs' slots empty (B=4 Hkv=8 L=32k: 4 in a cluster 153.4
+# us, 8 combined 130.2, cuDNN 129.3).
 CLUSTER_MAX_CHUNK = 4096
-# A 4-block cluster stops earlier, and holds blocks of one row tile only. Decode probes of the
-# twenty-third session, x cuDNN over three alternating passes, 4-block cluster -> the same 4 splits
-# through memory (evidence-20261201e/): one row tile, B=8 Hkv=8 d=128 L=16k (4 x 4096 keys)
-# 1.00-1.01 -> 1.024-1.025, L=14k (4 x 3584) 0.99-1.01 -> 1.01-1.02, B=2 Hkv=32 L=16k 0.99-1.00 ->
-# 1.01-1.02, d=64 B=8 Hkv=8 L=16k 0.99-1.00 -> 1.00-1.02; at 4 x 3072 keys the cluster stays ahead by
-# 1-3% (B=8 Hq=64 Hkv=8, B=16 Hkv=4, d=64 B=8 Hkv=8). Two or four row tiles (MQA, B >= 32): B=64
-# Hq=32 Hkv=1 d=128 L=4k / 8k / 12k / 16k 0.75 / 0.77 / 0.81 / 0.83 -> 0.98 / 1.10 / 1.14 / 1.21,
-# B=32 Hq=64 L=8k 0.82 -> 1.31, d=64 B=64 Hq=32 L=4k / 8k 0.78 / 0.96 -> 1.04 / 1.33, Hq=64 L=4k
-# 0.57 -> 0.87. 2-block clusters keep CLUSTER_MAX_CHUNK: with 2-4 row tiles they stay ahead by
-# 4-14% (B=128 Hq=32 Hkv=1 L=2k 0.88 vs 0.77), with one 0-3% (B=16 Hkv=8 L=4k-8k).
+# A 4-block cluster stops earlier, and holds blocks of one row tile only. H200, x cuDNN over three
+# alternating passes, 4-block cluster -> the same 4 splits through memory: one row tile, B=8 Hkv=8
+# d=128 L=16k (4 x 4096 keys) 1.00-1.01 -> 1.024-1.025, L=14k (4 x 3584) 0.99-1.01 -> 1.01-1.02, B=2
+# Hkv=32 L=16k 0.99-1.00 -> 1.01-1.02, d=64 B=8 Hkv=8 L=16k 0.99-1.00 -> 1.00-1.02; at 4 x 3072 keys
+# the cluster stays ahead by 1-3% (B=8 Hq=64 Hkv=8, B=16 Hkv=4, d=64 B=8 Hkv=8). Two or four row
+# tiles (MQA, B >= 32): B=64 Hq=32 Hkv=1 d=128 L=4k / 8k / 12k / 16k 0.75 / 0.77 / 0.81 / 0.83 ->
+# 0.98 / 1.10 / 1.14 / 1.21, B=32 Hq=64 L=8k 0.82 -> 1.31, d=64 B=64 Hq=32 L=4k / 8k 0.78 / 0.96 ->
+# 1.04 / 1.33, Hq=64 L=4k 0.57 -> 0.87. 2-block clusters keep CLUSTER_MAX_CHUNK: with 2-4 row tiles
+# they stay ahead by 4-14% (B=128 Hq=32 Hkv=1 L=2k 0.88 vs 0.77), with one 0-3% (B=16 Hkv=8
+# L=4k-8k).
 CLUSTER4_MAX_CHUNK = 3072
 # Cluster-merged splits of at least this many keys take schedule.DECODE_TILES_LONG_CLUSTER_SPLITS
 # (ring 1: +1% at 2k and 4k keys per split; ring 0 stays ahead at 1k).
@@ -508,8 +492,7 @@ def _plan_launch(p, sm_count, splits, tile, waves, cluster, clusters, own):
     return DecodePlan(rt, t, splits, chunk, False)
 
 
-# Ring 4 for the planner's long wide-rows splits (schedule.DECODE_TILES_WIDE_ROWS_LONG), on by default
-# since its launch through the API ran on the GPU (decode GPU tests with it: 802 passed; A/B in
+# Ring 4 for the planner's long wide-rows splits (schedule.DECODE_TILES_WIDE_ROWS_LONG; measured in
 # schedule's comment). Tests turn it off to reach ring 3.
 WIDE_LONG_AUTO = True
 
@@ -583,10 +566,9 @@ def combine_grid(p, rows, splits):
 # 2-warp blocks) that cost more than a second launch. H200, bf16 Hq=32 Hkv=8, us (cuDNN) last /
 # kernel: B=1 d=128 L=8k 17.7 / 18.7 (19.1), L=32k 41.8 / 42.4 (41.0), B=2 L=8k 24.3 / 26.1 (26.0),
 # B=4 L=8k 39.5 / 41.4 (40.1), d=64 B=1 L=32k 24.4 / 26.4 (25.1); but Hq=64 B=1 L=32k 44.4+ / 42.1
-# (40.9), B=2 71.0 / 70.0, nq=4 48.8+ / 44.6, d=256 B=1 L=64k 141.8 / 135.9 (merge2*.txt). Before
-# either (the old combine kernel, rows of one column per thread) the combine ended 5-10 us after
-# the split kernel at B=1 (CUPTI, tools/decode_parts_probe.py), where cuDNN's reduction takes 2.8 us
-# after a 1 us gap (evidence-20261201b/). CUFLASH_DECODE_MERGE sets it.
+# (40.9), B=2 71.0 / 70.0, nq=4 48.8+ / 44.6, d=256 B=1 L=64k 141.8 / 135.9. Before either (the
+# old combine kernel, rows of one column per thread) the combine ended 5-10 us after the split
+# kernel at B=1 (CUPTI), where cuDNN's reduction takes 2.8 us after a 1 us gap. Tests set it.
 MERGE = "auto"
 
 

@@ -109,7 +109,7 @@ def occupancy(limits: DeviceLimits, threads: int, regs_per_thread: int | None, s
                      blocks * warps / limits.max_warps_per_sm)
 
 
-# The lent H200, read off the device with CuPy on 2026-11-29 (/work/shared/reference/device-facts.md).
+# The H200's limits, read off the device with CuPy (2026-11-29).
 H200 = DeviceLimits(
     name="NVIDIA H200",
     cc=90,

@@ -5,7 +5,7 @@ up to 128).
 float32 inputs are computed in float64 (the float32 -> float64 conversion is exact, products of
 two float32 values are exact in float64) and rounded to float32 once at the end. Neither TF32
 tensor cores nor float32 FMA chains meet the accuracy rule the tests hold every dtype to
-(docs/testing.md): a float32 dot product over d terms or a sum over Nk keys rounds many times;
+(cuflash.testing): a float32 dot product over d terms or a sum over Nk keys rounds many times;
 float64 leaves only the final rounding.
 
 The 16-bit kernels' tables are in cuflash.plan.schedule; these are keyed by the same padded

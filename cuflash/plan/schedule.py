@@ -38,7 +38,7 @@ class TileConfig:
 # Forward, 16-bit inputs, mma.sync m16n8k16. Keyed by the padded head dim.
 FORWARD_TILES: dict[int, TileConfig] = {
     32: TileConfig(128, 64, 4, 2, "as d=64 (eager rescale fits); 128-key tiles spill (S alone is 128 regs)", lazy_rescale=False),
-    64: TileConfig(128, 64, 4, 2, "32 rows/warp, Q in registers (+5%, sweep b), eager O rescale (+6.5% over the vote-and-branch, sweep c); 3-4 stages no better; 128-key tiles spill", lazy_rescale=False),
+    64: TileConfig(128, 64, 4, 2, "32 rows/warp, Q in registers (+5%), eager O rescale (+6.5% over the vote-and-branch); 3-4 stages no better; 128-key tiles spill", lazy_rescale=False),
     128: TileConfig(128, 64, 4, 2, "O is 128 regs/thread at 32 rows per warp, so K/V tiles shrink to 64 keys to keep S at 64 regs; eager rescale spills here, so lazy"),
     192: TileConfig(128, 64, 8, 2, "16 rows per warp: O alone is 96 regs; 8 warps keep the 128-row Q tile for K/V reuse"),
     256: TileConfig(128, 64, 8, 2, "16 rows per warp (O = 128 regs); 192 KiB shared memory, one block per SM"),
@@ -93,15 +93,15 @@ class HopperTile:
 
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: the TMA-fed wgmma kernel
 # (attn_fwd_wgmma_tma). Keyed by the padded head dim; other head dims and scalar-load inputs use
-# FORWARD_TILES' mma.sync kernels. Chosen by tools/hopper_fwd_sweep.py next to cuDNN on the H200
-# (bf16, N 1k/4k/16k, causal and not; commits a3d53d4, d94cf01, 8e248d9; notes/PERF.md).
+# FORWARD_TILES' mma.sync kernels. Chosen in sweeps next to cuDNN on the H200 (bf16, N 1k/4k/16k,
+# causal and not; x = cuDNN ms / ours).
 HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
-    64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32) taking turns round robin (ping-pong): 0.88-1.11x cuDNN, own pace 0.71-1.08x, 2-warpgroup tiles 0.88-0.93x (probe ff5a2e2, 9bb0f2d)", tma=True, pingpong=True),
+    64: HopperTile(128, 3, 2, "192x128, 3 math warpgroups at 160 regs (S 64 + O 32 + P 32) taking turns round robin (ping-pong): 0.88-1.11x cuDNN, own pace 0.71-1.08x, 2-warpgroup tiles 0.88-0.93x", tma=True, pingpong=True),
     128: HopperTile(128, 2, 2, "128x128, 240 regs per math thread; 2 stages (3 measured no faster): 0.88-1.08x cuDNN; ping-pong within noise of it, 160-key tiles no faster", tma=True),
     192: HopperTile(96, 2, 2, "96-key tiles fit 2 stages in 193 KiB: 0.90-1.12x cuDNN, 64-key tiles 0.87-1.00x; ping-pong ~1% ahead", tma=True, pingpong=True),
     256: HopperTile(64, 2, 2, "O is 128 regs + S 32 + P 16; 64-key tiles, each warpgroup storing its own O rows: 1-2.5% "
-                    "ahead of 80-key tiles (N 1k-16k, causal and not; evidence-20261130i/short-tiles, twice in one call) "
-                    "since the late wgmma wait and the stale max (80 keys were +4-12% when chosen at 8e248d9)",
+                    "ahead of 80-key tiles (N 1k-16k, causal and not, two runs) "
+                    "since the late wgmma wait and the stale max (80 keys were +4-12% when first chosen)",
                     tma=True, wg_epilogue=True),
 }
 
@@ -123,15 +123,14 @@ class PersistentRule:
         return self.masks == "any" or (self.masks == "causal") == causal
 
 
-# The first rule that matches a problem wins. Measured by tools/persistent_probe.sh and
-# tools/hopper_fwd_sweep.py on the H200 (x = cuDNN ms / ours, bf16).
+# The first rule that matches a problem wins. Measured on the H200 (x = cuDNN ms / ours, bf16).
 _PERSIST_64 = HopperTile(128, 2, 2, "128x128 ping-pong, persistent, per-warpgroup epilogue", tma=True, pingpong=True,
                          persistent=True, wg_epilogue=True)
 _PERSIST_64_WG3 = HopperTile(128, 3, 3, "192x128, 3 math warpgroups taking turns, 3 stages, persistent, per-warpgroup "
                              "epilogue", tma=True, pingpong=True, persistent=True, wg_epilogue=True)
 HOPPER_FORWARD_PERSISTENT: dict[int, tuple[PersistentRule, ...]] = {
     64: (PersistentRule(_PERSIST_64, 8, "causal N=1k/2k 0.92/0.94x against 0.85/0.92x for the 3-warpgroup persistent "
-                        "tile and 0.80/0.93x for the table's (evidence-20261130i/short-tiles, two runs)", "causal"),
+                        "tile and 0.80/0.93x for the table's (two runs)", "causal"),
          PersistentRule(_PERSIST_64_WG3, 16, "causal N=4k 1.05x against the table's 1.01x; at 8k / 16k the table's "
                         "is ahead (1.10 vs 1.09x, 1.13-1.15 vs 1.09-1.11x)", "causal"),
          PersistentRule(_PERSIST_64_WG3, None, "full N=1k/2k/4k/8k/16k 0.96/1.06-1.08/1.08-1.09/1.13-1.14/1.10-1.14x "
@@ -139,7 +138,7 @@ HOPPER_FORWARD_PERSISTENT: dict[int, tuple[PersistentRule, ...]] = {
     128: (PersistentRule(HopperTile(128, 2, 2, "128x128 own pace, persistent, per-warpgroup epilogue", tma=True,
                                     persistent=True, wg_epilogue=True), 16,
                          "causal N=1k/2k/4k 1.01/1.01/1.02x vs 0.88/0.94/0.99x, full N=1k/2k 0.93/0.95x vs 0.88/0.94x; "
-                         "per-warpgroup epilogue, own pace (b051d56 sweep): full N=1k/2k 0.97/0.98x, causal 1.03/1.05x; "
+                         "per-warpgroup epilogue, own pace: full N=1k/2k 0.97/0.98x, causal 1.03/1.05x; "
                          "beyond, the table tile (full N=4k/16k 0.98/0.97x vs 0.97/0.94x, causal 16k 1.07x vs 1.02x)"),),
 }
 
@@ -167,10 +166,10 @@ class LongRowsRule:
     reason: str
 
 
-# Measured by tools/hopper_fwd_sweep.py on the H200 (twice in one call, evidence-20261130i/long-rows/,
-# x = cuDNN ms / ours, the table's 128-key tile -> 192): full N=8k/16k 0.99/0.97 -> 1.02/1.00 (fp16 16k
-# 0.95 -> 0.97), causal N=8k/16k 1.06/1.07 -> 1.08/1.10 (fp16 16k 1.07 -> 1.11); N=4k ties (full
-# 0.98/0.98, causal 1.02/1.02); N=2k loses 2-3% (0.94 -> 0.92).
+# Measured on the H200 (twice in one call, x = cuDNN ms / ours, the table's 128-key tile -> 192):
+# full N=8k/16k 0.99/0.97 -> 1.02/1.00 (fp16 16k 0.95 -> 0.97), causal N=8k/16k 1.06/1.07 ->
+# 1.08/1.10 (fp16 16k 1.07 -> 1.11); N=4k ties (full 0.98/0.98, causal 1.02/1.02); N=2k loses 2-3%
+# (0.94 -> 0.92).
 HOPPER_FORWARD_LONG_ROWS: dict[int, LongRowsRule] = {
     128: LongRowsRule(HopperTile(192, 2, 2, "128x192, 2 stages = 225 KiB (S 96 + O 64 + P 48 regs of 240)", tma=True),
                       4096, "mean visible keys per row >= 4096: +2-3% at N >= 8k, N=4k ties, N=2k -2-3%"),
@@ -179,13 +178,12 @@ HOPPER_FORWARD_LONG_ROWS: dict[int, LongRowsRule] = {
 
 # The key split (attn_fwd_wgmma_tma_split, full attention on the per-tile TMA kernel): with one
 # block per SM, a grid of fewer query tiles than SMs leaves most SMs idle; each tile then runs as
-# `splits` key ranges, merged by its last piece (H200, tools/split_probe.py,
-# evidence-20261130f/split_small_8388770.log: one head of N=8k at d=128 1.00 -> 1.60x cuDNN, at
-# d=64 0.77 -> 1.70x).
-# Splitting only the last partial wave of a longer grid (whose idle SMs cost cuflash and cuDNN
-# alike ~2-3%, tools/wave_probe.py) lost: in one kernel the piece bounds slowed every tile's loop
-# by 2-4% (ptxas scheduled it differently); as a second launch after the whole tiles, the launch
-# boundary and the first kernel's ragged end ate the gain (d=128 N=4k 0.981 -> 0.961x).
+# `splits` key ranges, merged by its last piece (H200: one head of N=8k at d=128 1.00 -> 1.60x
+# cuDNN, at d=64 0.77 -> 1.70x).
+# Splitting only the last partial wave of a longer grid (whose idle SMs cost cuflash and cuDNN alike
+# ~2-3%) lost: in one kernel the piece bounds slowed every tile's loop by 2-4% (ptxas scheduled it
+# differently); as a second launch after the whole tiles, the launch boundary and the first kernel's
+# ragged end ate the gain (d=128 N=4k 0.981 -> 0.961x).
 SPLIT_MAX = 6  # pieces per tile (each before the last writes a float32 partial O)
 SPLIT_MIN_KEY_TILES = 8  # a piece's start and end (~2.7 us at d=128) stay small next to its loop
 SPLIT_MAX_SPAN = 0.85  # split only if the grid then takes at most this many tile times
@@ -263,8 +261,8 @@ class HopperBwdTile:
 # dim; others use BACKWARD_TILES. The deterministic dQ kernel stays the mma.sync one. Rows TMA
 # cannot address (or no cuda-bindings) run the same tile with cp.async loads (tma=False).
 HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
-    64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200, 653d9db)", tma=True),
-    128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200, 653d9db)", tma=True),
+    64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200)", tma=True),
+    128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200)", tma=True),
     192: HopperBwdTile(64, 2, "the d=256 tile's kernel (HOPPER_BACKWARD_KERNEL_HD): 4/3 of the tensor work, against the mma.sync kernels at about a third of its speed", tma=True, split_d=True),
     256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and the whole S^T/dP^T (computed twice); dQ by 128-column halves; 201 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
 }
@@ -296,12 +294,11 @@ class WsRule:
     reason: str
 
 
-# Measured by tools/hopper_bwd_sweep.py on the H200 (commit 0490fd9, bf16, N = 1k / 4k / 16k, x =
-# cuDNN ms / ours; evidence-20261130/probe-bwdp-0490fd9/p2_sweep.log). The producer's rolled loops
-# (BWD_FOR_EACH_STEP) took d=64 full from 0.64/0.67/0.72x (8d39c6d .. a1b1c92) to the figures below.
+# Measured on the H200 (bf16, N = 1k / 4k / 16k, x = cuDNN ms / ours). The producer's rolled loops
+# (BWD_FOR_EACH_STEP) took d=64 full from 0.64/0.67/0.72x to the figures below.
 HOPPER_BACKWARD_WS: dict[int, WsRule] = {
     64: WsRule(True, True, "full 0.77/0.88/0.95x vs 0.71/0.73/0.78x for the TMA kernel, causal 0.71/0.78/0.83x "
-                           "vs 0.74/0.76/0.78x; with dS^T double-buffered (suite run of 73f6cf9, N = 4k / 16k) full "
+                           "vs 0.74/0.76/0.78x; with dS^T double-buffered (N = 4k / 16k) full "
                            "0.91/0.97x, causal 0.81/0.88x"),
     128: WsRule(True, True, "full 0.82/0.92/0.96x vs 0.70/0.70/0.76x, causal 0.72/0.84/0.90x vs 0.69/0.70/0.75x"),
 }
@@ -425,7 +422,7 @@ class DecodeTile:
 DECODE_TILES: dict[int, DecodeTile] = {
     32: DecodeTile(64, 4, 2, 4, "short rows: 64-key tiles keep 32 KiB per block in flight"),
     64: DecodeTile(32, 4, 2, 4, "32-key tiles: 32 KiB per block in flight; up to 64 packed rows"),
-    128: DecodeTile(16, 4, 2, 2, "16-key tiles: 70 KiB of shared memory lets 3 blocks share an SM; with few (sequence, head) blocks, best with 2 waves of splits (decode probes: 2.9-4.4 TB/s after the in-order warp merge, vs 2.3-4.0 with 32-key tiles)"),
+    128: DecodeTile(16, 4, 2, 2, "16-key tiles: 70 KiB of shared memory lets 3 blocks share an SM; with few (sequence, head) blocks, best with 2 waves of splits (H200: 2.9-4.4 TB/s after the in-order warp merge, vs 2.3-4.0 with 32-key tiles)"),
     192: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
     256: DecodeTile(16, 4, 2, 1, "16-key tiles keep shared memory under the limit; 16 packed rows"),
 }
@@ -474,12 +471,12 @@ DECODE_TMA_TILES: dict[int, DecodeTmaTile] = {
 
 # With at least one (sequence, K/V head) block per SM no split is needed. The tile: 2-stage rings in
 # FA2's order (ring 2), at most two blocks per SM (its 70 KiB would let three share an SM, and a
-# third pair's streams cost 12%: 283 vs 248 us at B=64 Hkv=8 L=4k). Decode probe on the H200
-# (evidence-20261130k/rings/, pad/), three passes each, TB/s against the tiles it replaces:
+# third pair's streams cost 12%: 283 vs 248 us at B=64 Hkv=8 L=4k). Decode kernel alone on the
+# H200, three passes each, TB/s against the tiles it replaces:
 #   B=8 Hkv=32 (1.9 blocks per SM; was 16x4 s3): 4k 4.25-4.27 -> 4.30-4.32, 16k 4.47 -> 4.49,
 #     64k 4.54-4.55 -> 4.58 (cuDNN 4.24-4.26 / 4.49-4.50 / 4.58);
 #   B=64 Hkv=8 (3.9 per SM; was one 8-warp 16x8 s2 block per SM, which had beaten 16x4 s3 by 2%
-#     at 16k / 64k, evidence-20261130j/decode-many/): 4k 4.29-4.34 -> 4.38-4.39, 16k 4.53-4.54 ->
+#     at 16k / 64k): 4k 4.29-4.34 -> 4.38-4.39, 16k 4.53-4.54 ->
 #     4.54-4.55, 64k 4.58 -> 4.58-4.59 (cuDNN 4.39-4.40 / 4.50-4.52 / 4.52-4.53).
 DECODE_TILES_NO_SPLIT: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 2, 2, "a (sequence, head) block for every SM: no split, 2-stage rings in FA2's order, "
@@ -489,8 +486,7 @@ DECODE_TILES_NO_SPLIT: dict[int, DecodeTile] = {
 # Wide heads with fewer (sequence, K/V head) pairs than SMs: 2-warp blocks. The table's 4-warp
 # tile takes 137 KiB at d=256 (102 KiB at d=192), so one block (two) per SM and 1.9 rounds of
 # splits; 2 warps take 72 KiB (54 KiB), three (four) blocks per SM. H200, bf16 Hq=32 Hkv=8, us
-# through the planner before -> after, FlashAttention-2 (the fastest peer there) in brackets
-# (evidence-20261201/sweeps/sweep2_*.json, 0be95e0):
+# through the planner before -> after, FlashAttention-2 (the fastest peer there) in brackets:
 #   d=256 B=8 L=4k 94.4 -> 74.0 (75.2), L=16k 312.8 -> 265.1 (252.5), B=1 L=64k 163.8 -> 152.6
 #   (152.8), B=2 L=32k 182.7 -> 142.0 (149.2); d=192 B=8 L=16k 242.6 -> 209.1 (199.7).
 # With a pair for every SM the table's tile stays (B=64 L=4k d=256: 2 warps 588.7 vs 489.8 us).
@@ -498,30 +494,30 @@ DECODE_TILES_FEW_PAIRS: dict[int, DecodeTile] = {
     192: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, four per SM"),
     256: DecodeTile(16, 2, 2, 1, "fewer pairs than SMs: 2-warp blocks, three per SM"),
 }
-# Since a31f934 4 splits of more than 3072 keys merge through memory, not in a cluster. There, at
-# d=192, the table's 4-warp tile (two blocks per SM) is ahead again; in a cluster the 2-warp blocks
-# stay far ahead; at d=256 the two tie through memory. tools/few_pairs_probe.py (twenty-fourth
-# session, evidence-20261201f/few-pairs/), Hq=32 Hkv=8, x the faster peer (FA2), three passes,
-# 2 warps -> 4 warps: d=192 B=1 L=64k 1.13 -> 1.20, B=2 L=32k 1.08 -> 1.16, B=4 L=16k 1.07 -> 1.14,
-# B=8 L=16k 0.98 -> 1.05, L=64k 0.98 -> 1.03; in a 4-block cluster (B=8 L=4k) 1.02 -> 0.88; d=256
-# through memory 0.99-1.12 either way (within 0.5%), in a cluster 1.01 -> 0.79.
+# 4 splits of more than 3072 keys merge through memory, not in a cluster. There, at d=192, the
+# table's 4-warp tile (two blocks per SM) is ahead again; in a cluster the 2-warp blocks stay far
+# ahead; at d=256 the two tie through memory. H200, Hq=32 Hkv=8, x the faster peer (FA2), three
+# passes, 2 warps -> 4 warps: d=192 B=1 L=64k 1.13 -> 1.20, B=2 L=32k 1.08 -> 1.16, B=4 L=16k 1.07
+# -> 1.14, B=8 L=16k 0.98 -> 1.05, L=64k 0.98 -> 1.03; in a 4-block cluster (B=8 L=4k) 1.02 -> 0.88;
+# d=256 through memory 0.99-1.12 either way (within 0.5%), in a cluster 1.01 -> 0.79.
 # So at these head dims the 2-warp tile runs only where the table tile's splits would merge in a cluster.
 DECODE_FEW_PAIRS_CLUSTERS_ONLY = frozenset({192})
 
-# Splits merged through memory (longer than gpu_decode.CLUSTER_MAX_CHUNK keys each): the table's
-# tile in FA2's order. Decode probe, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys): 4.43-4.44
-# -> 4.46-4.47 TB/s; at 4k / 16k (cluster merge, 1k / 4k keys per split) ring 2 was 0.5-1% slower.
-# (No block cap: the 4-block clusters need the third block slot of an SM, see HOPPER.md's occupancy probe.)
+# Splits merged through memory (longer than plan.decode.CLUSTER_MAX_CHUNK keys each): the table's
+# tile in FA2's order. Decode kernel alone, four passes, B=8 Hkv=8 L=64k (4 splits of 16k keys):
+# 4.43-4.44 -> 4.46-4.47 TB/s; at 4k / 16k (cluster merge, 1k / 4k keys per split) ring 2 was 0.5-1%
+# slower.
+# (No block cap: the 4-block clusters need the third block slot of an SM.)
 DECODE_TILES_LONG_SPLITS: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 2, 2, "splits of more than CLUSTER_MAX_CHUNK keys: the table's tile in FA2's order",
                     ring=2),
 }
 
-# Cluster-merged splits of at least gpu_decode.CLUSTER_RING_MIN_CHUNK keys: the table's tile with the
-# block copying each step's K and V together (ring 1). Decode probe, three alternating passes, B=8
-# Hkv=8 (4 splits in a cluster; evidence-20261130l/split-rings/): L=8k (2k keys per split) 3.87-3.89
-# -> 3.92-3.94 TB/s, L=16k (4k per split) 4.16-4.17 -> 4.19-4.21 (cuDNN 4.19-4.21); at L=4k (1k per
-# split) ring 0 stays ahead (3.45-3.57 vs 3.44-3.48).
+# Cluster-merged splits of at least plan.decode.CLUSTER_RING_MIN_CHUNK keys: the table's tile with
+# the block copying each step's K and V together (ring 1). Decode kernel alone, three alternating
+# passes, B=8 Hkv=8 (4 splits in a cluster): L=8k (2k keys per split) 3.87-3.89 -> 3.92-3.94 TB/s,
+# L=16k (4k per split) 4.16-4.17 -> 4.19-4.21 (cuDNN 4.19-4.21); at L=4k (1k per split) ring 0 stays
+# ahead (3.45-3.57 vs 3.44-3.48).
 DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
     128: DecodeTile(16, 4, 2, 2, "cluster-merged splits of 2k-4k keys: one block-wide K+V copy per step", ring=1),
 }
@@ -531,28 +527,27 @@ DECODE_TILES_LONG_CLUSTER_SPLITS: dict[int, DecodeTile] = {
 # each own a row tile and share every K/V tile of the block ring (FlashAttention's forward order),
 # where the table's blocks have each warp walk its own keys for all rows, and more rows than a block
 # holds run as row blocks that each read the K/V head. FA2 reads MQA this way and led there
-# (0.62-0.94x of it, evidence-20261201e/probes/mqa_*). The planner takes it for more than 32 packed
-# rows per K/V head unless the splits are short (gpu_decode.planner_tile): x the faster peer, table ->
-# wide, d=128 Hq=64 B=8 L=32k 0.82 -> 0.91, B=64 L=16k 0.62 -> 0.87, Hq=128 B=16 L=8k 0.77 -> 0.92;
-# d=64 Hq=64 B=16 L=16k 0.81 -> 1.00, Hq=128 B=64 L=16k 0.67 -> 0.91; GQA nq=16 (64 rows) B=8 Hq=32
-# Hkv=8 d=128 L=4k 1.77 -> 1.96 (evidence-20261201f/rule-ffc2da5/).
+# (0.62-0.94x of it). The planner takes it for more than 32 packed rows per K/V head unless the
+# splits are short (plan.decode.planner_tile): x the faster peer, table -> wide, d=128 Hq=64 B=8
+# L=32k 0.82 -> 0.91, B=64 L=16k 0.62 -> 0.87, Hq=128 B=16 L=8k 0.77 -> 0.92; d=64 Hq=64 B=16 L=16k
+# 0.81 -> 1.00, Hq=128 B=64 L=16k 0.67 -> 0.91; GQA nq=16 (64 rows) B=8 Hq=32 Hkv=8 d=128 L=4k 1.77
+# -> 1.96.
 DECODE_TILES_WIDE_ROWS: dict[int, DecodeTile] = {
     64: DecodeTile(32, 4, 2, 4, "wide rows: a row tile per warp, 128-key steps shared by the block", ring=3),
     128: DecodeTile(16, 4, 2, 4, "wide rows: a row tile per warp, 64-key steps shared by the block", ring=3),
 }
-# With gpu_decode.WIDE_LONG_AUTO (default on; CUFLASH_DECODE_WIDE_LONG=0 turns it off) the
-# planner's wide-rows blocks of four row tiles (64 packed rows) with splits of at least
-# WIDE_LONG_MIN_CHUNK keys take ring 4 instead: FA2's copies, one K and one V buffer of 128-key steps
-# (the same shared memory as ring 3's two stages of 64 keys; 236-255 registers, two blocks per SM).
-# tools/wide_rows_probe.py ring4 (twenty-fifth session, two passes, evidence-20261201g/ring4/), x the
-# faster peer (FA2), ring 3 -> 4: Hq=64 B=8 L=32k 0.96 -> 1.02, B=32 L=16k 1.01 -> 1.02, B=64 L=16k
-# 0.91 -> 0.94, Hq=128 B=16 L=8k 0.98 -> 1.02; not with three row tiles (Hq=48 B=16 L=8k 0.97 /
-# 0.96), short splits (B=4 Hq=64 L=16k 0.955 / 0.95 at 256-512 keys, B=2 Hq=48 L=32k 0.99 / 0.97),
-# B=1 L=128k (512 keys: 1.11 either way); nq=16 Hq=32 Hkv=8 L=4k 2.08 / 2.07 (1024 keys: taken with
-# the rule). Through the API (twenty-sixth session, A/B of CUFLASH_DECODE_WIDE_LONG in alternating
-# processes, two passes, evidence-20261201h/): x FA2 off -> on, Hq=64 B=8 L=32k 0.96 -> 1.02, B=64
-# L=16k 0.91 -> 0.93, Hq=128 B=16 L=8k 0.97 -> 1.01; d=64 shapes unchanged. A d=64 ring-4 tile (128-key
-# steps, 168 registers) lost to ring 3 at every d=64 shape probed (0.87-0.99 against 0.94-1.19).
+# With plan.decode.WIDE_LONG_AUTO (on; tests turn it off) the planner's wide-rows blocks of four
+# row tiles (64 packed rows) with splits of at least WIDE_LONG_MIN_CHUNK keys take ring 4 instead:
+# FA2's copies, one K and one V buffer of 128-key steps (the same shared memory as ring 3's two
+# stages of 64 keys; 236-255 registers, two blocks per SM). H200, two passes, x the faster peer
+# (FA2), ring 3 -> 4: Hq=64 B=8 L=32k 0.96 -> 1.02, B=32 L=16k 1.01 -> 1.02, B=64 L=16k 0.91 ->
+# 0.94, Hq=128 B=16 L=8k 0.98 -> 1.02; not with three row tiles (Hq=48 B=16 L=8k 0.97 / 0.96),
+# short splits (B=4 Hq=64 L=16k 0.955 / 0.95 at 256-512 keys, B=2 Hq=48 L=32k 0.99 / 0.97), B=1
+# L=128k (512 keys: 1.11 either way); nq=16 Hq=32 Hkv=8 L=4k 2.08 / 2.07 (1024 keys: taken with
+# the rule). Through the API (off -> on in alternating processes, two passes, x FA2): Hq=64 B=8
+# L=32k 0.96 -> 1.02, B=64 L=16k 0.91 -> 0.93, Hq=128 B=16 L=8k 0.97 -> 1.01; d=64 unchanged. A
+# d=64 ring-4 tile (128-key steps, 168 registers) lost to ring 3 at every d=64 shape measured
+# (0.87-0.99 against 0.94-1.19).
 DECODE_TILES_WIDE_ROWS_LONG: dict[int, DecodeTile] = {
     128: DecodeTile(32, 4, 1, 4, "wide rows in FA2's order: one K and one V buffer of 128-key steps", ring=4),
 }

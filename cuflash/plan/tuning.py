@@ -211,7 +211,7 @@ def table_tile(op: str, hd: int):
 
 def op_buckets(op: str) -> tuple:
     """The head-dim buckets kernel ``op`` runs for: every bucket, except the Hopper kernels, which
-    gpu_hopper.applies / backward_applies dispatch only where HOPPER_FORWARD_TILES /
+    plan.hopper.applies / backward_applies dispatch only where HOPPER_FORWARD_TILES /
     HOPPER_BACKWARD_TILES have an entry."""
     if _check_op(op) == "fwd_wgmma":
         return tuple(schedule.HOPPER_FORWARD_TILES)
@@ -752,13 +752,13 @@ def pick_forward_tile(p, target, autotuner=None) -> TileConfig | None:
 
 
 def pick_hopper_forward_tile(p, target, autotuner=None) -> HopperTile | None:
-    """The wgmma forward's tile for p (the caller checked gpu_hopper.applies), or None to use
+    """The wgmma forward's tile for p (the caller checked plan.hopper.applies), or None to use
     HOPPER_FORWARD_TILES."""
     return _pick("fwd_wgmma", p, target, tuner_factory=autotuner)
 
 
 def pick_hopper_backward_tile(p, target, deterministic: bool = False, autotuner=None) -> HopperBwdTile | None:
-    """The wgmma backward K/V kernel's tile for p (the caller checked gpu_hopper.backward_applies),
+    """The wgmma backward K/V kernel's tile for p (the caller checked plan.hopper.backward_applies),
     or None to use HOPPER_BACKWARD_TILES. The tuner checks and times the atomic-dQ kernel, so the
     deterministic backward (ATOMIC_DQ = false, an instantiation it never ran) keeps the table.
     The tuner times the TMA kernel only: a pick with the table tile's fields returns None, so the
