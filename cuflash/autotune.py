@@ -522,6 +522,7 @@ def _parse_dtype(dtype):
 
 
 def _text_progress(prefix, stream=None):
+    """A progress bar redrawn in place (for a terminal: callers pass none when output is piped)."""
     stream = stream or sys.stderr
 
     def report(i, n, ev):
@@ -598,7 +599,8 @@ def tune(*shapes, ops="auto", causal=False, dtype="bfloat16", hkv=None, max_cand
                 continue
             tuner = GpuTuner(op, p, base=kv_tile if op == "bwd_dq" else None)
             label = f"{op} d{p.d} N{p.nq}{' causal' if p.causal else ''}"
-            result = tuner.run(max_candidates=max_candidates, progress=_text_progress(label) if progress else None)
+            result = tuner.run(max_candidates=max_candidates,
+                               progress=_text_progress(label) if progress and sys.stderr.isatty() else None)
             cache.put(key, result, shape=tuner.shape, device_limits_dict=tuner.limits.to_dict())
             stored = cache.winner(key)[1]
             with _memo_lock:

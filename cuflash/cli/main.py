@@ -23,6 +23,7 @@ import numpy as np
 from .. import testing
 from ..api.functional import attention
 from ..core import masks
+from ..core.problem import check_head_dim
 from . import report, tune
 from .common import gpu_unavailable_reason
 
@@ -120,6 +121,11 @@ def demo(args) -> int:
     if h % hkv:
         print(f"cuflash demo: --hkv {hkv} must divide --h {h}", file=sys.stderr)
         return 2
+    try:
+        check_head_dim(d)
+    except ValueError as exc:
+        print(f"cuflash demo: --d: {exc}", file=sys.stderr)
+        return 2
     dtype = _dtype(args.dtype)
     causal = args.causal  # None, "bottom_right" or "top_left"
 
@@ -165,7 +171,7 @@ def demo(args) -> int:
     else:
         print(f"cuflash demo (seed {seed})")
         print(f"  backend  {backend}: {xp_name}")
-        print(f"  shape    q ({b}, {h}, {n}, {d}), k/v ({b}, {hkv}, {nk}, {d}), {args.dtype}, causal={causal}")
+        print(f"  shape    q ({b}, {h}, {n}, {d}), k/v ({b}, {hkv}, {nk}, {d}), {args.dtype}, causal={causal or False}")
         print("  check    whole heads vs the float64 reference (bound: 2x naive-in-dtype error + 1 rounding)")
         for line in check_lines:
             print(f"           {line}")

@@ -62,7 +62,8 @@ def build_parser():
     ap.add_argument("--shape", required=True, type=_shape_arg, metavar="B,H,N,d",
                     help="batch, query heads, sequence length (new query tokens with --decode), head dim")
     ap.add_argument("--hkv", type=_positive, metavar="H", help="K/V heads (GQA/MQA); default: H")
-    ap.add_argument("--causal", action="store_true", help="bottom-right causal mask (query i sees keys j <= i + Nk - Nq)")
+    ap.add_argument("--causal", nargs="?", const="bottom_right", default=None, choices=("bottom_right", "top_left"),
+                    help="causal mask; bare --causal means bottom_right (query i sees keys j <= i + Nk - Nq)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--decode", type=_positive, metavar="L",
                     help="decoding: the N queries of --shape attend to a cache of L keys (N=1: one token)")
@@ -157,7 +158,7 @@ def report_text(dims, *, splits=None, registers=None) -> str:
     q, k = _shapes(dims)
     causal = dims["causal"]
     head = (f"cuflash report: B={dims['batch']} Hq={dims['hq']} Hkv={dims['hkv']} Nq={dims['nq']} "
-            f"Nk={dims['nk']} d={dims['d']} {dims['dtype']} causal={'bottom_right' if causal else False}")
+            f"Nk={dims['nk']} d={dims['d']} {dims['dtype']} causal={causal or False}")
     parts = [head, "", "== FLOPs ==", flops_table(dims)]
     mem = {}
     for method in ("tiled", "reference"):
@@ -296,7 +297,7 @@ def ncu_command(ncu, dims):
     if dims["nk"] != dims["nq"]:
         argv += ["--decode", str(dims["nk"])]
     if dims["causal"]:
-        argv.append("--causal")
+        argv += ["--causal", dims["causal"]]
     launcher = "import sys, cuflash.cli.report as r; sys.exit(r.main(sys.argv[1:]))"
     return [ncu, "--clock-control", "none", "--metrics", ",".join(NCU_METRICS), "-k", KERNEL_REGEX,
             "--csv", "--page", "raw", "--print-units", "base", sys.executable, "-c", launcher, *argv]

@@ -3,10 +3,12 @@ tiles of a shape: registers, occupancy, traffic and tuned times)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..autotune import (_text_progress, format_schedule_table, ops_that_run, schedule_rows, tune)
 from ..core import config
+from ..core.problem import MAX_HEAD_DIM
 from ..plan import device_limits, schedule
 from ..plan.tuning import OP_TITLE, Candidate, _check_op, cache_path, op_buckets, table_tile
 from .common import gpu_unavailable_reason
@@ -19,6 +21,8 @@ def _parse_shape(text):
         raise ValueError(f"--shape: expected B,H,N,d integers, got {text!r}") from None
     if len(parts) != 4 or min(parts) < 1:
         raise ValueError(f"--shape: expected four positive integers B,H,N,d, got {text!r}")
+    if parts[3] > MAX_HEAD_DIM:
+        raise ValueError(f"--shape: head dim {parts[3]} is larger than the largest supported, {MAX_HEAD_DIM}")
     return parts
 
 
@@ -32,7 +36,6 @@ def _common_args(ap):
 
 
 def main_tune(argv) -> int:
-    import argparse
 
     ap = argparse.ArgumentParser(prog="cuflash tune", description="Autotune tile schedules ahead of time "
                                  "(needs a GPU); winners go to the cache used when CUFLASH_TUNE=1 or 'cached'.")
@@ -82,7 +85,6 @@ def main_tune(argv) -> int:
 
 
 def main_schedules(argv) -> int:
-    import argparse
 
     ap = argparse.ArgumentParser(prog="cuflash schedules", description="The candidate tiles of one bucket: "
                                  "registers, shared memory, occupancy, logical HBM bytes, cached times, the choice.")
@@ -138,7 +140,7 @@ def main_schedules(argv) -> int:
     for shape, op in jobs:
         b, h, n, d = shape
         hd = schedule.head_dim_bucket(d)
-        prog = _text_progress(f"compiling {op} d{hd}") if compile_ok else None
+        prog = _text_progress(f"compiling {op} d{hd}") if compile_ok and sys.stderr.isatty() else None
         evals, entry = schedule_rows(shape, op=op, causal=args.causal or False, dtype=args.dtype, limits=limits,
                                      compile=compile_ok, hkv=args.hkv, progress=prog)
         table = table_tile(op, hd)
@@ -166,4 +168,6 @@ def main_schedules(argv) -> int:
             print("tuned: no candidate passed; the built-in table is used")
         print(f"table: {Candidate(op, hd, table).name}: {table.reason}")
         print()
+    if compile_ok:
+        print(f"(register reports are cached in {cache_path()}; {config.CACHE_DIR} moves it)", file=sys.stderr)
     return 0

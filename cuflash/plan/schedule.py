@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..core.problem import MAX_HEAD_DIM
+from .device_limits import H200
 
 # Head dims are padded on chip to the next of these; the swizzled shared-memory layout needs a
 # row of 32 elements or a multiple of 64 (8 chunks of 16 bytes), and loads zero-fill the padding.
@@ -408,8 +409,6 @@ class DecodeTile:
     def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
         need = self.buffer_bytes(head_dim, row_tiles) + self.warps * 16 * row_tiles * 2 * 4  # + the row statistics
         if self.max_blocks_per_sm:
-            from .device_limits import H200
-
             # one byte more than max_blocks_per_sm + 1 blocks' equal share (with the driver's reservation)
             floor = H200.smem_per_sm // (self.max_blocks_per_sm + 1) - H200.smem_reserved_per_block + 1
             need = max(need, -(-floor // 128) * 128)
