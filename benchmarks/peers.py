@@ -345,7 +345,7 @@ def read_ceiling(timer, detail=None) -> float:
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     sink = cupy.empty(max(t * b for _, _, t, b in READ_CONFIGS) * sms, dtype=cupy.uint32)
     best = 0.0
-    from cuflash.api.functional.interop import external_stream
+    from cuflash.api.interop import external_stream
 
     with external_stream(torch_stream_ptr(), cupy.cuda.Device().id):  # between the timer's events
         src[:] = 0x5A5A5A5A  # on this stream, before the timed reads
@@ -469,7 +469,7 @@ class Runner:
     # -- helpers ---------------------------------------------------------------------------
     def on_torch_stream(self):
         """Make CuPy launch on torch's current stream so both sit between the same events."""
-        from cuflash.api.functional.interop import external_stream
+        from cuflash.api.interop import external_stream
 
         return external_stream(torch_stream_ptr(), self.cupy.cuda.Device().id)
 
