@@ -137,7 +137,7 @@ def source_copy(tmp_path, monkeypatch):
     copy = tmp_path / "cuda_src"
     shutil.copytree(sources.source_dir(), copy)
     sources.load_source.cache_clear()
-    monkeypatch.setattr(_build, "source_dir", lambda: copy)
+    monkeypatch.setattr(sources, "source_dir", lambda: copy)
     yield copy
     sources.load_source.cache_clear()  # the next test must read the real sources again
 
