@@ -19,7 +19,7 @@
 // attn_bwd_kv_wgmma_tma: the same kernel with each step's Q and dO tiles fetched by the bulk tensor
 // copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
 // one mbarrier per buffer) instead of every thread issuing cp.async copies.
-// attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout, notes/BWD_FA3.md): one
+// attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout): one
 // more warpgroup at 24 registers whose warp 0 fills a two-stage ring of Q and dO (TMA) on
 // full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its 64 x 64 float32
 // dQ tile to shared memory in its accumulator fragments' order, and the dQ warp adds the whole
@@ -32,13 +32,6 @@
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
-
-// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_BWD_TRACE=<blocks>: each block of
-// the K/V kernels records its start and end (%globaltimer, ns), its SM and its steps in
-// cuflash_bwd_trace (tools/bwd_trace.py reads it back): where a backward's time goes, block by block.
-#ifdef CUFLASH_BWD_TRACE
-__device__ unsigned long long cuflash_bwd_trace[CUFLASH_BWD_TRACE][4];
-#endif
 
 // The Q and dO tensor maps of attn_bwd_kv_wgmma_tma (parameter space); null for cp.async loads.
 struct BwdMaps {
@@ -66,7 +59,7 @@ struct HopperBwdTraits {
     static constexpr int kDkvCols = kSplitD ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // a warpgroup's dK/dV columns
     static constexpr int kThreads = 128 * WARPGROUPS;
     // (causal, one block per unit) the launch order: longest blocks first within groups of this
-    // many (batch, head) pairs. Key tile order (the old one) left the last heads' long blocks
+    // many (batch, head) pairs. Plain key tile order left the last heads' long blocks
     // running alone at the grid's end (SMs idle 3-6% of N=4k); across all heads, Q/dO and dQ
     // traffic outgrows L2 (d=64 N=4k 22% slower). H200 trace spans, key tile order / G = 4 / 16 /
     // all, N=4k:
@@ -87,7 +80,7 @@ struct HopperBwdTraits {
     static constexpr int kDqTileBytes = 64 * 64 * 4;
     // (WS, dQ by rows) dS^T double-buffered: a warpgroup writes step s + 1's while the other may
     // still read step s's for dQ, so the math warpgroups meet once per step (before dQ), not
-    // twice: +1-3.5% at d=64 (H200, ed0f511 probe), but 2.5-5% slower at d=128, N=16k (dQ by
+    // twice: +1-3.5% at d=64 (H200), but 2.5-5% slower at d=128, N=16k (dQ by
     // columns), where the second meeting stays.
     static constexpr int kDsBuffers = WS && kDqByRows ? 2 : 1;
     static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
@@ -160,9 +153,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-#ifdef CUFLASH_BWD_TRACE
-    const unsigned long long trace_t0 = trace_clock();
-#endif
     const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
     // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
     // offset of their first 64-column block in a Q or dO tile.
@@ -615,17 +605,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         g += n_steps;
     }  // units
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
-#ifdef CUFLASH_BWD_TRACE
-    if (tid == 0) {  // (math thread 0: after its dK/dV stores were issued)
-        const unsigned block = grid_linear_block();
-        if (block < CUFLASH_BWD_TRACE) {
-            cuflash_bwd_trace[block][0] = trace_t0;
-            cuflash_bwd_trace[block][1] = trace_clock();
-            cuflash_bwd_trace[block][2] = trace_smid();
-            cuflash_bwd_trace[block][3] = (unsigned long long)g;
-        }
-    }
-#endif
 }
 
 // The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides

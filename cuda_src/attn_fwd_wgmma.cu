@@ -74,30 +74,6 @@ struct HopperFwdTraits {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
 };
 
-// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_FWD_TRACE=<entries>: math thread 0
-// of the warp-specialized kernels records, per block (persistent: per query tile, at 2 u + k for
-// tile k of unit u), its start and end (%globaltimer, ns), its SM, its key tiles, and when Q and
-// K_0 had landed and when the last P V retired (the tile's start, loop and epilogue apart) in
-// cuflash_fwd_trace (tools/fwd_trace.py reads it back).
-// The smallest head-dim bucket whose rows keep a stale max (see kStale in the math warpgroups).
-#ifndef CUFLASH_FWD_STALE_MIN_D
-#define CUFLASH_FWD_STALE_MIN_D 256
-#endif
-#ifdef CUFLASH_FWD_TRACE
-__device__ unsigned long long cuflash_fwd_trace[CUFLASH_FWD_TRACE][6];
-__device__ __forceinline__ void fwd_trace(unsigned entry, unsigned long long t0, int key_tiles, unsigned long long ready,
-                                          unsigned long long loop_end) {
-    if (threadIdx.x == 0 && entry < CUFLASH_FWD_TRACE) {
-        cuflash_fwd_trace[entry][0] = t0;
-        cuflash_fwd_trace[entry][1] = trace_clock();
-        cuflash_fwd_trace[entry][2] = trace_smid();
-        cuflash_fwd_trace[entry][3] = (unsigned long long)key_tiles;
-        cuflash_fwd_trace[entry][4] = ready;
-        cuflash_fwd_trace[entry][5] = loop_end;
-    }
-}
-#endif
-
 // The key split's end of a piece (FwdSplit), called by every math thread with its normalized O
 // fragment (rows row0 and row0 + 8) and their log-sum-exp. A piece before the last writes them
 // and counts itself: returns true (nothing left to store). The last piece waits for the others,
@@ -204,16 +180,11 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
     // Each math warpgroup stops at its own rows' last key tile (n_mine in math()): causal only.
-    // A B A B next to cuDNN (H200, evidence-20261130h/extent-01e8c21): causal d=64 N=4k (192-row
-    // tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
+    // Against cuDNN (H200): causal d=64 N=4k (192-row tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
     // 0.89 -> 0.91, d=128 unchanged; without a mask (where only a ragged last tile's warpgroups
     // gain) d=64 / d=128 lost 1-3.5% to the loop's extra register moves.
     constexpr bool kWgExtent = TMA && !SPLIT && CAUSAL;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-#ifdef CUFLASH_FWD_TRACE
-    const unsigned long long trace_t0 = trace_clock();
-    unsigned long long trace_ready = 0, trace_loop = 0;  // set by math(): Q and K_0 landed, last P V retired
-#endif
     const u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = sQ + TileQ::kBytes;
     const u32 sV = sK + STAGES * TileKV::kBytes;
@@ -232,14 +203,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     int m_block = gridDim.x - 1 - blockIdx.x;
     int h = blockIdx.y;
     int b = blockIdx.z;
-#ifndef CUFLASH_FWD_LPT_PER_HEAD
     if constexpr (CAUSAL && !BAND && !PERSISTENT) {
         const LptPos pos = lpt_head_groups<Tr::kLptHeads>(gridDim.x, gridDim.y * gridDim.z, grid_linear_block());
         m_block = gridDim.x - 1 - pos.rank;
         h = pos.head % gridDim.y;
         b = pos.head / gridDim.y;
     }
-#endif
     // SPLIT: block x is piece `piece` of query tile `split_tile` in the plain grid's order (query
     // tiles, heads, batch).
     int piece = -1, split_tile = -1;
@@ -252,14 +221,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         b = split_tile / (m_count * n_heads);
     }
     int hk = h / group;
-    // The warpgroup and warp indices as ptxas sees them (warp_uniform): A B A B next to cuDNN
-    // (H200, evidence-20261130h/uniform-09ce6a1) read from lane 0 d=64 +0-3%, d=128 causal +1.5-2%,
-    // d=256 +0.5-1%, but d=128 without a mask -1.2-3.7%, which keeps them per-thread.
-    // (probe: -DCUFLASH_FWD_UNIFORM_ALL=1 reads them from lane 0 in every instantiation)
-#ifndef CUFLASH_FWD_UNIFORM_ALL
-#define CUFLASH_FWD_UNIFORM_ALL 0
-#endif
-    constexpr bool kUniformIdx = CUFLASH_FWD_UNIFORM_ALL || !(HEAD_DIM == 128 && !CAUSAL);
+    // The warpgroup and warp indices as ptxas sees them (warp_uniform): against cuDNN (H200), read
+    // from lane 0 d=64 +0-3%, d=128 causal +1.5-2%, d=256 +0.5-1%, but d=128 without a mask
+    // -1.2-3.7%, which keeps them per-thread.
+    constexpr bool kUniformIdx = !(HEAD_DIM == 128 && !CAUSAL);
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = kUniformIdx ? warp_uniform(tid >> 7) : tid >> 7;
     const int warp = kUniformIdx ? warp_uniform((tid >> 5) & 3) : (tid >> 5) & 3;
@@ -373,11 +338,11 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         float alpha[2];
         // d=256: rows keep a stale max within 2^8 (OnlineSoftmax STALE), so after the first tiles
         // O's rescale (128 FMULs per step) is skipped by whole warps (a vote on whether any of the
-        // warp's rows moved its max). A B A B next to cuDNN (H200, evidence-20261130e/stale-ab):
+        // warp's rows moved its max). Against cuDNN (H200):
         // d=256 +2-4.5% in every cell (N 1k-4k, full 0.97/1.00/1.02 -> 1.01/1.04/1.06); d=128 full
         // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
-        // (d=192 not measured: off. A probe lowers the bound: -DCUFLASH_FWD_STALE_MIN_D=192.)
-        constexpr bool kStale = HEAD_DIM >= CUFLASH_FWD_STALE_MIN_D;
+        // (d=192 not measured: off.)
+        constexpr bool kStale = HEAD_DIM >= 256;
         bool moved = true;
         auto rescale_o = [&]() {
             if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
@@ -444,7 +409,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:
         // DEPBAR.LE gsb0 0 before the first MUFU.EX2), and the softmax never overlaps P_j V_j.
         // kWaitAtStart retires it at the next step's start (a block of its own), which restores the
-        // overlap. A B A B next to cuDNN (H200, notes/HOPPER.md "Seventh session"): d=256 +0.3-4.7%,
+        // overlap. Against cuDNN (H200): d=256 +0.3-4.7%,
         // d=128 causal persistent (N 2k-4k) +1-1.5%; but d=128 otherwise -2.5-5% and d=64
         // (ping-pong) -1-9%: where the other warpgroup already fills the tensor cores during the
         // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
@@ -463,7 +428,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             n_mine = wg_rows > 0 ? min(n_tiles, (wg_end + BLOCK_N - 1) / BLOCK_N) : 0;
             // A warp-uniform loop bound for ptxas: derived from threadIdx, it kept the ring's
             // counters and barrier addresses in per-thread registers and every forward 5-10% slower
-            // (H200, evidence-20261130h/extent-c089ad2).
+            // (H200).
             n_mine = warp_uniform(n_mine);
         }
         if constexpr (PINGPONG && kWgExtent) {  // (n_mine == 0) the turn of S_0, passed on
@@ -479,9 +444,6 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             } else {
                 cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
             }
-#ifdef CUFLASH_FWD_TRACE
-            trace_ready = trace_clock();
-#endif
             // cp.async copies were written through the generic proxy; wgmma reads through the async one.
             if constexpr (!TMA) fence_proxy_async();
             if constexpr (!PRODUCER) __syncthreads();
@@ -587,9 +549,6 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                 mbar_arrive(empty_v(s));
             }
         }
-#ifdef CUFLASH_FWD_TRACE
-        trace_loop = trace_clock();
-#endif
         // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
         if constexpr (PRODUCER) {
             if (n_mine == 0) {
@@ -721,20 +680,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         } else {
             setmaxnreg_inc<Tr::kMathRegs>();
             if constexpr (PERSISTENT) {
-#ifdef CUFLASH_FWD_TRACE
-                CUFLASH_FOR_EACH_TILE({
-                    const unsigned long long tile_t0 = trace_clock();
-                    math();
-                    fwd_trace(2 * u + kt, tile_t0, n_tiles, trace_ready, trace_loop);
-                })
-#else
                 CUFLASH_FOR_EACH_TILE(math())
-#endif
             } else {
                 math();
-#ifdef CUFLASH_FWD_TRACE
-                fwd_trace(grid_linear_block(), trace_t0, n_tiles, trace_ready, trace_loop);
-#endif
             }
         }
     } else {
