@@ -14,6 +14,7 @@
 // Nothing N x N touches device memory: dS lives in one shared-memory tile per block.
 #include "common.cuh"
 #include "tile_load.cuh"
+#include "band.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // LANES threads per query row (8 columns each per pass: 16-byte loads where the row allows),
@@ -114,36 +115,24 @@ struct BwdTraits {
     static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
 };
 
-// Band and packed sequences (the *_band kernels), as in attn_fwd.cu: query i of a sequence sees key
-// j iff i + lo <= j <= i + hi; hi (causal_off) and lo come relative to the diagonal, `align` adds
-// the sequence's nk - nq, an open side (+-INT_MAX) clamps to nk / -nq. cu_q / cu_k (int32, B + 1;
-// null for a uniform batch) give each z-block its rows of the packed arrays, which are then batch
+// Band and packed sequences (the *_band kernels): BandArgs (band.cuh). Packed sequences are batch
 // 0 with nq (nk) their total rows, for lse, D and the dQ accumulator too.
-struct BwdBand {
-    int lo_off, align;
-    const int* cu_q;
-    const int* cu_k;
-};
+using BwdBand = BandArgs;
 
 // This block's sequence: its batch index (0 when packed), first q / k rows, lengths and bounds.
-struct BandSeq {
+struct BwdBandSeq {
     int b, q_row0, k_row0, nq, nk, hi, lo;
 };
 
 template <bool BAND>
-__device__ __forceinline__ BandSeq band_sequence(const BwdBand& band, int b, int nq, int nk, int causal_off) {
-    BandSeq sq{b, 0, 0, nq, nk, causal_off, 0};
+__device__ __forceinline__ BwdBandSeq bwd_band_sequence(const BwdBand& band, int b, int nq, int nk, int causal_off) {
+    BwdBandSeq sq{b, 0, 0, nq, nk, causal_off, 0};
     if constexpr (BAND) {
         if (band.cu_q != nullptr) {
             sq.b = 0;
-            sq.q_row0 = band.cu_q[b];
-            sq.k_row0 = band.cu_k[b];
-            sq.nq = band.cu_q[b + 1] - sq.q_row0;
-            sq.nk = band.cu_k[b + 1] - sq.k_row0;
+            band_packed_rows(band, b, sq.q_row0, sq.k_row0, sq.nq, sq.nk);
         }
-        const i64 shift = band.align ? (i64)sq.nk - sq.nq : 0;
-        sq.hi = (int)min((i64)causal_off + shift, (i64)sq.nk);
-        sq.lo = (int)max((i64)band.lo_off + shift, -(i64)sq.nq);
+        band_row_bounds(band, sq.nq, sq.nk, causal_off, sq.hi, sq.lo);
     }
     return sq;
 }
@@ -172,7 +161,7 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     const int n_block = blockIdx.x, hk = blockIdx.y;
     const int n0 = n_block * BLOCK_N;
-    const BandSeq sq = band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
+    const BwdBandSeq sq = bwd_band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
     const int b = sq.b;
     if (BAND && n0 >= sq.nk) return;  // the grid covers the longest sequence
     const int keys_valid = min(BLOCK_N, sq.nk - n0);
@@ -437,7 +426,7 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int h = blockIdx.y, hk = h / group, hq = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = m_block * BLOCK_M;
-    const BandSeq sq = band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
+    const BwdBandSeq sq = bwd_band_sequence<BAND>(band, blockIdx.z, nq, nk, causal_off);
     const int b = sq.b;
     if (BAND && m0 >= sq.nq) return;  // the grid covers the longest sequence
     const int rows_valid = min(BLOCK_M, sq.nq - m0);

@@ -19,7 +19,7 @@
 // attn_bwd_kv_wgmma_tma: the same kernel with each step's Q and dO tiles fetched by the bulk tensor
 // copy engine (one thread issues 64-column boxes that land in the Sw128Tile layout, completing on
 // one mbarrier per buffer) instead of every thread issuing cp.async copies.
-// attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout, notes/BWD_FA3.md): one
+// attn_bwd_kv_wgmma_ws (WS, warp-specialized; FlashAttention-3's layout): one
 // more warpgroup at 24 registers whose warp 0 fills a two-stage ring of Q and dO (TMA) on
 // full/empty mbarriers, and whose warp 1 adds dQ: each math warpgroup stores its 64 x 64 float32
 // dQ tile to shared memory in its accumulator fragments' order, and the dQ warp adds the whole
@@ -32,71 +32,7 @@
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
-
-// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_BWD_TRACE=<blocks>: each block of
-// the K/V kernels records its start and end (%globaltimer, ns), its SM and its steps in
-// cuflash_bwd_trace (tools/bwd_trace.py reads it back): where a backward's time goes, block by block.
-#ifdef CUFLASH_BWD_TRACE
-__device__ unsigned long long cuflash_bwd_trace[CUFLASH_BWD_TRACE][4];
-#endif
-
-// The Q and dO tensor maps of attn_bwd_kv_wgmma_tma (parameter space); null for cp.async loads.
-struct BwdMaps {
-    const TmaDesc* q;
-    const TmaDesc* dout;
-    const TmaDesc* k = nullptr;  // (PERSISTENT) K and V, boxes of 64 columns x the block's keys
-    const TmaDesc* v = nullptr;
-};
-
-// (PERSISTENT) the work units, counted on the host: kernel parameters are read from the constant
-// bank where used, so the 24-register producer warps need not keep them (or their quotients) live.
-struct BwdUnits {
-    int kv_tiles = 1, hkv = 1, count = 1;  // key tiles, K/V heads, units = key tiles x K/V heads x batch
-};
-
-template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
-struct HopperBwdTraits {
-    static constexpr int kBlockM = BLOCK_M;             // queries per step
-    // (HEAD_DIM > 128) the warpgroups split dK and dV by columns instead of by keys: 64 key rows of
-    // all 256 columns would be 256 accumulator registers per thread for dK and dV. So the block
-    // owns 64 keys, each warpgroup HEAD_DIM / WARPGROUPS columns of their dK and dV, and every
-    // warpgroup computes the whole S^T and dP^T (Q K^T and dO V^T twice: 7 GEMMs' work for 5).
-    static constexpr bool kSplitD = HEAD_DIM > 128;
-    static constexpr int kBlockN = kSplitD ? 64 : 64 * WARPGROUPS;  // keys owned by the block
-    static constexpr int kDkvCols = kSplitD ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // a warpgroup's dK/dV columns
-    static constexpr int kThreads = 128 * WARPGROUPS;
-    // (causal, one block per unit) the launch order: longest blocks first within groups of this
-    // many (batch, head) pairs. Key tile order (the old one) left the last heads' long blocks
-    // running alone at the grid's end (SMs idle 3-6% of N=4k); across all heads, Q/dO and dQ
-    // traffic outgrows L2 (d=64 N=4k 22% slower). H200 trace spans, key tile order / G = 4 / 16 /
-    // all, N=4k:
-    // d=64 1535 / 1512 / 1498 / 1876 us, d=128 1278 / 1220 / 1228 / 1330, d=256 2623 / 2521 /
-    // 2534 / 2540; N=16k d=128 4532 / 4532 / 4613 / 4617.
-    static constexpr int kLptHeads = 4;
-    using TileQ = Sw128Tile<HEAD_DIM, BLOCK_M>;         // Q and dO, two buffers each
-    using TileKV = Sw128Tile<HEAD_DIM, kBlockN>;
-    using TileS = Sw128Tile<BLOCK_M, kBlockN>;          // dS^T: rows = keys, columns = queries
-    static constexpr int kHalves = BLOCK_M / 64;        // 64-query sub-steps of S^T .. dK
-    static constexpr bool kDqByRows = BLOCK_M == 64 * WARPGROUPS;
-    static constexpr bool kDqByColumns = !kDqByRows && HEAD_DIM % (64 * WARPGROUPS) == 0;
-    static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
-    static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
-    static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
-    // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
-    // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
-    static constexpr int kDqTileBytes = 64 * 64 * 4;
-    // (WS, dQ by rows) dS^T double-buffered: a warpgroup writes step s + 1's while the other may
-    // still read step s's for dQ, so the math warpgroups meet once per step (before dQ), not
-    // twice: +1-3.5% at d=64 (H200, ed0f511 probe), but 2.5-5% slower at d=128, N=16k (dQ by
-    // columns), where the second meeting stays.
-    static constexpr int kDsBuffers = WS && kDqByRows ? 2 : 1;
-    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
-                                      (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
-    static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
-    static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");
-    static_assert(!kSplitD || (BLOCK_M == 64 && kDkvCols % 64 == 0 && kDqByColumns && !WS),
-                  "split head dim: 64-query steps, whole 64-column blocks per warpgroup, dQ by columns, no WS");
-};
+#include "hopper/bwd_traits.cuh"
 
 // (WS producer) every step of the block's units in order, with t (the unit), g (the block's steps
 // before this one), h (query head) and m0 (first query row): (head, query tile) pairs head-major,
@@ -160,9 +96,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-#ifdef CUFLASH_BWD_TRACE
-    const unsigned long long trace_t0 = trace_clock();
-#endif
     const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
     // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
     // offset of their first 64-column block in a Q or dO tile.
@@ -615,17 +548,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         g += n_steps;
     }  // units
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
-#ifdef CUFLASH_BWD_TRACE
-    if (tid == 0) {  // (math thread 0: after its dK/dV stores were issued)
-        const unsigned block = grid_linear_block();
-        if (block < CUFLASH_BWD_TRACE) {
-            cuflash_bwd_trace[block][0] = trace_t0;
-            cuflash_bwd_trace[block][1] = trace_clock();
-            cuflash_bwd_trace[block][2] = trace_smid();
-            cuflash_bwd_trace[block][3] = (unsigned long long)g;
-        }
-    }
-#endif
 }
 
 // The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides

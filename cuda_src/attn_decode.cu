@@ -20,27 +20,6 @@
 #include "tile_load.cuh"
 #include "decode_common.cuh"
 
-// The L2 prefetch size of the K/V cache reads (cp_async16). A macro, not a template parameter,
-// so that a probe can compare sizes (CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_L2_PREFETCH=256)
-// without doubling the instantiations.
-#ifndef CUFLASH_DECODE_L2_PREFETCH
-#define CUFLASH_DECODE_L2_PREFETCH 0
-#endif
-
-// The block ring's predicate-free copy of steps wholly in range (load_tile_rows_full); A/B probe:
-// CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_FULL_COPY=0 keeps the general copy for every step.
-#ifndef CUFLASH_DECODE_FULL_COPY
-#define CUFLASH_DECODE_FULL_COPY 1
-#endif
-
-// (diagnostic, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_TRACE=<blocks>: thread 0 of
-// each split-KV block records its start and end (%globaltimer, ns), its SM, warp 0's key tiles,
-// when Q was in registers and when its warp left the loop (tools/decode_trace.py reads it back:
-// whether the blocks' loads, their SMs' shares or the merge is where the time goes).
-#ifdef CUFLASH_DECODE_TRACE
-__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE][8];
-#endif
-
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
 struct DecodeTraits {
     static constexpr int kRows = 16 * ROW_TILES;  // packed (head, token) rows, zero-padded
@@ -75,18 +54,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     constexpr int kWarpTiles = kRowSplit ? 1 : ROW_TILES;
     static_assert(!kRowSplit || (ROW_TILES <= WARPS && CLUSTER == 0), "RING 3: a row tile per warp, no cluster merge");
     static_assert(!kRowSplit || kRows * HEAD_DIM * 4 <= Tr::kRingBytes, "RING 3: the rings hold the block's O");
-#ifdef CUFLASH_DECODE_TRACE
-    const unsigned long long trace_t0 = trace_clock();
-#endif
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
-    // (probe, off by default: -DCUFLASH_DECODE_UNIFORM_WARP=1 reads the warp index from lane 0,
-    // warp_uniform, so that ptxas may keep the ring's addresses on the uniform datapath)
-#ifndef CUFLASH_DECODE_UNIFORM_WARP
-#define CUFLASH_DECODE_UNIFORM_WARP 0
-#endif
-    const int warp = CUFLASH_DECODE_UNIFORM_WARP ? warp_uniform(threadIdx.x >> 5) : threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages
     float* s_stat = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM + WARPS * Tr::kRingElems);  // [WARPS][kRows][2]
 
@@ -125,10 +96,10 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
         const int in_page = n & ((1 << page_shift) - 1);
         if (do_k)
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+            load_tile_rows<HEAD_DIM, 16, 32, VEC, 0>(
                 dk, k + page * k_sb + hkv_head * k_sh + in_page * k_sn, k_sn, s1 - n, d, lane);
         if (do_v)
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+            load_tile_rows<HEAD_DIM, 16, 32, VEC, 0>(
                 dv, v + page * v_sb + hkv_head * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
     };
     // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
@@ -138,22 +109,22 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dv = ringV + slot * kStepTile;
         if (block_table == nullptr) {
             // (a step wholly inside the split's keys, rows of exactly HEAD_DIM: the predicate-free copy)
-            if constexpr (CUFLASH_DECODE_FULL_COPY && VEC && tile_rows_full_fits<HEAD_DIM, kStepN, Tr::kThreads>()) {
+            if constexpr (VEC && tile_rows_full_fits<HEAD_DIM, kStepN, Tr::kThreads>()) {
                 if (n0 + kStepN <= s1 && d == HEAD_DIM) {
                     if (do_k)
-                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, CUFLASH_DECODE_L2_PREFETCH>(
+                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, 0>(
                             dk, gK + n0 * k_sn, k_sn, threadIdx.x);
                     if (do_v)
-                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, CUFLASH_DECODE_L2_PREFETCH>(
+                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, 0>(
                             dv, gV + n0 * v_sn, v_sn, threadIdx.x);
                     return;
                 }
             }
             if (do_k)
-                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, 0>(
                     dk, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
             if (do_v)
-                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, CUFLASH_DECODE_L2_PREFETCH>(
+                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, 0>(
                     dv, gV + n0 * v_sn, v_sn, s1 - n0, d, threadIdx.x);
         } else {
 #pragma unroll
@@ -169,8 +140,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dk = ring + slot * Tr::kTileKV;
         u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
         if (block_table == nullptr) {
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, CUFLASH_DECODE_L2_PREFETCH>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, 0>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
+            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, 0>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
         } else {
 #pragma unroll
             for (int g = 0; g < BLOCK_N / 16; ++g) load_page_group(dk + 16 * g * HEAD_DIM, dv + 16 * g * HEAD_DIM, n0 + 16 * g, true, true);
@@ -184,21 +155,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // (d=192; d=64 with two row tiles and a window). Two row tiles at d=128 (four pieces) go first
     // too: their start 3.3-4.1 -> 2.8-3.1 us, no spills (block trace, H200, Hq=32/64 Hkv=1).
     using QPack = DecodeQPack<HEAD_DIM, ROW_TILES, Tr::kThreads>;
-    // (A/B probe: -DCUFLASH_DECODE_Q_FIRST_WIDE=0 loads those after the first K/V copies, all four
-    // pieces then one store pass - the branch below)
-#ifndef CUFLASH_DECODE_Q_FIRST_WIDE
-#define CUFLASH_DECODE_Q_FIRST_WIDE 1
-#endif
-    constexpr bool kQFirst =
-        (ROW_TILES == 1 && QPack::kItems <= 2) || (CUFLASH_DECODE_Q_FIRST_WIDE && HEAD_DIM == 128 && QPack::kItems <= 4);
+    constexpr bool kQFirst = (ROW_TILES == 1 && QPack::kItems <= 2) || (HEAD_DIM == 128 && QPack::kItems <= 4);
     // Q's pieces loaded all at once after the K/V issue (below) at d=128: up to 8 per thread, the
     // wide-rows blocks' 64 rows (A/B, two passes, x cuDNN: Hq=64 B=4 L=16k 0.96 -> 1.04, B=64
     // 1.51 -> 1.54, Hq=128 B=16 L=8k 1.76 -> 1.80). Not at d=64: its wide blocks' 4 pieces ran ~1%
-    // slower all at once (Hq=64 B=16 L=16k 1.57 -> 1.55). -DCUFLASH_DECODE_Q_BATCH=0: 4 at most.
-#ifndef CUFLASH_DECODE_Q_BATCH
-#define CUFLASH_DECODE_Q_BATCH 1
-#endif
-    constexpr bool kQBatch = HEAD_DIM == 128 && QPack::kItems <= (CUFLASH_DECODE_Q_BATCH ? 8 : 4);
+    // slower all at once (Hq=64 B=16 L=16k 1.57 -> 1.55).
+    constexpr bool kQBatch = HEAD_DIM == 128 && QPack::kItems <= 8;
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     if constexpr (RING == 4) {
@@ -235,10 +197,6 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, kWarpTiles> qa(sbase + row0 * HEAD_DIM * 2, lane);  // (16-row offsets keep the swizzle's phase)
-#ifdef CUFLASH_DECODE_TRACE
-    const unsigned long long trace_ready = trace_clock();
-    const int trace_tiles = RING > 0 ? n_steps : my_tiles;
-#endif
 
     if constexpr (RING == 4) {
         // FA2's order with one K and one V buffer of a step each (the shared memory of RING 3's two
@@ -317,10 +275,6 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         }
     }
     cp_async_wait<0>();
-#ifdef CUFLASH_DECODE_TRACE
-    const unsigned long long trace_loop = trace_clock();
-    unsigned long long trace_merged = 0, trace_stored = 0;
-#endif
 
     if constexpr (kRowSplit) {
         // (each warp's rows are final: published as one warp's, then decode_store as for one warp)
@@ -334,16 +288,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
                 reinterpret_cast<float*>(smem));
     } else if constexpr (CLUSTER == 0) {
-        unsigned long long* merged_at = nullptr;
-#ifdef CUFLASH_DECODE_TRACE
-        merged_at = &trace_merged;
-#endif
         decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes>(
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
-            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2, merged_at);
-#ifdef CUFLASH_DECODE_TRACE
-        trace_stored = trace_clock();
-#endif
+            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
         if (split_done != nullptr && n_splits > 1)
             // (the merge stages partials in Q's tile and the rings: free once this block's result is stored)
             decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
@@ -359,19 +306,6 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
 #endif
     }
-#ifdef CUFLASH_DECODE_TRACE
-    const unsigned block = grid_linear_block();
-    if (threadIdx.x == 0 && block < CUFLASH_DECODE_TRACE) {
-        cuflash_decode_trace[block][0] = trace_t0;
-        cuflash_decode_trace[block][1] = trace_clock();
-        cuflash_decode_trace[block][2] = trace_smid();
-        cuflash_decode_trace[block][3] = (unsigned long long)trace_tiles;
-        cuflash_decode_trace[block][4] = trace_ready;
-        cuflash_decode_trace[block][5] = trace_loop;
-        cuflash_decode_trace[block][6] = trace_merged;
-        cuflash_decode_trace[block][7] = trace_stored;
-    }
-#endif
 }
 
 #define DECODE_PARAMS                                                                                               \

@@ -89,7 +89,7 @@ attn_fwd_f32(const float* __restrict__ q, const float* __restrict__ k, const flo
     }
 
     // A double from the host: scale * log2(e) rounded to float32 moved every score, and lse by up
-    // to an ulp beyond its one rounding (tools/repeat_case.py: 4% of seeds failed the lse bound).
+    // to an ulp beyond its one rounding (4% of random seeds failed the lse bound).
     const double scale = scale_log2;
     const double* q_row = sQ + ty * LD;  // row i of this thread: q_row + i * RG * LD
     const double* k_row = sK + tx * LD;  // key jn of this thread: k_row + jn * NL * LD

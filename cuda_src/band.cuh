@@ -1,16 +1,35 @@
-// Sliding-window bands and packed sequences as the forward kernels see them (attn_fwd_band,
-// attn_fwd_wgmma_band): one definition of where a block's sequence lies and of its diagonal bounds.
+// Sliding-window bands and packed sequences, as every band kernel sees them (attn_fwd_band,
+// attn_fwd_wgmma_band, attn_bwd_kv_band, attn_bwd_dq_band): one definition of the band's
+// arguments, of where a sequence lies in the packed arrays and of its row bounds.
 #pragma once
 #include "common.cuh"
 
-// lo_off and the kernel's upper offset are measured from the diagonal (open sides arrive as
-// +-(2^31 - 1) and are clamped here); align: from each sequence's bottom-right diagonal
-// (nk_b - nq_b); cu_q / cu_k: B + 1 packed offsets, or null for an ordinary batch.
-struct FwdBand {
+// Query i of a sequence sees key j iff i + lo <= j <= i + hi. lo_off and the kernel's upper offset
+// (hi) are measured from the diagonal; align adds the sequence's nk - nq (its bottom-right
+// diagonal); an open side arrives as +-(2^31 - 1) and clamps to nk / -nq. cu_q / cu_k: B + 1
+// packed offsets (int32), or null for an ordinary batch.
+struct BandArgs {
     int lo_off, align;
     const int* cu_q;
     const int* cu_k;
 };
+using FwdBand = BandArgs;
+
+// (cu_q non-null) sequence b's first q / k rows in the packed arrays and its lengths.
+__device__ __forceinline__ void band_packed_rows(const BandArgs& band, int b, int& q_row0, int& k_row0, int& nq_b,
+                                                 int& nk_b) {
+    q_row0 = band.cu_q[b];
+    k_row0 = band.cu_k[b];
+    nq_b = band.cu_q[b + 1] - q_row0;
+    nk_b = band.cu_k[b + 1] - k_row0;
+}
+
+// A sequence's bounds (hi, lo) from the band's offsets, its lengths and the kernel's upper offset.
+__device__ __forceinline__ void band_row_bounds(const BandArgs& band, int nq_b, int nk_b, int hi_off, int& hi, int& lo) {
+    const i64 shift = band.align ? (i64)nk_b - nq_b : 0;
+    hi = (int)min((i64)hi_off + shift, (i64)nk_b);
+    lo = (int)max((i64)band.lo_off + shift, -(i64)nq_b);
+}
 
 // Sequence b's rows are q rows [q_row0, q_row0 + nq_b) and keys [k_row0, k_row0 + nk_b); row i
 // sees key j iff i + lo <= j <= i + hi. Without BAND: the batch entry as given, hi = causal_off.
@@ -24,10 +43,7 @@ __device__ __forceinline__ BandSeq band_sequence(const FwdBand& band, int& b, in
     BandSeq s{nq, nk, causal_off, 0, 0, 0};
     if constexpr (BAND) {
         if (band.cu_q != nullptr) {
-            s.q_row0 = band.cu_q[b];
-            s.k_row0 = band.cu_k[b];
-            s.nq_b = band.cu_q[b + 1] - s.q_row0;
-            s.nk_b = band.cu_k[b + 1] - s.k_row0;
+            band_packed_rows(band, b, s.q_row0, s.k_row0, s.nq_b, s.nk_b);
             b = 0;
         }
     }
@@ -37,11 +53,7 @@ __device__ __forceinline__ BandSeq band_sequence(const FwdBand& band, int& b, in
 // The band's bounds for a sequence that has rows in this block (after the early return).
 template <bool BAND>
 __device__ __forceinline__ void band_bounds(const FwdBand& band, BandSeq& s, int causal_off) {
-    if constexpr (BAND) {
-        const i64 shift = band.align ? (i64)s.nk_b - s.nq_b : 0;
-        s.hi = (int)min((i64)causal_off + shift, (i64)s.nk_b);
-        s.lo = (int)max((i64)band.lo_off + shift, -(i64)s.nq_b);
-    }
+    if constexpr (BAND) band_row_bounds(band, s.nq_b, s.nk_b, causal_off, s.hi, s.lo);
 }
 
 // Score fragment rows of the forward kernels (an mma / wgmma accumulator's row `row` held by this

@@ -324,19 +324,3 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-
-// ---- (diagnostics, off by default) block traces: tools/bwd_trace.py, fwd_trace.py, decode_trace.py ----
-// %globaltimer (ns) and the SM a block runs on, for kernels built with CUFLASH_BWD_TRACE /
-// CUFLASH_FWD_TRACE / CUFLASH_DECODE_TRACE (CUFLASH_NVRTC_OPTIONS): where a pass's time goes, block by block.
-#if defined(CUFLASH_BWD_TRACE) || defined(CUFLASH_FWD_TRACE) || defined(CUFLASH_DECODE_TRACE)
-__device__ __forceinline__ unsigned long long trace_clock() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned trace_smid() {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    return smid;
-}
-#endif

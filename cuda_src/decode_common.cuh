@@ -7,12 +7,6 @@
 #include "band.cuh"
 #include "softmax.cuh"
 
-// (probe, off by default) CUFLASH_NVRTC_OPTIONS=-DCUFLASH_DECODE_STALE=1: the decode warps keep a
-// stale running max within 2^8 (OnlineSoftmax STALE), so their O rescale is almost never taken.
-#ifndef CUFLASH_DECODE_STALE
-#define CUFLASH_DECODE_STALE 0
-#endif
-
 // Piece i (row r = i / (HEAD_DIM / 8), 8 columns from col = 8 (i % (HEAD_DIM / 8))) of the packed
 // query rows as four bf16/fp16 pairs: row r is (head hk * group + r / nq, token r % nq); columns
 // past d, rows past `rows` (group * nq) and pieces with !valid are zero.
@@ -199,7 +193,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
                 mask_score_row<CAUSAL || WINDOW, WINDOW>(acc_s[mi], hf, token, n0, s1, hi0, lo0, lane);
             }
     }
-    softmax.template update<ROW_TILES, kNS, kNO, true, CUFLASH_DECODE_STALE>(acc_s, acc_o, scale_log2);
+    softmax.template update<ROW_TILES, kNS, kNO, true, false>(acc_s, acc_o, scale_log2);
     before_pv();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
@@ -305,12 +299,9 @@ __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_T
 // sO's rows are swizzled by 8-column chunks (decode_o_chunk): each store instruction of the
 // fragment writes 8 rows, 512 bytes apart unswizzled - all in the same banks, 8-way conflicts
 // (ncu, Hq=64 Hkv=1 d=128: ~1000 per block, 27x FA2's); decode_store reads them back the same way.
-#ifndef CUFLASH_DECODE_PUBLISH_SWIZZLE
-#define CUFLASH_DECODE_PUBLISH_SWIZZLE 1
-#endif
 template <int HEAD_DIM>
 __host__ __device__ constexpr bool decode_o_swizzled() {
-    return CUFLASH_DECODE_PUBLISH_SWIZZLE && HEAD_DIM % 64 == 0;
+    return HEAD_DIM % 64 == 0;
 }
 // The physical 8-column chunk of row r's logical chunk c in a swizzled sO (c ^ (r mod 8): the
 // fragment's 8 rows of one store land in 8 distinct chunks, a permutation within each 64 columns).
@@ -387,34 +378,6 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
                                              float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
     const int rows = group * nq;
-#ifndef CUFLASH_DECODE_STORE_PER_ELEMENT
-#define CUFLASH_DECODE_STORE_PER_ELEMENT 0
-#endif
-#if CUFLASH_DECODE_STORE_PER_ELEMENT
-    // (A/B probe, off by default: -DCUFLASH_DECODE_STORE_PER_ELEMENT=1 is the store before 1dfb993,
-    // each element reducing its row's statistics itself; same results bit for bit)
-    for (int i = threadIdx.x; i < rows * HEAD_DIM; i += THREADS) {
-        const int r = i / HEAD_DIM, c = i % HEAD_DIM;
-        if (c >= d) continue;
-        float mx, sum;
-        decode_row_stat<ROW_TILES, WARPS>(s_stat, r, scale_log2, mx, sum);
-        float acc = sO[SWIZZLED ? r * HEAD_DIM + decode_o_chunk<HEAD_DIM>(r, c >> 3) * 8 + (c & 7) : i];
-#pragma unroll
-        for (int s = 1; s < SLOTS; ++s) acc += sO[s * 16 * ROW_TILES * HEAD_DIM + i];
-        const float val = acc * (sum > 0.f ? 1.f / sum : 0.f);
-        const float row_lse = sum > 0.f ? (mx * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-        const int h = hk * group + r / nq, tok = r % nq;
-        if (n_splits == 1) {
-            o[b * o_sb + h * o_sh + tok * o_sn + c] = from_float<T>(val);
-            if (c == 0) lse[((i64)b * hq + h) * nq + tok] = row_lse;
-        } else {
-            const i64 prow = (((i64)b * hkv + hk) * n_splits + split) * rows + r;
-            part_o[prow * d + c] = val;
-            if (c == 0) part_lse[prow] = row_lse;
-        }
-    }
-    return;
-#endif
     constexpr int kGroups = HEAD_DIM / 4;
     static_assert(HEAD_DIM % 4 == 0, "whole 4-column groups");
     decode_reduce_row_stats<ROW_TILES, WARPS, THREADS>(s_stat, rows, scale_log2);
@@ -463,22 +426,17 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
 }
 
 // decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel
-// merges. BUFFER_BYTES: the shared memory at sO free for the merge. merged_at: (block traces) where
-// to record the clock between the two.
+// merges. BUFFER_BYTES: the shared memory at sO free for the merge.
 template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
                                                    float* part_o, float* part_lse, i64 o_sb, i64 o_sh, i64 o_sn,
                                                    int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
-                                                   int d, int group, float scale_log2,
-                                                   unsigned long long* merged_at = nullptr) {
+                                                   int d, int group, float scale_log2) {
     constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, BUFFER_BYTES>();
     decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, computes, s_stat, sO, warp, lane,
                                                            group * nq, scale_log2);
-#ifdef CUFLASH_DECODE_TRACE
-    if (merged_at != nullptr) *merged_at = trace_clock();
-#endif
     decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS, kSlots>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh,
                                                                  o_sn, b, hk, hkv, split, n_splits, hq, nq, d, group,
                                                                  scale_log2);
@@ -723,8 +681,8 @@ __device__ __noinline__ void decode_merge_pair_staged(const float* part_o, const
 // publishes them (fence, then the count); the block that brings the count to n_splits merges all
 // of them (decode_merge_pair_staged, through `buffer`) and resets the counter to zero for the next
 // launch on its stream. This replaces the combine kernel's launch, its wait for the whole grid and
-// its start (H200, B=1 Hkv=8 L=32k: the combine ended ~10 us after the split kernel; CUPTI,
-// tools/decode_parts_probe.py). Every thread of the block must call this (block barriers).
+// its start (H200, B=1 Hkv=8 L=32k: the combine ended ~10 us after the split kernel; CUPTI).
+// Every thread of the block must call this (block barriers).
 template <typename T, int HEAD_DIM, int ROW_TILES, int THREADS, int BUFFER_BYTES>
 __device__ __forceinline__ void decode_last_split_merges(int* split_done, const float* part_o,
                                                          const float* part_lse, u16* o, float* lse, i64 o_sb,

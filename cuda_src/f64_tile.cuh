@@ -197,8 +197,8 @@ __device__ __forceinline__ void acc_rows(double (&acc)[RM][2 * CH], const double
 
 // ---------------------------------------------------------------------------------------------
 // Float64 tensor cores: mma.sync m16n8k8 .f64 (sm_90: 66 TFLOP/s on the H200, twice the DFMA
-// pipe's and twice m8n8k4's; tools/fp64_peak.py). Exact products of float32 values, float64 sums.
-// Fragments, g = lane / 4, t = lane % 4 (checked on the H200: tools/fp64_mma_layout.py):
+// pipe's and twice m8n8k4's, measured). Exact products of float32 values, float64 sums.
+// Fragments, g = lane / 4, t = lane % 4 (checked on the H200):
 //   A (16 x 8):  {A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4]}
 //   B (8 x 8, k x n): {B[t][g], B[t + 4][g]}
 //   C (16 x 8):  {C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1]}

@@ -1,0 +1,60 @@
+// The Hopper forward's epilogue: the normalized O of a tile staged through shared memory (Q's rows,
+// or O's own tile when persistent) and stored 16 bytes per thread along rows, then the LSE.
+#pragma once
+#include "hopper/fwd_traits.cuh"
+
+// Where a tile's outputs go: O (rows of q_row0 + m0 on), the LSE (lse_heads heads per batch entry).
+struct FwdOut {
+    u16* o;
+    float* lse;
+    i64 o_sb, o_sh, o_sn;
+    int nq;
+    u32 lse_heads;  // (unsigned: the grid's dimension, when it is the head count)
+    int d;
+};
+
+// Called by every math thread with its normalized O fragment (rows row0 and row0 + 8) and their
+// log-sum-exp. WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows, behind its
+// own barrier (5 + wg); else the math warpgroups (PRODUCER) or the whole block meet. BAND: packed
+// sequences' first row (q_row0) re-read from cu_q here rather than kept live through the loop.
+template <typename T, typename Tr, bool PRODUCER, bool WG_EPILOGUE, bool BAND, int kNO>
+__device__ __forceinline__ void fwd_store_tile(const float (&acc_o)[1][kNO][4], const float (&row_lse)[2], u32 sO,
+                                               const FwdOut& out, const int* cu_q, int b, int h, int q_row0, int m0,
+                                               int rows_valid, int row0, int wg, int tid, int lane) {
+    using TileQ = typename Tr::TileQ;
+    constexpr int kMath = Tr::kMathThreads, kBM = Tr::kBlockM;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int di = 0; di < kNO; ++di) {
+            const u32 addr = sO + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
+        }
+    if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);
+    else if constexpr (PRODUCER) named_barrier(1, kMath);
+    else __syncthreads();
+    if constexpr (BAND) {
+        if (cu_q != nullptr) q_row0 = cu_q[blockIdx.z];
+    }
+    u16* gO = out.o + b * out.o_sb + h * out.o_sh + (i64)(q_row0 + m0) * out.o_sn;
+    // (WG_EPILOGUE: this warpgroup's rows, i counts from its first row's first chunk)
+    constexpr int kStoreThreads = WG_EPILOGUE ? 128 : kMath;
+#pragma unroll
+    for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
+        const int i = it * kStoreThreads + (WG_EPILOGUE ? 64 * wg * TileQ::kChunks + (tid & 127) : tid);
+        const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
+        if (row < rows_valid && c * 8 < out.d) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sO + TileQ::offset(row, c)));
+            *reinterpret_cast<uint4*>(gO + row * out.o_sn + c * 8) = val;
+        }
+    }
+    if ((lane & 3) == 0) {
+        float* gL = out.lse + ((i64)b * out.lse_heads + h) * out.nq + (q_row0 + m0);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+            if (row0 + 8 * hf < rows_valid) gL[row0 + 8 * hf] = row_lse[hf];
+    }
+}

@@ -1,0 +1,71 @@
+// The Hopper forward's loads: K/V tiles by cp.async (every thread, or the producer warpgroup), and
+// the TMA producer's bulk tensor copies, issued by one thread in the order the math warpgroups
+// consume them (Q and K_0, then K_{j+1} before V_j).
+#pragma once
+#include "hopper/fwd_smem.cuh"
+
+// Key tile j of K or V into its ring slot by cp.async; ltid: this thread's index among the
+// loading threads (all of them, or the producer's, whose loops stay rolled to fit its registers).
+template <typename Tr, bool PRODUCER>
+__device__ __forceinline__ void fwd_load_kv(u32 ring, const u16* g, i64 sn, int nk_b, int d, int j, int ltid) {
+    const int n0 = j * Tr::kBlockN;
+    load_sw128<Tr::kHeadDim, Tr::kBlockN, Tr::kLoadThreads, !PRODUCER>(ring + (j % Tr::kStages) * Tr::TileKV::kBytes,
+                                                                       g + n0 * sn, sn, nk_b - n0, d, ltid);
+}
+
+// The cp.async producer warpgroup: fill slot j % STAGES once the math warpgroups released its
+// previous tile (the n-th refill waits for phase n-1 of "empty"; a fresh barrier passes parity 1).
+template <typename Tr, typename Smem>
+__device__ __forceinline__ void fwd_cp_async_producer(const Smem& sm, const u16* gQ, const u16* gK, const u16* gV,
+                                                      i64 q_sn, i64 k_sn, i64 v_sn, int rows_valid, int nk_b, int d,
+                                                      int n_tiles, int ltid) {
+    load_sw128<Tr::kHeadDim, Tr::kBlockM, Tr::kLoadThreads, false>(sm.sQ, gQ, q_sn, rows_valid, d, ltid);
+    cp_async_mbar_arrive(sm.full_q());
+    for (int j = 0; j < n_tiles; ++j) {
+        const int s = j % Tr::kStages;
+        const u32 parity = ((j / Tr::kStages) & 1) ^ 1;
+        mbar_wait(sm.empty_k(s), parity);
+        fwd_load_kv<Tr, true>(sm.sK, gK, k_sn, nk_b, d, j, ltid);
+        cp_async_mbar_arrive(sm.full_k(s));
+        mbar_wait(sm.empty_v(s), parity);
+        fwd_load_kv<Tr, true>(sm.sV, gV, v_sn, nk_b, d, j, ltid);
+        cp_async_mbar_arrive(sm.full_v(s));
+    }
+    cp_async_wait<0>();
+}
+
+// One box copy of `rows` rows: HEAD_DIM/64 boxes of 64 columns, completing on `bar`.
+template <int HEAD_DIM>
+__device__ __forceinline__ void fwd_tma_issue(u32 dst, const TmaDesc* map, int rows, int row0, int head, int b, u32 bar) {
+    mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * rows * 128);
+#pragma unroll
+    for (int cb = 0; cb < HEAD_DIM / 64; ++cb) tma_load_4d(dst + cb * rows * 128, map, 64 * cb, row0, head, b, bar);
+}
+
+// The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j. kv0: the ring's
+// count before this tile, q_phase: the tile's parity (persistent), k0: the first key (key split).
+template <typename Tr, bool PERSISTENT, typename Smem>
+__device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps& maps, int m0, int h, int hk, int b,
+                                                   int n_tiles, int kv0, u32 q_phase, int k0) {
+    constexpr int kStages = Tr::kStages, kBN = Tr::kBlockN;
+    auto issue_k = [&](int j) {
+        const int g = kv0 + j, s = g % kStages;
+        mbar_wait(sm.empty_k(s), ((g / kStages) & 1) ^ 1);
+        fwd_tma_issue<Tr::kHeadDim>(sm.k_slot(s), maps.k, kBN, k0 + j * kBN, hk, b, sm.full_k(s));
+    };
+    if constexpr (PERSISTENT) {
+        // K_0 needs only its ring slot; Q waits until the previous tile's last Q K^T retired.
+        if (n_tiles > 0) issue_k(0);
+        mbar_wait(sm.empty_q(), q_phase ^ 1);
+        fwd_tma_issue<Tr::kHeadDim>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
+    } else {
+        fwd_tma_issue<Tr::kHeadDim>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
+        if (n_tiles > 0) issue_k(0);
+    }
+    for (int j = 0; j < n_tiles; ++j) {
+        if (j + 1 < n_tiles) issue_k(j + 1);
+        const int g = kv0 + j, s = g % kStages;
+        mbar_wait(sm.empty_v(s), ((g / kStages) & 1) ^ 1);
+        fwd_tma_issue<Tr::kHeadDim>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
+    }
+}
