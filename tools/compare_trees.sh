@@ -10,7 +10,7 @@
 #
 # Environment: OUT (required), BASE (required: the baseline tree), PASSES (default 2),
 # OPS (default "fwd bwd decode"), D (default 64,128,256), N (default 1024,2048,4096,8192,16384),
-# SECONDS_PER_IMPL (default 0.3), LIMIT (default 1.02).
+# SECONDS_PER_IMPL (default 0.3), LIMIT (default 1.02), PASS_START (the first pass's number, default 1).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT to the output folder}"
@@ -24,7 +24,7 @@ passes=${PASSES:-2}
 common=(--impls cuflash,torch-cudnn --seconds-per-impl "${SECONDS_PER_IMPL:-0.3}" --repeats 50)
 grid=(--d "${D:-64,128,256}" --n "${N:-1024,2048,4096,8192,16384}")
 rc=0
-for pass in $(seq 1 "$passes"); do
+for pass in $(seq "${PASS_START:-1}" $(( ${PASS_START:-1} + passes - 1 ))); do
     for tree in new old; do
         if [ "$tree" = new ]; then root=$PWD; else root=$BASE; fi
         for op in ${OPS:-fwd bwd decode}; do  # (space separated)
