@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.kernels import device
 from cuflash import accounting
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.problem import validate_forward
@@ -49,7 +50,7 @@ def test_forward_bytes_key_split():
 
     q, k, v = _inputs((1, 2, 2048, 128), (1, 2, 2048, 128), 5)
     p = validate_forward(q, k, v)
-    if cupy.cuda.Device().compute_capability != "90" or not plan_hopper.applies(p, True):
+    if cupy.cuda.Device().compute_capability != "90" or not plan_hopper.applies(p, True, device.current()):
         pytest.skip("the key split runs on sm_90's wgmma forward")
     assert plan_hopper.auto_split(p, cupy.cuda.Device().attributes["MultiProcessorCount"]) is not None
     sizes = _recorded(lambda: cuflash.attention(q, k, v, return_lse=True))

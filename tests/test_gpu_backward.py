@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.kernels import device
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
 from cuflash.plan import backward as plan_backward
@@ -117,7 +118,7 @@ def test_backward_workspace_is_dq_accumulator_and_d():
     grad_bytes = b * h * n * d * 2
     # dq, dk, dv; the float32 dQ accumulator (128-wide rows; on Hopper the warp-specialized kernel's
     # 64 x 64 chunks pad each head's 1000 rows to 1024) and D.
-    hopper_ws = plan_hopper.backward_applies(validate_forward(q, k, v), True) and schedule.hopper_backward_tile(128, False).ws
+    hopper_ws = plan_hopper.backward_applies(validate_forward(q, k, v), True, device.current()) and schedule.hopper_backward_tile(128, False).ws
     acc_rows = 1024 if hopper_ws else n
     expected = [grad_bytes] * 3 + [b * h * acc_rows * 128 * 4, b * h * n * 4]
     assert sorted(sizes) == sorted(expected), sizes
