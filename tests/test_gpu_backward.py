@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash.core.arrays import BFLOAT16, FLOAT16
-from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
+from cuflash.testing import assert_backward_accurate, random_inputs, recorded_allocations, to_numpy
 from cuflash.plan import backward as plan_backward
 from cuflash.plan import hopper as plan_hopper
 
@@ -37,7 +37,7 @@ def _run(rng, b, hq, hkv, nq, nk, d, dtype, causal, *, scale=1.0, deterministic=
     for a, a0 in zip((qg, kg, vg, dog), before):  # inputs untouched
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(a0).view(np.uint16))
     grads = tuple(to_numpy(g) for g in (dq, dk, dv))
-    assert_backward_within_naive_error(grads, do, q, k, v, causal=causal, layout=layout)
+    assert_backward_accurate(grads, do, q, k, v, causal=causal, layout=layout)
     return grads
 
 
