@@ -34,6 +34,8 @@ comes from ml_dtypes.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .backends import reference
@@ -45,6 +47,7 @@ _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
 FACTOR = 2.0  # o, dq, dk, dv: at most FACTOR x the yardstick's error + one rounding (docs/testing.md)
+REALIZATIONS = 4  # the yardstick's error is the largest of this many rounding realizations (docs/testing.md)
 U32 = 2.0**-24
 
 
@@ -98,6 +101,8 @@ class _Case:
         q, k, v = (to_numpy(a) for a in (q, k, v))
         p = validate_forward(q, k, v, scale=scale, layout=layout)
         self.p = p
+        # The oracle's own default scale, not the problem's (a wrong default must not reach both sides).
+        self.scale = 1.0 / math.sqrt(p.d) if scale is None and p.d > 0 else (1.0 if scale is None else float(scale))
         if mask is None:
             mask = visibility(causal, p.nq, p.nk, window)
         self.mask = np.asarray(mask, dtype=bool)
@@ -125,7 +130,7 @@ def _reference_forward4(c):
     p = c.p
     if p.nk == 0:
         return np.zeros((p.batch, p.hq, p.nq, p.d)), np.full((p.batch, p.hq, p.nq), -np.inf)
-    s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * p.scale
+    s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale
     s = np.where(c.mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     shift = np.where(m == -np.inf, 0.0, m)
@@ -156,15 +161,15 @@ def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd"
     if p.nk == 0:
         return c.out_q(np.zeros_like(c.q4)), c.out_kv(np.zeros((p.batch, p.hkv, 0, p.d))), \
             c.out_kv(np.zeros((p.batch, p.hkv, 0, p.d)))
-    s = np.where(c.mask, np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * p.scale, -np.inf)
+    s = np.where(c.mask, np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     e = np.exp(s - np.where(m == -np.inf, 0.0, m))
     l = e.sum(axis=-1, keepdims=True)
     probs = e / np.where(l > 0, l, 1.0)
     dprobs = np.matmul(do4, c.v4.swapaxes(-1, -2))
     ds = probs * (dprobs - (probs * dprobs).sum(axis=-1, keepdims=True))
-    dq4 = np.matmul(ds, c.k4) * p.scale
-    dk4 = c.group_sum(np.matmul(ds.swapaxes(-1, -2), c.q4) * p.scale)
+    dq4 = np.matmul(ds, c.k4) * c.scale
+    dk4 = c.group_sum(np.matmul(ds.swapaxes(-1, -2), c.q4) * c.scale)
     dv4 = c.group_sum(np.matmul(probs.swapaxes(-1, -2), do4))
     return c.out_q(dq4), c.out_kv(dk4), c.out_kv(dv4)
 
@@ -181,13 +186,31 @@ def _rnd(x, dtype):
     return x.astype(dtype).astype(x.dtype)
 
 
-def _faithful_forward4(c):
+def _row_scales(c, realization, acc, salt):
+    """Per-row factors in [1, 2) that move where P or dS is rounded (realization 0: none).
+
+    round(x * c) / c is the same rounding of x at another point of the binade: what a kernel
+    gets when it rounds exp(s - m') against a running max m' = m - log(c) of a tile instead of
+    the row max. Drawn from a fixed generator, so the yardstick is a function of its inputs."""
+    p = c.p
+    if realization == 0:
+        return acc.type(1)
+    g = np.random.default_rng([realization, salt, p.nq, p.nk])
+    return g.uniform(1.0, 2.0, size=(p.batch, p.hq, p.nq, 1)).astype(acc)
+
+
+def _rnd_at(x, dtype, scales):
+    """x rounded to the input dtype at the points moved by ``scales`` (per row), kept in x's dtype."""
+    return _rnd(x * scales, dtype) / scales
+
+
+def _faithful_forward4(c, realization=0):
     """(o4 rounded to the input dtype, lse3, scores s) in the yardstick's arithmetic (acc dtype)."""
     p = c.p
     acc = _acc(p.dtype)
     qa, ka, va = (a.astype(acc) for a in (c.q4, c.k4, c.v4))
     s = np.matmul(qa, ka.swapaxes(-1, -2))
-    s = s * acc.type(p.scale)
+    s = s * acc.type(c.scale)
     s = np.where(c.mask, s, acc.type(-np.inf))
     if p.nk:
         m = s.max(axis=-1, keepdims=True)
@@ -197,7 +220,7 @@ def _faithful_forward4(c):
     e = np.exp(s - shift)  # unnormalized P in acc; rounded to the input dtype for P V only
     l = e.sum(axis=-1, keepdims=True)
     seen = l > 0
-    o4 = np.matmul(_rnd(e, p.dtype), va) / np.where(seen, l, acc.type(1))
+    o4 = np.matmul(_rnd_at(e, p.dtype, _row_scales(c, realization, acc, 1)), va) / np.where(seen, l, acc.type(1))
     lse3 = np.where(seen, shift + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))[..., 0]
     return _rnd(o4.astype(acc), p.dtype), lse3.astype(acc), s
 
@@ -205,8 +228,11 @@ def _faithful_forward4(c):
 def faithful_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
     """(o, lse): the yardstick forward (module docstring), o in the input dtype and lse float32,
     NumPy arrays shaped like cuflash.attention's outputs."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
-    o4, lse3, _ = _faithful_forward4(c)
+    return _faithful_forward(_Case(q, k, v, causal, scale, layout, mask, window))
+
+
+def _faithful_forward(c, realization=0):
+    o4, lse3, _ = _faithful_forward4(c, realization)
     return c.out_q(o4.astype(c.p.dtype)), lse3.astype(_F32).reshape(c.p.lse_shape())
 
 
@@ -217,19 +243,22 @@ def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout
     D = rowsum(dO * O) with O the yardstick's rounded output; dS = P (dP - D); dQ = scale
     round(dS) K; dK = scale round(dS)^T Q; everything in the accumulator type, the heads of a
     group summed there, each gradient rounded once."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
+    return _faithful_backward(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,)))
+
+
+def _faithful_backward(c, realization=0):
     p = c.p
     acc = _acc(p.dtype)
-    o4, lse3, s = _faithful_forward4(c)
+    o4, lse3, s = _faithful_forward4(c, realization)
     do4 = c.q_side[0].astype(acc)
     ka, va, qa = (a.astype(acc) for a in (c.k4, c.v4, c.q4))
     lse_safe = np.where(lse3 == -np.inf, acc.type(np.inf), lse3)[..., None]
     probs = np.exp(s - lse_safe)
-    dv4 = np.matmul(_rnd(probs, p.dtype).swapaxes(-1, -2), do4)
+    dv4 = np.matmul(_rnd_at(probs, p.dtype, _row_scales(c, realization, acc, 2)).swapaxes(-1, -2), do4)
     dprobs = np.matmul(do4, va.swapaxes(-1, -2))
     row_dot = (do4 * o4).sum(axis=-1, keepdims=True)
-    ds = _rnd(probs * (dprobs - row_dot), p.dtype)
-    sc = acc.type(p.scale)
+    ds = _rnd_at(probs * (dprobs - row_dot), p.dtype, _row_scales(c, realization, acc, 3))
+    sc = acc.type(c.scale)
     dq4 = np.matmul(ds, ka) * sc
     dk4 = np.matmul(ds.swapaxes(-1, -2), qa) * sc
     return (c.out_q(dq4.astype(p.dtype)), c.out_kv(c.group_sum(dk4).astype(acc).astype(p.dtype)),
@@ -243,7 +272,7 @@ def lse_bound(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, wi
     c = _Case(q, k, v, causal, scale, layout, mask, window)
     p = c.p
     ref_lse = _reference_forward4(c)[1]
-    a = np.matmul(np.abs(c.q4), np.abs(c.k4).swapaxes(-1, -2)) * p.scale
+    a = np.matmul(np.abs(c.q4), np.abs(c.k4).swapaxes(-1, -2)) * c.scale
     a = np.where(c.mask, a, 0.0).max(axis=-1, initial=0.0)
     n = c.mask.sum(axis=-1)  # (Nq,)
     finite = np.isfinite(ref_lse)
@@ -294,19 +323,22 @@ def _finite_checks(name, got, ref):
 def assert_within_rule(name, got, ref64, yard, dtype, factor=FACTOR):
     """Assert max|got - ref| <= factor * max|yard - ref| + u * max|ref| (u of ``dtype``).
 
+    ``yard``: one yardstick result or a list of its realizations (the largest error counts).
+
     Also: shapes agree, got is finite wherever ref is finite and equals ref where ref is
     infinite. The yardstick must itself be finite where ref is (else the bound is vacuous).
     Returns (error, bound)."""
     got = to_numpy(got).astype(_F64)
     ref = to_numpy(ref64).astype(_F64)
-    yd = to_numpy(yard).astype(_F64)
+    yards = [to_numpy(y).astype(_F64) for y in (yard if isinstance(yard, (list, tuple)) else [yard])]
     dtype = np.dtype(dtype)
-    assert yd.shape == ref.shape, f"{name}: yardstick shape {yd.shape} != reference shape {ref.shape}"
     finite = _finite_checks(name, got, ref)
-    assert np.isfinite(yd[finite]).all(), (
-        f"{name}: the yardstick overflowed where the reference is finite; the bound would be vacuous")
+    for yd in yards:
+        assert yd.shape == ref.shape, f"{name}: yardstick shape {yd.shape} != reference shape {ref.shape}"
+        assert np.isfinite(yd[finite]).all(), (
+            f"{name}: the yardstick overflowed where the reference is finite; the bound would be vacuous")
     err = max_abs(got[finite] - ref[finite])
-    yard_err = max_abs(yd[finite] - ref[finite])
+    yard_err = max(max_abs(yd[finite] - ref[finite]) for yd in yards)
     u = UNIT_ROUNDOFF[dtype]
     bound = factor * yard_err + u * max_abs(ref[finite])
     assert err <= bound, (
@@ -341,7 +373,8 @@ def assert_forward_accurate(o, lse, q, k, v, *, causal=False, scale=None, layout
     dtype = to_numpy(q).dtype
     kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window)
     ref_o, ref_lse = reference64(q, k, v, **kw)
-    yard_o, _ = faithful_attention(q, k, v, **kw)
+    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    yard_o = [_faithful_forward(c, r)[0] for r in range(REALIZATIONS)]
     assert to_numpy(o).dtype == dtype, f"o: dtype {dtype_name(to_numpy(o).dtype)}, want {dtype_name(dtype)}"
     assert_within_rule("o", o, ref_o, yard_o, dtype, factor)
     if lse is not None:
@@ -358,8 +391,8 @@ def assert_backward_accurate(grads, do, q, k, v, *, causal=False, scale=None, la
     dtype = to_numpy(q).dtype
     kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window)
     refs = reference64_backward(do, q, k, v, **kw)
-    yards = faithful_attention_backward(do, q, k, v, **kw)
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
+    yards = [list(g) for g in zip(*(_faithful_backward(c, r) for r in range(REALIZATIONS)))]
     single = c.p.nk > 0 and c.mask.sum(axis=-1).max(initial=0) <= 1
     for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, refs, yards):
         assert to_numpy(got).dtype == dtype, f"{name}: dtype {dtype_name(to_numpy(got).dtype)}, want {dtype_name(dtype)}"
@@ -402,9 +435,9 @@ def assert_single_key_gradients(grads, do, q, k, v, *, causal=False, scale=None,
         kj, vj = c.k4[:, :, j], c.v4[:, :, j]  # (B, Hq, d), per query head
         terms = np.abs(do4[:, :, i] * vj).sum(axis=-1, keepdims=True)  # (B, Hq, 1)
         ds_bound = 2 * gamma(p.d) * terms * (1 + gamma(4)) * (1 + u_in)
-        dq_bound = p.scale * ds_bound * np.abs(kj) * (1 + gamma(2)) * (1 + u_in)
+        dq_bound = c.scale * ds_bound * np.abs(kj) * (1 + gamma(2)) * (1 + u_in)
         assert np.all(np.abs(dq4[:, :, i]) <= dq_bound), f"dq row {i}: {max_abs(dq4[:, :, i]):.3e} beyond the bound"
-        per_head = p.scale * ds_bound * np.abs(c.q4[:, :, i])  # (B, Hq, d)
+        per_head = c.scale * ds_bound * np.abs(c.q4[:, :, i])  # (B, Hq, d)
         dk_bound[:, :, j] += per_head.reshape(p.batch, p.hkv, p.group, p.d).sum(axis=2)
     dk_bound *= (1 + gamma(p.nq * p.group + 2)) * (1 + u_in)
     assert np.all(np.abs(dk4) <= dk_bound), f"dk: {max_abs(dk4):.3e} exceeds the summation bound"
@@ -414,3 +447,47 @@ def assert_single_key_gradients(grads, do, q, k, v, *, causal=False, scale=None,
 naive_attention_in_dtype = faithful_attention
 naive_attention_backward_in_dtype = faithful_attention_backward
 assert_within_naive_error = assert_within_rule
+
+
+def faithful_realizations(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+    """[o of each of the REALIZATIONS yardstick realizations] (for assert_within_rule's ``yard``)."""
+    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    return [_faithful_forward(c, r)[0] for r in range(REALIZATIONS)]
+
+
+def faithful_backward_realizations(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+    """([dq realizations], [dk realizations], [dv realizations]) of the yardstick backward."""
+    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
+    return tuple(list(g) for g in zip(*(_faithful_backward(c, r) for r in range(REALIZATIONS))))
+
+
+def poison(a):
+    """Fill ``a`` (NumPy or CuPy, C-contiguous) with 0xFF bytes: NaN in float16, bfloat16 and
+    float32, -1 in integers. Returns ``a``."""
+    a.reshape(-1).view(np.uint8 if isinstance(a, np.ndarray) else __import__("cupy").uint8).fill(0xFF)
+    return a
+
+
+def poisoned_allocations(fn):
+    """fn() with every allocation it makes from CuPy's default memory pool filled with 0xFF bytes
+    first (NaN in every float dtype cuflash writes), so an output element or workspace entry that a
+    kernel never writes cannot inherit a correct value from a pooled buffer. The device is
+    synchronized after the call."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def poisoning_malloc(nbytes):
+        mem = pool.malloc(nbytes)
+        if nbytes:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.set_allocator(poisoning_malloc)
+    try:
+        result = fn()
+        cupy.cuda.Device().synchronize()
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    return result

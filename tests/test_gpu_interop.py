@@ -22,7 +22,7 @@ import pytest
 import cuflash
 from cuflash.kernels import build
 from cuflash.core.arrays import BFLOAT16, FLOAT16
-from cuflash.testing import assert_backward_accurate, assert_forward_accurate, assert_within_rule, faithful_attention_backward, faithful_attention, random_array, random_inputs
+from cuflash.testing import assert_backward_accurate, assert_forward_accurate, assert_within_rule, faithful_backward_realizations, faithful_realizations, random_array, random_inputs
 from cuflash.backends import cuda
 
 cupy = pytest.importorskip("cupy")
@@ -200,9 +200,9 @@ def test_torch_adapter_gradients_bf16(rng, hq, hkv, causal, launches):
     assert_backward_accurate(grads, do, q, k, v, causal=mode)
     # torch SDPA in float64 as a second, independent reference (pins scale, causal alignment, GQA)
     ref_o, *ref_grads = sdpa_float64(torch, q, k, v, do, causal)
-    assert_within_rule("o vs SDPA float64", got_o, ref_o, faithful_attention(q, k, v, causal=mode)[0],
+    assert_within_rule("o vs SDPA float64", got_o, ref_o, faithful_realizations(q, k, v, causal=mode),
                               BFLOAT16)
-    naives = faithful_attention_backward(do, q, k, v, causal=mode)
+    naives = faithful_backward_realizations(do, q, k, v, causal=mode)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naives):
         assert_within_rule(f"{name} vs SDPA float64", g, r, n, BFLOAT16)
 
