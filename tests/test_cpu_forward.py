@@ -1,4 +1,4 @@
-"""NumPy backend forward vs the float64 reference, by the naive-error rule (cuflash.testing).
+"""NumPy backend forward vs the float64 reference, by the accuracy rule (cuflash.testing).
 
 Outputs are poisoned with NaN before each run so unwritten elements show; inputs are compared
 with copies afterwards. Small block overrides make short sequences span many tiles, so ragged
@@ -15,7 +15,7 @@ from cuflash.backends import reference
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.layout import is_view_of, to_bhsd
-from cuflash.testing import assert_forward_within_naive_error, random_inputs
+from cuflash.testing import assert_forward_accurate, random_inputs
 
 DTYPES = [pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16"), pytest.param(np.float32, id="f32")]
 CAUSAL = [pytest.param(False, id="full"), pytest.param("bottom_right", id="br"), pytest.param("top_left", id="tl")]
@@ -51,7 +51,7 @@ def run_cpu(q, k, v, *, causal=False, scale=None, layout="bhsd", block_m=None, b
 
 def check(q, k, v, *, causal=False, scale=None, layout="bhsd", block_m=None, block_n=None):
     o, lse = run_cpu(q, k, v, causal=causal, scale=scale, layout=layout, block_m=block_m, block_n=block_n)
-    assert_forward_within_naive_error(o, lse, q, k, v, causal=causal, scale=scale, layout=layout)
+    assert_forward_accurate(o, lse, q, k, v, causal=causal, scale=scale, layout=layout)
     return o, lse
 
 
@@ -136,7 +136,7 @@ def test_2d_single_head(dtype, causal):
     q, k, v = random_inputs(rng, (57, 16), (83, 16), dtype)
     o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     assert o.shape == (57, 16) and lse.shape == (57,)
-    assert_forward_within_naive_error(o, lse, q, k, v, causal=causal)
+    assert_forward_accurate(o, lse, q, k, v, causal=causal)
     o4, lse4 = run_cpu(q[None, None], k[None, None], v[None, None], causal=causal)
     assert np.array_equal(o, o4[0, 0]) and np.array_equal(lse, lse4[0, 0])
 
@@ -209,7 +209,7 @@ def test_out_is_written_and_returned(dtype, layout):
     out = np.full(q.shape, np.nan, dtype=dtype)
     res, lse = cuflash.attention(q, k, v, causal=True, layout=layout, out=out, return_lse=True)
     assert res is out
-    assert_forward_within_naive_error(out, lse, q, k, v, causal=True, layout=layout)
+    assert_forward_accurate(out, lse, q, k, v, causal=True, layout=layout)
     # The same bits as without out=.
     assert np.array_equal(out, cuflash.attention(q, k, v, causal=True, layout=layout))
 
@@ -224,7 +224,7 @@ def test_out_strided_view(dtype):
     assert out.shape == q.shape
     res = cuflash.attention(q, k, v, causal="top_left", out=out)
     assert res is out
-    assert_forward_within_naive_error(out, None, q, k, v, causal="top_left")
+    assert_forward_accurate(out, None, q, k, v, causal="top_left")
     assert np.isnan(buf[..., 1::2].astype(np.float32)).all(), "wrote outside out's elements"
 
 
@@ -263,7 +263,7 @@ def test_reference_float32_vs_float64(dtype, causal, nq, nk, hq, hkv):
     q, k, v = random_inputs(rng, (1, hq, nq, 48), (1, hkv, nk, 48), dtype)
     o, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert o.dtype == q.dtype and lse.dtype == np.float32
-    assert_forward_within_naive_error(o, lse, q, k, v, causal=causal)
+    assert_forward_accurate(o, lse, q, k, v, causal=causal)
 
 
 def test_reference_float64_precision_returns_float64():
@@ -288,7 +288,7 @@ def test_reference_float32_inputs_in_float32_arithmetic():
     rng = np.random.default_rng(seed_of("f32-f32"))
     q, k, v = random_inputs(rng, (1, 4, 203, 256), (1, 2, 113, 256), np.float32)
     o = reference.attention(q, k, v, causal="top_left")
-    assert_forward_within_naive_error(o, None, q, k, v, causal="top_left")
+    assert_forward_accurate(o, None, q, k, v, causal="top_left")
 
 
 def test_reference_bfloat16_bit_conversions():

@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash.core.arrays import FLOAT32
-from cuflash.testing import assert_backward_within_naive_error, random_inputs, recorded_allocations, to_numpy
+from cuflash.testing import assert_backward_accurate, random_inputs, recorded_allocations, to_numpy
 from cuflash.plan import backward as plan_backward
 
 cupy = pytest.importorskip("cupy")
@@ -37,7 +37,7 @@ def _run(rng, b, hq, hkv, nq, nk, d, causal, *, scale=1.0, layout="bhsd", determ
     for a, a0 in zip((qg, kg, vg, dog), before):  # inputs untouched
         assert cupy.array_equal(a.view(np.uint32), a0.view(np.uint32))
     grads = tuple(to_numpy(g) for g in (dq, dk, dv))
-    assert_backward_within_naive_error(grads, do, q, k, v, causal=causal, layout=layout)
+    assert_backward_accurate(grads, do, q, k, v, causal=causal, layout=layout)
     return grads
 
 

@@ -10,7 +10,7 @@ from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.core.layout import to_bhsd
 from cuflash.core.problem import validate_forward
-from cuflash.testing import random_inputs
+from cuflash.testing import poison, poisoned_allocations, random_inputs
 from cuflash.backends import cuda
 from cuflash.kernels import decode as decode_kernels
 from cuflash.kernels import device
@@ -35,8 +35,9 @@ def test_decode_kv_lens(dtype, causal, nq, hq, hkv, d):
     qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
     p = validate_forward(qg, kg, vg, causal=causal)
     used_decode = cuda.decode_applies(p, to_bhsd(kg, p, hkv, nk), to_bhsd(vg, p, hkv, nk))
-    o = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype) if dtype == FLOAT16 else None
-    o, lse = cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=o)
+    o = poison(cupy.empty(qg.shape, dtype=qg.dtype))
+    # lse and the split partials are allocated inside: from a poisoning allocator.
+    o, lse = poisoned_allocations(lambda: cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=o))
     check_per_sequence(o, lse, q, k, v, lens, causal, dtype)
     if (hq // hkv) * nq <= 32 and d <= 128:
         assert used_decode  # these shapes must take the split-KV kernel
@@ -49,9 +50,9 @@ def test_decode_split_counts(splits):
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), BFLOAT16)
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
     p = validate_forward(qg, kg, vg, causal=True)
-    o4 = cupy.empty(qg.shape, dtype=qg.dtype)
+    o4 = poison(cupy.empty(qg.shape, dtype=qg.dtype))
     lse3 = cupy.full((b, hq, nq), np.nan, dtype=np.float32)
-    decode_kernels.forward(p, qg, kg, vg, o4, lse3, splits=splits)
+    poisoned_allocations(lambda: decode_kernels.forward(p, qg, kg, vg, o4, lse3, splits=splits))
     check_per_sequence(o4, lse3, q, k, v, [nk] * b, True, BFLOAT16)
 
 
@@ -79,7 +80,7 @@ def test_decode_no_lens_matches_prefill_path_rule():
     rng = np.random.default_rng(7)
     q, k, v = random_inputs(rng, (8, 32, 1, 128), (8, 8, 4096, 128), BFLOAT16)
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
-    o, lse = cuflash.attention(qg, kg, vg, causal=True, return_lse=True)
+    o, lse = poisoned_allocations(lambda: cuflash.attention(qg, kg, vg, causal=True, return_lse=True))
     check_per_sequence(o, lse, q, k, v, [4096] * 8, True, BFLOAT16)
 
 
@@ -105,8 +106,8 @@ def test_decode_window(monkeypatch, window, causal, nq, with_lens):
     lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32) if with_lens else np.full(b, nk, np.int32)
     qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
     o = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)  # poisoned
-    o, lse = cuflash.attention(qg, kg, vg, causal=causal, window=window, kv_lens=lg if with_lens else None,
-                               return_lse=True, out=o)
+    o, lse = poisoned_allocations(lambda: cuflash.attention(qg, kg, vg, causal=causal, window=window,
+                                                            kv_lens=lg if with_lens else None, return_lse=True, out=o))
     check_per_sequence(o, lse, q, k, v, lens, causal, FLOAT16, window=window)
     assert launched and all(_window_flag(e) == "true" for e in launched), launched
 
@@ -189,7 +190,7 @@ def test_decode_api_takes_the_cluster_ring(monkeypatch, causal):
     lens = np.array([0, 1, int(rng.integers(2, nk)), nk], dtype=np.int32)
     qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
     out = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(qg.dtype)
-    o, lse = cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=out)
+    o, lse = poisoned_allocations(lambda: cuflash.attention(qg, kg, vg, causal=causal, kv_lens=lg, return_lse=True, out=out))
     check_per_sequence(o, lse, q, k, v, lens, causal, BFLOAT16)
     t = schedule.DECODE_TILES_LONG_CLUSTER_SPLITS[128]
     want = f"attn_decode_cluster<Bf16, 128, 1, {t.block_n}, {t.warps}, {t.stages}, {'true' if causal else 'false'}, true, 4, false, 1>"
@@ -293,9 +294,9 @@ def test_decode_wide_heads_few_pairs(monkeypatch, d, case):
         q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), dtype)
         qg, kg, vg, lg = (cupy.asarray(a) for a in (q, k, v, lens))
         window = (700, 0) if case == "window" else None
-        out = cupy.full(qg.shape, np.nan, dtype=np.float32).astype(dtype)
-        o, lse = cuflash.attention(qg, kg, vg, causal="bottom_right", kv_lens=lg, window=window, return_lse=True,
-                                   out=out)
+        out = poison(cupy.empty(qg.shape, dtype=dtype))
+        o, lse = poisoned_allocations(lambda: cuflash.attention(qg, kg, vg, causal="bottom_right", kv_lens=lg,
+                                                                window=window, return_lse=True, out=out))
         check_per_sequence(o, lse, q, k, v, lens, "bottom_right", dtype, window=window)
     tile = f"{d}, 1, {t.block_n}, {t.warps}, {t.stages}, true, true"
     assert launched and tile in launched[0], launched

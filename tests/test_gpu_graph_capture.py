@@ -14,7 +14,7 @@ import pytest
 
 import cuflash
 from cuflash.core.arrays import FLOAT16
-from cuflash.testing import assert_forward_within_naive_error, random_array, to_numpy
+from cuflash.testing import assert_forward_accurate, random_array, to_numpy
 from cuflash.kernels import decode as decode_kernels
 from cuflash.plan import decode as plan_decode
 
@@ -109,7 +109,7 @@ def test_decode_replays(async_pool, monkeypatch, b, hq, hkv, nk, pdl_combine, vi
     for s in range(b):
         n = int(lens_h[s])
         if n:
-            assert_forward_within_naive_error(to_numpy(out)[s:s + 1], None, to_numpy(q)[s:s + 1],
+            assert_forward_accurate(to_numpy(out)[s:s + 1], None, to_numpy(q)[s:s + 1],
                                               to_numpy(k)[s:s + 1, :, :n], to_numpy(v)[s:s + 1, :, :n])
         else:
             assert np.all(to_numpy(out)[s].astype(np.float32) == 0)

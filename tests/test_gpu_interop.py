@@ -22,7 +22,7 @@ import pytest
 import cuflash
 from cuflash.kernels import build
 from cuflash.core.arrays import BFLOAT16, FLOAT16
-from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, assert_within_naive_error, naive_attention_backward_in_dtype, naive_attention_in_dtype, random_array, random_inputs
+from cuflash.testing import assert_backward_accurate, assert_forward_accurate, assert_within_rule, faithful_backward_realizations, faithful_realizations, random_array, random_inputs
 from cuflash.backends import cuda
 
 cupy = pytest.importorskip("cupy")
@@ -86,7 +86,7 @@ def test_torch_cuda_zero_copy_in_and_out(rng, dtype, launches):
     (launch,) = launches
     assert launch["q"] == tq.data_ptr(), "q was copied on the way in"
     assert launch["o"] == o.data_ptr(), "o was copied on the way out"
-    assert_forward_within_naive_error(from_torch(torch, o), from_torch(torch, lse), q, k, v, causal=True)
+    assert_forward_accurate(from_torch(torch, o), from_torch(torch, lse), q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("make", [
@@ -130,7 +130,7 @@ def test_torch_call_warns_nothing(rng):
         with torch.cuda.stream(side):  # a stream other than the legacy default one
             o = cuflash.attention(tq, tk, tv)
         side.synchronize()
-    assert_forward_within_naive_error(from_torch(torch, o), None, q, k, v)
+    assert_forward_accurate(from_torch(torch, o), None, q, k, v)
 
 
 def test_torch_side_stream_written_right_before_the_call(rng, launches):
@@ -151,7 +151,7 @@ def test_torch_side_stream_written_right_before_the_call(rng, launches):
     side.synchronize()
     assert launches[0]["stream"] == side.cuda_stream, "the kernels did not run on torch's current stream"
     assert cupy.cuda.get_current_stream().ptr == stream_before, "CuPy's current stream was not restored"
-    assert_forward_within_naive_error(from_torch(torch, o_after), None, q, k, v)
+    assert_forward_accurate(from_torch(torch, o_after), None, q, k, v)
 
 
 def test_cupy_current_stream_is_used(rng, launches):
@@ -162,7 +162,7 @@ def test_cupy_current_stream_is_used(rng, launches):
         o = cuflash.attention(qg, kg, vg)
     stream.synchronize()
     assert launches[0]["stream"] == stream.ptr
-    assert_forward_within_naive_error(o, None, q, k, v)
+    assert_forward_accurate(o, None, q, k, v)
 
 
 def test_mixed_torch_and_cupy_is_a_type_error(rng):
@@ -196,15 +196,15 @@ def test_torch_adapter_gradients_bf16(rng, hq, hkv, causal, launches):
     got_o = from_torch(torch, o)
     grads = tuple(from_torch(torch, t.grad) for t in (tq, tk, tv))
 
-    assert_forward_within_naive_error(got_o, None, q, k, v, causal=mode)
-    assert_backward_within_naive_error(grads, do, q, k, v, causal=mode)
+    assert_forward_accurate(got_o, None, q, k, v, causal=mode)
+    assert_backward_accurate(grads, do, q, k, v, causal=mode)
     # torch SDPA in float64 as a second, independent reference (pins scale, causal alignment, GQA)
     ref_o, *ref_grads = sdpa_float64(torch, q, k, v, do, causal)
-    assert_within_naive_error("o vs SDPA float64", got_o, ref_o, naive_attention_in_dtype(q, k, v, causal=mode)[0],
-                              BFLOAT16, 2.0)
-    naives = naive_attention_backward_in_dtype(do, q, k, v, causal=mode)
+    assert_within_rule("o vs SDPA float64", got_o, ref_o, faithful_realizations(q, k, v, causal=mode),
+                              BFLOAT16)
+    naives = faithful_backward_realizations(do, q, k, v, causal=mode)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naives):
-        assert_within_naive_error(f"{name} vs SDPA float64", g, r, n, BFLOAT16, 3.0)
+        assert_within_rule(f"{name} vs SDPA float64", g, r, n, BFLOAT16)
 
 
 def test_torch_adapter_only_v_requires_grad(rng):
@@ -240,7 +240,7 @@ def test_inputs_on_device_1_run_on_device_1(rng, launches):
     assert any(key[0] == 1 for key in build._modules), "no module compiled for device 1"
     with cupy.cuda.Device(1):
         cupy.cuda.Device().synchronize()
-    assert_forward_within_naive_error(o, None, q, k, v)
+    assert_forward_accurate(o, None, q, k, v)
     with cupy.cuda.Device(0):
         k0 = cupy.asarray(k)
     with pytest.raises(ValueError, match=r"^k: is on cuda:0 but q is on cuda:1"):
@@ -262,7 +262,7 @@ def test_torch_on_device_1(rng, launches):
     o.backward(to_torch(torch, do, "cuda:1"))
     torch.cuda.synchronize(1)
     assert all(t.grad.device == tq.device for t in (tq, tk, tv))
-    assert_backward_within_naive_error(tuple(from_torch(torch, t.grad) for t in (tq, tk, tv)), do, q, k, v, causal=True)
+    assert_backward_accurate(tuple(from_torch(torch, t.grad) for t in (tq, tk, tv)), do, q, k, v, causal=True)
     with pytest.raises(ValueError, match=r"^k: is on cuda:0 but q is on cuda:1"):
         cuflash.attention(tq.detach(), to_torch(torch, k, "cuda:0"), tv.detach())
 
@@ -296,7 +296,7 @@ def test_protocol_producers_give_cupy_without_copies(rng, wrap, launches):
     o = cuflash.attention(wrap(qg), wrap(kg), wrap(vg), causal=True)
     assert isinstance(o, cupy.ndarray)
     assert launches[-1]["q"] == qg.data.ptr
-    assert_forward_within_naive_error(o, None, q, k, v, causal=True)
+    assert_forward_accurate(o, None, q, k, v, causal=True)
 
 
 # ----------------------------------------------------------------------------- JAX
@@ -322,7 +322,7 @@ def test_jax_gpu_eager_zero_copy(rng, launches):
     assert isinstance(o, jax.Array) and o.devices() == {gpu} and o.dtype == np.float16
     assert launches[-1]["q"] == jq.unsafe_buffer_pointer(), "q was copied on the way in"
     assert launches[-1]["o"] == o.unsafe_buffer_pointer(), "o was copied on the way out"
-    assert_forward_within_naive_error(np.asarray(o), np.asarray(lse), q, k, v, causal=True)
+    assert_forward_accurate(np.asarray(o), np.asarray(lse), q, k, v, causal=True)
 
 
 def test_jax_gpu_eager_bfloat16(rng):
@@ -330,7 +330,7 @@ def test_jax_gpu_eager_bfloat16(rng):
     q, k, v = random_inputs(rng, SHAPE, SHAPE, BFLOAT16)
     o = cuflash.attention(*(jax.device_put(a, gpu) for a in (q, k, v)))
     assert o.dtype == BFLOAT16 and o.devices() == {gpu}
-    assert_forward_within_naive_error(np.asarray(o), None, q, k, v)
+    assert_forward_accurate(np.asarray(o), None, q, k, v)
 
 
 def test_jax_adapter_jit_and_grad_on_gpu(rng, launches):
@@ -350,5 +350,5 @@ def test_jax_adapter_jit_and_grad_on_gpu(rng, launches):
     assert o.devices() == {gpu} and all(g.devices() == {gpu} for g in grads)
     assert launches and launches[-1]["device"] == gpu.local_hardware_id
     assert launches[-1]["stream"] != 0, "expected XLA's compute stream, not the legacy default stream"
-    assert_forward_within_naive_error(np.asarray(o), None, q, k, v, causal="bottom_right")
-    assert_backward_within_naive_error(tuple(np.asarray(g) for g in grads), do, q, k, v, causal="bottom_right")
+    assert_forward_accurate(np.asarray(o), None, q, k, v, causal="bottom_right")
+    assert_backward_accurate(tuple(np.asarray(g) for g in grads), do, q, k, v, causal="bottom_right")

@@ -25,7 +25,7 @@ from cuflash.kernels import decode as decode_kernels
 from cuflash.kernels import forward as forward_kernels
 from cuflash.core import problem as _problem
 from cuflash.core.arrays import BFLOAT16, FLOAT16
-from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, to_numpy
+from cuflash.testing import assert_backward_accurate, assert_forward_accurate, random_array, random_inputs, to_numpy
 
 from _brute_mask import block_diagonal_mask, brute_visible, packed_batch
 
@@ -123,7 +123,7 @@ def window_forward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window, *, layout=
     assert_unchanged((q, k, v), before)
     oh, lh = to_host(o), to_host(lse)
     vis = brute_visible(causal, window, nq, nk)
-    assert_forward_within_naive_error(oh, lh, qh, kh, vh, causal=False, layout=layout, mask=vis)
+    assert_forward_accurate(oh, lh, qh, kh, vh, causal=False, layout=layout, mask=vis)
     assert_hidden_rows(oh, lh, vis, -2 if layout == "bhsd" else -3)
     return (qh, kh, vh), (q, k, v), (o, lse), vis
 
@@ -178,7 +178,7 @@ def test_window_forward_strided_out(rng, kernels, dtype):
     o, lse = cuflash.attention(q, k, v, window=(9, 9), return_lse=True, out=out)
     assert o is out
     vis = brute_visible(False, (9, 9), 90, 100)
-    assert_forward_within_naive_error(to_host(o), to_host(lse), qh, kh, vh, mask=vis)
+    assert_forward_accurate(to_host(o), to_host(lse), qh, kh, vh, mask=vis)
     rest = to_host(raw(big)).copy()
     rest[:, 1:, 2:92, 4:68] = _NAN_BITS[2]
     assert np.all(rest == _NAN_BITS[2]), "the forward wrote outside out="
@@ -210,7 +210,7 @@ def test_window_with_kv_lens(rng, kernels, dtype):
     oh, lh = to_host(o), to_host(lse)
     for b, n in enumerate(lens.tolist()):
         sl = slice(b, b + 1)
-        assert_forward_within_naive_error(oh[sl], lh[sl], qh[sl], kh[sl, :, :n], vh[sl, :, :n],
+        assert_forward_accurate(oh[sl], lh[sl], qh[sl], kh[sl, :, :n], vh[sl, :, :n],
                                           mask=brute_visible(True, (40, 0), 2, n))
     assert np.all(oh[0].astype(np.float32) == 0) and np.all(lh[0] == -np.inf)
 
@@ -230,7 +230,7 @@ def window_backward(rng, dtype, b, hq, hkv, nq, nk, d, causal, window, *, determ
     assert all(g is w for g, w in zip(grads, outs))
     assert_unchanged((do, q, k, v, o, lse), before)
     gh = tuple(to_host(g) for g in grads)
-    assert_backward_within_naive_error(gh, doh, qh, kh, vh, layout=layout, mask=vis)
+    assert_backward_accurate(gh, doh, qh, kh, vh, layout=layout, mask=vis)
     seq = -2 if layout == "bhsd" else -3
     unseen = ~vis.any(axis=0)
     for g in gh[1:]:
@@ -294,7 +294,7 @@ def varlen_run(rng, dtype, nqs, nks, causal, window, *, hq=4, hkv=2, d=64, deter
     assert o.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == np.float32
     oh, lh = to_host(o), to_host(lse)
     vis = block_diagonal_mask(causal, window, cq, ck)
-    assert_forward_within_naive_error(oh, lh, qh, kh, vh, layout="bshd", mask=vis)
+    assert_forward_accurate(oh, lh, qh, kh, vh, layout="bshd", mask=vis)
     assert_hidden_rows(oh, lh, vis, 0)
     doh = random_array(rng, qh.shape, dtype)
     do = to_device(doh)
@@ -303,7 +303,7 @@ def varlen_run(rng, dtype, nqs, nks, causal, window, *, hq=4, hkv=2, d=64, deter
     assert outs is None or all(g is w for g, w in zip(grads, outs))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     gh = tuple(to_host(g) for g in grads)
-    assert_backward_within_naive_error(gh, doh, qh, kh, vh, layout="bshd", mask=vis)
+    assert_backward_accurate(gh, doh, qh, kh, vh, layout="bshd", mask=vis)
     unseen = ~vis.any(axis=0)
     assert np.all(gh[1][unseen].astype(np.float32) == 0) and np.all(gh[2][unseen].astype(np.float32) == 0)
     assert np.all(gh[0][~vis.any(axis=1)].astype(np.float32) == 0)
@@ -363,12 +363,12 @@ def test_varlen_strided_out(rng, kernels):
     big_o = poisoned((q.shape[0], 3, 80), FLOAT16)
     o, lse = cuflash.attention(q, k, v, return_lse=True, out=big_o[:, 1:, 8:72], **kw)
     vis = block_diagonal_mask(True, None, cq, ck)
-    assert_forward_within_naive_error(to_host(o), to_host(lse), qh, kh, vh, layout="bshd", mask=vis)
+    assert_forward_accurate(to_host(o), to_host(lse), qh, kh, vh, layout="bshd", mask=vis)
     doh = random_array(rng, qh.shape, FLOAT16)
     bigs = [poisoned((a.shape[0], 3, 80), FLOAT16) for a in (q, k, v)]
     grads = cuflash.attention_backward(to_device(doh), q, k, v, o, lse, out=tuple(b[:, 1:, 8:72] for b in bigs),
                                        **kw)
-    assert_backward_within_naive_error(tuple(to_host(g) for g in grads), doh, qh, kh, vh, layout="bshd", mask=vis)
+    assert_backward_accurate(tuple(to_host(g) for g in grads), doh, qh, kh, vh, layout="bshd", mask=vis)
     for big in [big_o] + bigs:
         rest = to_host(raw(big)).copy()
         rest[:, 1:, 8:72] = _NAN_BITS[2]
@@ -404,9 +404,9 @@ def test_varlen_more_sequences_than_grid_z(rng):
     o, lse = cuflash.attention(q, k, v, return_lse=True, out=poisoned(q.shape, BFLOAT16), **kw)
     uq, uk, uv = qh.reshape(n, 1, hq, d), kh.reshape(n, 2, hkv, d), vh.reshape(n, 2, hkv, d)
     lh = to_host(lse)  # (Hq, total_q): as the uniform problem's (B, Hq, 1)
-    assert_forward_within_naive_error(to_host(o).reshape(uq.shape), lh.T.reshape(n, hq, 1), uq, uk, uv,
+    assert_forward_accurate(to_host(o).reshape(uq.shape), lh.T.reshape(n, hq, 1), uq, uk, uv,
                                       causal=True, layout="bshd")
     doh = random_array(rng, qh.shape, BFLOAT16)
     grads = cuflash.attention_backward(to_device(doh), q, k, v, o, lse, **kw)
     gh = [to_host(g).reshape(s) for g, s in zip(grads, (uq.shape, uk.shape, uv.shape))]
-    assert_backward_within_naive_error(gh, doh.reshape(uq.shape), uq, uk, uv, causal=True, layout="bshd")
+    assert_backward_accurate(gh, doh.reshape(uq.shape), uq, uk, uv, causal=True, layout="bshd")

@@ -22,7 +22,7 @@ import cuflash
 from cuflash.backends import numpy as cpu
 from cuflash.api import interop
 from cuflash.core.arrays import BFLOAT16
-from cuflash.testing import assert_backward_within_naive_error, assert_within_naive_error, naive_attention_backward_in_dtype, naive_attention_in_dtype, random_array, random_inputs
+from cuflash.testing import assert_backward_accurate, assert_within_rule, faithful_backward_realizations, faithful_realizations, random_array, random_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(np.float16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
@@ -384,13 +384,13 @@ def test_torch_adapter_gradients(rng, dtype, causal):
     for g, w in zip(grads, cuflash.attention_vjp(q, k, v, causal=mode)[1](do)):
         assert np.array_equal(bits(g), bits(w))
 
-    assert_backward_within_naive_error(grads, do, q, k, v, causal=mode)
+    assert_backward_accurate(grads, do, q, k, v, causal=mode)
     ref_o, *ref_grads = sdpa_reference64(torch, q, k, v, do, causal)
-    naive_o, _ = naive_attention_in_dtype(q, k, v, causal=mode)
-    assert_within_naive_error("o vs SDPA float64", from_torch(torch, o), ref_o, naive_o, dtype, 2.0)
-    naives = naive_attention_backward_in_dtype(do, q, k, v, causal=mode)
+    naive_o = faithful_realizations(q, k, v, causal=mode)
+    assert_within_rule("o vs SDPA float64", from_torch(torch, o), ref_o, naive_o, dtype)
+    naives = faithful_backward_realizations(do, q, k, v, causal=mode)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naives):
-        assert_within_naive_error(f"{name} vs SDPA float64", g, r, n, dtype, 3.0)
+        assert_within_rule(f"{name} vs SDPA float64", g, r, n, dtype)
 
 
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True), (True, False, True)],
@@ -491,7 +491,7 @@ def test_jax_adapter_eager_jit_and_grad(rng, dtype, layout):
         for g, w in zip(grads, want_grads):
             assert np.array_equal(bits(np.asarray(g)), bits(w))
     grads = jax.vjp(lambda a, b, c: cfj.attention(a, b, c, **opts), jq, jk, jv)[1](jdo)
-    assert_backward_within_naive_error(tuple(np.asarray(g) for g in grads), do, q, k, v, **opts)
+    assert_backward_accurate(tuple(np.asarray(g) for g in grads), do, q, k, v, **opts)
 
 
 def test_jax_adapter_vmap_and_single_head(rng):

@@ -4,7 +4,7 @@ The oracle is the float64 reference evaluated with a mask this file builds itsel
 from the documented definition (_brute_mask), never with cuflash.core.masks: a windowed problem is
 held to ``mask=brute_visible(...)``, a packed batch to the block-diagonal mask of its sequences
 (one big problem over the packed arrays, so the varlen code is not part of its own oracle).
-Accuracy is the naive-error rule of cuflash.testing (forward factor 2, backward factor 3).
+Accuracy is the rule of cuflash.testing (docs/testing.md): the same factor forward and backward.
 Every test draws fresh inputs (the ``rng`` fixture reports its seed on failure).
 """
 
@@ -24,7 +24,7 @@ from cuflash.backends import reference
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
 from cuflash.core.layout import to_bhsd
-from cuflash.testing import assert_backward_within_naive_error, assert_forward_within_naive_error, random_array, random_inputs, reference64, reference64_backward
+from cuflash.testing import assert_backward_accurate, assert_forward_accurate, random_array, random_inputs, reference64, reference64_backward
 from cuflash.backends import cuda
 from cuflash.kernels import forward as forward_kernels
 from cuflash.kernels import operands
@@ -134,7 +134,7 @@ def test_window_forward_matches_brute_force_reference(rng, dtype, causal, window
     q, k, v = random_inputs(rng, (2, 4, nq, 24), (2, 2, nk, 24), dtype)
     o, lse = forward_cpu(q, k, v, causal=causal, window=window, block_m=block_m, block_n=block_n)
     vis = brute_visible(causal, window, nq, nk)
-    assert_forward_within_naive_error(o, lse, q, k, v, mask=vis)
+    assert_forward_accurate(o, lse, q, k, v, mask=vis)
     assert_hidden_rows_are_zero(o, lse, vis)
 
 
@@ -145,7 +145,7 @@ def test_window_public_api_default_tiles(rng, causal, window):
     q, k, v = random_inputs(rng, (1, 2, 300, 64), (1, 2, 333, 64), BFLOAT16)
     o, lse = cuflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
     vis = brute_visible(causal, window, 300, 333)
-    assert_forward_within_naive_error(o, lse, q, k, v, mask=vis)
+    assert_forward_accurate(o, lse, q, k, v, mask=vis)
     o2, lse2 = forward_cpu(q, k, v, causal=causal, window=window)
     assert np.array_equal(o, o2) and np.array_equal(lse, lse2)
     # The materializing reference takes the same arguments.
@@ -161,11 +161,11 @@ def test_window_layout_and_2d(rng, layout):
     if layout == "bhsd":
         q, k, v = (np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v))
     o, lse = cuflash.attention(q, k, v, causal=True, window=(6, 0), layout=layout, return_lse=True)
-    assert_forward_within_naive_error(o, lse, q, k, v, layout=layout, mask=brute_visible(True, (6, 0), 50, 66))
+    assert_forward_accurate(o, lse, q, k, v, layout=layout, mask=brute_visible(True, (6, 0), 50, 66))
     q2, k2, v2 = random_inputs(rng, (40, 16), (30, 16), np.float32)
     o2, lse2 = cuflash.attention(q2, k2, v2, window=(2, 3), return_lse=True)
     assert o2.shape == (40, 16) and lse2.shape == (40,)
-    assert_forward_within_naive_error(o2, lse2, q2, k2, v2, mask=brute_visible(False, (2, 3), 40, 30))
+    assert_forward_accurate(o2, lse2, q2, k2, v2, mask=brute_visible(False, (2, 3), 40, 30))
 
 
 def test_window_minus_one_both_sides_is_no_window(rng):
@@ -182,7 +182,7 @@ def test_window_with_kv_lens_aligns_per_sequence(rng):
     o, lse = cuflash.attention(q, k, v, causal=True, window=(4, 0), kv_lens=lens, return_lse=True)
     for b, n in enumerate(lens.tolist()):
         sl = slice(b, b + 1)
-        assert_forward_within_naive_error(o[sl], lse[sl], q[sl], k[sl, :, :n], v[sl, :, :n],
+        assert_forward_accurate(o[sl], lse[sl], q[sl], k[sl, :, :n], v[sl, :, :n],
                                           mask=brute_visible(True, (4, 0), 5, n))
 
 
@@ -199,7 +199,7 @@ def test_window_backward_matches_brute_force_reference(rng, dtype, causal, windo
     o, lse = cuflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
     grads = backward_cpu(do, q, k, v, o, lse, causal=causal, window=window, block_m=block_m, block_n=block_n)
     vis = brute_visible(causal, window, nq, nk)
-    assert_backward_within_naive_error(grads, do, q, k, v, mask=vis)
+    assert_backward_accurate(grads, do, q, k, v, mask=vis)
     # Keys no query sees get exactly zero gradients.
     unseen = ~vis.any(axis=0)
     assert np.all(grads[1][:, :, unseen].astype(np.float32) == 0)
@@ -212,8 +212,8 @@ def test_window_vjp_and_reference_backward(rng):
     o, vjp = cuflash.attention_vjp(q, k, v, causal=True, window=(33, 0))
     grads = vjp(do)
     vis = brute_visible(True, (33, 0), 150, 140)
-    assert_forward_within_naive_error(o, None, q, k, v, mask=vis)
-    assert_backward_within_naive_error(grads, do, q, k, v, mask=vis)
+    assert_forward_accurate(o, None, q, k, v, mask=vis)
+    assert_backward_accurate(grads, do, q, k, v, mask=vis)
     o32, lse32 = reference.attention(q, k, v, causal=True, window=(33, 0), return_lse=True)
     ref = reference.attention_backward(do, q, k, v, o32, lse32, causal=True, window=(33, 0), precision="float64")
     oracle = reference64_backward(do, q, k, v, mask=vis)
@@ -248,8 +248,8 @@ def test_only_band_tiles_are_computed(rng, monkeypatch, causal, window):
     seen.clear()
     grads = backward_cpu(do, q, k, v, o, lse, causal=causal, window=window, block_m=bm, block_n=bn)
     assert sorted(seen) == sorted(band)
-    assert_forward_within_naive_error(o, lse, q, k, v, mask=vis)
-    assert_backward_within_naive_error(grads, do, q, k, v, mask=vis)
+    assert_forward_accurate(o, lse, q, k, v, mask=vis)
+    assert_backward_accurate(grads, do, q, k, v, mask=vis)
     if window[0] >= 0:  # a left bound: some tiles left of the band are skipped too
         assert any(n0 + bn <= min((n for m, n in band if m == m0), default=-1) for m0, n0 in all_tiles - band)
 
@@ -286,14 +286,14 @@ def test_varlen_forward_and_backward(rng, tiles, dtype, causal, window, nqs, nks
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (4, q.shape[0]) and lse.dtype == np.float32
     vis = block_diagonal_mask(causal, window, cq, ck)
     # The oracle is one problem over the packed arrays ((total, H, d) read as bshd without batch).
-    assert_forward_within_naive_error(o, lse, q, k, v, layout="bshd", mask=vis)
+    assert_forward_accurate(o, lse, q, k, v, layout="bshd", mask=vis)
     hidden = ~vis.any(axis=1)
     assert np.all(o[hidden].astype(np.float32) == 0) and np.all(lse[:, hidden] == -np.inf)
     do = random_array(rng, q.shape, dtype)
     grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, cu_seqlens_q=cq,
                                        cu_seqlens_k=ck)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    assert_backward_within_naive_error(grads, do, q, k, v, layout="bshd", mask=vis)
+    assert_backward_accurate(grads, do, q, k, v, layout="bshd", mask=vis)
     unseen = ~vis.any(axis=0)
     assert np.all(grads[1][unseen].astype(np.float32) == 0) and np.all(grads[2][unseen].astype(np.float32) == 0)
     for a, a0 in zip((q, k, v, cq, ck), before):
@@ -313,12 +313,12 @@ def test_varlen_reference_and_out(rng, causal):
     out = np.full(q.shape, np.nan, dtype=q.dtype)
     o, lse = cuflash.attention(q, k, v, out=out, return_lse=True, **kw)
     assert o is out
-    assert_forward_within_naive_error(o, lse, q, k, v, layout="bshd", mask=vis)
+    assert_forward_accurate(o, lse, q, k, v, layout="bshd", mask=vis)
     do = random_array(rng, q.shape, np.float32)
     dq, dk, dv = (np.full(a.shape, np.nan, dtype=a.dtype) for a in (q, k, v))
     got = cuflash.attention_backward(do, q, k, v, o, lse, out=(dq, dk, dv), **kw)
     assert got[0] is dq and got[1] is dk and got[2] is dv
-    assert_backward_within_naive_error(got, do, q, k, v, layout="bshd", mask=vis)
+    assert_backward_accurate(got, do, q, k, v, layout="bshd", mask=vis)
     g_ref = reference.attention_backward(do, q, k, v, o, lse, precision="float64", **kw)
     for a, b in zip(g_ref, reference64_backward(do, q, k, v, layout="bshd", mask=vis)):
         assert np.allclose(a, b, rtol=0, atol=1e-12)

@@ -13,10 +13,11 @@ returns float64 arrays (o, lse and gradients), for use as an oracle.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..core import problem as _problem
-from ..core import masks
 from ..core.arrays import BFLOAT16
 from ..core.layout import from_bhsd, to_bhsd
 
@@ -71,6 +72,28 @@ def _heads_as_query_heads(a4, p):
     return a4[:, p.xp.arange(p.hq) // p.group]
 
 
+def visibility(xp, causal, window, nq, nk):
+    """(nq, nk) boolean visibility written from the definitions, sharing no code with cuflash.core.masks
+    (the oracle must not inherit a bug of what it checks). ``causal``: None, "top_left" or
+    "bottom_right"; ``window``: None or (left, right) with -1 for an open side.
+
+    Query i sees key j iff j <= i (top_left) or j <= i + nk - nq (bottom_right) when causal, and
+    diag - left <= j <= diag + right under a window, diag = i for top_left, else i + nk - nq."""
+    i = xp.arange(nq).reshape(nq, 1)
+    j = xp.arange(nk).reshape(1, nk)
+    diag = i if causal == "top_left" else i + (nk - nq)
+    seen = xp.ones((nq, nk), dtype=bool)
+    if causal is not None:
+        seen &= j <= diag
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            seen &= j >= diag - left
+        if right >= 0:
+            seen &= j <= diag + right
+    return seen
+
+
 def _probabilities(p, q4, k4, cdt, mask=None):
     """Materialized P (B, Hq, Nq, Nk), the masked row max m and the row sum l (keepdims).
 
@@ -80,7 +103,7 @@ def _probabilities(p, q4, k4, cdt, mask=None):
     kq = _heads_as_query_heads(k4, p)
     s = xp.matmul(q4, kq.swapaxes(-1, -2)) * cdt.type(p.scale)
     if mask is None and (p.causal is not None or p.window is not None):
-        mask = masks.mask_matrix(xp, p.causal, p.nq, p.nk, p.window)
+        mask = visibility(xp, p.causal, p.window, p.nq, p.nk)
     if mask is not None:
         s = xp.where(mask, s, cdt.type(_NEG_INF))
     m = s.max(axis=-1, keepdims=True)
@@ -167,13 +190,22 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     return o
 
 
+def _sequences(p, cu_seqlens_q, cu_seqlens_k):
+    """(problem of one packed sequence, its q rows, its k rows), read straight from the offsets."""
+    cq, ck = (a.get() if hasattr(a, "get") else a for a in (cu_seqlens_q, cu_seqlens_k))
+    cq, ck = [int(x) for x in cq], [int(x) for x in ck]
+    for b in range(len(cq) - 1):
+        yield (dataclasses.replace(p, nq=cq[b + 1] - cq[b], nk=ck[b + 1] - ck[b]),
+               slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]))
+
+
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, **options):
     """Packed sequences: the formula per sequence, written into packed o (total_q, Hq, d), lse (Hq, total_q)."""
-    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    p, _ = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     xp = p.xp
     o = xp.empty(p.q_shape(), dtype=_out_dtype(p, cdt))
     lse = xp.empty(p.lse_shape(), dtype=cdt)
-    for pb, qs, ks in _problem.sequences(p, spans):
+    for pb, qs, ks in _sequences(p, cu_seqlens_q, cu_seqlens_k):
         o4, lse3 = forward_bhsd(pb, *_wide_bhsd(pb, cdt, (q[qs],), (k[ks], v[ks])))
         o[qs] = from_bhsd(_narrow(xp, o4, o.dtype), pb, pb.hq, pb.nq)
         lse[:, qs] = lse3[0]
@@ -193,10 +225,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     """
     cdt = _compute_dtype(precision)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
-                                            scale=scale, layout=layout, window=window)
+        p, _ = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
+                                        scale=scale, layout=layout, window=window)
         grads = [p.xp.empty(shape, dtype=_out_dtype(p, cdt)) for shape in (p.q_shape(), p.kv_shape(), p.kv_shape())]
-        for pb, qs, ks in _problem.sequences(p, spans):
+        for pb, qs, ks in _sequences(p, cu_seqlens_q, cu_seqlens_k):
             for g, rows, part in zip(grads, (qs, ks, ks), _backward_in(pb, cdt, do[qs], q[qs], k[ks], v[ks])):
                 g[rows] = part
         return tuple(grads)
