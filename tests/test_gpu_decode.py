@@ -97,8 +97,8 @@ def test_decode_window(monkeypatch, window, causal, nq, with_lens):
     """The split-KV kernel's band mask (attn_decode<..., WINDOW>): each token against the
     brute-force mask of its own sequence's keys; the decode kernel (not the band kernel) ran."""
     launched = []
-    real = plan_decode.launch_spec
-    monkeypatch.setattr(plan_decode, "launch_spec",
+    real = decode_kernels.launch_spec  # (the name the decode launch calls)
+    monkeypatch.setattr(decode_kernels, "launch_spec",
                         lambda *a, **kw: launched.append(real(*a, **kw).expression) or real(*a, **kw))
     rng = np.random.default_rng([nq, len(str(causal)), window[0] + 9, window[1] + 5, int(with_lens)])
     b, hq, hkv, nk, d = 4, 8, 2, 1500, 64 if nq == 16 else 128  # (64 packed rows: d=64's tile)
