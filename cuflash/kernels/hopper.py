@@ -9,7 +9,7 @@ import numpy as np
 from ..plan.dispatch import ForwardPlan
 from ..plan.hopper import split_partials
 from . import counters, device, tma
-from .forward import launch_forward
+from . import forward
 
 
 def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None):
@@ -26,7 +26,7 @@ def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None
     blocks = None
     if t.persistent:
         blocks = persistent_blocks or device.sm_count(device.current_id())
-    launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
+    forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 
 def _launch_split(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, maps):
@@ -41,5 +41,5 @@ def _launch_split(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, maps):
     # A counter per query tile (cuflash.kernels.counters: kept per stream, left zero by each launch's
     # last pieces; a captured call's own, zeroed by a memset node on every replay).
     flags, _held = counters.for_cupy_launch(tiles, np.uint32)  # (_held: kept until launched)
-    launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
+    forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, blocks=splits * tiles,
                    extra_args=(np.int32(p.hq), np.int32(splits), part_o, part_lse, np.uint64(flags)))
