@@ -36,6 +36,7 @@
 #include "hopper/bwd_smem.cuh"
 #include "hopper/bwd_scheduler.cuh"
 #include "hopper/bwd_producer.cuh"
+#include "hopper/bwd_dq.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
           bool PERSISTENT = false, bool MATH_STATS = true>
@@ -113,44 +114,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         const BwdUnit t = sched.unit_at(u);
         const int hk = t.hk, b = t.b, n0 = t.n0, m_begin = t.m_begin, per_head = t.per_head, n_steps = t.n_steps;
         const int keys_valid = min(kBN, nk - n0);
-        if constexpr (PERSISTENT) {
-            // K and V by TMA (keys past nk zero-filled), once the previous unit's dK/dV, staged in
-            // their tiles through the generic proxy, have been stored. (cp.async here would keep each
-            // thread's 16 chunk addresses live through the whole unit: 240 registers do not hold them.)
-            fence_proxy_async();
-            named_barrier(1, kMathThreads);
-            if (tid == 0) {
-                mbar_arrive_expect_tx(sm.sKvFull, 2 * TileKV::kBytes);
-#pragma unroll
-                for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                    tma_load_4d(sm.sK + cb * TileKV::kBlockBytes, maps.k, 64 * cb, n0, hk, b, sm.sKvFull);
-                    tma_load_4d(sm.sV + cb * TileKV::kBlockBytes, maps.v, 64 * cb, n0, hk, b, sm.sKvFull);
-                }
-            }
-            mbar_wait(sm.sKvFull, units_done & 1);
-        } else {
-            load_sw128<HEAD_DIM, kBN, kLoaders>(sm.sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
-            load_sw128<HEAD_DIM, kBN, kLoaders>(sm.sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
-        }
+        bwd_load_kv<Tr, PERSISTENT, kLoaders>(sm, maps, BwdTensor{k, k_sb, k_sh, k_sn}, BwdTensor{v, v_sb, v_sh, v_sn}, n0, hk,
+                                              b, keys_valid, d, units_done, tid);
         auto load_step = [&](int step, int buf) {
-            const int h = hk * group + step / per_head;
-            const int m0 = (m_begin + step % per_head) * BLOCK_M;
-            const int rows = min(BLOCK_M, nq - m0);
-            if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
-                if (tid == 0) {
-                    const u32 bar = sm.sBar + 8 * buf;
-                    mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                        tma_load_4d(sm.sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
-                        tma_load_4d(sm.sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
-                    }
-                }
-            } else {
-                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sm.sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
-                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sm.sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
-            }
-            load_row_stats_async<BLOCK_M, kThreads>(sm.sL, sm.sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
+            bwd_load_step<Tr, TMA>(sm, maps, BwdTensor{q, q_sb, q_sh, q_sn}, BwdTensor{dout, do_sb, do_sh, do_sn}, lse, dsum, b,
+                                   hk * group + step / per_head, (m_begin + step % per_head) * BLOCK_M, hq, nq, d, buf, tid);
         };
         // (WS, MATH_STATS) the math threads copy each step's lse and D themselves, a step ahead
         // (cp.async), instead of the producer's warp 0.
@@ -306,62 +274,19 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     fence_regs(sf);
                 }
             }
-            if constexpr (ATOMIC_DQ) {
-                fence_proxy_async();
-                if constexpr (Tr::kDqBlockSync) {
-                    if constexpr (WS) named_barrier(1, kMathThreads);
-                    else __syncthreads();  // every warpgroup's dS^T rows are in place
-                } else {
-                    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
-                }
-            }
+            if constexpr (ATOMIC_DQ) bwd_dq_sync<Tr, WS>(wg);
             // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
             // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
             // loop's back edge makes ptxas serialize them all).
-            constexpr int kDqN = Tr::kDqCols;
-            const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
-            const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
-            const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
-            float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
+            const BwdDqSplit<Tr> dq(wg);
+            float acc_q[ATOMIC_DQ ? Tr::kDqCols / 8 : 1][4];  // unused without ATOMIC_DQ
             wgmma_fence();
-            if constexpr (ATOMIC_DQ) {
-                // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
-#pragma unroll
-                for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
-                    const u32 rows = (dq_key0 + kk * 16) * 128;
-                    Wgmma<T, kDqN>::template ss<1, 1>(
-                        acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
-                        sw128_desc(sm.sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
-                }
-                wgmma_commit();
-            }
+            if constexpr (ATOMIC_DQ) bwd_issue_dq<T, Tr>(acc_q, dq, tds, sm.sK);
             issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
             if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
                 fence_regs(acc_q);
-                if constexpr (WS) {
-                    // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
-                    // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
-                    named_barrier(8 + wg, kDqBarThreads);
-                    const u32 tile = sm.sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
-#pragma unroll
-                    for (int ni = 0; ni < kDqN / 8; ++ni)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
-                                     "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
-                    fence_proxy_async();  // the bulk reduce reads it through the async proxy
-                    named_barrier_arrive(6 + wg, kDqBarThreads);
-                } else {
-                    float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                        if (m0 + dq_q0 + row < nq) {
-#pragma unroll
-                            for (int ni = 0; ni < kDqN / 8; ++ni)
-                                red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
-                        }
-                    }
-                }
+                bwd_store_dq<Tr, WS>(acc_q, dq, sm, dq_acc, b, h, hq, nq, m0, wg, tid, warp, lane);
             }
             wgmma_wait<0>();
             fence_regs(acc_dv);

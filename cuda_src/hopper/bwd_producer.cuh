@@ -72,3 +72,65 @@ __device__ __forceinline__ void bwd_reduce_dq(const BwdSmem<Tr>& sm, const Sched
     })
     if (lane == 0) bulk_wait<0>();
 }
+
+// A 16-bit tensor in global memory: its base and (batch, head, row) strides in elements.
+struct BwdTensor {
+    const u16* p;
+    i64 sb, sh, sn;
+    __device__ __forceinline__ const u16* at(int b, int h, int row) const { return p + b * sb + h * sh + row * sn; }
+};
+
+// The unit's K and V tiles (keys past nk zero-filled). PERSISTENT: by TMA, once the previous
+// unit's dK/dV, staged in their tiles through the generic proxy, have been stored (cp.async here
+// would keep each thread's 16 chunk addresses live through the whole unit: 240 registers do not
+// hold them); else by cp.async from the kLoaders math threads.
+template <typename Tr, bool PERSISTENT, int kLoaders>
+__device__ __forceinline__ void bwd_load_kv(const BwdSmem<Tr>& sm, const BwdMaps& maps, const BwdTensor& k, const BwdTensor& v,
+                                            int n0, int hk, int b, int keys_valid, int d,
+                                            int units_done, int tid) {
+    using TileKV = typename Tr::TileKV;
+    constexpr int HEAD_DIM = Tr::kHeadDim, kBN = Tr::kBlockN;
+    if constexpr (PERSISTENT) {
+        fence_proxy_async();
+        named_barrier(1, Tr::kThreads);
+        if (tid == 0) {
+            mbar_arrive_expect_tx(sm.sKvFull, 2 * TileKV::kBytes);
+#pragma unroll
+            for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                tma_load_4d(sm.sK + cb * TileKV::kBlockBytes, maps.k, 64 * cb, n0, hk, b, sm.sKvFull);
+                tma_load_4d(sm.sV + cb * TileKV::kBlockBytes, maps.v, 64 * cb, n0, hk, b, sm.sKvFull);
+            }
+        }
+        mbar_wait(sm.sKvFull, units_done & 1);
+    } else {
+        load_sw128<HEAD_DIM, kBN, kLoaders>(sm.sK, k.at(b, hk, n0), k.sn, keys_valid, d, tid);
+        load_sw128<HEAD_DIM, kBN, kLoaders>(sm.sV, v.at(b, hk, n0), v.sn, keys_valid, d, tid);
+    }
+}
+
+// (not WS) one step's Q and dO tiles into buffer buf, by TMA (thread 0; rows past nq and columns
+// past d zero-filled by the copy engine) or by cp.async from every thread, and its lse and D
+// (cp.async; fix_row_stats turns them into their stored form once landed).
+template <typename Tr, bool TMA>
+__device__ __forceinline__ void bwd_load_step(const BwdSmem<Tr>& sm, const BwdMaps& maps, const BwdTensor& q,
+                                              const BwdTensor& dout, const float* lse, const float* dsum, int b, int h,
+                                              int m0, int hq, int nq, int d, int buf, int tid) {
+    using TileQ = typename Tr::TileQ;
+    constexpr int HEAD_DIM = Tr::kHeadDim, BLOCK_M = Tr::kBlockM, kThreads = Tr::kThreads;
+    const int rows = min(BLOCK_M, nq - m0);
+    if constexpr (TMA) {
+        if (tid == 0) {
+            const u32 bar = sm.sBar + 8 * buf;
+            mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
+#pragma unroll
+            for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                tma_load_4d(sm.sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
+                tma_load_4d(sm.sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
+            }
+        }
+    } else {
+        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sm.sQ + buf * TileQ::kBytes, q.at(b, h, m0), q.sn, rows, d, tid);
+        load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sm.sdO + buf * TileQ::kBytes, dout.at(b, h, m0), dout.sn, rows, d, tid);
+    }
+    load_row_stats_async<BLOCK_M, kThreads>(sm.sL, sm.sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
+}
