@@ -33,25 +33,11 @@
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "hopper/bwd_traits.cuh"
+#include "hopper/bwd_smem.cuh"
+#include "hopper/bwd_scheduler.cuh"
+#include "hopper/bwd_producer.cuh"
+#include "hopper/bwd_dq.cuh"
 
-// (WS producer) every step of the block's units in order, with t (the unit), g (the block's steps
-// before this one), h (query head) and m0 (first query row): (head, query tile) pairs head-major,
-// h and mt advanced instead of a division per step, loops rolled (24 registers hold no unrolled
-// copy). The body must not `continue`, and pragmas in it are written _Pragma (a #pragma line in
-// a macro argument is dropped).
-#define BWD_FOR_EACH_STEP(...)                                                                    \
-    {                                                                                             \
-        int g = 0;                                                                                \
-        _Pragma("unroll 1") for (int u = unit0(); u < n_units(); u += unit_stride()) {            \
-            const Unit t = unit_at(u);                                                            \
-            int h = t.hk * group, mt = t.m_begin;                                                 \
-            _Pragma("unroll 1") for (int step = 0; step < t.n_steps; ++step, ++g) {               \
-                const int m0 = mt * BLOCK_M;                                                      \
-                __VA_ARGS__                                                                       \
-                if (++mt * BLOCK_M >= nq) mt = t.m_begin, ++h;                                    \
-            }                                                                                     \
-        }                                                                                         \
-    }
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
           bool PERSISTENT = false, bool MATH_STATS = true>
 __device__ __forceinline__ void
@@ -79,18 +65,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     constexpr int kND = Tr::kDkvCols / 8;  // 8-column blocks of this warpgroup's dK and dV
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const u32 sV = sK + TileKV::kBytes;
-    const u32 sQ = sV + TileKV::kBytes;       // 2 buffers
-    const u32 sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
-    const u32 sdS = sdO + 2 * TileQ::kBytes;  // Tr::kDsBuffers buffers
-    constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes;
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + kDsBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
-    float* sD = sL + 2 * BLOCK_M;                                                            // 2 x BLOCK_M
-    const u32 sBar = sdS + kDsBytes + 4 * BLOCK_M * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
-    const u32 sEmpty = sBar + 16;                             // (WS) buffer b free again: sEmpty + 8 b
-    const u32 sKvFull = sBar + 32;                            // (PERSISTENT) the unit's K and V landed
-    const u32 sDq = (sBar + 40 + 127u) & ~127u;               // (WS) warpgroup w's dQ tile: + w kDqTileBytes
+    const BwdSmem<Tr> sm(smem_raw);
     // (WS) named barriers: 1 the math warpgroups, 6 + w dQ tile w full, 8 + w dQ tile w free (math
     // warpgroup w's 128 threads and the dQ warp's 32 meet on each).
     constexpr int kMathThreads = 128 * WARPGROUPS, kDqBarThreads = 128 + 32;
@@ -102,58 +77,19 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const int dkv_nb0 = Tr::kSplitD ? wg * kND : 0;
     const u32 dkv_cb = Tr::kSplitD ? wg * (Tr::kDkvCols / 64) * TileQ::kBlockBytes : 0;
 
-    // Work units: one K/V tile of one K/V head of one batch entry. A block does the unit of its
-    // grid position, or (PERSISTENT) units blockIdx.x, + gridDim.x, ... of key tiles x K/V heads
-    // x n_batch, key tile fastest. Every role walks the same units and counts steps across them,
-    // so the Q/dO ring's buffers and mbarrier phases and the dQ tiles' barriers run on.
-    // (Computed from the kernel's parameters where used: a value live across the role split below
-    // is one the 24-register producer spills.)
-    auto unit0 = [&] { return PERSISTENT ? (int)blockIdx.x : 0; };
-    auto n_units = [&] { return PERSISTENT ? units.count : 1; };
-    auto unit_stride = [&] { return PERSISTENT ? (int)gridDim.x : 1; };
-    struct Unit {
-        int hk, b, n0, m_begin, per_head, n_steps;
-    };
-    auto unit_at = [&](int u) {
-        Unit t;
-        int n_block = blockIdx.x;
-        t.hk = blockIdx.y;
-        t.b = blockIdx.z;
-        if constexpr (CAUSAL && !PERSISTENT) {  // key tile 0 (every query sees it) is the longest
-            const LptPos pos = lpt_head_groups<Tr::kLptHeads>(gridDim.x, gridDim.y * gridDim.z, grid_linear_block());
-            n_block = pos.rank;
-            t.hk = pos.head % gridDim.y;
-            t.b = pos.head / gridDim.y;
-        }
-        if constexpr (PERSISTENT) {
-            n_block = u % units.kv_tiles;
-            const int head_batch = u / units.kv_tiles;
-            t.hk = head_batch % units.hkv;
-            t.b = head_batch / units.hkv;
-            // Causal: key tiles in reverse order every other head, so that a block's units (a
-            // stride of about one head's worth apart) alternate long and short instead of all
-            // sitting at one end of the diagonal (static round robin: up to 3x the work of others).
-            if (CAUSAL && (head_batch & 1)) n_block = units.kv_tiles - 1 - n_block;
-        }
-        t.n0 = n_block * kBN;
-        // Query tiles that can see any of the unit's keys: query i sees key j iff j <= i + off.
-        t.m_begin = CAUSAL ? max(0, t.n0 - causal_off) / BLOCK_M : 0;
-        t.per_head = max(0, (nq + BLOCK_M - 1) / BLOCK_M - t.m_begin);
-        t.n_steps = t.per_head * group;  // (head, query tile) pairs, head-major
-        return t;
-    };
+    const BwdScheduler<Tr, CAUSAL, PERSISTENT> sched{units, nq, group, causal_off};
 
     if constexpr (TMA) {
         if (tid == 0) {
             // "full": the thread issuing the copies (with their bytes), (kProducerStats) and the
             // other lanes of its warp after their lse/D stores; (WS) "empty": every math thread.
-            mbar_init(sBar, kProducerStats ? 32 : 1);
-            mbar_init(sBar + 8, kProducerStats ? 32 : 1);
+            mbar_init(sm.sBar, kProducerStats ? 32 : 1);
+            mbar_init(sm.sBar + 8, kProducerStats ? 32 : 1);
             if constexpr (WS) {
-                mbar_init(sEmpty, kMathThreads);
-                mbar_init(sEmpty + 8, kMathThreads);
+                mbar_init(sm.sEmpty, kMathThreads);
+                mbar_init(sm.sEmpty + 8, kMathThreads);
             }
-            if constexpr (PERSISTENT) mbar_init(sKvFull, 1);
+            if constexpr (PERSISTENT) mbar_init(sm.sKvFull, 1);
             fence_mbar_init();
         }
         __syncthreads();  // initialized before anyone waits on them
@@ -164,58 +100,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const int pwarp = (tid - kMathThreads) >> 5;
             const int row_tiles = (nq + 63) / 64;
             if (pwarp == 0) {  // lane 0: the Q/dO boxes; (kProducerStats) every lane: lse and D
-                if (kProducerStats || lane == 0) {
-                    BWD_FOR_EACH_STEP({
-                        const int buf = g & 1;
-                        const u32 bar = sBar + 8 * buf;
-                        mbar_wait(sEmpty + 8 * buf, ((g >> 1) & 1) ^ 1);
-                        if (lane == 0) {  // the boxes first (their bytes expected), so the loads below overlap them
-                            if constexpr (kProducerStats) mbar_expect_tx(bar, 2 * TileQ::kBytes);
-                            else mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
-                            _Pragma("unroll") for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                                tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, t.b, bar);
-                                tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, t.b, bar);
-                            }
-                        }
-                        if constexpr (kProducerStats) {
-                            const int rows = min(BLOCK_M, nq - m0);
-                            const i64 stat = ((i64)t.b * hq + h) * nq + m0;
-                            for (int i = lane; i < BLOCK_M; i += 32) {
-                                const float l = i < rows ? lse[stat + i] : -INFINITY;
-                                sL[buf * BLOCK_M + i] = l == -INFINITY ? INFINITY : l * kLog2e;
-                                sD[buf * BLOCK_M + i] = i < rows ? dsum[stat + i] : 0.f;
-                            }
-                            mbar_arrive(bar);  // each lane after its own stores (32 arrivals)
-                        }
-                    })
-                }
+                if (kProducerStats || lane == 0) bwd_produce_qdo<Tr, kProducerStats>(sm, sched, maps, lse, dsum, hq, nq, lane);
             } else if (pwarp == 1) {  // dQ
-                constexpr int kDqN = Tr::kDqCols;
-                // The tiles start free; then each step frees them again: 1 + steps arrivals, one
-                // per math-side wait (one per step, and one at the end).
-                for (int w = 0; w < WARPGROUPS; ++w) named_barrier_arrive(8 + w, kDqBarThreads);
-                BWD_FOR_EACH_STEP({
-                    // Both warpgroups' reduce-adds in flight together; tile w is free again once
-                    // its group has been read (wait_group.read 1 - w: the newer one may still run).
-                    _Pragma("unroll") for (int w = 0; w < 2; ++w) {
-                        named_barrier(6 + w, kDqBarThreads);  // math warpgroup w staged its tile
-                        const int rt = (m0 + (Tr::kDqByRows ? 64 * w : 0)) / 64;
-                        const int cb = Tr::kDqByColumns ? w * kDqN / 64 : 0;
-                        float* chunk = dq_acc + ((((i64)t.b * hq + h) * row_tiles + rt) * (HEAD_DIM / 64) + cb) * 4096;
-                        // (a 128-query step's second half can lie wholly past nq: no chunk there)
-                        if (lane == 0) {
-                            if (rt < row_tiles) bulk_reduce_add_f32(chunk, sDq + w * Tr::kDqTileBytes, Tr::kDqTileBytes);
-                            bulk_commit();  // (an empty group when skipped, so the counts below hold)
-                        }
-                    }
-                    if (lane == 0) bulk_wait_read<1>();
-                    __syncwarp();
-                    named_barrier_arrive(8, kDqBarThreads);
-                    if (lane == 0) bulk_wait_read<0>();
-                    __syncwarp();
-                    named_barrier_arrive(9, kDqBarThreads);
-                })
-                if (lane == 0) bulk_wait<0>();
+                bwd_reduce_dq<Tr, WARPGROUPS>(sm, sched, dq_acc, hq, row_tiles, lane);
             }
             return;
         }
@@ -223,55 +110,22 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     }
     constexpr int kLoaders = WS ? kMathThreads : kThreads;  // (== kThreads: the math threads)
     int g = 0, units_done = 0;  // steps and units before this one
-    for (int u = unit0(); u < n_units(); u += unit_stride(), ++units_done) {
-        const Unit t = unit_at(u);
+    for (int u = sched.unit0(); u < sched.n_units(); u += sched.unit_stride(), ++units_done) {
+        const BwdUnit t = sched.unit_at(u);
         const int hk = t.hk, b = t.b, n0 = t.n0, m_begin = t.m_begin, per_head = t.per_head, n_steps = t.n_steps;
         const int keys_valid = min(kBN, nk - n0);
-        if constexpr (PERSISTENT) {
-            // K and V by TMA (keys past nk zero-filled), once the previous unit's dK/dV, staged in
-            // their tiles through the generic proxy, have been stored. (cp.async here would keep each
-            // thread's 16 chunk addresses live through the whole unit: 240 registers do not hold them.)
-            fence_proxy_async();
-            named_barrier(1, kMathThreads);
-            if (tid == 0) {
-                mbar_arrive_expect_tx(sKvFull, 2 * TileKV::kBytes);
-#pragma unroll
-                for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                    tma_load_4d(sK + cb * TileKV::kBlockBytes, maps.k, 64 * cb, n0, hk, b, sKvFull);
-                    tma_load_4d(sV + cb * TileKV::kBlockBytes, maps.v, 64 * cb, n0, hk, b, sKvFull);
-                }
-            }
-            mbar_wait(sKvFull, units_done & 1);
-        } else {
-            load_sw128<HEAD_DIM, kBN, kLoaders>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, keys_valid, d, tid);
-            load_sw128<HEAD_DIM, kBN, kLoaders>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, keys_valid, d, tid);
-        }
+        bwd_load_kv<Tr, PERSISTENT, kLoaders>(sm, maps, BwdTensor{k, k_sb, k_sh, k_sn}, BwdTensor{v, v_sb, v_sh, v_sn}, n0, hk,
+                                              b, keys_valid, d, units_done, tid);
         auto load_step = [&](int step, int buf) {
-            const int h = hk * group + step / per_head;
-            const int m0 = (m_begin + step % per_head) * BLOCK_M;
-            const int rows = min(BLOCK_M, nq - m0);
-            if constexpr (TMA) {  // rows past nq (and columns past d) are zero-filled by the copy engine
-                if (tid == 0) {
-                    const u32 bar = sBar + 8 * buf;
-                    mbar_arrive_expect_tx(bar, 2 * TileQ::kBytes);
-#pragma unroll
-                    for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                        tma_load_4d(sQ + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.q, 64 * cb, m0, h, b, bar);
-                        tma_load_4d(sdO + buf * TileQ::kBytes + cb * TileQ::kBlockBytes, maps.dout, 64 * cb, m0, h, b, bar);
-                    }
-                }
-            } else {
-                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sQ + buf * TileQ::kBytes, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows, d, tid);
-                load_sw128<HEAD_DIM, BLOCK_M, kThreads>(sdO + buf * TileQ::kBytes, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, rows, d, tid);
-            }
-            load_row_stats_async<BLOCK_M, kThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
+            bwd_load_step<Tr, TMA>(sm, maps, BwdTensor{q, q_sb, q_sh, q_sn}, BwdTensor{dout, do_sb, do_sh, do_sn}, lse, dsum, b,
+                                   hk * group + step / per_head, (m_begin + step % per_head) * BLOCK_M, hq, nq, d, buf, tid);
         };
         // (WS, MATH_STATS) the math threads copy each step's lse and D themselves, a step ahead
         // (cp.async), instead of the producer's warp 0.
         auto load_stats = [&](int step, int buf) {
             const int h = hk * group + step / per_head;
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
-            load_row_stats_async<BLOCK_M, kMathThreads>(sL, sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0,
+            load_row_stats_async<BLOCK_M, kMathThreads>(sm.sL, sm.sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0,
                                                         min(BLOCK_M, nq - m0), tid);
         };
         if (n_steps > 0) {
@@ -290,16 +144,16 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             for (int e = 0; e < 4; ++e) acc_dk[ni][e] = acc_dv[ni][e] = 0.f;
 
         const u32 kv_row0 = Tr::kSplitD ? 0 : 64 * wg * 128;  // this warpgroup's key rows (split head dim: all)
-        const u32 k_rows = sK + kv_row0, v_rows = sV + kv_row0;
+        const u32 k_rows = sm.sK + kv_row0, v_rows = sm.sV + kv_row0;
         for (int step = 0; step < n_steps; ++step) {
             const int gs = g + step, buf = gs & 1;
             // Tile `step` landed (without WS, everywhere once the block barrier below is passed).
             cp_async_wait<0>();
-            if constexpr (TMA) mbar_wait(sBar + 8 * buf, (gs >> 1) & 1);  // buffer buf's (gs/2)-th fill
+            if constexpr (TMA) mbar_wait(sm.sBar + 8 * buf, (gs >> 1) & 1);  // buffer buf's (gs/2)-th fill
             // This thread's row statistics of the step have landed: into their stored form
             // (kProducerStats: stored so by the producer).
             if constexpr (!kProducerStats)
-                fix_row_stats<BLOCK_M, kThreads>(sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
+                fix_row_stats<BLOCK_M, kThreads>(sm.sL, buf, min(BLOCK_M, nq - (m_begin + step % per_head) * BLOCK_M), tid);
             fence_proxy_async();
             if constexpr (WS) {
                 // K/V (step 0) landed everywhere; (math stats) the other threads' rows fixed and
@@ -318,10 +172,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             }
             const int h = hk * group + step / per_head;
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
-            const u32 tq = sQ + buf * TileQ::kBytes, tdo = sdO + buf * TileQ::kBytes;
-            const u32 tds = sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
-            const float* tL = sL + buf * BLOCK_M;
-            const float* tD = sD + buf * BLOCK_M;
+            const u32 tq = sm.sQ + buf * TileQ::kBytes, tdo = sm.sdO + buf * TileQ::kBytes;
+            const u32 tds = sm.sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
+            const float* tL = sm.sL + buf * BLOCK_M;
+            const float* tD = sm.sD + buf * BLOCK_M;
 
             const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
             // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
@@ -420,69 +274,26 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     fence_regs(sf);
                 }
             }
-            if constexpr (ATOMIC_DQ) {
-                fence_proxy_async();
-                if constexpr (Tr::kDqBlockSync) {
-                    if constexpr (WS) named_barrier(1, kMathThreads);
-                    else __syncthreads();  // every warpgroup's dS^T rows are in place
-                } else {
-                    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg));  // only this warpgroup's rows are read
-                }
-            }
+            if constexpr (ATOMIC_DQ) bwd_dq_sync<Tr, WS>(wg);
             // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
             // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
             // loop's back edge makes ptxas serialize them all).
-            constexpr int kDqN = Tr::kDqCols;
-            const int dq_q0 = Tr::kDqByRows ? 64 * wg : 0;    // first query of this warpgroup's dQ rows
-            const int dq_col0 = Tr::kDqByColumns ? wg * kDqN : 0;
-            const int dq_key0 = Tr::kDqBlockSync ? 0 : 64 * wg;
-            float acc_q[ATOMIC_DQ ? kDqN / 8 : 1][4];  // unused without ATOMIC_DQ
+            const BwdDqSplit<Tr> dq(wg);
+            float acc_q[ATOMIC_DQ ? Tr::kDqCols / 8 : 1][4];  // unused without ATOMIC_DQ
             wgmma_fence();
-            if constexpr (ATOMIC_DQ) {
-                // dQ(rows)[:, cols] += dS K: M = queries (dS^T read M-major), K = keys, N = cols of K.
-#pragma unroll
-                for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk) {
-                    const u32 rows = (dq_key0 + kk * 16) * 128;
-                    Wgmma<T, kDqN>::template ss<1, 1>(
-                        acc_q, sw128_desc(tds + (dq_q0 / 64) * TileS::kBlockBytes + rows, TileS::kBlockBytes, 1024),
-                        sw128_desc(sK + (dq_col0 / 64) * TileKV::kBlockBytes + rows, TileKV::kBlockBytes, 1024), kk > 0);
-                }
-                wgmma_commit();
-            }
+            if constexpr (ATOMIC_DQ) bwd_issue_dq<T, Tr>(acc_q, dq, tds, sm.sK);
             issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
             if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
                 fence_regs(acc_q);
-                if constexpr (WS) {
-                    // Fragment order, float4 k of thread t at (k * 128 + t) * 16 bytes (conflict-free):
-                    // what attn_bwd_dq_convert<..., true> undoes. Wait for the dQ warp to free the tile.
-                    named_barrier(8 + wg, kDqBarThreads);
-                    const u32 tile = sDq + wg * Tr::kDqTileBytes + (tid & 127) * 16;
-#pragma unroll
-                    for (int ni = 0; ni < kDqN / 8; ++ni)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + ni * 128 * 16), "f"(acc_q[ni][0]),
-                                     "f"(acc_q[ni][1]), "f"(acc_q[ni][2]), "f"(acc_q[ni][3]));
-                    fence_proxy_async();  // the bulk reduce reads it through the async proxy
-                    named_barrier_arrive(6 + wg, kDqBarThreads);
-                } else {
-                    float* gq = dq_acc + (((i64)b * hq + h) * nq + m0 + dq_q0) * HEAD_DIM + dq_col0;
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = 16 * warp + (lane >> 2) + 8 * hf;
-                        if (m0 + dq_q0 + row < nq) {
-#pragma unroll
-                            for (int ni = 0; ni < kDqN / 8; ++ni)
-                                red_add_v2(gq + (i64)row * HEAD_DIM + ni * 8 + 2 * (lane & 3), acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
-                        }
-                    }
-                }
+                bwd_store_dq<Tr, WS>(acc_q, dq, sm, dq_acc, b, h, hq, nq, m0, wg, tid, warp, lane);
             }
             wgmma_wait<0>();
             fence_regs(acc_dv);
             fence_regs(acc_dk);
             fence_regs(pf);
             fence_regs(sf);
-            if constexpr (WS) mbar_arrive(sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
+            if constexpr (WS) mbar_arrive(sm.sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
         }
         cp_async_wait<0>();
 
@@ -497,7 +308,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // (Tiles whose K/V block outgrows two Q buffers, and the cp.async kernel, where the staging
             // spills at d=128, store from registers, below.) PERSISTENT: in K and V's own tiles, since
             // the producer may already be filling the Q/dO ring with the next unit's tiles.
-            const u32 stage_k = PERSISTENT ? sK : sQ, stage_v = PERSISTENT ? sV : sdO;
+            const u32 stage_k = PERSISTENT ? sm.sK : sm.sQ, stage_v = PERSISTENT ? sm.sV : sm.sdO;
             if constexpr (WS) named_barrier(1, kMathThreads);
             else __syncthreads();
             // (WS: the thread index read afresh, so that the compiler cannot compute the staging
@@ -605,4 +416,3 @@ attn_bwd_kv_wgmma_ws_persistent(const __grid_constant__ TmaDesc tmap_q, const __
 }
 #undef BWD_KV_PARAMS
 #undef BWD_KV_ARGS
-#undef BWD_FOR_EACH_STEP

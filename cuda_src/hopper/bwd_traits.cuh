@@ -21,6 +21,7 @@ struct BwdUnits {
 
 template <int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool TMA = false, bool WS = false>
 struct HopperBwdTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     // (HEAD_DIM > 128) the warpgroups split dK and dV by columns instead of by keys: 64 key rows of
     // all 256 columns would be 256 accumulator registers per thread for dK and dV. So the block

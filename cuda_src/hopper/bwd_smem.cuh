@@ -1,0 +1,29 @@
+// The Hopper backward's shared memory: the block's K and V tiles, two buffers each of Q and dO,
+// dS^T (one or two buffers), two buffers of the step's row statistics (lse, D), the mbarriers of
+// the TMA kernels and (WS) each math warpgroup's dQ staging tile.
+#pragma once
+#include "hopper/bwd_traits.cuh"
+
+template <typename Tr>
+struct BwdSmem {
+    using TileQ = typename Tr::TileQ;
+    using TileKV = typename Tr::TileKV;
+    using TileS = typename Tr::TileS;
+    static constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes;
+    u32 sK, sV, sQ, sdO, sdS;
+    float *sL, *sD;
+    u32 sBar, sEmpty, sKvFull, sDq;
+    __device__ __forceinline__ explicit BwdSmem(unsigned char* smem_raw) {
+        sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
+        sV = sK + TileKV::kBytes;
+        sQ = sV + TileKV::kBytes;       // 2 buffers
+        sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
+        sdS = sdO + 2 * TileQ::kBytes;  // Tr::kDsBuffers buffers
+        sL = reinterpret_cast<float*>(smem_raw + (sdS + kDsBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
+        sD = sL + 2 * Tr::kBlockM;                                                        // 2 x BLOCK_M
+        sBar = sdS + kDsBytes + 4 * Tr::kBlockM * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
+        sEmpty = sBar + 16;                           // (WS) buffer b free again: sEmpty + 8 b
+        sKvFull = sBar + 32;                          // (PERSISTENT) the unit's K and V landed
+        sDq = (sBar + 40 + 127u) & ~127u;             // (WS) warpgroup w's dQ tile: + w kDqTileBytes
+    }
+};
