@@ -444,9 +444,6 @@ def assert_single_key_gradients(grads, do, q, k, v, *, causal=False, scale=None,
 
 
 # Former names (cuflash.autotune and the CLI call them): the same yardstick and rule.
-naive_attention_in_dtype = faithful_attention
-naive_attention_backward_in_dtype = faithful_attention_backward
-assert_within_naive_error = assert_within_rule
 
 
 def faithful_realizations(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):

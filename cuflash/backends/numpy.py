@@ -16,9 +16,9 @@ largest temporary is one (B, Hq, block_m, block_n) score tile. Like the CUDA ker
 
 Accumulator type: float32 for float16/bfloat16 inputs (the GPU's), float64 for float32 inputs.
 Float32 accumulation of float32 inputs measured up to 4x the error allowed by the accuracy rule
-(2x the naive formula in the input dtype, cuflash.testing) at d >= 64: d-term dot products and
-Nk-term sums rounded in the same precision as the inputs lose to a formula whose every op is
-rounded once. One step wider is the same principle the 16-bit path follows.
+(docs/testing.md) at d >= 64: d-term dot products and Nk-term sums rounded in the same precision
+as the inputs lose to arithmetic one step wider. One step wider is the same principle the 16-bit
+path follows.
 
 Backward: recompute P tile by tile from the saved LSE, D = rowsum(dO * O), dV = P^T dO,
 dP = dO V^T, dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q, all accumulated in the

@@ -19,6 +19,7 @@ import numpy as np
 from ..api.functional import attention
 from ..core.arrays import BFLOAT16
 from ..kernels.build import compile_offline
+from .common import _positive
 from .. import accounting
 from ..plan import schedule
 from ..accounting import format_table
@@ -42,16 +43,6 @@ def _shape_arg(text):
     if len(vals) != 4 or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"--shape: expected four positive integers B,H,N,d, got {text!r}")
     return vals
-
-
-def _positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def build_parser():

@@ -285,43 +285,36 @@ def tma_spec(dtype, d, row_tiles, causal, tile=None):
     return KernelSpec("attn_decode_tma.cu", expr, t.threads, t.smem_bytes(d, row_tiles)), t
 
 
+def _instances(*tables):
+    """(head-dim bucket, tile, row tiles, causal, window) of every decode instantiation a table's
+    tiles launch: every packed-row count up to the tile's, each mask."""
+    for table in tables:
+        for hd, t in table.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    for window in (False, True):
+                        yield hd, t, rt, causal, window
+
+
 def all_decode_specs():
     specs = []
     for dtype in (FLOAT16, BFLOAT16):
-        for hd, t in schedule.DECODE_TILES.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True, window=window)
-                        specs += [main, combine]
-                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window)
-                                  for size in CLUSTER_SIZES]
-        for table in (schedule.DECODE_TILES_NO_SPLIT, schedule.DECODE_TILES_LONG_SPLITS):
-            for hd, t in table.items():
-                for rt in range(1, t.max_row_tiles + 1):
-                    for causal in (False, True):
-                        for window in (False, True):
-                            specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
-        for hd, t in schedule.DECODE_TILES_FEW_PAIRS.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
-                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
-        for hd, t in schedule.DECODE_TILES_LONG_CLUSTER_SPLITS.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
-        for hd, t in [*schedule.DECODE_TILES_WIDE_ROWS.items(), *schedule.DECODE_TILES_WIDE_ROWS_LONG.items()]:
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    for window in (False, True):
-                        specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
-        for hd, t in schedule.DECODE_TMA_TILES.items():
-            for rt in range(1, t.max_row_tiles + 1):
-                for causal in (False, True):
-                    specs.append(tma_spec(dtype, hd, rt, causal)[0])
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES):
+            main, combine, _, _ = decode_specs(dtype, hd, rt, causal, True, window=window)
+            specs += [main, combine]
+            specs += [cluster_spec(dtype, hd, rt, causal, True, size, window=window) for size in CLUSTER_SIZES]
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES_NO_SPLIT, schedule.DECODE_TILES_LONG_SPLITS,
+                                                     schedule.DECODE_TILES_WIDE_ROWS,
+                                                     schedule.DECODE_TILES_WIDE_ROWS_LONG):
+            specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES_FEW_PAIRS):
+            specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+            specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES_LONG_CLUSTER_SPLITS):
+            specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TMA_TILES):
+            if not window:  # (the TMA kernel has no band mask)
+                specs.append(tma_spec(dtype, hd, rt, causal)[0])
     return list(dict.fromkeys(specs))
 
 
