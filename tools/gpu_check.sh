@@ -14,6 +14,7 @@
 #   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
 #   TEST_TIMEOUT   seconds for the test suite (default: no limit)
 #   BLAS_THREADS   threads of each worker's float64 references (default: the libraries' own)
+#   GRID=quick     forward and backward at d = 64, 128, 256, N = 1k, 4k, 16k (bf16; fp16 at d=128)
 #   GRID=full      forward and backward at d = 64, 128, 256, N = 1k..16k, bf16 and fp16
 #                  (otherwise a smaller grid: bf16, fp16 at d=128 only, backward at 4k and 16k)
 #   MQA=0          skip the decode shapes with many query heads per K/V head
@@ -53,7 +54,10 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-if [ "${GRID:-}" = full ]; then
+if [ "${GRID:-}" = quick ]; then  # the grid's corners: d = 64, 128, 256 at N = 1k, 4k, 16k, bf16 and fp16 at d = 128
+    fwd_grid=(--d 64,128,256 --n 1024,4096,16384 --seconds-per-impl 0.4); FWD_TIMEOUT=${FWD_TIMEOUT:-110}
+    bwd_grid=(--d 64,128,256 --n 1024,4096,16384 --seconds-per-impl 0.4); BWD_TIMEOUT=${BWD_TIMEOUT:-110}
+elif [ "${GRID:-}" = full ]; then
     fwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); FWD_TIMEOUT=${FWD_TIMEOUT:-270}
     bwd_grid=(--dtypes bfloat16,float16 --d 64,128,256 --n 1024,2048,4096,8192,16384); BWD_TIMEOUT=${BWD_TIMEOUT:-200}
 else
