@@ -54,13 +54,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
-    using TileQ = typename Tr::TileQ;
-    using TileKV = typename Tr::TileKV;
-    constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
+    constexpr int kBM = Tr::kBlockM, kMath = Tr::kMathThreads;
     constexpr int kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const FwdSmem<Tr, PERSISTENT> sm(smem_raw);
-    const u32 sQ = sm.sQ, sK = sm.sK, sV = sm.sV;
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first:
     // (causal, one tile per block) within groups of Tr::kLptHeads heads, else within each head.
@@ -155,6 +152,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // The math warpgroups' part: everything after the tiles start arriving (hopper/fwd_consumer.cuh).
     using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT>;
     auto math = [&]() {
+        // The warpgroup's registers: O (zero), S, P and the online softmax's state.
         float acc_o[1][kNO][4];
     #pragma unroll
         for (int ni = 0; ni < kNO; ++ni)
@@ -166,38 +164,27 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         float alpha[2];
         bool moved = true;
         const FwdKvSource src{gK, gV, k_sn, v_sn, d, tid};
-        Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane, nk_b, hi, lo,
-                   n_tiles, scale_log2);
+        Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane,
+                   nk_b, hi, lo, n_tiles, scale_log2);
         c.prologue();  // S_0 and its probabilities
+        // K/V tile j: P_j V_j with S_{j+1} = Q K_{j+1}^T in flight, then the softmax of tile j+1.
         for (int j = 0; j + 1 < c.n_mine; ++j) c.step(j, true);
         if (c.n_mine > 0) c.step(c.n_mine - 1, false);
         c.skip_rest();
         c.template before_epilogue<WG_EPILOGUE>();
 
         float row_lse[2];
-        c.softmax.template finalize<1, kNO>(c.acc_o, scale_log2, row_lse);
+        softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
         if constexpr (SPLIT) {
-            if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, c.row0, c.acc_o, row_lse)) return;
+            if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, c.row0, acc_o, row_lse)) return;
         }
 
         const FwdOut out{o, lse, o_sb, o_sh, o_sn, nq, PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y, d};
-        fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(c.acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
+        fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
                                                            rows_valid, c.row0, wg, tid, lane);
     };
     if constexpr (PRODUCER) {
-        if (tid == 0) {
-            // "full": every loading thread's cp.async arrival, or the one TMA thread's expect_tx.
-            constexpr int kFull = TMA ? 1 : kLoad;
-            mbar_init(sm.full_q(), kFull);
-            for (int s = 0; s < STAGES; ++s) {
-                mbar_init(sm.full_k(s), kFull);
-                mbar_init(sm.full_v(s), kFull);
-                mbar_init(sm.empty_k(s), kMath);
-                mbar_init(sm.empty_v(s), kMath);
-            }
-            if constexpr (PERSISTENT) mbar_init(sm.empty_q(), kMath);
-            if constexpr (TMA) fence_mbar_init();
-        }
+        if (tid == 0) fwd_init_barriers<Tr, TMA, PERSISTENT>(sm);
         __syncthreads();  // the last block-wide barrier: the roles split here
         // One if/else per role, so that ptxas applies each branch's setmaxnreg to its code.
         if (TMA && wg == WARPGROUPS) {  // the TMA producer: one thread issues every copy
@@ -231,15 +218,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         }
     } else {
-        // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
-        // needs K_{j+1} and V_j, i.e. group j+1, and issues group j+STAGES.
-        load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
-#pragma unroll
-        for (int g = 0; g < STAGES; ++g) {
-            if (g < n_tiles) fwd_load_kv<Tr, PRODUCER>(sK, gK, k_sn, nk_b, d, g, tid);
-            if (g >= 1 && g - 1 < n_tiles) fwd_load_kv<Tr, PRODUCER>(sV, gV, v_sn, nk_b, d, g - 1, tid);
-            cp_async_commit();
-        }
+        fwd_cp_async_prologue<Tr>(sm, gQ, gK, gV, q_sn, k_sn, v_sn, rows_valid, nk_b, d, n_tiles, tid);
         math();
     }
 }

@@ -1,11 +1,14 @@
-// The Hopper forward's math warpgroup (the consumer): its accumulators and online softmax, the
-// key tiles its own rows see, S_0 before the loop, one K/V tile per step, and (causal TMA) the
-// tiles past its rows. attn_fwd_wgmma_body runs it once per query tile:
-//     FwdConsumer c(...);                                  // O = 0, n_mine, (ping-pong) the turns
-//     c.prologue();                                        // S_0 and its probabilities
+// The Hopper forward's math warpgroup (the consumer): the key tiles its own rows see, S_0 before
+// the loop, one K/V tile per step, (causal TMA) the tiles past its rows, and the wait before the
+// epilogue. attn_fwd_wgmma_body runs it once per query tile:
+//     FwdConsumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, ...);  // n_mine, (ping-pong) the turns
+//     c.prologue();                                                     // S_0 and its probabilities
 //     for (j < n_mine - 1) c.step(j, true); c.step(n_mine - 1, false);
-//     c.skip_rest(); c.before_epilogue();
-// The pieces are the ones of the kernel measured on the H200 (same statements, same order).
+//     c.skip_rest(); c.before_epilogue<WG_EPILOGUE>();
+// The statements and their order are those of the kernel measured on the H200 (identical SASS).
+// Its registers (O, S, P, the softmax state) are the caller's locals, held here by reference like
+// the block's values: as members of this struct they changed ptxas's output (every kernel's SASS,
+// one more or fewer 128-byte block, 2 registers fewer in the d=64 band kernel).
 #pragma once
 #include "common.cuh"
 #include "softmax.cuh"
@@ -53,6 +56,7 @@ struct FwdConsumer {
     // the early wait: the late one spills in the d=256 band kernel.)
     static constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
 
+    // The warpgroup's registers (the caller's).
     float (&acc_o)[1][kNO][4];
     float (&acc_s)[1][kNS][4];
     u32 (&p_frag)[BLOCK_N / 16][4];
@@ -73,11 +77,15 @@ struct FwdConsumer {
 
     // kv0: the ring's count of this tile's first key tile (across a persistent block's tiles),
     // q_phase: Q's parity.
-    __device__ __forceinline__ FwdConsumer(float (&acc_o_)[1][kNO][4], float (&acc_s_)[1][kNS][4], u32 (&p_frag_)[BLOCK_N / 16][4], OnlineSoftmax<2>& softmax_, float (&alpha_)[2], bool& moved_, const FwdSmem<Tr, PERSISTENT>& sm_, const FwdKvSource& src_, const int& kv0_,
-                                           const u32& q_phase_, const int& m0_, const int& rows_valid, const int& wg_,
-                                           const int& warp_, const int& lane_, const int& nk_b_, const int& hi_,
-                                           const int& lo_, const int& n_tiles_, const float& scale_log2_)
-        : acc_o(acc_o_), acc_s(acc_s_), p_frag(p_frag_), softmax(softmax_), alpha(alpha_), moved(moved_), sm(sm_), src(src_), kv0(kv0_), m0(m0_), wg(wg_), warp(warp_), lane(lane_), nk_b(nk_b_), hi(hi_), lo(lo_),
+    __device__ __forceinline__ FwdConsumer(float (&acc_o_)[1][kNO][4], float (&acc_s_)[1][kNS][4],
+                                           u32 (&p_frag_)[BLOCK_N / 16][4], OnlineSoftmax<2>& softmax_,
+                                           float (&alpha_)[2], bool& moved_, const FwdSmem<Tr, PERSISTENT>& sm_,
+                                           const FwdKvSource& src_, const int& kv0_, const u32& q_phase_,
+                                           const int& m0_, const int& rows_valid, const int& wg_, const int& warp_,
+                                           const int& lane_, const int& nk_b_, const int& hi_, const int& lo_,
+                                           const int& n_tiles_, const float& scale_log2_)
+        : acc_o(acc_o_), acc_s(acc_s_), p_frag(p_frag_), softmax(softmax_), alpha(alpha_), moved(moved_), sm(sm_),
+          src(src_), kv0(kv0_), m0(m0_), wg(wg_), warp(warp_), lane(lane_), nk_b(nk_b_), hi(hi_), lo(lo_),
           n_tiles(n_tiles_), q_phase(q_phase_), scale_log2(scale_log2_), turns{wg_} {
         row0 = 64 * wg + 16 * warp + (lane >> 2);
         q_rows = sm.sQ + 64 * wg * 128;
