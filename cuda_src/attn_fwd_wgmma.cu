@@ -28,6 +28,7 @@
 #include "hopper/tile_scheduler.cuh"
 #include "hopper/fwd_producer.cuh"
 #include "hopper/fwd_mainloop.cuh"
+#include "hopper/fwd_consumer.cuh"
 #include "hopper/fwd_epilogue.cuh"
 #include "hopper/fwd_split_merge.cuh"
 
@@ -53,18 +54,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
-    using TileQ = typename Tr::TileQ;
-    using TileKV = typename Tr::TileKV;
-    constexpr int kThreads = Tr::kThreads, kBM = Tr::kBlockM, kLoad = Tr::kLoadThreads, kMath = Tr::kMathThreads;
-    constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8;
-    // Each math warpgroup stops at its own rows' last key tile (n_mine in math()): causal only.
-    // Against cuDNN (H200): causal d=64 N=4k (192-row tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
-    // 0.89 -> 0.91, d=128 unchanged; without a mask (where only a ragged last tile's warpgroups
-    // gain) d=64 / d=128 lost 1-3.5% to the loop's extra register moves.
-    constexpr bool kWgExtent = TMA && !SPLIT && CAUSAL;
+    constexpr int kBM = Tr::kBlockM, kMath = Tr::kMathThreads;
+    constexpr int kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const FwdSmem<Tr, PERSISTENT> sm(smem_raw);
-    const u32 sQ = sm.sQ, sK = sm.sK, sV = sm.sV;
 
     // Blocks with the most key tiles (the last query tiles under a causal mask) start first:
     // (causal, one tile per block) within groups of Tr::kLptHeads heads, else within each head.
@@ -156,225 +149,42 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     };
     int kv0 = 0;
     u32 q_phase = 0;
-    // The math warpgroups' part: everything after the tiles start arriving.
+    // The math warpgroups' part: everything after the tiles start arriving (hopper/fwd_consumer.cuh).
+    using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT>;
     auto math = [&]() {
+        // The warpgroup's registers: O (zero), S, P and the online softmax's state.
         float acc_o[1][kNO][4];
     #pragma unroll
         for (int ni = 0; ni < kNO; ++ni)
     #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][ni][e] = 0.f;
-        float acc_s[1][kNS][4];
+        float acc_s[1][Consumer::kNS][4];
         u32 p_frag[BLOCK_N / 16][4];
         OnlineSoftmax<2> softmax;
         float alpha[2];
-        // d=256: rows keep a stale max within 2^8 (OnlineSoftmax STALE), so after the first tiles
-        // O's rescale (128 FMULs per step) is skipped by whole warps (a vote on whether any of the
-        // warp's rows moved its max). Against cuDNN (H200):
-        // d=256 +2-4.5% in every cell (N 1k-4k, full 0.97/1.00/1.02 -> 1.01/1.04/1.06); d=128 full
-        // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
-        // (d=192 not measured: off.)
-        constexpr bool kStale = HEAD_DIM >= 256;
         bool moved = true;
-        auto rescale_o = [&]() {
-            if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
-        };
-
-        const int row0 = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the tile
-        const u32 q_rows = sQ + 64 * wg * 128;                // this warpgroup's rows of each column block
-
-        // The GEMMs of key tile j (the ring's count kv0 + j), its mask and P (hopper/fwd_mainloop.cuh).
-        auto issue_qk = [&](int j) { fwd_issue_qk<T, Tr>(acc_s[0], q_rows, sm.k_slot((kv0 + j) % STAGES)); };
-        auto issue_pv = [&](int j) { fwd_issue_pv<T, Tr>(acc_o[0], p_frag, sm.v_slot((kv0 + j) % STAGES)); };
-        auto mask = [&](int j) {
-            fwd_mask_tile<BLOCK_N, kHi, BAND>(acc_s[0], j * BLOCK_N, BAND ? 0 : m0, wg, warp, row0, nk_b, hi, lo, lane);
-        };
-        auto to_p = [&]() { fwd_to_p<T>(p_frag, acc_s[0]); };
-        const FwdTurns<WARPGROUPS> turns{wg};
-        auto turn_wait = [&]() { turns.wait(); };
-        auto turn_pass = [&](bool last) { turns.pass(last); };
-        if constexpr (PINGPONG) turns.open(n_tiles);
-
-        // (warp-specialized) Where P_j V_j's wgmma retires. Written after the softmax of tile j+1,
-        // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:
-        // DEPBAR.LE gsb0 0 before the first MUFU.EX2), and the softmax never overlaps P_j V_j.
-        // kWaitAtStart retires it at the next step's start (a block of its own), which restores the
-        // overlap. Against cuDNN (H200): d=256 +0.3-4.7%,
-        // d=128 causal persistent (N 2k-4k) +1-1.5%; but d=128 otherwise -2.5-5% and d=64
-        // (ping-pong) -1-9%: where the other warpgroup already fills the tensor cores during the
-        // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
-        // the early wait: the late one spills in the d=256 band kernel.)
-        constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
-        // (TMA) The key tiles this warpgroup's own rows see: under a causal mask the tile's first 64
-        // rows end up to kBM - 64 keys before its last (the 192-row d=64 tile, the 80- and 96-key
-        // tiles at d=256 / 192), and a warpgroup whose rows all lie past nq sees none. It computes
-        // n_mine tiles and only takes its turns and releases its ring slots for the rest, leaving
-        // the tensor cores to the other warpgroups.
-        int n_mine = n_tiles;
-        if constexpr (kWgExtent) {
-            const int wg_rows = min(64, rows_valid - 64 * wg);
-            int wg_end = nk_b;
-            if constexpr (kHi) wg_end = max(0, min(nk_b, m0 + 64 * wg + wg_rows + hi));
-            n_mine = wg_rows > 0 ? min(n_tiles, (wg_end + BLOCK_N - 1) / BLOCK_N) : 0;
-            // A warp-uniform loop bound for ptxas: derived from threadIdx, it kept the ring's
-            // counters and barrier addresses in per-thread registers and every forward 5-10% slower
-            // (H200).
-            n_mine = warp_uniform(n_mine);
-        }
-        if constexpr (PINGPONG && kWgExtent) {  // (n_mine == 0) the turn of S_0, passed on
-            if (n_mine == 0 && n_tiles > 0) {
-                turn_wait();
-                turn_pass(false);
-            }
-        }
-        if (n_mine > 0) {  // S_0 and its probabilities before the loop (O is still zero)
-            if constexpr (PRODUCER) {
-                mbar_wait(sm.full_q(), q_phase);
-                mbar_wait(sm.full_k(kv0 % STAGES), (kv0 / STAGES) & 1);
-            } else {
-                cp_async_wait<STAGES - 1>();  // group 0: Q and K_0
-            }
-            // cp.async copies were written through the generic proxy; wgmma reads through the async one.
-            if constexpr (!TMA) fence_proxy_async();
-            if constexpr (!PRODUCER) __syncthreads();
-            if constexpr (PINGPONG) turn_wait();
-            wgmma_fence();
-            issue_qk(0);
-            wgmma_commit();
-            if constexpr (PINGPONG) turn_pass(false);
-            wgmma_wait<0>();
-            fence_regs(acc_s[0]);
-            if constexpr (PRODUCER) mbar_arrive(sm.empty_k(kv0 % STAGES));
-            if constexpr (PERSISTENT) {
-                if (n_mine == 1) mbar_arrive(sm.empty_q());  // the tile's last read of Q
-            }
-            mask(0);
-            moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);  // (O is zero: its rescale in step 0 is harmless)
-            if constexpr (!kWaitAtStart) to_p();
-        }
-        // One K/V tile. Called with a constant kNext, once in the loop and once for the last tile, so
-        // that each inlined copy has one fixed sequence of wgmma groups (a branch around the next
-        // tile's Q K^T makes ptxas serialize every wgmma).
-        auto retire_pv = [&]() {
-            wgmma_wait<0>();
-            fence_regs(acc_o[0]);
-            fence_regs(p_frag);
-        };
-        auto step = [&](int j, const bool kNext) {
-            const int g = kv0 + j;  // the ring's count (across a persistent block's tiles)
-            if constexpr (kWaitAtStart) {
-                retire_pv();  // (step 0: none in flight)
-                if (j > 0) mbar_arrive(sm.empty_v((g - 1) % STAGES));
-            }
-            if constexpr (PRODUCER) {  // K_{j+1} and V_j have landed
-                if (kNext) mbar_wait(sm.full_k((g + 1) % STAGES), ((g + 1) / STAGES) & 1);
-                mbar_wait(sm.full_v(g % STAGES), (g / STAGES) & 1);
-                if constexpr (!TMA) fence_proxy_async();  // TMA writes through the async proxy
-            } else {
-                // K_{j+1} and V_j have landed for every thread; every warpgroup is done with K_j (its
-                // Q K^T retired last iteration) and V_{j-1}, whose slots the next loads reuse.
-                cp_async_wait<STAGES - 2>();
-                fence_proxy_async();
-                __syncthreads();
-                if (j + STAGES < n_tiles) fwd_load_kv<Tr, PRODUCER>(sK, gK, k_sn, nk_b, d, j + STAGES, tid);
-                if (j + STAGES - 1 < n_tiles) fwd_load_kv<Tr, PRODUCER>(sV, gV, v_sn, nk_b, d, j + STAGES - 1, tid);
-                cp_async_commit();
-            }
-            if constexpr (kWaitAtStart) {
-                rescale_o();  // O onto tile j's row maxima
-                to_p();
-                // (keeps both before the wgmma fence below: NVVM would sink them to the wgmma that
-                // reads them, past the fence, and ptxas then injects a fence of its own: C7519)
-                fence_regs(acc_o[0]);
-                fence_regs(p_frag);
-            }
-            if constexpr (PINGPONG) turn_wait();
-            wgmma_fence();
-            if (kNext) {
-                issue_qk(j + 1);
-                wgmma_commit();
-            }
-            issue_pv(j);
-            wgmma_commit();
-            if constexpr (PINGPONG) turn_pass(!kNext && (!kWgExtent || j + 1 == n_tiles));
-            if (kNext) {  // softmax of tile j+1 while P_j V_j runs on the tensor cores
-                wgmma_wait<1>();
-                fence_regs(acc_s[0]);
-                if constexpr (PRODUCER) mbar_arrive(sm.empty_k((g + 1) % STAGES));
-                if constexpr (PERSISTENT) {
-                    if (j + 2 == n_mine) mbar_arrive(sm.empty_q());  // the tile's last read of Q
-                }
-                mask(j + 1);
-                moved = softmax.template probs<1, kNS, kStale>(acc_s, scale_log2, alpha);
-            }
-            if (!kWaitAtStart || !kNext) {  // (warp-specialized: the tile's last step, before the epilogue)
-                retire_pv();
-                if constexpr (PRODUCER) mbar_arrive(sm.empty_v(g % STAGES));
-                if (!kWaitAtStart && kNext) {
-                    rescale_o();
-                    to_p();
-                }
-            }
-        };
-        for (int j = 0; j + 1 < n_mine; ++j) step(j, true);
-        if (n_mine > 0) step(n_mine - 1, false);
-        if constexpr (kWgExtent) {
-            // O is retired on every path here: else ptxas injects that wait at the first join after
-            // the loop, inside the loop below, and then serializes every wgmma (C7518).
-            wgmma_wait<0>();
-            fence_regs(acc_o[0]);
-            // The tiles past this warpgroup's rows: its turn passed on, each slot released once its
-            // tile has landed (the producer refills a slot only after every release of its previous
-            // tile, so waiting for "full" first keeps this release in the right phase).
-            for (int j = n_mine; j < n_tiles; ++j) {
-                const int g = kv0 + j, s = g % STAGES;
-                const u32 parity = (g / STAGES) & 1;
-                if constexpr (PINGPONG) {
-                    turn_wait();
-                    turn_pass(j + 1 == n_tiles);
-                }
-                mbar_wait(sm.full_k(s), parity);
-                mbar_arrive(sm.empty_k(s));
-                mbar_wait(sm.full_v(s), parity);
-                mbar_arrive(sm.empty_v(s));
-            }
-        }
-        // Every copy has landed and every wgmma read of Q is done before Q's rows hold the output.
-        if constexpr (PRODUCER) {
-            if (n_mine == 0) {
-                mbar_wait(sm.full_q(), q_phase);  // Q's copies may still be landing in the rows reused below
-                if constexpr (PERSISTENT) mbar_arrive(sm.empty_q());
-            }
-            if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);  // this warpgroup left its O rows
-            else named_barrier(1, kMath);
-        } else {
-            cp_async_wait<0>();
-            __syncthreads();
-        }
+        const FwdKvSource src{gK, gV, k_sn, v_sn, d, tid};
+        Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane,
+                   nk_b, hi, lo, n_tiles, scale_log2);
+        c.prologue();  // S_0 and its probabilities
+        // K/V tile j: P_j V_j with S_{j+1} = Q K_{j+1}^T in flight, then the softmax of tile j+1.
+        for (int j = 0; j + 1 < c.n_mine; ++j) c.step(j, true);
+        if (c.n_mine > 0) c.step(c.n_mine - 1, false);
+        c.skip_rest();
+        c.template before_epilogue<WG_EPILOGUE>();
 
         float row_lse[2];
         softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
         if constexpr (SPLIT) {
-            if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, row0, acc_o, row_lse)) return;
+            if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, c.row0, acc_o, row_lse)) return;
         }
 
         const FwdOut out{o, lse, o_sb, o_sh, o_sn, nq, PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y, d};
         fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
-                                                           rows_valid, row0, wg, tid, lane);
+                                                           rows_valid, c.row0, wg, tid, lane);
     };
     if constexpr (PRODUCER) {
-        if (tid == 0) {
-            // "full": every loading thread's cp.async arrival, or the one TMA thread's expect_tx.
-            constexpr int kFull = TMA ? 1 : kLoad;
-            mbar_init(sm.full_q(), kFull);
-            for (int s = 0; s < STAGES; ++s) {
-                mbar_init(sm.full_k(s), kFull);
-                mbar_init(sm.full_v(s), kFull);
-                mbar_init(sm.empty_k(s), kMath);
-                mbar_init(sm.empty_v(s), kMath);
-            }
-            if constexpr (PERSISTENT) mbar_init(sm.empty_q(), kMath);
-            if constexpr (TMA) fence_mbar_init();
-        }
+        if (tid == 0) fwd_init_barriers<Tr, TMA, PERSISTENT>(sm);
         __syncthreads();  // the last block-wide barrier: the roles split here
         // One if/else per role, so that ptxas applies each branch's setmaxnreg to its code.
         if (TMA && wg == WARPGROUPS) {  // the TMA producer: one thread issues every copy
@@ -408,15 +218,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             }
         }
     } else {
-        // Commit group g holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j
-        // needs K_{j+1} and V_j, i.e. group j+1, and issues group j+STAGES.
-        load_sw128<HEAD_DIM, kBM, kThreads>(sQ, gQ, q_sn, rows_valid, d, tid);
-#pragma unroll
-        for (int g = 0; g < STAGES; ++g) {
-            if (g < n_tiles) fwd_load_kv<Tr, PRODUCER>(sK, gK, k_sn, nk_b, d, g, tid);
-            if (g >= 1 && g - 1 < n_tiles) fwd_load_kv<Tr, PRODUCER>(sV, gV, v_sn, nk_b, d, g - 1, tid);
-            cp_async_commit();
-        }
+        fwd_cp_async_prologue<Tr>(sm, gQ, gK, gV, q_sn, k_sn, v_sn, rows_valid, nk_b, d, n_tiles, tid);
         math();
     }
 }

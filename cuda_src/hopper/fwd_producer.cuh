@@ -69,3 +69,35 @@ __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps
         fwd_tma_issue<Tr::kHeadDim>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
     }
 }
+
+// (warp-specialized, thread 0) The mbarriers. "full": every loading thread's cp.async arrival,
+// or the one TMA thread's expect_tx; "empty": every math thread's release.
+template <typename Tr, bool TMA, bool PERSISTENT, typename Smem>
+__device__ __forceinline__ void fwd_init_barriers(const Smem& sm) {
+    constexpr int kFull = TMA ? 1 : Tr::kLoadThreads;
+    mbar_init(sm.full_q(), kFull);
+    for (int s = 0; s < Tr::kStages; ++s) {
+        mbar_init(sm.full_k(s), kFull);
+        mbar_init(sm.full_v(s), kFull);
+        mbar_init(sm.empty_k(s), Tr::kMathThreads);
+        mbar_init(sm.empty_v(s), Tr::kMathThreads);
+    }
+    if constexpr (PERSISTENT) mbar_init(sm.empty_q(), Tr::kMathThreads);
+    if constexpr (TMA) fence_mbar_init();
+}
+
+// (cp.async without a producer: every thread loads) Q and the first key tiles. Commit group g
+// holds K tile g and V tile g-1 (group 0 also Q): the loop's iteration j needs K_{j+1} and V_j,
+// i.e. group j+1, and issues group j+STAGES.
+template <typename Tr, typename Smem>
+__device__ __forceinline__ void fwd_cp_async_prologue(const Smem& sm, const u16* gQ, const u16* gK, const u16* gV,
+                                                      i64 q_sn, i64 k_sn, i64 v_sn, int rows_valid, int nk_b, int d,
+                                                      int n_tiles, int tid) {
+    load_sw128<Tr::kHeadDim, Tr::kBlockM, Tr::kThreads>(sm.sQ, gQ, q_sn, rows_valid, d, tid);
+#pragma unroll
+    for (int g = 0; g < Tr::kStages; ++g) {
+        if (g < n_tiles) fwd_load_kv<Tr, false>(sm.sK, gK, k_sn, nk_b, d, g, tid);
+        if (g >= 1 && g - 1 < n_tiles) fwd_load_kv<Tr, false>(sm.sV, gV, v_sn, nk_b, d, g - 1, tid);
+        cp_async_commit();
+    }
+}
