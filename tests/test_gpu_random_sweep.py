@@ -20,40 +20,13 @@ from cuflash.core.layout import to_bhsd
 from cuflash.testing import assert_backward_accurate, assert_forward_accurate, random_array, random_inputs
 
 from _sweep import budget_seconds, run_sweep
+from test_gpu_forward import poisoned as _poisoned
+from test_gpu_forward import raw as _raw
+from test_gpu_forward import to_device as _to_device
+from test_gpu_forward import to_host as _to_host
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
-
-_UINT = {2: np.uint16, 4: np.uint32}
-
-
-def _raw(a):
-    return a.view(_UINT[a.dtype.itemsize])
-
-
-def _nan_bits(dtype):
-    dtype = np.dtype(dtype)
-    if dtype == np.float16:
-        return 0x7E00
-    if dtype == np.float32:
-        return 0x7FC00000
-    return 0x7FC0  # bfloat16
-
-
-def _to_device(a):
-    a = np.ascontiguousarray(a)
-    return cupy.asarray(a.view(_UINT[a.dtype.itemsize])).view(a.dtype)
-
-
-def _to_host(a):
-    return _raw(cupy.ascontiguousarray(a)).get().view(a.dtype)
-
-
-def _poisoned(shape, dtype):
-    a = cupy.empty(shape, dtype=np.dtype(dtype))
-    _raw(a).fill(_nan_bits(dtype))
-    return a
-
 
 def check_case(rng, case):
     shape_q, shape_kv = case.shapes()
