@@ -125,17 +125,29 @@ class _Case:
         return from_bhsd(a4, self.p, self.p.hkv, self.p.nk)
 
 
-def _reference_forward4(c):
-    """float64 (o4, lse3) by the materializing reference, with the oracle's visibility."""
-    p = c.p
-    if p.nk == 0:
-        return np.zeros((p.batch, p.hq, p.nq, p.d)), np.full((p.batch, p.hq, p.nq), -np.inf)
+def _softmax_parts(c):
+    """(e, l, shift) of the oracle's softmax, float64 (B, Hq, Nq, Nk / 1): e = exp(s - shift) on
+    the visible pairs, 0 elsewhere; l its row sums (0 where a row sees no key)."""
     s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale
     s = np.where(c.mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     shift = np.where(m == -np.inf, 0.0, m)
     e = np.exp(s - shift)
-    l = e.sum(axis=-1, keepdims=True)
+    return e, e.sum(axis=-1, keepdims=True), shift
+
+
+def _probabilities(c):
+    """float64 P (B, Hq, Nq, Nk) of the oracle's case (0 where a row sees no key)."""
+    e, l, _ = _softmax_parts(c)
+    return e / np.where(l > 0, l, 1.0)
+
+
+def _reference_forward4(c):
+    """float64 (o4, lse3) by the materializing reference, with the oracle's visibility."""
+    p = c.p
+    if p.nk == 0:
+        return np.zeros((p.batch, p.hq, p.nq, p.d)), np.full((p.batch, p.hq, p.nq), -np.inf)
+    e, l, shift = _softmax_parts(c)
     seen = l > 0
     o4 = np.matmul(e / np.where(seen, l, 1.0), c.v4)
     lse = np.where(seen, shift + np.log(np.where(seen, l, 1.0)), -np.inf)
@@ -280,25 +292,33 @@ def lse_bound(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, wi
     return np.where(finite, bound, 0.0).reshape(p.lse_shape())
 
 
-def recorded_allocations(fn):
-    """(fn(), the byte sizes of every allocation fn makes from CuPy's default memory pool, in
-    order), recorded through CuPy's allocator hook; the device is synchronized before and after."""
+def _under_allocator(fn, on_alloc):
+    """fn() with CuPy's default pool allocating through a hook: on_alloc(memory, nbytes) sees every
+    allocation fn makes. The device is synchronized before and after."""
     import cupy
 
-    cupy.cuda.Device().synchronize()
     pool = cupy.get_default_memory_pool()
-    sizes = []
 
-    def recording_malloc(nbytes):
-        sizes.append(nbytes)
-        return pool.malloc(nbytes)
+    def malloc(nbytes):
+        mem = pool.malloc(nbytes)
+        on_alloc(mem, nbytes)
+        return mem
 
-    cupy.cuda.set_allocator(recording_malloc)
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.set_allocator(malloc)
     try:
         result = fn()
         cupy.cuda.Device().synchronize()
     finally:
         cupy.cuda.set_allocator(pool.malloc)
+    return result
+
+
+def recorded_allocations(fn):
+    """(fn(), the byte sizes of every allocation fn makes from CuPy's default memory pool, in
+    order), recorded through CuPy's allocator hook; the device is synchronized before and after."""
+    sizes = []
+    result = _under_allocator(fn, lambda mem, nbytes: sizes.append(nbytes))
     return result, sizes
 
 
@@ -379,16 +399,6 @@ def assert_forward_accurate(o, lse, q, k, v, *, causal=False, scale=None, layout
     assert_within_rule("o", o, ref_o, yard_o, dtype, factor)
     if lse is not None:
         assert_lse_within_bound("lse", lse, ref_lse, lse_bound(q, k, v, **kw))
-
-
-def _probabilities(c):
-    """float64 P (B, Hq, Nq, Nk) of the oracle's case (0 where a row sees no key)."""
-    s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale
-    s = np.where(c.mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - np.where(m == -np.inf, 0.0, m))
-    l = e.sum(axis=-1, keepdims=True)
-    return e / np.where(l > 0, l, 1.0)
 
 
 def _one_key_rows(c, P) -> bool:
@@ -504,7 +514,7 @@ def faithful_backward_realizations(do, q, k, v, *, causal=False, scale=None, lay
 def poison(a):
     """Fill ``a`` (NumPy or CuPy, C-contiguous) with 0xFF bytes: NaN in float16, bfloat16 and
     float32, -1 in integers. Returns ``a``."""
-    a.reshape(-1).view(np.uint8 if isinstance(a, np.ndarray) else __import__("cupy").uint8).fill(0xFF)
+    a.reshape(-1).view(np.uint8).fill(0xFF)  # (np.uint8 is also CuPy's dtype)
     return a
 
 
@@ -512,22 +522,11 @@ def poisoned_allocations(fn):
     """fn() with every allocation it makes from CuPy's default memory pool filled with 0xFF bytes
     first (NaN in every float dtype cuflash writes), so an output element or workspace entry that a
     kernel never writes cannot inherit a correct value from a pooled buffer. The device is
-    synchronized after the call."""
+    synchronized before and after the call."""
     import cupy
 
-    pool = cupy.get_default_memory_pool()
-
-    def poisoning_malloc(nbytes):
-        mem = pool.malloc(nbytes)
+    def poison_memory(mem, nbytes):
         if nbytes:
             cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
-        return mem
 
-    cupy.cuda.Device().synchronize()
-    cupy.cuda.set_allocator(poisoning_malloc)
-    try:
-        result = fn()
-        cupy.cuda.Device().synchronize()
-    finally:
-        cupy.cuda.set_allocator(pool.malloc)
-    return result
+    return _under_allocator(fn, poison_memory)

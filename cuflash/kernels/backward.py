@@ -14,7 +14,7 @@ from ..plan.dispatch import BackwardPlan
 from . import device, tma
 from .build import get_function
 from .operands import LOG2E as _LOG2E
-from .operands import MAX_GRID_YZ as _MAX_GRID_YZ
+from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_YZ
 from .operands import band_offsets
 
 # Blocks of the persistent backward kernel; None: one per SM (tests set a few, so that each walks

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core import config
 from ..plan.spec import KernelSpec
-from ..core.sources import load_source, source_dir, source_hash  # noqa: F401 - re-exported for tools
+from ..core.sources import load_source, source_hash  # noqa: F401 - re-exported: tools compile one source by hand
 
 BASE_OPTIONS = ("-std=c++17",)
 

@@ -9,7 +9,7 @@ import numpy as np
 from ..plan.dispatch import ForwardPlan
 from .build import get_function
 from .operands import LOG2E as _LOG2E
-from .operands import MAX_GRID_YZ as _MAX_GRID_Z
+from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_Z
 from .operands import band_offsets
 from .operands import elem_strides as _elem_strides
 

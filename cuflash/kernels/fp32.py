@@ -10,7 +10,7 @@ import numpy as np
 from ..plan.dispatch import BackwardPlan
 from .build import get_function
 from .operands import LOG2E as _LOG2E
-from .operands import MAX_GRID_YZ as _MAX_GRID_YZ
+from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_YZ
 from .operands import elem_strides, unit_d
 
 

@@ -16,10 +16,11 @@ def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None
     """Launch a "wgmma" or "wgmma_split" plan. A persistent tile runs one block per SM, or
     `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
     t = plan.tile
-    maps = None
-    if t.tma:
-        def maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
-            return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
+
+    def tensor_maps(qs, ks, vs):  # per launch chunk: the maps address that chunk's batch entries
+        return (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), tma.bhsd_map(vs, t.block_n))
+
+    maps = tensor_maps if t.tma else None
     if plan.kernel == "wgmma_split":
         _launch_split(plan, p, q4, k4, v4, o4, lse3, maps)
         return

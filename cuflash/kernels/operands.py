@@ -4,7 +4,6 @@ alignment facts the dispatch reads (plan.dispatch.Operands), and the band kernel
 from __future__ import annotations
 
 from ..core import masks
-from ..plan.device_limits import MAX_GRID_YZ  # noqa: F401 - the launchers chunk grids by it
 from ..plan.dispatch import Operands
 from . import tma
 
