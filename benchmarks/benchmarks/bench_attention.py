@@ -21,6 +21,17 @@ import zlib
 
 import numpy as np
 
+# Imported once in asv's forkserver, before it forks a process per benchmark and parameter
+# combination (neither import touches the GPU, so the children start their own CUDA contexts).
+try:
+    import cupy as _cupy_module
+except ImportError:  # asv check and CI: every suite skips in setup
+    _cupy_module = None
+try:
+    import torch as _torch
+except ImportError:  # the peer track skips
+    _torch = None
+
 TOKENS = 16384  # B * N, as in benchmarks/peers.py
 MODEL_WIDTH = 2048  # H * d
 REFERENCE_BYTES_PER_PAIR = 16  # S and P in float32 plus temporaries (peers note: ~4 such matrices)
@@ -28,11 +39,19 @@ REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS
 REFERENCE_MAX_BYTES = 40e9
 L2_FLUSH_BYTES = 256 << 20
 EVENT_REPEATS = 20
-# CUFLASH_ASV_SMALL=1 keeps the history runs short: bf16, d=128,
-# non-causal, N in {1024, 4096} (still "over N" for the published comparison).
-import os as _os
 
-SMALL = _os.environ.get("CUFLASH_ASV_SMALL") == "1"
+# The history: what tools/asv_history.sh runs for every recorded commit (asv --bench regexes;
+# a parameterized benchmark matches as "name(p0, p1, ...)"). cuflash's prefill and decode
+# times and peak bytes, the peer (torch SDPA on cuDNN) and the materializing reference at
+# d = 128 on the same inputs. The other suites (float32, paged, window, host time, graphs) run
+# with the full `asv run`.
+HISTORY = (
+    r"bench_attention\.Cuflash(Forward|Backward)\.(time_|track_peak)",
+    r"bench_attention\.Cudnn(Forward|Backward)\.time_\w+\(\d+, 128,",
+    r"bench_attention\.Reference(Forward|Backward)\.time_\w+\((1024|4096), 128,",
+    r"bench_attention\.CuflashDecode\.(time_|track_peak)\w+\((16384, '8x32x8'|65536, '64x32x8')\)",
+    r"bench_attention\.CudnnDecode\.time_\w+\((16384, '8x32x8'|65536, '64x32x8')\)",
+)
 
 
 def stable_seed(*params):
@@ -42,9 +61,10 @@ def stable_seed(*params):
 
 def _cupy():
     """CuPy with a usable GPU, or NotImplementedError (asv's skip)."""
+    if _cupy_module is None:
+        raise NotImplementedError("CuPy is not installed")
+    cupy = _cupy_module
     try:
-        import cupy
-
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise NotImplementedError("no CUDA device")
     except NotImplementedError:
@@ -143,18 +163,61 @@ def peak_live_bytes(cp, fn):
 
 
 def reference_module():
+    """The materializing reference of the tree under test (cuflash.reference before the package
+    was layered)."""
     try:
         from cuflash.backends import reference
-    except ImportError as exc:
-        raise NotImplementedError(f"cuflash.backends.reference is not available: {exc}") from None
+    except ImportError:
+        try:
+            from cuflash import reference
+        except ImportError as exc:
+            raise NotImplementedError(f"this tree has no materializing reference: {exc}") from None
     return reference
+
+
+def _torch_cuda():
+    """torch with CUDA for the peer track, or NotImplementedError (asv's skip)."""
+    if _torch is None or not _torch.cuda.is_available():
+        raise NotImplementedError("torch with CUDA is not available")
+    return _torch
+
+
+def as_torch(cp, a):
+    """A torch tensor over a CuPy array's memory (16-bit values move as int16 bits: not every
+    DLPack path knows bfloat16)."""
+    torch = _torch_cuda()
+    t = torch.from_dlpack(a.view(cp.int16))
+    return t.view({"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype.name])
+
+
+def cudnn_sdpa(torch, q, k, v, causal):
+    """torch SDPA restricted to its cuDNN backend (raises RuntimeError where cuDNN refuses)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def peer_or_skip(fn):
+    """fn() with the peer's refusal of a shape (RuntimeError) recorded as asv's skip."""
+    try:
+        return fn()
+    except RuntimeError as exc:
+        raise NotImplementedError(f"cuDNN SDPA refused: {exc}") from None
 
 
 class _Timed:
     """Shared timing and event methods; subclasses define setup() and self.op."""
 
     timeout = 600
-    warmup_time = 0.5
+    # One call per sample and one round: asv starts a process per benchmark, parameter
+    # combination and round, and that start (a CUDA context, the inputs, a warm call) costs more
+    # than the samples. 5 to 10 samples feed tools/asv_regressions.py's rank test.
+    number = 1
+    repeat = (5, 10, 2.0)
+    rounds = 1
+    warmup_time = 0.1
 
     def _run(self):
         self.op()
@@ -175,12 +238,8 @@ class _Suite(_Timed):
     track_peak_bytes.unit = "bytes"
 
 
-class _Prefill(_Suite):
-    params = (
-        ([1024, 4096], [128], [False], ["bfloat16"])
-        if SMALL
-        else ([1024, 4096, 16384], [64, 128], [False, True], ["bfloat16", "float16"])
-    )
+class _PrefillInputs:
+    params = ([1024, 4096, 16384], [64, 128], [False, True], ["bfloat16"])
     param_names = ["n", "d", "causal", "dtype"]
 
     def make_inputs(self, n, d, causal, dtype):
@@ -188,8 +247,14 @@ class _Prefill(_Suite):
         b, h = TOKENS // n, MODEL_WIDTH // d
         seed = stable_seed(n, d, causal, dtype)
         self.q, self.k, self.v = (random_normal(cp, (b, h, n, d), dtype, seed + i) for i in range(3))
-        self.causal = "top_left" if causal else False
+        # True, not "top_left": the older trees of the history accept only booleans (square, so
+        # the two corners agree).
+        self.causal = bool(causal)
         return b, h
+
+
+class _Prefill(_PrefillInputs, _Suite):
+    pass
 
 
 class CuflashForward(_Prefill):
@@ -231,6 +296,38 @@ class CuflashBackward(_Prefill):
         _, vjp = cuflash.attention_vjp(self.q, self.k, self.v, causal=self.causal)
         self.op = lambda: vjp(self.do)
         self._run()  # NotImplementedError while cuflash has no GPU backward: asv skips
+
+    def time_backward(self, n, d, causal, dtype):
+        self._run()
+
+
+class CudnnForward(_PrefillInputs, _Timed):
+    """The peer track: torch SDPA on cuDNN, same inputs, timed the same way. A machine that is
+    slower today shows in this line too, and cuflash's ratio to it can be drawn per commit."""
+
+    def setup(self, n, d, causal, dtype):
+        self.make_inputs(n, d, causal, dtype)
+        torch = _torch_cuda()
+        q, k, v = (as_torch(self.cp, a) for a in (self.q, self.k, self.v))
+        # torch's current stream is the legacy default stream, as CuPy's: _run's synchronize covers it.
+        self.op = lambda: cudnn_sdpa(torch, q, k, v, bool(causal))
+        peer_or_skip(self._run)
+
+    def time_forward(self, n, d, causal, dtype):
+        self._run()
+
+
+class CudnnBackward(_PrefillInputs, _Timed):
+    """The peer's backward: dq, dk, dv from a retained forward graph (cuDNN's backward alone)."""
+
+    def setup(self, n, d, causal, dtype):
+        self.make_inputs(n, d, causal, dtype)
+        torch = _torch_cuda()
+        leaves = [as_torch(self.cp, a).detach().requires_grad_(True) for a in (self.q, self.k, self.v)]
+        do = as_torch(self.cp, random_normal(self.cp, self.q.shape, dtype, 7))
+        o = peer_or_skip(lambda: cudnn_sdpa(torch, *leaves, bool(causal)))
+        self.op = lambda: torch.autograd.grad(o, leaves, do, retain_graph=True)
+        peer_or_skip(self._run)
 
     def time_backward(self, n, d, causal, dtype):
         self._run()
@@ -300,6 +397,20 @@ class CuflashDecode(_Decode):
         return host_us(self.cp, self.op)
 
     track_host_us.unit = "us"
+
+
+class CudnnDecode(_DecodeInputs, _Timed):
+    """The peer track for decoding: torch SDPA on cuDNN over the same cache."""
+
+    def setup(self, cache_len, b_hq_hkv):
+        self.make_inputs(cache_len, b_hq_hkv)
+        torch = _torch_cuda()
+        q, k, v = (as_torch(self.cp, a) for a in (self.q, self.k, self.v))
+        self.op = lambda: cudnn_sdpa(torch, q, k, v, False)
+        peer_or_skip(self._run)
+
+    def time_decode(self, cache_len, b_hq_hkv):
+        self._run()
 
 
 class CuflashDecodeUncached(CuflashDecode):
