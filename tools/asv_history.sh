@@ -2,7 +2,7 @@
 # Record asv history runs on a GPU machine, without a network: this checkout's commit and,
 # optionally, earlier commits, each timed with its own package tree and HEAD's suites.
 #
-#   OUT=dir bash tools/asv_history.sh HEAD_SHA [OLD_SHA ...]
+#   OUT=dir bash tools/asv_history.sh HEAD_SHA [OLD_SHA ...]   (older commits oldest first; HEAD runs last)
 #
 # Run it in a throwaway copy of the repository: older commits' cuflash/ and cuda_src/ replace
 # the checkout's in place while they are timed (asv's benchmark processes may put the
@@ -44,7 +44,7 @@ echo "== warm-up done at $(( $(date +%s) - start ))s"
 head_save=$(mktemp -d)
 cp -r "$root/cuflash" "$root/cuda_src" "$head_save/"
 rc=0
-for sha in "$@"; do
+for sha in "${@:2}" "$head_sha"; do  # oldest first, this checkout last
     elapsed=$(( $(date +%s) - start ))
     if [ "$elapsed" -gt "${ASV_DEADLINE:-540}" ]; then
         echo "== asv: $sha not started (${elapsed}s > ASV_DEADLINE)"; rc=1; continue
