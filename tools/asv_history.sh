@@ -15,7 +15,8 @@
 #   ASV_MACHINE    machine name (default: h100 or h200 from nvidia-smi)
 #   ASV_DEADLINE   seconds after which no further commit is started (default 540)
 #   ASV_FULL=1     this checkout's commit runs every suite, not only the history set
-# What each commit runs: the HISTORY regexes of benchmarks/benchmarks/bench_attention.py, with
+#   ASV_HEAD=0     only the older commits (backfill)
+# What each commit runs: the HISTORY regexes (older commits: their time_ benchmarks) of benchmarks/benchmarks/bench_attention.py, with
 # asv's samples kept (--record-samples) for tools/asv_regressions.py. Results are copied to
 # $OUT/asv_results.tar (benchmarks/results/asv/) after every commit.
 set -u
@@ -44,13 +45,18 @@ echo "== warm-up done at $(( $(date +%s) - start ))s"
 head_save=$(mktemp -d)
 cp -r "$root/cuflash" "$root/cuda_src" "$head_save/"
 rc=0
-for sha in "${@:2}" "$head_sha"; do  # oldest first, this checkout last
+commits=("${@:2}")
+[ "${ASV_HEAD:-1}" = 1 ] && commits+=("$head_sha")
+for sha in "${commits[@]}"; do  # oldest first, this checkout last
     elapsed=$(( $(date +%s) - start ))
     if [ "$elapsed" -gt "${ASV_DEADLINE:-540}" ]; then
         echo "== asv: $sha not started (${elapsed}s > ASV_DEADLINE)"; rc=1; continue
     fi
     args=("${bench_args[@]}")
     if [ "$sha" != "$head_sha" ]; then
+        # Older commits: times only (peak bytes are recorded from this checkout on; each
+        # benchmark is a process, and the start of one costs about a second).
+        args=("${args[@]//|track_peak/}")
         rm -rf "$root/cuflash" "$root/cuda_src"
         cp -r "$root/.asvtrees/$sha/cuflash" "$root/.asvtrees/$sha/cuda_src" "$root/"
     elif [ "${ASV_FULL:-0}" = 1 ]; then
