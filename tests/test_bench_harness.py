@@ -220,13 +220,16 @@ def write_machine(root, machine="h200"):
     return d
 
 
-def write_result(machine_dir, commit, date, started, times, peaks, version="v1"):
-    """One result file as asv 0.6's Results.save writes it (columns trimmed of trailing Nones)."""
+def write_result(machine_dir, commit, date, started, times, peaks, version="v1", samples=None):
+    """One result file as asv 0.6's Results.save writes it (columns trimmed of trailing Nones);
+    samples: per parameter combination, the timed samples (asv run --record-samples)."""
     def row(values, unit_stats):
         r = [values, PARAMS, version, started, 1.5]
         if unit_stats and values is not None:
             r += [[v * 0.9 if v == v else None for v in values], [v * 1.1 if v == v else None for v in values],
                   values, values, [1] * len(values), [10] * len(values)]
+            if samples is not None:
+                r.append(samples)
         return r
 
     env = "existing-py_usr_bin_python3"
@@ -297,11 +300,76 @@ def test_regressions_order_ties_by_run_time_and_ignore_changed_code(tmp_path):
     assert rc == 0 and any(line.startswith("x") for line in out.splitlines())
 
 
+def timing_samples(rng, median, n=20, noise=0.02):
+    """n timings around a median: multiplicative normal noise plus, now and then, a preempted
+    (slow) sample, as real timings look."""
+    out = median * (1.0 + noise * rng.standard_normal(n))
+    slow = rng.random(n) < 0.1
+    out[slow] *= 1.0 + rng.random(slow.sum())
+    return [float(x) for x in out]
+
+
+def history(tmp_path, rng, old_median, new_median):
+    d = write_machine(tmp_path)
+    old = [timing_samples(rng, m) for m in old_median]
+    new = [timing_samples(rng, m) for m in new_median]
+    med = lambda s: [float(np.median(x)) for x in s]  # noqa: E731
+    write_result(d, OLD, 2000, 2100, med(old), [100, 200], samples=old)
+    write_result(d, NEW, 3000, 3100, med(new), [100, 200], samples=new)
+    return d
+
+
+def check_here(capsys, results):
+    """check() in this process (the synthetic-history loops would start a process per history)."""
+    rc = asv_regressions.main(["--results", str(results)])
+    return rc, capsys.readouterr().out
+
+
+def test_regressions_rank_test_flags_a_real_5_percent_slowdown(tmp_path, capsys):
+    """With asv's samples (20 a side, as the suites take), a 5% slowdown of one benchmark under 2%
+    noise with occasional preempted samples is flagged, and only that benchmark, in at least 19 of
+    20 synthetic histories (the test's power there is about 97%; the seed is fixed)."""
+    rng = np.random.default_rng(0)
+    flagged = 0
+    for trial in range(20):
+        history(tmp_path / str(trial), rng, [1.0e-3, 4.0e-3], [1.05e-3, 4.0e-3])
+        rc, out = check_here(capsys, tmp_path / str(trial))
+        slow = [line for line in out.splitlines() if line.startswith("+")]
+        assert all("time_forward(1024," in line for line in slow), out
+        flagged += rc == 1 and len(slow) == 1
+    assert flagged >= 19, flagged
+
+
+def test_regressions_rank_test_leaves_noise_alone(tmp_path, capsys):
+    """Samples of one distribution (2% noise, occasional preempted samples) are not a regression
+    in any of 40 synthetic histories."""
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        history(tmp_path / str(trial), rng, [1.0e-3, 4.0e-3], [1.0e-3, 4.0e-3])
+        rc, out = check_here(capsys, tmp_path / str(trial))
+        assert rc == 0, out
+
+
+def test_regressions_rank_test_needs_significance_not_just_a_large_median(tmp_path):
+    """A median 10% higher from three samples that overlap the old ones is not significant."""
+    d = write_machine(tmp_path)
+    old = [[1.0e-3, 1.2e-3, 0.9e-3], [4e-3, 4e-3, 4e-3]]
+    new = [[1.1e-3, 0.95e-3, 1.25e-3], [4e-3, 4e-3, 4e-3]]
+    write_result(d, OLD, 2000, 2100, [1.0e-3, 4.0e-3], [100, 200], samples=old)
+    write_result(d, NEW, 3000, 3100, [1.1e-3, 4.0e-3], [100, 200], samples=new)
+    rc, out = check(tmp_path)
+    assert rc == 0, out
+    mark, ratio = asv_regressions.shift(old[0], new[0], 0.01, 0.03)
+    assert mark == " " and ratio == pytest.approx(1.1)
+
+
 def test_regressions_usage_errors(tmp_path):
     assert check(tmp_path / "missing")[0] == 2
     write_machine(tmp_path, "h200")
     write_machine(tmp_path, "other")
     assert check(tmp_path)[0] == 2  # two machines and no --machine
+    assert check(tmp_path, "--machine", "h200", "--alpha", "1.5")[0] == 2
+    assert check(tmp_path, "--machine", "h200", "--min-effect", "-0.1")[0] == 2
     rc, out = check(tmp_path, "--machine", "h200")
     assert rc == 0 and "nothing to compare" in out
 
