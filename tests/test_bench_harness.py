@@ -407,6 +407,26 @@ def test_committed_h200_history_is_readable():
         assert times and all(t is not None and t > 0 for t in times), (r["commit_hash"], times)
 
 
+def test_committed_history_spans_the_project_and_tracks_the_shipped_kernels():
+    """The h100 history holds at least 12 commits, all but the first (whose forward fails on this
+    grid) with cuflash forward times, and its newest commit has the kernels and the dispatch that
+    ship: every change to cuda_src/ or cuflash/plan/ lands with its asv run."""
+    runs = asv_regressions.load_runs(asv_regressions.DEFAULT_RESULTS / "h100")
+    timed = [r for r in runs if any(v is not None and v == v for v in
+                                    columns(r, "bench_attention.CuflashForward.time_forward").get("result") or [])]
+    assert len({r["commit_hash"] for r in runs}) >= 12, len(runs)
+    assert len({r["commit_hash"] for r in timed}) >= 11, len(timed)
+    newest = asv_regressions.latest_two_commits(runs)[-1]
+    if not (ROOT / ".git").exists():
+        pytest.skip("no .git: cannot compare the newest recorded commit with HEAD")
+    known = subprocess.run(["git", "cat-file", "-e", f"{newest}^{{commit}}"], cwd=ROOT, capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"{newest[:8]} is not in this clone (shallow?)")
+    diff = subprocess.run(["git", "diff", "--stat", newest, "HEAD", "--", "cuda_src", "cuflash/plan"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert diff == "", f"kernels or dispatch changed since the newest asv run ({newest[:8]}):\n{diff}"
+
+
 def columns(data, name):
     return asv_regressions.columns(data, name)
 

@@ -21,6 +21,9 @@
 #   PAGED=0        skip the paged-cache benchmark (tools/paged_bench.py)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
+#   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
+#                  ASV_WHEELS=dir installs asv from wheels first); results in $OUT/asv_results.tar
+#   ASV_TIMEOUT    seconds for that run (default 150)
 #
 # Exit status: non-zero when the tests, a benchmark or the summary failed.
 set -u
@@ -100,6 +103,16 @@ merged["complete"] = all(p.get("complete", False) for p in parts)
 pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 print(f"merged {len(parts)} benchmark runs, {len(merged['bench'])} rows")
 PY
+
+if [ "${ASV:-0}" = 1 ]; then
+    echo "== asv (tools/asv_history.sh)"
+    if [ -n "${ASV_WHEELS:-}" ]; then
+        python3 -m pip install -q --no-index --find-links "$ASV_WHEELS" asv==0.6.6 > /dev/null 2>&1
+    fi
+    commit=${GIT_COMMIT:-$(git rev-parse HEAD)}
+    timeout "${ASV_TIMEOUT:-150}" bash tools/asv_history.sh "$commit" 2>&1 | grep -v "cuflash imported from" | tail -12
+    r=${PIPESTATUS[0]}; echo "asv rc=$r"; [ "$r" -ne 0 ] && rc=1
+fi
 
 echo "== summary ($OUT/summary.json)"
 python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
