@@ -104,6 +104,9 @@ pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 print(f"merged {len(parts)} benchmark runs, {len(merged['bench'])} rows")
 PY
 
+echo "== summary ($OUT/summary.json)"
+python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
+[ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
 if [ "${ASV:-0}" = 1 ]; then
     echo "== asv (tools/asv_history.sh)"
     if [ -n "${ASV_WHEELS:-}" ]; then
@@ -114,8 +117,5 @@ if [ "${ASV:-0}" = 1 ]; then
     r=${PIPESTATUS[0]}; echo "asv rc=$r"; [ "$r" -ne 0 ] && rc=1
 fi
 
-echo "== summary ($OUT/summary.json)"
-python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
-[ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
 echo "== gpu_check: exit $rc"
 exit "$rc"
