@@ -1,56 +1,315 @@
-"""PyTorch adapter: ``cuflash.torch.attention``, differentiable through torch.autograd.
+"""PyTorch adapter: cuflash as torch custom operators, differentiable and traceable by torch.compile.
 
-The forward is cuflash's forward (``return_lse=True``), the backward is
-``cuflash.attention_backward`` from the saved q, k, v, o and lse; both see the tensors' memory
-without copies (DLPack for CUDA tensors, ``.numpy()`` views for CPU tensors, which run the NumPy
-backend) and run on the tensors' device and on torch's current stream there (see cuflash.api.interop).
+Three operators are registered with ``torch.library.custom_op`` under the ``cuflash`` namespace:
+
+* ``cuflash::attention`` - the forward (every option of :func:`cuflash.attention`), returning
+  (o, lse); its fake (meta) implementation gives o's and the float32 lse's exact shapes, and
+  ``register_autograd`` routes its gradient to
+* ``cuflash::attention_backward`` - :func:`cuflash.attention_backward`, returning (dq, dk, dv);
+* ``cuflash::attention_out`` - the forward writing o into a caller's tensor (``out=``), returning lse.
+
+Because they are operators, ``torch.compile(fullgraph=True)`` traces a model calling them without
+a graph break, and a decode step (``kv_lens`` or ``block_table`` with ``validate=False``, which
+reads nothing on the host) can run under ``mode="reduce-overhead"`` (CUDA graphs).
+
+The kernels see the tensors' memory without copies (DLPack / pointers for CUDA tensors, ``.numpy()``
+views for CPU tensors, which run the NumPy backend) and run on the tensors' device and on torch's
+current stream there (cuflash.api.interop).
+
+Entry points: :func:`attention` (cuflash's arguments), :func:`scaled_dot_product_attention`
+(torch's), and :func:`register_transformers` (an attention function for Hugging Face models).
 
 Imported only on request (``import cuflash.torch``): ``import cuflash`` never imports torch.
 """
-
-from __future__ import annotations
 
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - exercised by the optional-import test
     raise ImportError("cuflash.torch needs PyTorch (pip install torch); cuflash itself does not") from exc
 
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):  # pragma: no cover
+    raise ImportError(f"cuflash.torch needs torch.library.custom_op (torch >= 2.4); this torch is {torch.__version__}")
+
+import numpy as np
+
 from .api import functional as api
+from .core import masks, problem
 
-__all__ = ["attention"]
+__all__ = ["attention", "scaled_dot_product_attention", "register_transformers", "transformers_attention"]
 
-
-class _CuflashAttention(torch.autograd.Function):
-    """o = attention(q, k, v); saves (q, k, v, o, lse) for the backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout):
-        o, lse = api.attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = {"causal": causal, "scale": scale, "layout": layout}
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        # One kernel pass yields all three gradients; the ones autograd did not ask for are dropped.
-        dq, dk, dv = api.attention_backward(do, q, k, v, o, lse, **ctx.options)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None)
+# Options travel through the operators' schemas as plain values: causal as a string
+# ("none" / "bottom_right" / "top_left"), window as an int list or None.
+_OPTIONS = "str causal, float? scale, str layout, int[]? window"
+# The forward's deterministic is not used by it: it is recorded for the backward of its call.
+_FORWARD_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+                 f"Tensor? block_table, {_OPTIONS}, bool validate")
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd"):
-    """``cuflash.attention`` for torch tensors, with gradients for whichever of q, k, v require them.
+def _options(causal, scale, layout, window):
+    return dict(causal=None if causal == "none" else causal, scale=scale, layout=layout,
+                window=None if window is None else tuple(window))
 
-    Same arguments and semantics as :func:`cuflash.attention` (causal False / True / "bottom_right" /
-    "top_left"; ``layout`` "bhsd" or "bshd"; GQA when k, v have fewer heads). Returns o as a tensor
-    of q's dtype and device. Under ``torch.no_grad()``, or when no input requires grad, nothing is
-    saved for a backward. Double backward is not supported.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
+
+def _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
+                  out=None):
+    return api.attention(q, k, v, **_options(causal, scale, layout, window), return_lse=True, out=out, kv_lens=kv_lens,
+                         validate=validate, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         block_table=block_table)
+
+
+def _lse_shape(q, varlen, layout):
+    """The float32 lse's shape, as cuflash returns it: (Hq, total_q) packed, (Nq,) for one 2-D
+    head, else q's batch shape + (Hq, Nq)."""
+    if q.dim() < 2:
+        raise ValueError(f"q: expected at least 2 dimensions (N, d) or (..., H, N, d), got shape {tuple(q.shape)}")
+    if varlen:
+        return (q.shape[1], q.shape[0])
+    if q.dim() == 2:
+        return (q.shape[0],)
+    if layout == "bshd":
+        return (*q.shape[:-3], q.shape[-2], q.shape[-3])
+    return tuple(q.shape[:-1])
+
+
+def _lse_like(q, varlen, layout):
+    return q.new_empty(_lse_shape(q, varlen, layout), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _attention_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
+                  deterministic):
+    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
+                         validate)
+
+
+_attention = torch.library.custom_op("cuflash::attention", _attention_op, mutates_args=(),
+                                     schema=f"({_FORWARD_ARGS}, bool deterministic) -> (Tensor, Tensor)")
+
+
+@_attention.register_fake
+def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
+                    deterministic):
+    return q.new_empty(q.shape), _lse_like(q, cu_seqlens_q is not None, layout)
+
+
+def _attention_out_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
+                      validate, out):
+    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
+                         validate, out=out)[1]
+
+
+_attention_out = torch.library.custom_op("cuflash::attention_out", _attention_out_op, mutates_args=("out",),
+                                         schema=f"({_FORWARD_ARGS}, Tensor(a!) out) -> Tensor")
+
+
+@_attention_out.register_fake
+def _attention_out_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
+                        validate, out):
+    return _lse_like(q, cu_seqlens_q is not None, layout)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, deterministic):
+    return api.attention_backward(do, q, k, v, o, lse, **_options(causal, scale, layout, window),
+                                  deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+_backward = torch.library.custom_op(
+    "cuflash::attention_backward", _backward_op, mutates_args=(),
+    schema=("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
+            f"Tensor? cu_seqlens_k, {_OPTIONS}, bool deterministic) -> (Tensor, Tensor, Tensor)"))
+
+
+@_backward.register_fake
+def _backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, deterministic):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, _, deterministic = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = (causal, scale, layout, window)
+    ctx.cache_inputs = "kv_lens" if kv_lens is not None else ("block_table" if block_table is not None else None)
+    ctx.deterministic = deterministic
+
+
+def _attention_backward(ctx, do, _dlse):
+    if ctx.cache_inputs is not None:  # checked up front by attention(); this guards direct op calls
+        raise NotImplementedError(f"{ctx.cache_inputs}: cuflash has no backward for KV-cache calls")
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    # The op takes do in q's dtype; one kernel pass yields all three gradients.
+    dq, dk, dv = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.options, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+_attention.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public functions
+
+
+def _causal_word(causal):
+    return masks.normalize_causal(causal) or "none"
+
+
+def _window_list(window):
+    window = masks.normalize_window(window)
+    return None if window is None else list(window)
+
+
+def _check_tensors(named):
+    for name, t in named:
+        if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _CuflashAttention.apply(q, k, v, causal, scale, layout)
-    return api.attention(q, k, v, causal=causal, scale=scale, layout=layout)
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None, kv_lens=None,
+              validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+              deterministic=False):
+    """:func:`cuflash.attention` for torch tensors, differentiable and traceable by torch.compile.
+
+    Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
+    "bottom_right" / "top_left"; layout "bhsd" / "bshd"; GQA; ``kv_lens``; ``block_table`` paged
+    caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences; ``window``; ``out=``;
+    ``validate``; ``return_lse``). Returns o (and the float32 lse) as tensors on q's device.
+
+    Gradients flow to whichever of q, k, v require them, with or without ``window`` and
+    ``cu_seqlens_*`` (``deterministic`` is then passed to :func:`cuflash.attention_backward`).
+    ``kv_lens`` and ``block_table`` calls (KV caches, inference) have no backward: asking for
+    one raises ValueError. lse is returned without a gradient. ``out=`` is refused while a
+    gradient is needed, as torch's own ``out=`` functions do. Double backward is not supported.
+    """
+    _check_tensors((("q", q), ("k", k), ("v", v), ("out", out), ("kv_lens", kv_lens), ("cu_seqlens_q", cu_seqlens_q),
+                    ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table)))
+    problem.check_flag("return_lse", return_lse)
+    problem.check_flag("validate", validate)
+    problem.check_flag("deterministic", deterministic)
+    args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, _causal_word(causal), _scale_value(scale),
+            layout, _window_list(window), validate)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if grad and (kv_lens is not None or block_table is not None):
+        name = "kv_lens" if kv_lens is not None else "block_table"
+        raise ValueError(f"{name}: KV-cache calls have no backward; call under torch.no_grad() or detach q, k, v")
+    if out is not None:
+        if grad:
+            raise ValueError("out: a call that needs gradients cannot write into out=; leave it None")
+        lse = _attention_out(*args, out)
+        return (out, lse) if return_lse else out
+    o, lse = _attention(*args, deterministic)
+    return (o, lse) if return_lse else o
+
+
+def _scale_value(scale):
+    """scale as the operators' float, checked like cuflash checks it (a bool or a string is refused)."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by cuflash.
+
+    Same arguments and semantics: (..., H, L, E) tensors, ``is_causal`` aligned top-left (query i
+    sees keys j <= i), ``scale`` default 1/sqrt(E), and with ``enable_gqa`` key/value may have
+    fewer heads than query (a divisor). Differentiable and traceable like :func:`attention`.
+    Not supported, raising ValueError: ``attn_mask`` (cuflash has no dense masks - use
+    :func:`attention` with ``kv_lens``, ``window`` or ``cu_seqlens_*``), ``dropout_p > 0``,
+    value's head dim differing from query's, and ``is_causal`` together with ``attn_mask``.
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask: cuflash has no dense attention masks; use is_causal, or cuflash.torch.attention "
+                         "with kv_lens / window / cu_seqlens_q, cu_seqlens_k")
+    if isinstance(dropout_p, torch.Tensor) or dropout_p != 0.0:
+        raise ValueError(f"dropout_p: cuflash computes attention without dropout; got dropout_p={dropout_p!r}")
+    problem.check_flag("is_causal", is_causal)
+    problem.check_flag("enable_gqa", enable_gqa)
+    _check_tensors((("query", query), ("key", key), ("value", value)))
+    if query.dim() >= 3 and key.dim() >= 3 and not enable_gqa and query.shape[-3] != key.shape[-3]:
+        raise ValueError(f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True "
+                         "for grouped-query attention")
+    return attention(query, key, value, causal="top_left" if is_causal else False, scale=scale, layout="bhsd")
+
+
+# ----------------------------------------------------------------------------- Hugging Face transformers
+
+
+def _check_causal_mask(mask, nq, nk, window):
+    """A dense 4-D mask (older transformers build one for any attention function) is accepted only
+    if it is exactly the bottom-right causal pattern (with the window, if any) for every sequence:
+    that check reads the mask, one host synchronization per call."""
+    if mask.dtype == torch.bool:
+        visible = mask
+    else:
+        visible = mask == 0
+    i = torch.arange(nq, device=mask.device)[:, None]
+    j = torch.arange(nk, device=mask.device)[None, :]
+    want = j <= i + (nk - nq)
+    if window is not None:
+        want = want & (j >= i + (nk - nq) - window[0])
+    visible = visible[..., -nq:, -nk:]
+    if visible.shape[-2:] != want.shape or not bool(torch.equal(visible, want.expand_as(visible))):
+        raise ValueError("attention_mask: only causal attention without padding is supported by cuflash's attention "
+                         "function (padded batches: call cuflash.torch.attention with kv_lens or cu_seqlens_*)")
+
+
+def transformers_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention function in transformers' ``AttentionInterface`` signature.
+
+    query (B, Hq, S, D), key / value (B, Hkv, T, D) (GQA is left to cuflash); returns
+    (attn_output (B, S, Hq, D), None) - no attention weights. Causal modules (``module.is_causal``,
+    or the ``is_causal`` keyword) run causal="bottom_right", which is the KV-cache alignment: the S
+    new queries are the last S of the T positions. ``sliding_window`` W maps to window=(W - 1, 0).
+    Padding masks are not supported (ValueError): a 2-D padding mask, or a dense mask that is
+    not exactly the causal pattern.
+    """
+    if dropout:
+        raise ValueError(f"dropout: cuflash computes attention without dropout; got {dropout!r} (use model.eval() or "
+                         "attention_dropout=0)")
+    nq, nk = query.shape[-2], key.shape[-2]
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, -1) if sliding else None
+    if window is not None and not causal:
+        window = (int(sliding) - 1, int(sliding) - 1)
+    if attention_mask is not None:
+        if attention_mask.dim() == 2:
+            raise ValueError("attention_mask: padded batches are not supported by cuflash's attention function "
+                             "(call cuflash.torch.attention with kv_lens or cu_seqlens_*)")
+        if not causal:
+            raise ValueError("attention_mask: a dense mask on a non-causal module is not supported by cuflash")
+        _check_causal_mask(attention_mask, nq, nk, window if causal else None)
+    o = attention(query, key, value, causal="bottom_right" if causal else False, scale=scaling, layout="bhsd",
+                  window=window)
+    return o.transpose(1, 2).contiguous(), None
+
+
+def register_transformers(name="cuflash"):
+    """Make ``attn_implementation=name`` run cuflash in Hugging Face transformers models.
+
+    Registers :func:`transformers_attention` in ``transformers.AttentionInterface`` and, where
+    transformers has ``AttentionMaskInterface``, FlashAttention's mask function for it (None for
+    unpadded batches, a 2-D padding mask otherwise, which the attention function refuses). Then
+    ``AutoModelForCausalLM.from_config(config, attn_implementation=name)`` (or
+    ``model.set_attn_implementation(name)``) uses it. Returns ``name``.
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError as exc:
+        raise ImportError("register_transformers needs transformers >= 4.48 (AttentionInterface)") from exc
+    AttentionInterface.register(name, transformers_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:  # older transformers build dense masks, checked by transformers_attention
+        return name
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
