@@ -293,7 +293,7 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
     return o.transpose(1, 2).contiguous(), None
 
 
-def register_transformers(name="cuflash"):
+def register_transformers(name="cuFlash"):
     """Make ``attn_implementation=name`` run cuflash in Hugging Face transformers models.
 
     Registers :func:`transformers_attention` in ``transformers.AttentionInterface`` and, where
@@ -301,7 +301,12 @@ def register_transformers(name="cuflash"):
     unpadded batches, a 2-D padding mask otherwise, which the attention function refuses). Then
     ``AutoModelForCausalLM.from_config(config, attn_implementation=name)`` (or
     ``model.set_attn_implementation(name)``) uses it. Returns ``name``.
+
+    The name must not contain "flash": transformers treats such names as FlashAttention kernels
+    to load (ValueError here instead).
     """
+    if not isinstance(name, str) or not name or "flash" in name:
+        raise ValueError(f"name: expected a non-empty string without 'flash' (transformers reserves it), got {name!r}")
     try:
         from transformers import AttentionInterface
     except ImportError as exc:
