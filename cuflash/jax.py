@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed JAX
 
 import numpy as np
 
-from .core import problem
+from .core import masks, problem
 from .api import functional as api
 from .api import interop
 
@@ -59,10 +59,10 @@ __all__ = ["attention"]
 _DL_CUDA = 2
 
 
-def _problem_of(q, k, v, causal, scale, layout):
+def _problem_of(q, k, v, causal, scale, layout, window=None):
     """Validate shapes/dtypes/options on zero-stride stand-ins (works on tracers too)."""
     stand_ins = [np.broadcast_to(np.zeros((), dtype=np.dtype(a.dtype)), a.shape) for a in (q, k, v)]
-    return problem.validate_forward(*stand_ins, causal=causal, scale=scale, layout=layout)
+    return problem.validate_forward(*stand_ins, causal=causal, scale=scale, layout=layout, window=window)
 
 
 class _Native:
@@ -100,74 +100,150 @@ class _Native:
         return np.asarray(buf)
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_callback(causal, scale, layout):
-    """One callback object per option set, so JAX's compilation caches see the same function."""
+_ARRAY_OPTIONS = ("kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 
-    def callback(ctx, outs, q, k, v):
+
+def _lse_shape(q, p, varlen, paged, layout):
+    """The float32 lse's shape as cuflash returns it: (Hq, total_q) packed, else p.lse_shape()
+    (a paged call's q is (B, Hq, Nq, d) or (B, Nq, Hq, d))."""
+    if varlen:
+        return (q.shape[1], q.shape[0])
+    if paged:
+        b, h, n = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+        return (b, h, n)
+    return p.lse_shape()
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_callback(options, names):
+    """One callback object per option set, so JAX's compilation caches see the same function.
+    ``options``: (causal, scale, layout, window, validate); ``names``: the array options given,
+    passed after q, k, v."""
+    causal, scale, layout, window, validate = options
+
+    def callback(ctx, outs, q, k, v, *arrays):
         o_buf, lse_buf = outs
         with _Native(ctx, q) as native:
             qn, kn, vn, on, lsen = (native.wrap(b) for b in (q, k, v, o_buf, lse_buf))
-            _, lse = api.attention(qn, kn, vn, causal=causal, scale=scale, layout=layout, return_lse=True, out=on)
+            given = {n: native.wrap(b) for n, b in zip(names, arrays)}
+            _, lse = api.attention(qn, kn, vn, causal=causal, scale=scale, layout=layout, window=window,
+                                   validate=validate, return_lse=True, out=on, **given)
             lsen[...] = lse
 
     return callback
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(causal, scale, layout):
-    def callback(ctx, outs, do, q, k, v, o, lse):
+def _backward_callback(options, names, deterministic):
+    causal, scale, layout, window, _ = options
+
+    def callback(ctx, outs, do, q, k, v, o, lse, *arrays):
         with _Native(ctx, q) as native:
             args = [native.wrap(b) for b in (do, q, k, v, o, lse)]
             grads = tuple(native.wrap(b) for b in outs)
-            api.attention_backward(*args, causal=causal, scale=scale, layout=layout, out=grads)
+            given = {n: native.wrap(b) for n, b in zip(names, arrays)}
+            api.attention_backward(*args, causal=causal, scale=scale, layout=layout, window=window,
+                                   deterministic=deterministic, out=grads, **given)
 
     return callback
 
 
-def _forward(q, k, v, causal, scale, layout):
-    p = _problem_of(q, k, v, causal, scale, layout)
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(p.lse_shape(), jnp.float32))
-    call = buffer_callback(_forward_callback(causal, scale, layout), result, vmap_method="broadcast_all")
-    return call(q, k, v)
+def _vmap_method(names):
+    # Packed sequences and paged caches have no batch axis to add: map them one call at a time.
+    return "sequential" if ({"cu_seqlens_q", "block_table"} & set(names)) else "broadcast_all"
 
 
-def _backward(do, q, k, v, o, lse, causal, scale, layout):
+def _forward(q, k, v, arrays, static):
+    options, names, lse_shape, _ = static
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    call = buffer_callback(_forward_callback(options, names), result, vmap_method=_vmap_method(names))
+    return call(q, k, v, *arrays)
+
+
+def _backward(do, q, k, v, o, lse, arrays, static):
+    options, names, _, deterministic = static
     result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(v.shape, v.dtype))
-    call = buffer_callback(_backward_callback(causal, scale, layout), result, vmap_method="broadcast_all")
-    return call(do, q, k, v, o, lse)
+    call = buffer_callback(_backward_callback(options, names, deterministic), result, vmap_method=_vmap_method(names))
+    return call(do, q, k, v, o, lse, *arrays)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, scale, layout):
-    return _forward(q, k, v, causal, scale, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, arrays, static):
+    return _forward(q, k, v, arrays, static)
 
 
-def _attention_fwd(q, k, v, causal, scale, layout):
-    o, lse = _forward(q, k, v, causal, scale, layout)
-    return o, (q, k, v, o, lse)
+def _attention_fwd(q, k, v, arrays, static):
+    names = static[1]
+    for name in ("kv_lens", "block_table"):
+        if name in names:
+            raise ValueError(f"{name}: KV-cache calls have no backward; differentiate a call without it")
+    o, lse = _forward(q, k, v, arrays, static)
+    return (o, lse), (q, k, v, o, lse, arrays)
 
 
-def _attention_bwd(causal, scale, layout, saved, do):
-    q, k, v, o, lse = saved
-    return _backward(do.astype(q.dtype), q, k, v, o, lse, causal, scale, layout)
+def _attention_bwd(static, saved, cotangents):
+    q, k, v, o, lse, arrays = saved
+    do = cotangents[0]  # lse is returned under stop_gradient: its cotangent is zero
+    dq, dk, dv = _backward(do.astype(q.dtype), q, k, v, o, lse, arrays, static)
+    return dq, dk, dv, tuple(None for _ in arrays)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None, validate=True,
+              window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, deterministic=False):
     """``cuflash.attention`` for JAX: differentiable, and usable inside ``jax.jit`` / ``vmap``.
 
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
-    "bottom_right" / "top_left"; layout "bhsd" or "bshd"; GQA; float16, bfloat16, float32 on
-    CPU; float16 and bfloat16 for the GPU backward). Returns o, a jax.Array of q's dtype. See the
-    module docstring for how it runs and what it does not support.
+    "bottom_right" / "top_left"; layout "bhsd" or "bshd"; GQA; ``window``; ``kv_lens``;
+    ``block_table`` paged caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences;
+    ``validate``; ``return_lse``; float16, bfloat16, float32 on CPU; float16 and bfloat16 for the
+    GPU backward). The options other than arrays are static: under ``jax.jit`` pass them as
+    Python values (a closure or ``static_argnames``); kv_lens, block_table and cu_seqlens_* are
+    int32 arrays and may be traced. Returns o (and the float32 lse), jax.Arrays.
+
+    Gradients: reverse mode (``jax.grad``, ``jax.vjp``) for q, k, v, with ``window`` and
+    ``cu_seqlens_*`` too (``deterministic`` goes to the backward); KV-cache calls (kv_lens,
+    block_table) have none (ValueError when differentiated); lse is returned under
+    ``stop_gradient``. ``vmap`` adds batch axes (calls with cu_seqlens_* or block_table are mapped
+    one call at a time). No ``out=``: JAX arrays are immutable. See the module docstring for how
+    it runs and what it does not support.
     """
+    problem.check_flag("return_lse", return_lse)
+    problem.check_flag("validate", validate)
+    problem.check_flag("deterministic", deterministic)
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
-    p = _problem_of(q, k, v, causal, scale, layout)  # errors surface here, naming the argument
-    causal = p.causal  # None / "bottom_right" / "top_left": hashable, and what the kernels take
-    if p.single_head:  # (N, d) -> (1, N, d): leading axes are then batch axes under vmap too
-        return _attention(q[None], k[None], v[None], causal or False, p.scale, "bhsd")[0]
-    return _attention(q, k, v, causal or False, p.scale, layout)
+    given = {n: a for n, a in zip(_ARRAY_OPTIONS, (kv_lens, cu_seqlens_q, cu_seqlens_k, block_table)) if a is not None}
+    for name, a in given.items():
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise TypeError(f"{name}: expected an int32 array, got {type(a).__name__}")
+        if np.dtype(a.dtype) != np.int32:
+            raise TypeError(f"{name}: expected dtype int32, got {np.dtype(a.dtype).name}")
+    varlen = "cu_seqlens_q" in given or "cu_seqlens_k" in given
+    paged = "block_table" in given
+    window = masks.normalize_window(window)
+    if varlen or paged:  # shapes that depend on the arrays' values are checked by cuflash when the call runs
+        problem.check_layout(layout)
+        for name, a, dims in (("q", q, 3 if varlen else 4), ("k", k, 3 if varlen else 4), ("v", v, 3 if varlen else 4)):
+            if a.ndim != dims:
+                raise ValueError(f"{name}: expected {dims} dimensions with {'cu_seqlens_*' if varlen else 'block_table'}, "
+                                 f"got shape {tuple(a.shape)}")
+        p = None
+        causal = masks.normalize_causal(causal)
+        scale = problem.check_scale(scale, q.shape[-1])
+    else:
+        p = _problem_of(q, k, v, causal, scale, layout, window)  # errors surface here, naming the argument
+        causal, scale = p.causal, p.scale
+        if p.single_head and not given:  # (N, d) -> (1, N, d): leading axes are then batch axes under vmap too
+            o, lse = _attention(q[None], k[None], v[None], (),
+                                ((causal or False, scale, "bhsd", window, validate), (), (1, p.nq), deterministic))
+            o, lse = o[0], jax.lax.stop_gradient(lse[0])
+            return (o, lse) if return_lse else o
+    names = tuple(given)
+    static = ((causal or False, scale, layout, window, validate), names,
+              _lse_shape(q, p, varlen, paged, layout), bool(deterministic))
+    o, lse = _attention(q, k, v, tuple(jnp.asarray(a) for a in given.values()), static)
+    lse = jax.lax.stop_gradient(lse)
+    return (o, lse) if return_lse else o
