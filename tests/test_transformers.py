@@ -61,9 +61,9 @@ def _forward_backward(model, ids):
     return _np(out.logits), np.concatenate([_np(p.grad).ravel() for p in model.parameters()])
 
 
-def _check_forward_backward(device, dtype, np_dtype):
-    ours, sdpa, ref = _models(device, dtype, seed=0)
-    ids = torch.randint(0, 96, (2, 13), device=device)
+def _check_forward_backward(device, dtype, np_dtype, seq=13, **kw):
+    ours, sdpa, ref = _models(device, dtype, seed=0, **kw)
+    ids = torch.randint(0, 96, (2, seq), device=device)
     got, yard, want = (_forward_backward(m, ids) for m in (ours, sdpa, ref))
     assert_within_rule("logits", got[0], want[0], yard[0], np_dtype)
     assert_within_rule("gradients", got[1], want[1], yard[1], np_dtype)
@@ -93,8 +93,8 @@ def _decode(model, ids, prefill):
     return logits
 
 
-def _check_decode(device, dtype, np_dtype, length=12, prefill=7):
-    ours, sdpa, ref = _models(device, dtype, seed=1)
+def _check_decode(device, dtype, np_dtype, length=12, prefill=7, **kw):
+    ours, sdpa, ref = _models(device, dtype, seed=1, **kw)
     ids = torch.randint(0, 96, (2, length), device=device)
     got, yard, want = (_decode(m, ids, prefill) for m in (ours, sdpa, ref))
     for step, (g, y, w) in enumerate(zip(got, yard, want)):
@@ -144,13 +144,16 @@ def test_attention_function_reads_dense_causal_masks():
     assert torch.equal(want, cft.attention(q, k, v, causal=True).transpose(1, 2))
 
 
+GPU_SIZES = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=512)  # head dim 64
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
 def test_gpu_llama_forward_backward_matches_sdpa(dtype):
     from cuflash.core.arrays import BFLOAT16
 
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: BFLOAT16}[dtype]
-    _check_forward_backward("cuda", dtype, np_dtype)
+    _check_forward_backward("cuda", dtype, np_dtype, seq=100, **GPU_SIZES)
 
 
 @pytest.mark.gpu
@@ -159,4 +162,5 @@ def test_gpu_llama_decode_with_kv_cache_matches_sdpa(dtype):
     from cuflash.core.arrays import BFLOAT16
 
     np_dtype = {torch.float16: np.float16, torch.bfloat16: BFLOAT16}[dtype]
-    _check_decode("cuda", dtype, np_dtype, length=40, prefill=30)
+    # a prefill of 300 tokens, then single tokens against >= 300 cached keys: the split-KV decode kernel
+    _check_decode("cuda", dtype, np_dtype, length=310, prefill=300, **GPU_SIZES)
