@@ -226,10 +226,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     window = masks.normalize_window(window)
     if varlen or paged:  # shapes that depend on the arrays' values are checked by cuflash when the call runs
         problem.check_layout(layout)
-        for name, a, dims in (("q", q, 3 if varlen else 4), ("k", k, 3 if varlen else 4), ("v", v, 3 if varlen else 4)):
+        dims, by = (3, "cu_seqlens_*") if varlen else (4, "block_table")
+        for name, a in (("q", q), ("k", k), ("v", v)):
             if a.ndim != dims:
-                raise ValueError(f"{name}: expected {dims} dimensions with {'cu_seqlens_*' if varlen else 'block_table'}, "
-                                 f"got shape {tuple(a.shape)}")
+                raise ValueError(f"{name}: expected {dims} dimensions with {by}, got shape {tuple(a.shape)}")
         p = None
         causal = masks.normalize_causal(causal)
         scale = problem.check_scale(scale, q.shape[-1])
