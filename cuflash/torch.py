@@ -147,6 +147,7 @@ def _attention_backward(ctx, do, _dlse):
     dq, dk, dv = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.options, ctx.deterministic)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
+
 _attention.register_autograd(_attention_backward, setup_context=_setup_context)
 
 
