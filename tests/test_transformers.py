@@ -109,6 +109,29 @@ def test_llama_decode_with_kv_cache_matches_sdpa():
     _check_decode("cpu", torch.float32, np.float32)
 
 
+def test_llama_compiles_fullgraph_with_cuflash():
+    """torch.compile(fullgraph=True) of the whole model: no graph break, cuflash's operators in
+    its graphs, eager's logits and gradients bit for bit."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    ours = _models("cpu", torch.float32, seed=4)[0]
+    ids = torch.randint(0, 96, (2, 9))
+    eager = _forward_backward(ours, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    got = _forward_backward(compiled, ids)
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {"cuflash.attention.default", "cuflash.attention_backward.default"} <= targets
+    assert np.array_equal(got[0], eager[0]) and np.array_equal(got[1], eager[1])
+
+
 def test_padded_batch_is_refused():
     ours = _models("cpu", torch.float32, seed=2)[0]
     ids = torch.randint(0, 96, (2, 6))
