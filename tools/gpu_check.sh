@@ -14,6 +14,7 @@
 #   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
 #   TEST_TIMEOUT   seconds for the test suite (default: no limit)
 #   BLAS_THREADS   threads of each worker's float64 references (default: the libraries' own)
+#   GRID=corners   forward and backward at d = 64, 128, 256, N = 4k, 16k (bf16)
 #   GRID=quick     forward and backward at d = 64, 128, 256, N = 1k, 4k, 16k (bf16; fp16 at d=128)
 #   GRID=full      forward and backward at d = 64, 128, 256, N = 1k..16k, bf16 and fp16
 #                  (otherwise a smaller grid: bf16, fp16 at d=128 only, backward at 4k and 16k)
@@ -57,7 +58,10 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-if [ "${GRID:-}" = quick ]; then  # the grid's corners: d = 64, 128, 256 at N = 1k, 4k, 16k, bf16 and fp16 at d = 128
+if [ "${GRID:-}" = corners ]; then  # d = 64, 128, 256 at N = 4k, 16k (bf16): a check that fits beside the suite and asv
+    fwd_grid=(--d 64,128,256 --n 4096,16384 --seconds-per-impl 0.3); FWD_TIMEOUT=${FWD_TIMEOUT:-60}
+    bwd_grid=(--d 64,128,256 --n 4096,16384 --seconds-per-impl 0.3); BWD_TIMEOUT=${BWD_TIMEOUT:-60}
+elif [ "${GRID:-}" = quick ]; then  # the grid's corners: d = 64, 128, 256 at N = 1k, 4k, 16k, bf16 and fp16 at d = 128
     fwd_grid=(--d 64,128,256 --n 1024,4096,16384 --seconds-per-impl 0.4); FWD_TIMEOUT=${FWD_TIMEOUT:-110}
     bwd_grid=(--d 64,128,256 --n 1024,4096,16384 --seconds-per-impl 0.4); BWD_TIMEOUT=${BWD_TIMEOUT:-110}
 elif [ "${GRID:-}" = full ]; then
@@ -77,7 +81,8 @@ bench() {  # name timeout peers.py-arguments...
 bench fwd "$FWD_TIMEOUT" --ops fwd "${fwd_grid[@]}" --max-seconds "$(( FWD_TIMEOUT - 20 ))"
 bench bwd "$BWD_TIMEOUT" --ops bwd "${bwd_grid[@]}" --impls cuflash,torch-flash,torch-cudnn \
     --max-seconds "$(( BWD_TIMEOUT - 15 ))"
-bench decode 60 --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient --max-seconds 45
+bench decode "${DECODE_TIMEOUT:-60}" --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
+    --max-seconds "$(( ${DECODE_TIMEOUT:-60} - 15 ))"
 # Decode shapes with many query heads per K/V head (MQA), against the same peers.
 if [ "${MQA:-1}" = 1 ]; then
     bench decode_mqa 50 --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
