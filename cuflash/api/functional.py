@@ -18,7 +18,8 @@ def _backend(p):
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
-              kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
+              kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+              softcap=None, alibi_slopes=None, sinks=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -77,6 +78,18 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         aligned on each sequence's kv_lens[b] keys as with kv_lens alone, and only the pages the
         window reaches); other shapes and the NumPy backend gather each sequence's used pages into
         a contiguous copy first.
+    softcap : optional float > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2,
+        Grok), before the ALiBi bias and the mask.
+    alibi_slopes : optional float32 array (Hq,) or (B, Hq) (B: q's batch, or the number of packed
+        sequences with cu_seqlens_*), FlashAttention-2's ALiBi: the score of query i and key j
+        gets the bias -slope * |i + Nk - Nq - j|, with Nq, Nk each sequence's own lengths
+        (kv_lens, cu_seqlens_*, a paged cache's kv_lens), whatever the causal alignment.
+    sinks : optional float32 array (Hq,) of attention-sink logits (gpt-oss): one more "key" per
+        query head with this logit (not scaled, capped or biased) that joins every row's softmax
+        denominator and contributes no value. The returned lse includes the sink; a row that sees
+        no key then gives o = 0 and lse = sinks[h].
+        alibi_slopes and sinks must be arrays of q's library and device; their values are not
+        checked.
 
     Returns
     -------
@@ -87,32 +100,36 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     (cuflash.api.plan_cache): the same checks and results, less host time. ``CUFLASH_PLAN_CACHE=0``
     turns that off.
     """
-    if cu_seqlens_q is None and cu_seqlens_k is None:
+    mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None and sinks is None:
         planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
                                  (causal, scale, layout, return_lse, validate, window))
         if planned is not plan_cache.MISS:
             return planned
     return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
                       kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+                      cu_seqlens_k=cu_seqlens_k, block_table=block_table, **mods)
 
 
 @interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",
-                                outputs=("out",))
+                                "alibi_slopes", "sinks", outputs=("out",))
 def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
-               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None):
+               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+               softcap=None, alibi_slopes=None, sinks=None):
     """attention without a plan: validate, convert foreign arrays (cuflash.api.interop), plan, run."""
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
+    mods = (softcap, alibi_slopes, sinks)
     if block_table is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("block_table: not combinable with cu_seqlens_q / cu_seqlens_k")
         return _attention_paged(q, k, v, block_table, kv_lens, causal=causal, scale=scale, layout=layout,
-                                window=window, return_lse=return_lse, out=out, validate=validate)
+                                window=window, return_lse=return_lse, out=out, validate=validate, mods=mods)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
-                                 window=window, kv_lens=kv_lens, return_lse=return_lse, out=out)
+                                 window=window, kv_lens=kv_lens, return_lse=return_lse, out=out, mods=mods)
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
+    p = _problem.check_score_mods(p, q, *mods)
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
     xp = p.xp
     o, o4, direct, lse3 = _forward_outputs(p, out)
@@ -148,13 +165,14 @@ def _forward_result(p, o, o4, direct, lse3, return_lse):
     return o
 
 
-def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, **options):
+def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, mods, **options):
     """Paged KV cache: the decode kernel reads pages in place (a window's too); otherwise (NumPy,
     prefill shapes) each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d)
     copy, its window aligned on its own kv_len keys."""
     import dataclasses
 
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
+    p = _problem.check_score_mods(p, q, *mods)
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
     xp = p.xp
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
@@ -167,7 +185,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
-        if cuda.decode_applies(p, k_cache, v_cache):
+        if cuda.decode_applies(p, k_cache, v_cache) and not p.modified:
             table = xp.ascontiguousarray(block_table)
             cuda.decode(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
@@ -182,7 +200,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
             pages = xp.asarray(table_host[b, : -(-n // bs)])
             k4, v4 = (xp.ascontiguousarray(c[pages].reshape(-1, p.hkv, p.d)[:n].transpose(1, 0, 2))[None]
                       for c in (k_cache, v_cache))
-            pb = dataclasses.replace(p, batch_shape=(1,), nk=n)
+            pb = p.sequence(b, batch_shape=(1,), nk=n)
             sl = slice(b, b + 1)
             _backend(p).forward(pb, q4[sl], k4, v4, o4[sl], lse3[sl])
     return _forward_result(p, o, o4, direct, lse3, return_lse)
@@ -194,7 +212,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     import dataclasses
 
     if p.xp is not np:
-        if cuda.decode_applies(p, k4, v4):
+        if cuda.decode_applies(p, k4, v4) and not p.modified:
             cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
@@ -202,15 +220,16 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
                                          "problem sized on the host, which cannot be captured").astype(np.int64)
     backend = _backend(p)
     for b, n in enumerate(np.minimum(lens_host, p.nk)):
-        pb = dataclasses.replace(p, batch_shape=(1,), nk=int(n), single_head=False)
+        pb = p.sequence(b, batch_shape=(1,), nk=int(n), single_head=False)
         sl = slice(b, b + 1)
         backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
 
 
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, **options):
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, **options):
     """Packed sequences (cu_seqlens_*): on the GPU one launch over all sequences; on the CPU each
     one is its own problem over its slices of q, k, v."""
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
+    p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
     _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
     o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
@@ -256,9 +275,11 @@ def _sequence_views(pb, rows, side, *arrays):
     return [to_bhsd(a[rows], pb, heads, n) for a in arrays]
 
 
-@interop.accepts_foreign_arrays("do", "q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", outputs=("out",))
+@interop.accepts_foreign_arrays("do", "q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
+                                "sinks", outputs=("out",))
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       out=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+                       out=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None,
+                       sinks=None):
     """Gradients (dq, dk, dv) of ``attention`` for upstream gradient ``do``.
 
     ``o`` and ``lse`` are the forward's outputs (``return_lse=True``); P is recomputed tile by
@@ -272,11 +293,19 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     float32 on the GPU computes in float64 and rounds once; it recomputes each row's log-sum-exp
     and D itself (so ``o`` and ``lse`` are checked but not read), needs no atomics (always
     reproducible), and raises NotImplementedError for ``window`` / ``cu_seqlens_*``.
+
+    ``softcap``, ``alibi_slopes``, ``sinks``: as given to the forward (``lse`` then includes the
+    sink). The softcap's derivative 1 - tanh^2(s / softcap) enters dS; the ALiBi slopes get no
+    gradient. With ``sinks`` the result is (dq, dk, dv, dsinks): dsinks float32 (Hq,),
+    dsinks_h = -sum over the rows of head h (all batch entries) of P_sink * rowsum(do * o), with
+    P_sink = exp(sinks[h] - lse); ``out`` stays a triple (dsinks is always a fresh array).
     """
+    mods = (softcap, alibi_slopes, sinks)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
-                                layout=layout, window=window, deterministic=deterministic, out=out)
+                                layout=layout, window=window, deterministic=deterministic, out=out, mods=mods)
     p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
+    p = _problem.check_score_mods(p, q, *mods)
     _problem.check_flag("deterministic", deterministic)
     xp = p.xp
     rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
@@ -289,19 +318,27 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     # a scratch array; the result is copied in afterwards.
     direct = [is_view_of(g4, g) and (p.d == 1 or g4.strides[-1] == g4.itemsize) for g4, g in zip(grads, (dq, dk, dv))]
     grads = [g4 if ok else xp.empty((p.batch, h, n, p.d), dtype=p.dtype) for g4, ok, (h, n) in zip(grads, direct, rows)]
-    _backend(p).backward(p, do4, q4, k4, v4, o4, lse3, *grads, deterministic=bool(deterministic))
+    dsinks = _dsinks(p)
+    _backend(p).backward(p, do4, q4, k4, v4, o4, lse3, *grads, deterministic=bool(deterministic), **dsinks)
     for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
         if not ok:
             g[...] = from_bhsd(g4, p, h, n)
-    return dq, dk, dv
+    return (dq, dk, dv) + tuple(dsinks.values())
 
 
-def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, **options):
+def _dsinks(p):
+    """{"dsinks": a zeroed float32 (Hq,) accumulator} with sinks, else {} (backends add into it)."""
+    return {} if p.sinks is None else {"dsinks": p.xp.zeros(p.hq, dtype=np.float32)}
+
+
+def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, mods, **options):
     """Packed sequences: each sequence's gradients from its own slices (dk, dv rows of a sequence
     are written by that sequence only, so every row is written once)."""
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), **options)
+    p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
     _problem.check_flag("deterministic", deterministic)
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
+    dsinks = _dsinks(p)
     if p.xp is not np:  # one launch per kernel over all sequences
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
         rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
@@ -309,17 +346,17 @@ def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, determi
         do4, q4, o4 = (to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o))
         k4, v4 = (to_bhsd(a, p, p.hkv, p.nk) for a in (k, v))
         _backend(p).backward(p, do4, q4, k4, v4, o4, lse[None], *grads, deterministic=bool(deterministic),
-                             cu_seqlens=cu, max_seqlens=longest)
+                             cu_seqlens=cu, max_seqlens=longest, **dsinks)
         for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
             if not ok:
                 g[...] = from_bhsd(g4, p, h, n)
-        return dq, dk, dv
+        return (dq, dk, dv) + tuple(dsinks.values())
     for pb, qs, ks in _problem.sequences(p, spans):
         do4, q4, o4, dq4 = _sequence_views(pb, qs, "q", do, q, o, dq)
         k4, v4, dk4, dv4 = _sequence_views(pb, ks, "k", k, v, dk, dv)
         _backend(p).backward(pb, do4, q4, k4, v4, o4, lse[None, :, qs], dq4, dk4, dv4,
-                             deterministic=bool(deterministic))
-    return dq, dk, dv
+                             deterministic=bool(deterministic), **dsinks)
+    return (dq, dk, dv) + tuple(dsinks.values())
 
 
 def _gradient_outputs(p, out, inputs):
@@ -345,9 +382,11 @@ def _gradient_outputs(p, out, inputs):
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None):
-    """Forward once and return ``(o, vjp)``; ``vjp(do)`` gives (dq, dk, dv) from the saved o, lse."""
-    masking = dict(window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                  cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None):
+    """Forward once and return ``(o, vjp)``; ``vjp(do)`` gives (dq, dk, dv) from the saved o, lse
+    ((dq, dk, dv, dsinks) with ``sinks``)."""
+    masking = dict(window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks)
     o, lse = attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True, **masking)
 
     def vjp(do, *, deterministic=False):
@@ -358,7 +397,7 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=No
 
 
 def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None,
-                      block_table=None, window=None, validate=True):
+                      block_table=None, window=None, validate=True, softcap=None, alibi_slopes=None, sinks=None):
     """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None)`` equal to
     ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens, block_table=block_table,
     out=out)`` for arrays of the geometry given here (same kinds, device, shapes, strides, dtypes;
@@ -373,6 +412,11 @@ def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", retur
     shape, dtype, kind and device, C-contiguous) that overlaps no input.
 
     The returned object's ``path`` says how calls run: "decode" (validated once, the decode kernel
-    launched from a packed parameter block) or "attention" (cuflash.attention per call)."""
+    launched from a packed parameter block) or "attention" (cuflash.attention per call).
+
+    ``softcap``, ``alibi_slopes``, ``sinks``: as for attention, fixed at preparation (the arrays
+    are kept and read by every call); such a problem runs the "attention" path."""
+    mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-                                           window=window, validate=validate), kv_lens, block_table, fallback=attention)
+                                           window=window, validate=validate, **mods), kv_lens, block_table,
+                             fallback=attention)

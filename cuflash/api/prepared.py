@@ -126,6 +126,8 @@ class _Checked:
             self.p, self.block_size = _problem.validate_paged(q, k, v, table, **masking)
         else:
             self.p, self.block_size = _problem.validate_forward(q, k, v, **masking), None
+        mods = [None if options.get(n) is None else call.to_native(n, options[n]) for n in ("alibi_slopes", "sinks")]
+        self.p = _problem.check_score_mods(self.p, q, options.get("softcap"), *mods)
         self.lens_dev = _check_lens_and_table(self.p, lens, table, self.block_size, k.shape[0], options["validate"])
 
 
@@ -264,7 +266,7 @@ class _DecodeCall:
 
         p, bs = checked.p, checked.block_size
         q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
-        if p.xp is np or p.nq == 0 or p.batch == 0 or p.hq == 0:
+        if p.xp is np or p.nq == 0 or p.batch == 0 or p.hq == 0 or p.modified:
             return None
         q4 = to_bhsd(q, p, p.hq, p.nq)
         k4, v4 = (k, v) if table is not None else (to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk))

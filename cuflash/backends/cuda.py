@@ -24,6 +24,15 @@ def _check_out(o4, p):
         raise ValueError("out: the head dim must have unit stride")
 
 
+def _modifiers_unsupported(p, path, supported=()):
+    """NotImplementedError naming the score modifiers this GPU path does not take."""
+    given = [n for n, on in (("softcap", p.softcap is not None), ("alibi_slopes", p.alibi is not None),
+                             ("sinks", p.sinks is not None)) if on and n not in supported]
+    if given:
+        raise NotImplementedError(f"{', '.join(given)}: not implemented on the GPU's {path} yet "
+                                  "(the NumPy backend and cuflash.reference take them)")
+
+
 def decode_applies(p, k4, v4) -> bool:
     """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V)."""
     return dispatch.decode_applies(p, vector_ok((k4, v4), p.d))
@@ -31,12 +40,14 @@ def decode_applies(p, k4, v4) -> bool:
 
 def decode(p, q4, k4, v4, o4, lse3, **options):
     """Split-KV decode (the caller checked decode_applies); options as kernels.decode.forward."""
+    _modifiers_unsupported(p, "decode")
     decode_kernels.forward(p, q4, k4, v4, o4, lse3, **options)
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     """The forward of a validated problem. ``tile``: the portable kernel's TileConfig (or a
     float32 tile), which skips the decode and Hopper kernels."""
+    _modifiers_unsupported(p, "forward")
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
@@ -55,6 +66,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 def forward_wgmma(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
     """The wgmma forward on a forced tile and/or key split (plan.dispatch.wgmma_forward_plan; the
     caller checked plan.hopper.applies)."""
+    _modifiers_unsupported(p, "forward")
     target = device.current()
     ops = describe(p.d, q4, k4, v4, o4, maps=True)
     plan = dispatch.wgmma_forward_plan(p, target, ops, tile=tile, split=split)
@@ -66,6 +78,7 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     ``cu_seqlens=(cu_q, cu_k)`` and ``max_seqlen_q`` as kernels.forward.launch_band takes them."""
     if np.dtype(p.dtype) == FLOAT32:
         raise NotImplementedError(FP32_BAND)
+    _modifiers_unsupported(p, "band forward")
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
@@ -83,11 +96,12 @@ def _launch_forward(plan, p, q4, k4, v4, o4, lse3):
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, tile=None, hopper_tile=None,
-             cu_seqlens=None, max_seqlens=None):
+             cu_seqlens=None, max_seqlens=None, dsinks=None):
     """The gradients of a validated problem into dq4, dk4, dv4. A window (p.window) or packed
     sequences (``cu_seqlens=(cu_q, cu_k)`` device int32 offsets, ``max_seqlens=(longest q,
     longest k)`` host ints; the arrays are (1, H, total, d) views of the packed ones) run the band
     kernels. ``tile`` / ``hopper_tile``: forced tiles (plan.dispatch.backward_plan)."""
+    _modifiers_unsupported(p, "backward")
     packed = cu_seqlens is not None
     if packed and max_seqlens is None:
         raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")

@@ -79,15 +79,35 @@ def _key_tile(a4, n0, block_n):
     return t
 
 
-def _scores(p, qt, kt, m0, m1, n0, bn):
-    """scale * Q K^T for one tile as (B, Hkv, group, R, block_n), masked only where needed."""
+def _scores(p, qt, kt, m0, m1, n0, bn, grad=False):
+    """scale * Q K^T for one tile as (B, Hkv, group, R, block_n), score-modified (softcap, then
+    ALiBi) and masked only where needed. ``grad``: also return d(modified)/d(scaled) of the
+    softcap, 1 - tanh^2 (None without softcap; ALiBi's bias does not depend on q or k)."""
     r = m1 - m0
     s = np.matmul(qt, kt.swapaxes(-1, -2))
     s *= s.dtype.type(p.scale)
     s = s.reshape(p.batch, p.hkv, p.group, r, bn)
+    factor = None
+    if p.softcap is not None:
+        c = s.dtype.type(p.softcap)
+        t = np.tanh(s / c)
+        s = c * t
+        if grad:
+            factor = 1 - t * t
+    if p.alibi is not None:
+        slopes = np.asarray(p.alibi, dtype=s.dtype).reshape(p.batch, p.hkv, p.group, 1, 1)
+        dist = np.abs(np.arange(m0, m1)[:, None] + (p.nk - p.nq) - np.arange(n0, n0 + bn)[None, :])
+        s = s - slopes * dist.astype(s.dtype)
     if masks.tile_needs_mask(p.causal, p.nq, p.nk, m0, n0, n0 + bn, p.window, m1):
         s = np.where(masks.visibility(np, p.causal, p.nq, p.nk, m0, m1, n0, n0 + bn, p.window), s, _NEG_INF)
-    return s
+    return (s, factor) if grad else s
+
+
+def _sink_logits(p, acc_t, r):
+    """The sinks as (1, Hkv, group, 1) in the accumulator type, broadcast over rows (None: none)."""
+    if p.sinks is None:
+        return None
+    return np.asarray(p.sinks, dtype=acc_t).reshape(1, p.hkv, p.group, 1)
 
 
 def _key_tiles(p, m0, m1, bn):
@@ -113,6 +133,10 @@ def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
         stat_shape = (p.batch, p.hkv, p.group, r)
         m = np.full(stat_shape, _NEG_INF, dtype=acc_t)  # running max of scaled scores
         l = np.zeros(stat_shape, dtype=acc_t)  # running sum of exp(s - m)
+        sink = _sink_logits(p, acc_t, r)
+        if sink is not None:  # the sink is a key of its own that carries no value: exp(sink - sink) = 1
+            m = np.broadcast_to(sink, stat_shape).copy()
+            l[...] = 1
         acc = np.zeros((p.batch, p.hkv, p.group * r, p.d), dtype=acc_t)  # unnormalized O
         for n0 in _key_tiles(p, m0, m1, bn):
             s = _scores(p, qt, _key_tile(k4, n0, bn), m0, m1, n0, bn)
@@ -145,6 +169,9 @@ def _refine_lse(p, q4, k4, lse, m0, m1, bn):
     qt = _query_tile(q4, p, m0, m1)
     shift = np.where(lse == _NEG_INF, 0.0, lse)
     total = np.zeros_like(lse)
+    sink = _sink_logits(p, lse.dtype, m1 - m0)
+    if sink is not None:
+        total += np.exp(sink - shift)
     for n0 in _key_tiles(p, m0, m1, bn):
         s = _scores(p, qt, _key_tile(k4, n0, bn), m0, m1, n0, bn)
         total += np.exp(s - shift[..., None]).sum(axis=-1)
@@ -152,8 +179,13 @@ def _refine_lse(p, q4, k4, lse, m0, m1, bn):
     return np.where(seen, shift + np.log(total, out=np.zeros_like(total), where=seen), _NEG_INF)
 
 
-def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, block_m=None, block_n=None):
-    """Write dq4 (B, Hq, Nq, d), dk4 and dv4 (B, Hkv, Nk, d) in the input dtype.
+def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, block_m=None, block_n=None,
+             dsinks=None):
+    """Write dq4 (B, Hq, Nq, d), dk4 and dv4 (B, Hkv, Nk, d) in the input dtype; with sinks, add
+    this problem's dsink_h = -sum_rows P_sink D into ``dsinks`` (Hq,) float32.
+
+    The softcap's derivative 1 - tanh^2 multiplies dS before it is rounded for its products
+    (the gradient with respect to the scaled, uncapped scores).
 
     Outer loop over K/V tiles (dK, dV of one tile stay in an accumulator), inner loop over the
     query tiles that see it; dQ accumulates in a (B, Hq, Nq, d) buffer of the accumulator type,
@@ -174,6 +206,14 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         if acc_t != _F32:
             lt = _refine_lse(p, q4, k4, lt, m0, m1, bn)
         lse_safe.append(np.where(lt == _NEG_INF, np.inf, lt))
+    if p.sinks is not None and dsinks is not None:
+        # dL/dsink = -sum_i P_sink,i D_i: the sink's probability takes mass from every key in
+        # proportion, and sum_j P_ij dP_ij = D_i (the sink carries no value).
+        total = np.zeros(p.hq, dtype=acc_t)
+        for t, (m0, m1) in enumerate(nq_tiles):
+            p_sink = np.exp(_sink_logits(p, acc_t, m1 - m0) - lse_safe[t])
+            total += -(p_sink * row_dot[t]).sum(axis=(0, 3)).reshape(p.hq)
+        dsinks += total.astype(_F32)
     dq_acc = np.zeros((p.batch, p.hq, p.nq, p.d), dtype=acc_t)
     sc = acc_t.type(p.scale)
     for n0 in range(0, p.nk, bn):
@@ -188,12 +228,14 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
             rows = p.group * r
             qt = _query_tile(q4, p, m0, m1)
             dot = _query_tile(do4, p, m0, m1)
-            s = _scores(p, qt, kt, m0, m1, n0, bn)
+            s, factor = _scores(p, qt, kt, m0, m1, n0, bn, grad=True)
             probs = np.exp(s - lse_safe[t][..., None])  # (B, Hkv, group, R, block_n)
             probs_mma = _round_to_input(probs, p.dtype).reshape(p.batch, p.hkv, rows, bn)
             dv_acc += np.matmul(probs_mma.swapaxes(-1, -2), dot)
             dprobs = np.matmul(dot, vt.swapaxes(-1, -2)).reshape(p.batch, p.hkv, p.group, r, bn)
             ds = probs * (dprobs - row_dot[t][..., None])
+            if factor is not None:
+                ds *= factor
             ds_mma = _round_to_input(ds, p.dtype).reshape(p.batch, p.hkv, rows, bn)
             dq_acc[:, :, m0:m1] += (np.matmul(ds_mma, kt) * sc).reshape(p.batch, p.hq, r, p.d)
             dk_acc += np.matmul(ds_mma.swapaxes(-1, -2), qt) * sc

@@ -94,25 +94,53 @@ def visibility(xp, causal, window, nq, nk):
     return seen
 
 
-def _probabilities(p, q4, k4, cdt, mask=None):
-    """Materialized P (B, Hq, Nq, Nk), the masked row max m and the row sum l (keepdims).
+def modified_scores(p, s, cdt):
+    """(s', softcap derivative or None): the scaled scores s (B, Hq, Nq, Nk) with the softcap
+    c tanh(s / c) and then the ALiBi bias -slope |i + Nk - Nq - j| (FlashAttention-2's) applied,
+    written from the definitions (no code shared with the backends)."""
+    xp = p.xp
+    deriv = None
+    if p.softcap is not None:
+        t = xp.tanh(s / cdt.type(p.softcap))
+        s = cdt.type(p.softcap) * t
+        deriv = 1 - t * t
+    if p.alibi is not None:
+        i = xp.arange(p.nq).reshape(p.nq, 1)
+        j = xp.arange(p.nk).reshape(1, p.nk)
+        dist = xp.abs(i + (p.nk - p.nq) - j).astype(cdt)
+        s = s - p.alibi.astype(cdt).reshape(p.batch, p.hq, 1, 1) * dist
+    return s, deriv
+
+
+def _probabilities(p, q4, k4, cdt, mask=None, with_deriv=False):
+    """Materialized P (B, Hq, Nq, Nk), the masked row max m and the row sum l (keepdims); the row
+    max and sum count the sink as one more key (without a value). ``with_deriv``: also the
+    softcap's derivative (modified_scores).
 
     ``mask``: an explicit boolean (Nq, Nk) visibility that replaces p's causal/window mask (tests
-    pass one built independently). Rows that see no key have P = 0, l = 0 and m = -inf."""
+    pass one built independently). Rows that see no key have P = 0, l = 0 and m = -inf (with a
+    sink: l = 1 and m = the sink)."""
     xp = p.xp
     kq = _heads_as_query_heads(k4, p)
     s = xp.matmul(q4, kq.swapaxes(-1, -2)) * cdt.type(p.scale)
+    s, deriv = modified_scores(p, s, cdt)
     if mask is None and (p.causal is not None or p.window is not None):
         mask = visibility(xp, p.causal, p.window, p.nq, p.nk)
     if mask is not None:
         s = xp.where(mask, s, cdt.type(_NEG_INF))
     m = s.max(axis=-1, keepdims=True)
+    if p.sinks is not None:
+        m = xp.maximum(m, p.sinks.astype(cdt).reshape(1, p.hq, 1, 1))
     # Subtract 0 instead of -inf in rows that see nothing, so exp gives 0 there and never NaN.
     shift = xp.where(m == _NEG_INF, cdt.type(0), m)
     e = xp.exp(s - shift)
     l = e.sum(axis=-1, keepdims=True)
+    if p.sinks is not None:
+        l = l + xp.exp(p.sinks.astype(cdt).reshape(1, p.hq, 1, 1) - shift)
     seen = l > 0
     probs = e / xp.where(seen, l, cdt.type(1))
+    if with_deriv:
+        return probs, m, l, deriv
     return probs, m, l
 
 
@@ -124,8 +152,9 @@ def forward_bhsd(p, q4, k4, v4, mask=None):
     xp = p.xp
     cdt = q4.dtype
     if p.nk == 0:  # no keys: every row sees nothing (a max over an empty axis is undefined)
+        lse = _NEG_INF if p.sinks is None else p.sinks.astype(cdt).reshape(1, p.hq, 1)
         return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
-                xp.full((p.batch, p.hq, p.nq), _NEG_INF, dtype=cdt))
+                xp.broadcast_to(xp.asarray(lse, dtype=cdt), (p.batch, p.hq, p.nq)).copy())
     probs, m, l = _probabilities(p, q4, k4, cdt, mask)
     o4 = xp.matmul(probs, _heads_as_query_heads(v4, p))
     seen = l > 0
@@ -135,25 +164,34 @@ def forward_bhsd(p, q4, k4, v4, mask=None):
 
 
 def backward_bhsd(p, do4, q4, k4, v4, mask=None):
-    """(dq4, dk4, dv4) for canonical arrays already in the compute dtype; no validation."""
+    """(dq4, dk4, dv4) for canonical arrays already in the compute dtype; no validation. With
+    sinks, (dq4, dk4, dv4, dsinks): dsinks (Hq,) = -sum over rows of P_sink * sum_j P_ij dP_ij."""
     xp = p.xp
     cdt = q4.dtype
     if p.nk == 0:
-        return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
-                xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt),
-                xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt))
-    probs, _, _ = _probabilities(p, q4, k4, cdt, mask)
+        grads = (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
+                 xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt),
+                 xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt))
+        return grads + ((xp.zeros(p.hq, dtype=cdt),) if p.sinks is not None else ())
+    probs, m, l, deriv = _probabilities(p, q4, k4, cdt, mask, with_deriv=True)
     kq, vq = _heads_as_query_heads(k4, p), _heads_as_query_heads(v4, p)
     dv_per_qhead = xp.matmul(probs.swapaxes(-1, -2), do4)  # (B, Hq, Nk, d)
     dprobs = xp.matmul(do4, vq.swapaxes(-1, -2))  # (B, Hq, Nq, Nk)
     row_dot = (probs * dprobs).sum(axis=-1, keepdims=True)
     ds = probs * (dprobs - row_dot)
+    if deriv is not None:  # chain rule through c tanh(s / c)
+        ds = ds * deriv
     sc = cdt.type(p.scale)
     dq4 = xp.matmul(ds, kq) * sc
     dk_per_qhead = xp.matmul(ds.swapaxes(-1, -2), q4) * sc
     # Query heads g*group .. (g+1)*group-1 read K/V head g: sum their contributions.
     grouped = (p.batch, p.hkv, p.group, p.nk, p.d)
-    return dq4, dk_per_qhead.reshape(grouped).sum(axis=2), dv_per_qhead.reshape(grouped).sum(axis=2)
+    grads = (dq4, dk_per_qhead.reshape(grouped).sum(axis=2), dv_per_qhead.reshape(grouped).sum(axis=2))
+    if p.sinks is None:
+        return grads
+    shift = xp.where(m == _NEG_INF, cdt.type(0), m)
+    p_sink = xp.exp(p.sinks.astype(cdt).reshape(1, p.hq, 1, 1) - shift) / l
+    return grads + (-(p_sink * row_dot).sum(axis=(0, 2, 3)),)
 
 
 def _wide_bhsd(p, cdt, q_side=(), k_side=()):
@@ -167,8 +205,11 @@ def _out_dtype(p, cdt):
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, precision="float32",
-              window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+              window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None):
     """o = softmax(scale * q k^T [masked]) v with S and P materialized.
+
+    ``softcap``, ``alibi_slopes``, ``sinks`` as for :func:`cuflash.attention` (lse includes the
+    sink).
 
     Same arguments and results as :func:`cuflash.attention` (no ``out=``, ``kv_lens``), plus
     ``precision`` ("float32" or "float64", see the module docstring). lse is the natural-log
@@ -180,8 +221,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     _problem.check_flag("return_lse", return_lse)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, causal=causal, scale=scale,
-                                 layout=layout, window=window)
+                                 layout=layout, window=window, mods=(softcap, alibi_slopes, sinks))
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
+    p = _problem.check_score_mods(p, q, softcap, alibi_slopes, sinks)
     xp = p.xp
     o4, lse3 = forward_bhsd(p, *_wide_bhsd(p, cdt, (q,), (k, v)))
     o = from_bhsd(_narrow(xp, o4, _out_dtype(p, cdt)), p, p.hq, p.nq)
@@ -195,13 +237,15 @@ def _sequences(p, cu_seqlens_q, cu_seqlens_k):
     cq, ck = (a.get() if hasattr(a, "get") else a for a in (cu_seqlens_q, cu_seqlens_k))
     cq, ck = [int(x) for x in cq], [int(x) for x in ck]
     for b in range(len(cq) - 1):
-        yield (dataclasses.replace(p, nq=cq[b + 1] - cq[b], nk=ck[b + 1] - ck[b]),
+        alibi = None if p.alibi is None else p.alibi[b:b + 1]  # sequence b's own slopes
+        yield (dataclasses.replace(p, nq=cq[b + 1] - cq[b], nk=ck[b + 1] - ck[b], alibi=alibi),
                slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]))
 
 
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, **options):
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, mods, **options):
     """Packed sequences: the formula per sequence, written into packed o (total_q, Hq, d), lse (Hq, total_q)."""
-    p, _ = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
     xp = p.xp
     o = xp.empty(p.q_shape(), dtype=_out_dtype(p, cdt))
     lse = xp.empty(p.lse_shape(), dtype=cdt)
@@ -213,7 +257,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, **op
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", precision="float32",
-                       window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+                       window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None):
     """(dq, dk, dv) of :func:`attention` for the upstream gradient ``do``, by the explicit formula.
 
     ``o`` and ``lse`` are validated exactly as :func:`cuflash.attention_backward` validates them,
@@ -221,28 +265,36 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     (= rowsum(do * o) in exact arithmetic), so the reference does not inherit the rounding of a
     forward pass. dk and dv are summed over the query heads that share a K/V head. Gradients
     have the input dtype for precision "float32" and are float64 for "float64". ``window`` and
-    ``cu_seqlens_q``/``cu_seqlens_k`` as for :func:`attention`.
+    ``cu_seqlens_q``/``cu_seqlens_k`` as for :func:`attention`. With ``sinks``, a fourth result:
+    dsinks (Hq,), float32 for "float32", float64 for "float64".
     """
     cdt = _compute_dtype(precision)
+    mods = (softcap, alibi_slopes, sinks)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        p, _ = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
-                                        scale=scale, layout=layout, window=window)
+        p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
+                                            scale=scale, layout=layout, window=window)
+        p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
         grads = [p.xp.empty(shape, dtype=_out_dtype(p, cdt)) for shape in (p.q_shape(), p.kv_shape(), p.kv_shape())]
+        dsinks = p.xp.zeros(p.hq, dtype=cdt)
         for pb, qs, ks in _sequences(p, cu_seqlens_q, cu_seqlens_k):
-            for g, rows, part in zip(grads, (qs, ks, ks), _backward_in(pb, cdt, do[qs], q[qs], k[ks], v[ks])):
+            parts = _backward_in(pb, cdt, do[qs], q[qs], k[ks], v[ks])
+            for g, rows, part in zip(grads, (qs, ks, ks), parts):
                 g[rows] = part
-        return tuple(grads)
+            if p.sinks is not None:
+                dsinks += parts[3]
+        return tuple(grads) + ((dsinks.astype(np.float32 if cdt == np.float32 else cdt),) if p.sinks is not None else ())
     p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
+    p = _problem.check_score_mods(p, q, *mods)
     return _backward_in(p, cdt, do, q, k, v)
 
 
 def _backward_in(p, cdt, do, q, k, v):
-    """(dq, dk, dv) in the caller's layout, for validated arrays of problem p."""
+    """(dq, dk, dv[, dsinks]) in the caller's layout, for validated arrays of problem p."""
     xp = p.xp
-    dq4, dk4, dv4 = backward_bhsd(p, *_wide_bhsd(p, cdt, (do, q), (k, v)))
+    dq4, dk4, dv4, *dsinks = backward_bhsd(p, *_wide_bhsd(p, cdt, (do, q), (k, v)))
     out_dtype = _out_dtype(p, cdt)
     return (
         from_bhsd(_narrow(xp, dq4, out_dtype), p, p.hq, p.nq),
         from_bhsd(_narrow(xp, dk4, out_dtype), p, p.hkv, p.nk),
         from_bhsd(_narrow(xp, dv4, out_dtype), p, p.hkv, p.nk),
-    )
+    ) + tuple(g.astype(np.float32 if cdt == np.float32 else cdt) for g in dsinks)

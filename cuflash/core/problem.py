@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,22 @@ class Problem:
     scale: float
     single_head: bool = False  # inputs were 2-D (N, d): outputs are too, and lse is (N,)
     window: tuple | None = None  # (left, right) sliding window (masks.row_bounds); None: no window
+    # Score modifiers (check_score_mods). Arrays are the caller's library's, on q's device.
+    softcap: float | None = None  # scores become softcap * tanh(s / softcap) before masking
+    alibi: object = field(default=None, compare=False)  # (B, Hq) float32 slopes (B: batch or sequences)
+    sinks: object = field(default=None, compare=False)  # (Hq,) float32 logits joining each row's softmax
+
+    @property
+    def modified(self) -> bool:
+        """Whether any score modifier (softcap, ALiBi, sinks) is given."""
+        return self.softcap is not None or self.alibi is not None or self.sinks is not None
+
+    def sequence(self, b, **changes):
+        """The problem of batch entry (or packed sequence) b alone: ``changes`` replaced, and the
+        ALiBi slopes cut to b's row (per-sequence loops keep each sequence's own slopes)."""
+        if self.alibi is not None:
+            changes["alibi"] = self.alibi[b:b + 1]
+        return dataclasses.replace(self, **changes)
 
     @property
     def batch(self) -> int:
@@ -185,6 +201,54 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window
         raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
     scale = check_scale(scale, d)
     return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2, window=window)
+
+
+def check_softcap(softcap):
+    """None (no softcap) or a finite float > 0."""
+    if softcap is None:
+        return None
+    if not is_real_number(softcap):
+        raise TypeError(f"softcap: expected a real number or None, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap: expected a finite number > 0 (None: no softcap), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_mod_array(name, a, xp, device, want_shapes, what):
+    if array_namespace(a) is not xp:
+        raise TypeError(f"{name}: expected a {xp.__name__}.ndarray like q, got {type(a).__module__}.{type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {dtype_name(a.dtype)}")
+    if xp is not np and a.device.id != device:
+        raise ValueError(f"{name}: is on device {a.device.id} but q is on device {device}")
+    if tuple(a.shape) not in want_shapes:
+        raise ValueError(f"{name}: expected shape {' or '.join(str(w) for w in want_shapes)} ({what}), "
+                         f"got {tuple(a.shape)}")
+
+
+def check_score_mods(p: Problem, q, softcap=None, alibi_slopes=None, sinks=None, sequences=None) -> Problem:
+    """p with the score modifiers checked and recorded. ``sequences``: the number of packed
+    sequences (cu_seqlens_*), which then stand for the batch of the ALiBi slopes.
+
+    alibi_slopes: float32 (Hq,) or (B, Hq) (also q's batch dims + (Hq,)), stored as (B, Hq) (a
+    broadcast view of (Hq,)); sinks: float32 (Hq,). Both of q's library and device. Their values
+    are not read (a device array would cost a copy): non-finite values give non-finite results."""
+    softcap = check_softcap(softcap)
+    xp = p.xp
+    device = None if xp is np else q.device.id
+    alibi = None
+    if alibi_slopes is not None:
+        nb = sequences if sequences is not None else p.batch
+        shapes = [(p.hq,), (nb, p.hq)]
+        if sequences is None and len(p.batch_shape) > 1:
+            shapes.append(p.batch_shape + (p.hq,))
+        what = "per query head, or per " + ("packed sequence" if sequences is not None else "batch entry") + \
+            " and query head"
+        _check_mod_array("alibi_slopes", alibi_slopes, xp, device, shapes, what)
+        alibi = xp.broadcast_to(alibi_slopes.reshape(-1, p.hq), (nb, p.hq))
+    if sinks is not None:
+        _check_mod_array("sinks", sinks, xp, device, [(p.hq,)], "one logit per query head")
+    return dataclasses.replace(p, softcap=softcap, alibi=alibi, sinks=sinks)
 
 
 def check_out(name, out, shape, dtype, xp, inputs):
@@ -357,8 +421,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
 
 def sequences(p: Problem, spans):
     """(problem of one packed sequence, its rows of q/o/lse, its rows of k/v) for each span."""
-    for q0, q1, k0, k1 in spans:
-        yield dataclasses.replace(p, nq=q1 - q0, nk=k1 - k0), slice(q0, q1), slice(k0, k1)
+    for b, (q0, q1, k0, k1) in enumerate(spans):
+        yield p.sequence(b, nq=q1 - q0, nk=k1 - k0), slice(q0, q1), slice(k0, k1)
 
 
 def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None, layout="bhsd", window=None):
