@@ -97,10 +97,18 @@ class _Case:
     """One problem on the oracle side: float64 (B, H, N, d) arrays (k-side per query head, GQA by
     h // group), the visibility, the problem's shape facts."""
 
-    def __init__(self, q, k, v, causal, scale, layout, mask, window, q_side=()):
+    def __init__(self, q, k, v, causal, scale, layout, mask, window, q_side=(), mods=None):
         q, k, v = (to_numpy(a) for a in (q, k, v))
         p = validate_forward(q, k, v, scale=scale, layout=layout)
         self.p = p
+        # Score modifiers (None: off): softcap c; ALiBi slopes as (B, Hq, 1, 1); sinks as (1, Hq, 1, 1).
+        mods = mods or {}
+        self.softcap = None if mods.get("softcap") is None else float(mods["softcap"])
+        a = mods.get("alibi_slopes")
+        self.alibi = None if a is None else np.broadcast_to(
+            to_numpy(a).astype(_F64).reshape(-1, p.hq), (p.batch, p.hq))[:, :, None, None]
+        sk = mods.get("sinks")
+        self.sinks = None if sk is None else to_numpy(sk).astype(_F64).reshape(1, p.hq, 1, 1)
         # The oracle's own default scale, not the problem's (a wrong default must not reach both sides).
         self.scale = 1.0 / math.sqrt(p.d) if scale is None and p.d > 0 else (1.0 if scale is None else float(scale))
         if mask is None:
@@ -125,15 +133,44 @@ class _Case:
         return from_bhsd(a4, self.p, self.p.hkv, self.p.nk)
 
 
+def _modify(c, s):
+    """(modified scores, derivative of the softcap or None) of the oracle, in s's dtype: the
+    softcap c tanh(s / c), then ALiBi's bias -slope |i + Nk - Nq - j| (FlashAttention-2)."""
+    p = c.p
+    deriv = None
+    if c.softcap is not None:
+        cap = s.dtype.type(c.softcap)
+        th = np.tanh(s / cap)
+        s = th * cap
+        deriv = 1 - th * th
+    if c.alibi is not None:
+        rel = np.subtract.outer(np.arange(p.nq) + (p.nk - p.nq), np.arange(p.nk))
+        s = s + (-c.alibi).astype(s.dtype) * np.abs(rel).astype(s.dtype)
+    return s, deriv
+
+
+def _sink_parts(c, m, dtype):
+    """(row max including the sink, the sink as (1, Hq, 1, 1) or None) in ``dtype``."""
+    if c.sinks is None:
+        return m, None
+    sink = c.sinks.astype(dtype)
+    return np.maximum(m, sink), sink
+
+
 def _softmax_parts(c):
     """(e, l, shift) of the oracle's softmax, float64 (B, Hq, Nq, Nk / 1): e = exp(s - shift) on
-    the visible pairs, 0 elsewhere; l its row sums (0 where a row sees no key)."""
+    the visible pairs, 0 elsewhere; l its row sums (0 where a row sees no key), the sink's
+    exp(sink - shift) included."""
     s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale
-    s = np.where(c.mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    s = np.where(c.mask, _modify(c, s)[0], -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m, sink = _sink_parts(c, m, _F64)
     shift = np.where(m == -np.inf, 0.0, m)
     e = np.exp(s - shift)
-    return e, e.sum(axis=-1, keepdims=True), shift
+    l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - shift)
+    return e, l, shift
 
 
 def _probabilities(c):
@@ -145,8 +182,6 @@ def _probabilities(c):
 def _reference_forward4(c):
     """float64 (o4, lse3) by the materializing reference, with the oracle's visibility."""
     p = c.p
-    if p.nk == 0:
-        return np.zeros((p.batch, p.hq, p.nq, p.d)), np.full((p.batch, p.hq, p.nq), -np.inf)
     e, l, shift = _softmax_parts(c)
     seen = l > 0
     o4 = np.matmul(e / np.where(seen, l, 1.0), c.v4)
@@ -154,36 +189,42 @@ def _reference_forward4(c):
     return o4, lse[..., 0]
 
 
-def reference64(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+def reference64(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
     """(o, lse) of the float64 reference from the same (low-precision) inputs, as NumPy float64.
 
     The formula written out here with float64 NumPy (its visibility: :func:`visibility`); it
-    shares no arithmetic or mask code with the backends."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    shares no arithmetic or mask code with the backends. ``mods``: softcap, alibi_slopes, sinks
+    as cuflash.attention takes them (lse includes the sink)."""
+    c = _Case(q, k, v, causal, scale, layout, mask, window, mods=mods)
     o4, lse3 = _reference_forward4(c)
     return c.out_q(o4), lse3.reshape(c.p.lse_shape())
 
 
-def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
-    """(dq, dk, dv) of the float64 reference from the same inputs, as NumPy float64.
+def reference64_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
+    """(dq, dk, dv) of the float64 reference from the same inputs, as NumPy float64; with sinks
+    (dq, dk, dv, dsinks).
 
-    P is rebuilt in float64 and D_i = sum_j P_ij dP_ij (= rowsum(dO * O) exactly)."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
+    P is rebuilt in float64 and D_i = sum_j P_ij dP_ij (= rowsum(dO * O) exactly); the softcap's
+    derivative multiplies dS; dsink_h = -sum_rows P_sink D."""
+    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods)
     p, (do4,) = c.p, c.q_side
-    if p.nk == 0:
-        return c.out_q(np.zeros_like(c.q4)), c.out_kv(np.zeros((p.batch, p.hkv, 0, p.d))), \
-            c.out_kv(np.zeros((p.batch, p.hkv, 0, p.d)))
-    s = np.where(c.mask, np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - np.where(m == -np.inf, 0.0, m))
-    l = e.sum(axis=-1, keepdims=True)
+    s = np.matmul(c.q4, c.k4.swapaxes(-1, -2)) * c.scale
+    s, deriv = _modify(c, s)
+    e, l, shift = _softmax_parts(c)
     probs = e / np.where(l > 0, l, 1.0)
     dprobs = np.matmul(do4, c.v4.swapaxes(-1, -2))
-    ds = probs * (dprobs - (probs * dprobs).sum(axis=-1, keepdims=True))
+    row_dot = (probs * dprobs).sum(axis=-1, keepdims=True)
+    ds = probs * (dprobs - row_dot)
+    if deriv is not None:
+        ds = ds * deriv
     dq4 = np.matmul(ds, c.k4) * c.scale
     dk4 = c.group_sum(np.matmul(ds.swapaxes(-1, -2), c.q4) * c.scale)
     dv4 = c.group_sum(np.matmul(probs.swapaxes(-1, -2), do4))
-    return c.out_q(dq4), c.out_kv(dk4), c.out_kv(dv4)
+    grads = (c.out_q(dq4), c.out_kv(dk4), c.out_kv(dv4))
+    if c.sinks is None:
+        return grads
+    p_sink = np.exp(c.sinks - shift) / l
+    return grads + (-(p_sink * row_dot).sum(axis=(0, 2, 3)),)
 
 
 # ----------------------------------------------------------------------------- the yardstick
@@ -223,24 +264,25 @@ def _faithful_forward4(c, realization=0):
     qa, ka, va = (a.astype(acc) for a in (c.q4, c.k4, c.v4))
     s = np.matmul(qa, ka.swapaxes(-1, -2))
     s = s * acc.type(c.scale)
+    s, c.yard_deriv = _modify(c, s)
     s = np.where(c.mask, s, acc.type(-np.inf))
-    if p.nk:
-        m = s.max(axis=-1, keepdims=True)
-    else:
-        m = np.full(s.shape[:-1] + (1,), -np.inf, dtype=acc)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m, sink = _sink_parts(c, m, acc)
     shift = np.where(m == -np.inf, acc.type(0), m)
     e = np.exp(s - shift)  # unnormalized P in acc; rounded to the input dtype for P V only
     l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - shift)
     seen = l > 0
     o4 = np.matmul(_rnd_at(e, p.dtype, _row_scales(c, realization, acc, 1)), va) / np.where(seen, l, acc.type(1))
     lse3 = np.where(seen, shift + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))[..., 0]
     return _rnd(o4.astype(acc), p.dtype), lse3.astype(acc), s
 
 
-def faithful_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+def faithful_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
     """(o, lse): the yardstick forward (module docstring), o in the input dtype and lse float32,
     NumPy arrays shaped like cuflash.attention's outputs."""
-    return _faithful_forward(_Case(q, k, v, causal, scale, layout, mask, window))
+    return _faithful_forward(_Case(q, k, v, causal, scale, layout, mask, window, mods=mods))
 
 
 def _faithful_forward(c, realization=0):
@@ -248,14 +290,17 @@ def _faithful_forward(c, realization=0):
     return c.out_q(o4.astype(c.p.dtype)), lse3.astype(_F32).reshape(c.p.lse_shape())
 
 
-def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None,
+                                **mods):
     """(dq, dk, dv): the yardstick backward, in the input dtype.
 
     P = exp(s - lse) with s and lse of the yardstick forward; dV = round(P)^T dO; dP = dO V^T;
     D = rowsum(dO * O) with O the yardstick's rounded output; dS = P (dP - D); dQ = scale
     round(dS) K; dK = scale round(dS)^T Q; everything in the accumulator type, the heads of a
-    group summed there, each gradient rounded once."""
-    return _faithful_backward(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,)))
+    group summed there, each gradient rounded once. The softcap's derivative multiplies dS before
+    its rounding; with sinks a fourth result, dsinks = -sum_rows P_sink D in the accumulator type
+    (float32 out)."""
+    return _faithful_backward(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods))
 
 
 def _faithful_backward(c, realization=0):
@@ -269,22 +314,35 @@ def _faithful_backward(c, realization=0):
     dv4 = np.matmul(_rnd_at(probs, p.dtype, _row_scales(c, realization, acc, 2)).swapaxes(-1, -2), do4)
     dprobs = np.matmul(do4, va.swapaxes(-1, -2))
     row_dot = (do4 * o4).sum(axis=-1, keepdims=True)
-    ds = _rnd_at(probs * (dprobs - row_dot), p.dtype, _row_scales(c, realization, acc, 3))
+    ds = probs * (dprobs - row_dot)
+    if c.yard_deriv is not None:
+        ds = ds * c.yard_deriv
+    ds = _rnd_at(ds, p.dtype, _row_scales(c, realization, acc, 3))
     sc = acc.type(c.scale)
     dq4 = np.matmul(ds, ka) * sc
     dk4 = np.matmul(ds.swapaxes(-1, -2), qa) * sc
-    return (c.out_q(dq4.astype(p.dtype)), c.out_kv(c.group_sum(dk4).astype(acc).astype(p.dtype)),
-            c.out_kv(c.group_sum(dv4).astype(acc).astype(p.dtype)))
+    grads = (c.out_q(dq4.astype(p.dtype)), c.out_kv(c.group_sum(dk4).astype(acc).astype(p.dtype)),
+             c.out_kv(c.group_sum(dv4).astype(acc).astype(p.dtype)))
+    if c.sinks is None:
+        return grads
+    p_sink = np.exp(c.sinks.astype(acc) - lse_safe)
+    return grads + ((-(p_sink * row_dot).sum(axis=(0, 2, 3))).astype(_F32),)
 
 
-def lse_bound(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
+def lse_bound(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
     """Per-row a-priori bound on |lse - lse64| for an lse computed in float32 arithmetic (the
     module docstring's formula; docs/testing.md derives it), shaped like lse; 0 where a row sees
-    no key (there lse must be exactly -inf)."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    no key (there lse must be exactly -inf). Score modifiers widen A_i: the softcap's tanh adds
+    two roundings of c (its derivative is at most 1, so the score's own error does not grow),
+    ALiBi's bias its magnitude (one product and one sum)."""
+    c = _Case(q, k, v, causal, scale, layout, mask, window, mods=mods)
     p = c.p
     ref_lse = _reference_forward4(c)[1]
     a = np.matmul(np.abs(c.q4), np.abs(c.k4).swapaxes(-1, -2)) * c.scale
+    if c.softcap is not None:
+        a = a + 2 * c.softcap
+    if c.alibi is not None:
+        a = a + np.abs(c.alibi) * np.abs(np.subtract.outer(np.arange(p.nq) + (p.nk - p.nq), np.arange(p.nk)))
     a = np.where(c.mask, a, 0.0).max(axis=-1, initial=0.0)
     n = c.mask.sum(axis=-1)  # (Nq,)
     finite = np.isfinite(ref_lse)
@@ -387,13 +445,13 @@ def assert_lse_within_bound(name, got, ref_lse, bound):
 
 
 def assert_forward_accurate(o, lse, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None,
-                            factor=FACTOR):
+                            factor=FACTOR, **mods):
     """The accuracy rule for a forward result: o against the yardstick rule, lse (unless None)
-    against the float32 a-priori bound."""
+    against the float32 a-priori bound. ``mods``: softcap, alibi_slopes, sinks."""
     dtype = to_numpy(q).dtype
-    kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window)
+    kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window, **mods)
     ref_o, ref_lse = reference64(q, k, v, **kw)
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
+    c = _Case(q, k, v, causal, scale, layout, mask, window, mods=mods)
     yard_o = [_faithful_forward(c, r)[0] for r in range(REALIZATIONS)]
     assert to_numpy(o).dtype == dtype, f"o: dtype {dtype_name(to_numpy(o).dtype)}, want {dtype_name(dtype)}"
     assert_within_rule("o", o, ref_o, yard_o, dtype, factor)
@@ -413,22 +471,30 @@ def _one_key_rows(c, P) -> bool:
 
 
 def assert_backward_accurate(grads, do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None,
-                             factor=FACTOR):
+                             factor=FACTOR, **mods):
     """The accuracy rule for (dq, dk, dv) against the float64 reference gradients.
 
     When every row's probability rests on one key (it sees one key, or the others' P sum to less
     than one accumulator rounding), dq and dk are exactly or nearly 0 and the rule's bound would
     ask for bit-exact cancellation; they are then held to :func:`assert_single_key_gradients`'
-    a-priori bound instead (dv still to the rule)."""
+    a-priori bound instead (dv still to the rule).
+
+    ``mods``: softcap, alibi_slopes, sinks; with sinks ``grads`` is (dq, dk, dv, dsinks) and dsinks
+    (float32) is held to the same rule (u of the input dtype: D comes from the rounded o)."""
     dtype = to_numpy(q).dtype
     kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window)
-    refs = reference64_backward(do, q, k, v, **kw)
-    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
+    refs = reference64_backward(do, q, k, v, **kw, **mods)
+    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods)
     yards = [list(g) for g in zip(*(_faithful_backward(c, r) for r in range(REALIZATIONS)))]
-    single = _one_key_rows(c, _probabilities(c))
-    for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, refs, yards):
-        assert to_numpy(got).dtype == dtype, f"{name}: dtype {dtype_name(to_numpy(got).dtype)}, want {dtype_name(dtype)}"
-        if single and name != "dv":
+    single = _one_key_rows(c, _probabilities(c)) and all(m is None for m in mods.values())
+    names = ("dq", "dk", "dv", "dsinks")
+    assert len(grads) == len(refs), f"{len(grads)} gradients, want {len(refs)} ({', '.join(names[:len(refs)])})"
+    for name, got, ref, yard in zip(names, grads, refs, yards):
+        if name == "dsinks":
+            assert to_numpy(got).dtype == _F32, f"dsinks: dtype {dtype_name(to_numpy(got).dtype)}, want float32"
+        else:
+            assert to_numpy(got).dtype == dtype, f"{name}: dtype {dtype_name(to_numpy(got).dtype)}, want {dtype_name(dtype)}"
+        if single and name not in ("dv", "dsinks"):
             continue
         assert_within_rule(name, got, ref, yard, dtype, factor)
     if single:
