@@ -15,6 +15,7 @@
 #include "common.cuh"
 #include "tile_load.cuh"
 #include "band.cuh"
+#include "score_mod.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // LANES threads per query row (8 columns each per pass: 16-byte loads where the row allows),
@@ -138,14 +139,15 @@ __device__ __forceinline__ BwdBandSeq bwd_band_sequence(const BwdBand& band, int
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ,
-          bool BAND>
+          bool BAND, bool MOD = false>
 __device__ __forceinline__ void
 attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                  float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
-                 int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdBand band) {
+                 int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdBand band,
+                 const ScoreModArgs& mods = ScoreModArgs{}) {
     using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D>;
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     constexpr int kMmaM = Tr::kMmaM, kNQ = Tr::kNTilesQ, kND = Tr::kNTilesD;
@@ -233,8 +235,28 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         float s[kMmaM][kNQ][4], dp[kMmaM][kNQ][4];
         gemm_pair_nt<T>(s, dp, aK, aV, bQ, bdO, qoff);
 
+        // (MOD) softcap and ALiBi on S^T (rows are keys here), keeping the softcap's derivative.
+        float gfac[MOD ? kMmaM : 1][MOD ? kNQ : 1][4];
+        if constexpr (MOD) {
+            const ScoreMod mod(mods, blockIdx.z, h, sq.nq, sq.nk);
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                    for (int ni = 0; ni < kNQ; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+                            const int qi = m0 + ni * 8 + 2 * (lane & 3) + e;
+                            float t;
+                            s[mi][ni][2 * hf + e] = mod.apply(s[mi][ni][2 * hf + e], qi, key, t);
+                            gfac[mi][ni][2 * hf + e] = ScoreMod::grad(t);
+                        }
+        }
+
         // P^T = exp2(S^T * scale * log2e - lse * log2e) with invisible pairs forced to 0;
-        // dS^T = P^T * (dP^T - D).
+        // dS^T = P^T * (dP^T - D) (times the softcap's derivative).
         bool need_mask = (n0 + BLOCK_N > sq.nk) || (m0 + BLOCK_M > sq.nq) || (kHi && n0 + BLOCK_N - 1 > m0 + sq.hi);
         if constexpr (BAND) need_mask = need_mask || n0 < m0 + BLOCK_M - 1 + sq.lo;
         // (exp, then the mask behind one branch, then dS: a mask test inside the exp loop becomes
@@ -274,8 +296,10 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
                 for (int ni = 0; ni < kNQ; ++ni)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
+                    for (int e = 0; e < 2; ++e) {
                         dp[mi][ni][2 * hf + e] = s[mi][ni][2 * hf + e] * (dp[mi][ni][2 * hf + e] - tD[ni * 8 + 2 * (lane & 3) + e]);
+                        if constexpr (MOD) dp[mi][ni][2 * hf + e] *= gfac[mi][ni][2 * hf + e];
+                    }
 
         // dV += P^T dO and dK += dS^T Q over this warp's column slice.
 #pragma unroll
@@ -402,14 +426,15 @@ struct DqTraits {
     static_assert((BLOCK_M * kChunks) % kThreads == 0 && (BLOCK_N * kChunks) % kThreads == 0, "even loads");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC, bool BAND>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool CAUSAL, bool VEC, bool BAND,
+          bool MOD = false>
 __device__ __forceinline__ void
 attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                  float* __restrict__ dq_acc,
                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                  i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2,
-                 BwdBand band) {
+                 BwdBand band, const ScoreModArgs& mods = ScoreModArgs{}) {
     using Tr = DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
     constexpr int kMmaM = Tr::kMmaM, kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8 / DQ_SPLIT;
     static_assert(kNO % 2 == 0, "dQ column slices are pairs of 8-column tiles");
@@ -465,6 +490,8 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     }
     float acc[kMmaM][kNO][4];
     zero_acc(acc);
+    ScoreMod mod{};
+    if constexpr (MOD) mod = ScoreMod(mods, blockIdx.z, h, sq.nq, sq.nk);
 
     const u32 sbase = smem_addr(smem);
     constexpr u32 odO = Tr::kTileQ * 2, oK = 2 * Tr::kTileQ * 2, oV = oK + 2 * Tr::kTileKV * 2;
@@ -502,10 +529,17 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 for (int ni = 0; ni < kNS; ++ni)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float p = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -lse2[r]));
                         const int col = n0 + ni * 8 + 2 * (lane & 3) + e;
+                        float sv = s[mi][ni][2 * hf + e], g = 1.f;
+                        if constexpr (MOD) {  // softcap and ALiBi, and the softcap's derivative
+                            float t;
+                            sv = mod.apply(sv, row, col, t);
+                            g = ScoreMod::grad(t);
+                        }
+                        float p = fast_exp2(fmaf(sv, scale_log2, -lse2[r]));
                         if (need_mask && (col >= limit || (BAND && col < first))) p = 0.f;
                         dp[mi][ni][2 * hf + e] = p * (dp[mi][ni][2 * hf + e] - dsv[r]);
+                        if constexpr (MOD) dp[mi][ni][2 * hf + e] *= g;
                     }
             }
         // dQ += dS K.
@@ -570,6 +604,22 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         nq, nk, d, group, hi_off, scale_log2, BwdBand{lo_off, align, cu_q, cu_k});
 }
 
+// The band dQ kernel with score modifiers (softcap, ALiBi: score_mod.cuh).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_dq_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                     const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                     float* __restrict__ dq_acc,
+                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                     i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                     int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                     float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+    attn_bwd_dq_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, DQ_SPLIT, true, VEC, true, true>(
+        q, k, v, dout, lse, dsum, dq_acc, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
+        nq, nk, d, group, hi_off, scale_log2, BwdBand{lo_off, align, cu_q, cu_k},
+        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
+}
+
 // ---------------------------------------------------------------------------------------------
 // The launchable kernels: the plain ones keep their arguments (BAND = false compiles the band code
 // away); the *_band ones take the band and the packed-sequence offsets.
@@ -600,6 +650,24 @@ attn_bwd_kv_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
         do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, hi_off, scale_log2,
         BwdBand{lo_off, align, cu_q, cu_k});
+}
+
+// The band K/V kernel with score modifiers (softcap, ALiBi: score_mod.cuh; sinks need no change
+// of the backward kernels: lse includes them).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool VEC, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_bwd_kv_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                     const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                     float* __restrict__ dq_acc, u16* __restrict__ dk, u16* __restrict__ dv,
+                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                     i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
+                     int hq, int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                     int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                     float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+    attn_bwd_kv_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D, true, VEC, ATOMIC_DQ, true, true>(
+        q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+        do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, hi_off, scale_log2,
+        BwdBand{lo_off, align, cu_q, cu_k}, ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
 }
 
 // ---------------------------------------------------------------------------------------------

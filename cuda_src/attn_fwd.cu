@@ -7,6 +7,7 @@
 // the only outputs are O and the float32 log-sum-exp (natural log) per query row.
 #include "common.cuh"
 #include "band.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile_load.cuh"
 
@@ -39,13 +40,14 @@ struct FwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          bool LAZY_RESCALE, bool BAND>
+          bool LAZY_RESCALE, bool BAND, bool MOD = false>
 __device__ __forceinline__ void
 attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
               u16* __restrict__ o, float* __restrict__ lse,
               i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
               i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-              int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band) {
+              int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
+              const ScoreModArgs& mods = ScoreModArgs{}) {
     using Tr = FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES>;
     constexpr int kMmaM = Tr::kMmaM, kNS = Tr::kNTilesS, kNO = Tr::kNTilesO;
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
@@ -100,6 +102,13 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     float acc_o[kMmaM][kNO][4];
     zero_acc(acc_o);
     OnlineSoftmax<2 * kMmaM> softmax;
+    // (MOD) the score modifier of this (sequence, head): slopes are indexed by grid z, which is
+    // the sequence also for packed ones (b is 0 there).
+    ScoreMod mod{};
+    if constexpr (MOD) {
+        mod = ScoreMod(mods, blockIdx.z, h, nq_b, nk_b);
+        softmax.add_sink(sink_raw(mods, h), lane);
+    }
 
     constexpr int kKStepsQK = HEAD_DIM / 16;
     u32 q_frag[Tr::kQInRegs ? kMmaM : 1][Tr::kQInRegs ? kKStepsQK : 1][4];
@@ -163,6 +172,10 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
         // Mask keys past the end and, under causality, keys after each row's diagonal (and, under
         // a band, keys before its lower limit). Only the tiles that straddle a boundary pay for it.
         const int n0 = (j0 + j) * BLOCK_N;
+        if constexpr (MOD) {  // softcap and ALiBi before the mask
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) mod.apply_rows(acc_s[mi], m0 + warp_row0 + mi * 16 + (lane >> 2), n0, lane);
+        }
         bool need_mask = (n0 + BLOCK_N > nk_b) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + hi);
         if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + lo;
         if (need_mask) {
@@ -263,4 +276,23 @@ attn_fwd_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, true, VEC, LAZY_RESCALE, true>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, hi_off, scale_log2, FwdBand{lo_off, align, cu_q, cu_k});
+}
+
+// The band kernel with score modifiers (score_mod.cuh): every forward with softcap, ALiBi or sinks
+// runs it (its run-time bounds cover no mask, causal, windows and packed sequences). alibi is
+// (batch or sequence) x alibi_sb + head, offset to the launch's first batch entry or sequence.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool VEC, bool LAZY_RESCALE>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  u16* __restrict__ o, float* __restrict__ lse,
+                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                  i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                  int nq, int nk, int d, int group, int hi_off, float scale_log2,
+                  int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                  float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb,
+                  const float* __restrict__ sinks) {
+    attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, true, VEC, LAZY_RESCALE, true, true>(
+        q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
+        nq, nk, d, group, hi_off, scale_log2, FwdBand{lo_off, align, cu_q, cu_k},
+        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }

@@ -17,6 +17,18 @@ struct OnlineSoftmax {
         }
     }
 
+    // An attention sink: one more key of raw score m_raw that carries no value (-inf: none). The
+    // running max starts at it and one lane of each quad holds its exp2(0) = 1 (l is summed over
+    // the quad in finalize), so a row that sees no key ends with O = 0 and lse = the sink.
+    __device__ __forceinline__ void add_sink(float m_raw, int lane) {
+        if (m_raw == -INFINITY) return;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            m[r] = m_raw;
+            l[r] = (lane & 3) == 0 ? 1.f : 0.f;
+        }
+    }
+
     // STALE: a row keeps its running max while the tile's max stays within 2^kStaleLog2 of it
     // (scaled, base 2), so its probabilities reach at most 2^8 - still exact, since O and l share
     // the max; its alpha is then exactly 1 and O's rows need no rescale (the caller skips it when

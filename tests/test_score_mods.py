@@ -351,3 +351,64 @@ def test_inputs_unchanged_and_noncontiguous_modifier_arrays(rng):
     assert_forward_accurate(o, lse, q, k, v, alibi_slopes=np.ascontiguousarray(slopes),
                             sinks=np.ascontiguousarray(sinks))
     assert slopes.tobytes() == before[0].tobytes() and sinks.tobytes() == before[1].tobytes()
+
+
+# ----------------------------------------------------------------------------- the GPU's plan (no GPU needed)
+
+def _planned(mods, causal=True, d=128, nq=4096, nk=4096, window=None):
+    from cuflash.plan import dispatch
+    from cuflash.plan.target import Target
+
+    q = np.zeros((1, 4, nq, d), np.float16)
+    k = np.zeros((1, 2, nk, d), np.float16)
+    p = problem.check_score_mods(problem.validate_forward(q, k, k, causal=causal, window=window), q, **mods)
+    h100 = Target(90, 132, "NVIDIA H100")
+    return (dispatch.forward_plan(p, h100, dispatch.ALIGNED, tuned=False),
+            dispatch.backward_plan(p, h100, dispatch.ALIGNED, tuned=False),
+            dispatch.backward_plan(p, h100, dispatch.ALIGNED, deterministic=True, tuned=False),
+            dispatch.decode_applies(p, True))
+
+
+@pytest.mark.parametrize("which", ["softcap", "alibi", "all"])
+def test_plan_runs_the_mod_kernels(which):
+    mods = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=np.zeros(4, np.float32)),
+            "all": dict(softcap=2.0, alibi_slopes=np.zeros(4, np.float32), sinks=np.zeros(4, np.float32))}[which]
+    fwd, bwd, det, _ = _planned(mods)
+    assert fwd.spec.expression.startswith("attn_fwd_band_mod<")
+    assert bwd.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
+    assert det.specs["dq"].expression.startswith("attn_bwd_dq_band_mod<")
+    from cuflash.plan.registry import all_specs
+
+    listed = set(all_specs())
+    for spec in [fwd.spec, *bwd.specs.values(), *det.specs.values()]:
+        assert spec in listed, f"{spec.expression} is not in plan.registry (CI would not compile it)"
+    # decode shapes take the prefill band kernel too
+    assert not _planned(mods, nq=1, nk=8192)[3]
+    assert _planned({}, nq=1, nk=8192)[3]
+
+
+def test_plan_sinks_backward_keeps_the_plain_kernels():
+    """Sinks change only the softmax's denominator, which the backward reads from lse: the plain
+    backward kernels run (dsinks comes from D); the forward needs the sink kernel."""
+    fwd, bwd, _, _ = _planned(dict(sinks=np.zeros(4, np.float32)))
+    plain_fwd, plain_bwd, _, _ = _planned({})
+    assert fwd.spec.expression.startswith("attn_fwd_band_mod<")
+    assert bwd.specs == plain_bwd.specs
+    assert not plain_fwd.spec.expression.startswith("attn_fwd_band")
+
+
+def test_plan_refuses_what_has_no_kernel():
+    from cuflash.plan import dispatch
+    from cuflash.plan.target import Target
+
+    h100 = Target(90, 132, "NVIDIA H100")
+    q = np.zeros((1, 2, 64, 60), np.float16)  # d % 8 != 0: no 16-byte loads
+    p = problem.check_score_mods(problem.validate_forward(q, q, q), q, softcap=2.0)
+    with pytest.raises(NotImplementedError, match="16-byte"):
+        dispatch.forward_plan(p, h100, dispatch.Operands(vec=False), tuned=False)
+    q = np.zeros((1, 2, 64, 64), np.float32)
+    p = problem.check_score_mods(problem.validate_forward(q, q, q), q, sinks=np.zeros(2, np.float32))
+    with pytest.raises(NotImplementedError, match="float32"):
+        dispatch.forward_plan(p, h100, dispatch.ALIGNED, tuned=False)
+    with pytest.raises(NotImplementedError, match="float32"):
+        dispatch.backward_plan(p, h100, dispatch.ALIGNED, tuned=False)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core.arrays import FLOAT32
 from ..plan import dispatch
-from ..plan.forward import FP32_BAND
+from ..plan.forward import FP32_BAND, MODS_FP32
 from ..kernels import backward as backward_kernels
 from ..kernels import decode as decode_kernels
 from ..kernels import device, fp32, hopper
@@ -24,15 +24,6 @@ def _check_out(o4, p):
         raise ValueError("out: the head dim must have unit stride")
 
 
-def _modifiers_unsupported(p, path, supported=()):
-    """NotImplementedError naming the score modifiers this GPU path does not take."""
-    given = [n for n, on in (("softcap", p.softcap is not None), ("alibi_slopes", p.alibi is not None),
-                             ("sinks", p.sinks is not None)) if on and n not in supported]
-    if given:
-        raise NotImplementedError(f"{', '.join(given)}: not implemented on the GPU's {path} yet "
-                                  "(the NumPy backend and cuflash.reference take them)")
-
-
 def decode_applies(p, k4, v4) -> bool:
     """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V)."""
     return dispatch.decode_applies(p, vector_ok((k4, v4), p.d))
@@ -40,21 +31,19 @@ def decode_applies(p, k4, v4) -> bool:
 
 def decode(p, q4, k4, v4, o4, lse3, **options):
     """Split-KV decode (the caller checked decode_applies); options as kernels.decode.forward."""
-    _modifiers_unsupported(p, "decode")
     decode_kernels.forward(p, q4, k4, v4, o4, lse3, **options)
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     """The forward of a validated problem. ``tile``: the portable kernel's TileConfig (or a
     float32 tile), which skips the decode and Hopper kernels."""
-    _modifiers_unsupported(p, "forward")
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
     if tile is None and decode_applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV
         decode_kernels.forward(p, qu, ku, vu, o4, lse3)
         return
-    if p.window is not None:  # the band kernels (wgmma on sm_90)
+    if p.window is not None or p.modified:  # the band kernels (wgmma on sm_90; score modifiers: mma.sync)
         forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
         return
     _check_out(o4, p)
@@ -66,7 +55,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
 def forward_wgmma(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
     """The wgmma forward on a forced tile and/or key split (plan.dispatch.wgmma_forward_plan; the
     caller checked plan.hopper.applies)."""
-    _modifiers_unsupported(p, "forward")
+    if p.modified:
+        raise NotImplementedError("softcap=, alibi_slopes=, sinks=: the wgmma forward does not take score "
+                                  "modifiers yet (cuflash.attention runs them on the mma.sync band kernel)")
     target = device.current()
     ops = describe(p.d, q4, k4, v4, o4, maps=True)
     plan = dispatch.wgmma_forward_plan(p, target, ops, tile=tile, split=split)
@@ -77,8 +68,7 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     """Sliding window and/or packed sequences (plan.dispatch.band_forward_plan); packed:
     ``cu_seqlens=(cu_q, cu_k)`` and ``max_seqlen_q`` as kernels.forward.launch_band takes them."""
     if np.dtype(p.dtype) == FLOAT32:
-        raise NotImplementedError(FP32_BAND)
-    _modifiers_unsupported(p, "band forward")
+        raise NotImplementedError(MODS_FP32 if p.modified else FP32_BAND)
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
@@ -100,12 +90,14 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     """The gradients of a validated problem into dq4, dk4, dv4. A window (p.window) or packed
     sequences (``cu_seqlens=(cu_q, cu_k)`` device int32 offsets, ``max_seqlens=(longest q,
     longest k)`` host ints; the arrays are (1, H, total, d) views of the packed ones) run the band
-    kernels. ``tile`` / ``hopper_tile``: forced tiles (plan.dispatch.backward_plan)."""
-    _modifiers_unsupported(p, "backward")
+    kernels. ``tile`` / ``hopper_tile``: forced tiles (plan.dispatch.backward_plan). ``dsinks``:
+    with sinks, a float32 (Hq,) device array that receives this problem's dsinks added in."""
     packed = cu_seqlens is not None
     if packed and max_seqlens is None:
         raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
     target = device.current()
+    if np.dtype(p.dtype) == FLOAT32 and p.modified:
+        raise NotImplementedError(MODS_FP32)
     if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic on the FMA pipes or float64 tensor cores
         plan = dispatch.backward_plan(p, target, dispatch.Operands(vec=False), deterministic=deterministic,
                                       packed=packed, tile=tile, hopper_tile=hopper_tile)
@@ -117,6 +109,6 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)
     plan = dispatch.backward_plan(p, target, ops, deterministic=deterministic, packed=packed, tile=tile,
                                   hopper_tile=hopper_tile)
-    band = p.window is not None or packed
+    band = p.window is not None or packed or p.scores_modified
     backward_kernels.launch(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, band=band,
-                            cu_seqlens=cu_seqlens, max_seqlens=max_seqlens)
+                            cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)

@@ -45,6 +45,12 @@ class Problem:
         """Whether any score modifier (softcap, ALiBi, sinks) is given."""
         return self.softcap is not None or self.alibi is not None or self.sinks is not None
 
+    @property
+    def scores_modified(self) -> bool:
+        """Whether the scores themselves change (softcap, ALiBi); sinks change only the softmax's
+        denominator, which the backward reads through lse."""
+        return self.softcap is not None or self.alibi is not None
+
     def sequence(self, b, **changes):
         """The problem of batch entry (or packed sequence) b alone: ``changes`` replaced, and the
         ALiBi slopes cut to b's row (per-sequence loops keep each sequence's own slopes)."""

@@ -15,7 +15,7 @@ from . import device, tma
 from .build import get_function
 from .operands import LOG2E as _LOG2E
 from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_YZ
-from .operands import band_offsets
+from .operands import band_offsets, score_mod_args
 
 # Blocks of the persistent backward kernel; None: one per SM (tests set a few, so that each walks
 # many units).
@@ -27,11 +27,12 @@ def _strides3(a4):
 
 
 def launch(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, band=False,
-           cu_seqlens=None, max_seqlens=None):
+           cu_seqlens=None, max_seqlens=None, dsinks=None):
     """dq4, dk4, dv4 receive the gradients. Packed sequences (``cu_seqlens=(cu_q, cu_k)``, device
     int32 offsets): the arrays are (1, H, total, d) views of the packed ones, lse3 (1, Hq, total_q),
     and ``max_seqlens=(longest q, longest k)`` host ints size the grids; one launch each for all
-    sequences."""
+    sequences. ``dsinks`` (with sinks): a float32 (Hq,) array that receives -sum_rows
+    exp(sink - lse) D added in, from the prep kernel's D."""
     import cupy
 
     specs, hd, t, hopper_kv = dict(plan.specs), plan.head_dim, plan.tile, plan.hopper
@@ -44,13 +45,16 @@ def launch(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, d
     # Grid z: batch entries, or the packed sequences (each block reads its rows from the offsets).
     n_rows_q, n_rows_k = (p.nq, p.nk) if cu_seqlens is None else (int(x) for x in max_seqlens)
 
+    mods = getattr(p, "scores_modified", False)  # the *_band_mod kernels: the modifiers' arguments follow
+
     def z_chunks(b0, b1):
-        """(grid z, offsets passed to the band kernels) per launch of the batch chunk [b0, b1)."""
+        """(grid z, arguments after the band's) per launch of the batch chunk [b0, b1): the packed
+        offsets and, with score modifiers, their arguments for the chunk's first entry."""
         if cu_seqlens is None:
-            return [(b1 - b0, (np.uint64(0), np.uint64(0)))]
+            return [(b1 - b0, (np.uint64(0), np.uint64(0)) + (score_mod_args(p, b0) if mods else ()))]
         n_seq = cu_seqlens[0].shape[0] - 1
-        return [(min(n_seq, s0 + _MAX_GRID_YZ) - s0, (cu_seqlens[0][s0:], cu_seqlens[1][s0:]))
-                for s0 in range(0, n_seq, _MAX_GRID_YZ)]
+        return [(min(n_seq, s0 + _MAX_GRID_YZ) - s0, (cu_seqlens[0][s0:], cu_seqlens[1][s0:])
+                 + (score_mod_args(p, s0) if mods else ())) for s0 in range(0, n_seq, _MAX_GRID_YZ)]
     scale_log2 = np.float32(p.scale * _LOG2E)
     lse3 = cupy.ascontiguousarray(lse3)
 
@@ -69,6 +73,9 @@ def launch(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, d
                 (-(-rows // (_PREP_THREADS // prep_lanes(hd))), nb), (_PREP_THREADS,),
                 (o4[sl], do4[sl], dsum[sl], *_strides3(o4), *_strides3(do4), np.int32(p.hq), np.int32(p.nq), np.int32(p.d)),
             )
+            if p.sinks is not None and dsinks is not None:  # dsink_h = -sum_rows P_sink D
+                sink = cupy.asarray(p.sinks, dtype=np.float32).reshape(1, p.hq, 1)
+                dsinks -= (cupy.exp(sink - lse3[sl]) * dsum[sl]).sum(axis=(0, 2), dtype=np.float32)
         common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
         n_blocks = -(-n_rows_k // kv_block_n)
         for nz, cu in z_chunks(b0, b1):

@@ -10,7 +10,7 @@ from ..plan.dispatch import ForwardPlan
 from .build import get_function
 from .operands import LOG2E as _LOG2E
 from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_Z
-from .operands import band_offsets
+from .operands import band_offsets, score_mod_args, sink_pointer
 from .operands import elem_strides as _elem_strides
 
 
@@ -56,6 +56,10 @@ def launch_band(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, 
     spec, t = plan.spec, plan.tile
     fn = get_function(spec)
     hi, lo, align = band_offsets(p)
+    modified = getattr(p, "modified", False)  # attn_fwd_band_mod: the modifiers' arguments follow
+
+    def mod_args(first):
+        return (*score_mod_args(p, first), sink_pointer(p)) if modified else ()
     strides = []
     for a in (q4, k4, v4, o4):
         strides += [np.int64(s) for s in _elem_strides(a)[:3]]
@@ -66,7 +70,8 @@ def launch_band(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, 
         for b0 in range(0, p.batch, _MAX_GRID_Z):
             b1 = min(p.batch, b0 + _MAX_GRID_Z)
             # A batch slice moves the base pointers: the kernel indexes lse by (b, h) of its chunk.
-            args = (q4[b0:b1], k4[b0:b1], v4[b0:b1], o4[b0:b1], lse3[b0:b1], *head, np.uint64(0), np.uint64(0))
+            args = (q4[b0:b1], k4[b0:b1], v4[b0:b1], o4[b0:b1], lse3[b0:b1], *head, np.uint64(0), np.uint64(0),
+                    *mod_args(b0))
             fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
         return
     if max_seqlen_q is None:
@@ -78,5 +83,5 @@ def launch_band(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, 
         return
     for s0 in range(0, n_seq, _MAX_GRID_Z):
         s1 = min(n_seq, s0 + _MAX_GRID_Z)
-        args = (q4, k4, v4, o4, lse3, *head, cu_q[s0:], cu_k[s0:])
+        args = (q4, k4, v4, o4, lse3, *head, cu_q[s0:], cu_k[s0:], *mod_args(s0))
         fn((m_blocks, p.hq, s1 - s0), (spec.threads,), args, shared_mem=spec.smem_bytes)

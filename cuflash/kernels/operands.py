@@ -62,3 +62,23 @@ def band_offsets(p):
     each sequence (bottom-right), else i (top-left)."""
     lo, hi = masks.row_bounds(p.causal, p.window, 0, 0)  # nq = nk = 0: offsets from the diagonal
     return (OPEN if hi is None else hi), (-OPEN if lo is None else lo), int(p.causal != "top_left")
+
+
+def score_mod_args(p, first=0):
+    """The score-modifier arguments of the *_mod kernels (cuda_src/score_mod.cuh), for a launch
+    whose first batch entry (or packed sequence) is ``first``: cap_in, cap_out, inv_scale, the
+    ALiBi slopes (null: none) and their row stride, and - forward only, the caller appends it -
+    the sinks (sink_pointer)."""
+    import cupy
+
+    cap_in = p.scale / p.softcap if p.softcap is not None else 0.0
+    cap_out = p.softcap / p.scale if p.softcap is not None else 0.0
+    alibi = np.uint64(0) if p.alibi is None else cupy.ascontiguousarray(p.alibi, dtype=np.float32)[first:]
+    return (np.float32(cap_in), np.float32(cap_out), np.float32(1.0 / p.scale), alibi, np.int32(p.hq))
+
+
+def sink_pointer(p):
+    """The sinks as the forward's *_mod kernel reads them (null: none)."""
+    import cupy
+
+    return np.uint64(0) if p.sinks is None else cupy.ascontiguousarray(p.sinks, dtype=np.float32)

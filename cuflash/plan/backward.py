@@ -10,7 +10,7 @@ from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, KERNEL_TYPE
 from . import schedule
 from .fp32 import all_backward_specs_fp32, backward_specs_fp32
 from .fp32 import backward_workspace_bytes as fp32_workspace_bytes
-from .forward import FP32_BAND
+from .forward import FP32_BAND, MODS_FP32, MODS_NEED_VEC
 from .spec import KernelSpec
 from .spec import cpp_bool as _b
 
@@ -37,13 +37,17 @@ def dq_convert_spec(dtype, acc_hd: int) -> KernelSpec:
 
 
 def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, tile=None, band: bool = False,
-                   target=None):
+                   target=None, mods: bool = False):
     """({role: KernelSpec}, head-dim bucket, BackwardTile) of every kernel one backward launches.
 
     ``band``: the sliding-window / packed-sequence kernels attn_bwd_kv_band and attn_bwd_dq_band
     (``causal`` is then ignored: the bounds are run-time arguments). CI compiles exactly these;
-    `tile` overrides the table (schedule search)."""
+    `tile` overrides the table (schedule search). ``mods``: the band kernels with the softcap and
+    ALiBi (attn_bwd_kv_band_mod, attn_bwd_dq_band_mod; 16-byte loads only)."""
     dtype = np.dtype(dtype)
+    if mods and (dtype == FLOAT32 or not vec):
+        raise NotImplementedError(MODS_FP32 if dtype == FLOAT32 else MODS_NEED_VEC)
+    band = band or mods
     if dtype == FLOAT32:
         if band:
             raise NotImplementedError(FP32_BAND)
@@ -54,7 +58,7 @@ def backward_specs(dtype, d: int, causal: bool, vec: bool, deterministic: bool, 
     kv_head = f"{tag}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.warps_d}"
     dq_head = f"{tag}, {hd}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, {t.dq_split}"
     mask = "" if band else f"{_b(causal)}, "
-    suffix = "_band" if band else ""
+    suffix = "_band_mod" if mods else "_band" if band else ""
     specs = {
         "prep": KernelSpec("attn_bwd.cu", f"attn_bwd_prep<{tag}, {prep_lanes(hd)}>", PREP_THREADS, 0),
         "kv": KernelSpec(
@@ -85,6 +89,8 @@ def all_backward_specs():
                         specs.extend(backward_specs(dtype, hd, causal, vec, det)[0].values())
                         if causal:  # the band kernels, once per (vec, det)
                             specs.extend(backward_specs(dtype, hd, True, vec, det, band=True)[0].values())
+                        if causal and vec:  # and with the score modifiers
+                            specs.extend(backward_specs(dtype, hd, True, vec, det, mods=True)[0].values())
     return list(dict.fromkeys(specs))
 
 

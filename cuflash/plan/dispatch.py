@@ -25,7 +25,7 @@ from ..core.arrays import FLOAT32
 from . import decode, hopper, schedule, tuning
 from .backward import backward_specs, dq_convert_spec
 from .device_limits import MAX_GRID_YZ
-from .forward import FP32_BAND, forward_spec
+from .forward import FP32_BAND, MODS_FP32, forward_spec
 from .fp32 import backward_specs_fp32
 from .spec import KernelSpec
 from .target import Target
@@ -77,6 +77,8 @@ def _known(p, *names) -> bool:
 def decode_applies(p, kv_vec: bool) -> bool:
     """Split-KV decode takes few query rows per K/V head over a long cache, with 16-byte loads of K
     and V (unaligned caches take the prefill kernel, whose scalar-load path handles them)."""
+    if getattr(p, "modified", False):  # score modifiers run the prefill band kernel
+        return False
     return p.nq <= 16 and p.nk >= decode.MIN_KEYS and decode.row_tiles_for(p) is not None and kv_vec
 
 
@@ -92,7 +94,7 @@ def forward_plan(p, target: Target, ops: Operands, *, tile=None, tuned: bool = T
     """The prefill forward's plan (the caller checked decode_applies first). ``tile``: a forced
     tile of the portable kernel; ``tuned``: consult the tuning cache (``autotuner``: a
     plan.tuning autotuner factory for CUFLASH_TUNE=1's first use)."""
-    if getattr(p, "window", None) is not None:
+    if getattr(p, "window", None) is not None or getattr(p, "modified", False):
         return band_forward_plan(p, target, ops, tile=tile)
     if tile is None and hopper.applies(p, ops.vec, target):
         picked = tuning.pick_hopper_forward_tile(p, target, autotuner) if tuned else None
@@ -137,7 +139,11 @@ def wgmma_forward_plan(p, target: Target, ops: Operands, *, tile=None, split=Non
 
 def band_forward_plan(p, target: Target, ops: Operands, *, tile=None) -> ForwardPlan:
     """Sliding window and/or packed sequences: attn_fwd_wgmma_band where hopper.applies (and no
-    tile is forced), else attn_fwd_band (every GPU, 16-bit inputs)."""
+    tile is forced), else attn_fwd_band (every GPU, 16-bit inputs). Score modifiers (softcap,
+    ALiBi, sinks; any mask): attn_fwd_band_mod, on every GPU (no wgmma variant yet)."""
+    if getattr(p, "modified", False):
+        spec, t = forward_spec(p.dtype, p.d, True, ops.vec, tile, band=True, mods=True)
+        return ForwardPlan("band", spec, t)
     if np.dtype(p.dtype) == FLOAT32:
         raise NotImplementedError(FP32_BAND)
     if tile is None and hopper.applies(p, ops.vec, target):  # same arguments, grid and lse layout
@@ -151,9 +157,13 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
                   hopper_tile=None, tuned: bool = True, autotuner=None) -> BackwardPlan:
     """The backward's kernels. ``tile``: the portable kernels' BackwardTile; ``hopper_tile`` (a
     schedule.HopperBwdTile): the wgmma K/V kernel's, only where hopper.backward_applies (else
-    ValueError). A window or packed sequences run the band kernels."""
-    band = getattr(p, "window", None) is not None or packed
+    ValueError). A window or packed sequences run the band kernels; the softcap and ALiBi their
+    score-modifier variants (sinks need no change of the kernels: lse includes them)."""
+    mods = getattr(p, "scores_modified", False)
+    band = getattr(p, "window", None) is not None or packed or mods
     causal = p.causal is not None
+    if getattr(p, "modified", False) and np.dtype(p.dtype) == FLOAT32:
+        raise NotImplementedError(MODS_FP32)
     if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic (plan.fp32), deterministic either way
         if band:
             raise NotImplementedError(FP32_BAND)
@@ -183,7 +193,7 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
                                      tile=dataclasses.replace(kv[1], persistent=False))
     if tile is None and ops.vec and kv is None and not band and tuned:
         tile = tuning.pick_backward_tile(p, target, deterministic, autotuner)
-    specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band)
+    specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band, mods=mods)
     kv_block_n = t.block_n
     frag_dq = kv is not None and kv[1].ws
     # Rows of the accumulator: the wgmma K/V kernel adds dQ rows of its own HEAD_DIM (192: 256).

@@ -13,14 +13,18 @@ from .fp32 import all_forward_specs_fp32, forward_spec_fp32
 from .spec import KernelSpec
 from .spec import cpp_bool as _b
 
-def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False, target=None):
+def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False, target=None,
+                 mods: bool = False):
     """(KernelSpec, TileConfig) of the forward kernel for these runtime choices.
 
     ``band``: the sliding-window / packed-sequence kernel attn_fwd_band (16-bit only; ``causal``
     is then ignored, the bounds are run-time arguments). The compile check instantiates exactly
     these, so what CI compiles is what runs. ``target``: the float32 kernels' default tile is the
-    target's (plan.fp32.mma_runs)."""
+    target's (plan.fp32.mma_runs). ``mods``: the band kernel with score modifiers,
+    attn_fwd_band_mod (softcap, ALiBi, sinks; 16-byte loads only: MODS_NEED_VEC)."""
     dtype = np.dtype(dtype)
+    if mods and (dtype == FLOAT32 or not vec):
+        raise NotImplementedError(MODS_FP32 if dtype == FLOAT32 else MODS_NEED_VEC)
     if dtype == FLOAT32:
         if band:
             raise NotImplementedError(FP32_BAND)
@@ -30,8 +34,8 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool =
         t = dataclasses.replace(t, block_n=_BAND_BLOCK_N[hd], reason=f"band kernel: {_BAND_BLOCK_N[hd]}-key tiles")
     t = tile or t
     head = f"{KERNEL_TYPE[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
-    if band:
-        expr = f"attn_fwd_band<{head}, {_b(vec)}, {_b(t.lazy_rescale)}>"
+    if band or mods:
+        expr = f"attn_fwd_band{'_mod' if mods else ''}<{head}, {_b(vec)}, {_b(t.lazy_rescale)}>"
     else:
         expr = f"attn_fwd<{head}, {_b(causal)}, {_b(vec)}" + ("" if t.lazy_rescale else ", false") + ">"
     return KernelSpec("attn_fwd.cu", expr, t.threads, t.smem_bytes(hd)), t
@@ -47,6 +51,12 @@ FP32_BAND = ("cuflash: window= and cu_seqlens_q= / cu_seqlens_k= are not impleme
               "(float16/bfloat16 run them on the GPU; NumPy inputs run the CPU backend)")
 
 
+MODS_FP32 = ("cuflash: softcap=, alibi_slopes= and sinks= are not implemented for float32 GPU inputs "
+             "(float16/bfloat16 run them on the GPU; NumPy inputs run the CPU backend)")
+MODS_NEED_VEC = ("cuflash: softcap=, alibi_slopes= and sinks= on the GPU need 16-byte loads: a head dim that is a "
+                 "multiple of 8 and 16-byte aligned rows and strides (the NumPy backend takes any)")
+
+
 def all_forward_specs():
     """Every forward instantiation the package can launch: what CI compiles for sm_90a."""
     specs = all_forward_specs_fp32()
@@ -57,4 +67,5 @@ def all_forward_specs():
                     specs.append(forward_spec(dtype, hd, causal, vec)[0])
             for vec in (False, True):
                 specs.append(forward_spec(dtype, hd, True, vec, band=True)[0])
+            specs.append(forward_spec(dtype, hd, True, True, band=True, mods=True)[0])
     return list(dict.fromkeys(specs))

@@ -1,0 +1,83 @@
+// Score modifiers of the *_mod kernels: softcap, ALiBi and attention sinks, applied to the raw
+// scores q.k of an mma accumulator where the scores are formed, before the mask.
+//
+// The kernels scale raw scores inside the softmax's FFMA (scale * log2 e), so a modifier works in
+// raw units: softcap c gives raw' = (c / scale) tanh(raw * scale / c), ALiBi adds
+// -(slope / scale) |i + Nk - Nq - j|, a sink logit enters as sink / scale. The plain kernels
+// instantiate MOD = false, which compiles every use away (their code is unchanged).
+#pragma once
+#include "common.cuh"
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1) on the special function unit (ex2 and a fast divide): absolute
+// error a few 2^-23, where tanh.approx.f32's relative 2^-11 would move a capped score by more
+// than a 16-bit rounding of P. exp(2x) = inf and __fdividef's 0 for huge denominators give 1.
+__device__ __forceinline__ float tanh_sfu(float x) {
+    return 1.f - __fdividef(2.f, fast_exp2(x * 2.8853900817779268f) + 1.f);
+}
+
+// What one kernel launch passes: a zero cap_in / null pointer leaves a modifier off.
+struct ScoreModArgs {
+    float cap_in;        // scale / softcap (0: no softcap)
+    float cap_out;       // softcap / scale
+    float inv_scale;     // 1 / scale
+    const float* alibi;  // slopes, (batch or sequence) * alibi_sb + head (null: no ALiBi)
+    int alibi_sb;
+    const float* sinks;  // (Hq,) logits (null: no sinks)
+};
+
+// The modifier of one (batch entry or sequence, query head): the policy the kernel bodies call.
+// apply(): raw scores of an accumulator tile -> modified raw scores, keeping for the backward
+// the softcap's derivative factor 1 - tanh^2 (grad()).
+struct ScoreMod {
+    float cap_in, cap_out;
+    float bias;    // -slope / scale (0: no ALiBi)
+    int dist_off;  // the sequence's nk - nq: ALiBi's distance is |row + dist_off - col|
+
+    ScoreMod() = default;
+    __device__ __forceinline__ ScoreMod(const ScoreModArgs& a, int b, int h, int nq_b, int nk_b)
+        : cap_in(a.cap_in), cap_out(a.cap_out),
+          bias(a.alibi != nullptr ? -a.alibi[(i64)b * a.alibi_sb + h] * a.inv_scale : 0.f), dist_off(nk_b - nq_b) {}
+
+    __device__ __forceinline__ bool capped() const { return cap_in != 0.f; }
+    __device__ __forceinline__ bool biased() const { return bias != 0.f; }
+
+    // One score at (query row, key col); t receives tanh (0 without softcap).
+    __device__ __forceinline__ float apply(float s, int row, int col, float& t) const {
+        t = 0.f;
+        if (capped()) {
+            t = tanh_sfu(s * cap_in);
+            s = cap_out * t;
+        }
+        if (biased()) s = fmaf(bias, fabsf((float)(row + dist_off - col)), s);
+        return s;
+    }
+
+    // d(modified)/d(raw) from apply()'s t.
+    static __device__ __forceinline__ float grad(float t) { return fmaf(-t, t, 1.f); }
+
+    // A forward accumulator tile of one 16-row mma tile (rows row_g, row_g + 8; columns of this
+    // lane), the softcap and the bias each behind one uniform branch.
+    template <int NS>
+    __device__ __forceinline__ void apply_rows(float (&acc)[NS][4], int row_g, int n0, int lane) const {
+        if (capped()) {
+#pragma unroll
+            for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
+        }
+        if (biased()) {
+#pragma unroll
+            for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row_g + 8 * (e / 2), col = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
+                    acc[ni][e] = fmaf(bias, fabsf((float)(row + dist_off - col)), acc[ni][e]);
+                }
+        }
+    }
+};
+
+// The sink of head h in raw units (for the softmax's running max), or -inf without sinks.
+__device__ __forceinline__ float sink_raw(const ScoreModArgs& a, int h) {
+    return a.sinks != nullptr ? a.sinks[h] * a.inv_scale : -INFINITY;
+}
