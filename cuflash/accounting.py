@@ -222,6 +222,9 @@ class FlopCount:
     dense_equivalent: int  # peers' convention (see dense_convention)
     convention: str
     dense_convention: str
+    # score modifiers' elementwise operations over the visible pairs (not in flops, like the
+    # softmax): a softcap's tanh (and in the backward its derivative), ALiBi's bias FMA
+    elementwise: int = 0
 
     def tflops_per_s(self, seconds: float) -> float:
         """Exact FLOPs per second in TFLOP/s (the figure to quote for this kernel)."""
@@ -237,7 +240,7 @@ class FlopCount:
 
 
 def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqlens_q=None,
-          cu_seqlens_k=None, layout="bhsd", pass_="fwd") -> FlopCount:
+          cu_seqlens_k=None, layout="bhsd", pass_="fwd", softcap=None, alibi_slopes=None, sinks=None) -> FlopCount:
     """Exact pair and FLOP counts of attention over q of ``q_shape`` and k, v of ``k_shape``.
 
     Shapes are (..., H, N, d) (``layout="bhsd"``), (..., N, H, d) (``"bshd"``) or (N, d); with
@@ -251,6 +254,11 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     10 * pairs * d (S recomputed, dP, dV, dQ, dK), "fwd+bwd" 14 * pairs * d. Softmax, scaling and
     masking are not counted. dense_equivalent is the peers' 4 * B * H * Nq * Nk * d, halved when
     causal, ignoring windows (backward 2.5x that): use it only to compare with their tables.
+
+    Score modifiers (any value but None turns one on; only whether it is given matters) change no
+    product: ``elementwise`` counts their work per visible pair apart - the softcap 1 tanh forward,
+    2 backward (the tanh recomputed and the derivative 1 - tanh^2 applied to dS), ALiBi 1 fused
+    multiply-add each pass - one operation each. Sinks add one term per row (not counted).
     """
     _check_choice("pass_", pass_, PASSES)
     causal = masks.normalize_causal(causal)
@@ -268,7 +276,17 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
              + {"fwd": "", "bwd": ", x2.5 for the backward", "fwd+bwd": ", x3.5 for fwd+bwd"}[pass_]
              + ("; window ignored by this convention (the exact count applies it)" if window is not None else "")
              + ("; Nk_b = kv_lens[b]" if kv_lens is not None else ""))
-    return FlopCount(pass_, pairs, d, _EXACT_PER_PAIR[pass_] * pairs * d, dense, conv, dconv)
+    per_pair = {"fwd": 0, "bwd": 0}
+    if softcap is not None:
+        per_pair["fwd"] += 1
+        per_pair["bwd"] += 2
+    if alibi_slopes is not None:
+        per_pair["fwd"] += 1
+        per_pair["bwd"] += 1
+    elementwise = pairs * {"fwd": per_pair["fwd"], "bwd": per_pair["bwd"], "fwd+bwd": sum(per_pair.values())}[pass_]
+    if elementwise:
+        conv += "; score modifiers: elementwise, counted apart"
+    return FlopCount(pass_, pairs, d, _EXACT_PER_PAIR[pass_] * pairs * d, dense, conv, dconv, elementwise)
 
 
 # --------------------------------------------------------------------------- memory
@@ -540,7 +558,8 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
 
 
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
-                  layout="bhsd", splits=None, registers=None, deterministic=False) -> MemoryReport:
+                  layout="bhsd", splits=None, registers=None, deterministic=False, alibi_slopes=None,
+                  sinks=None) -> MemoryReport:
     """Every device buffer of one attention pass, exact bytes, by category.
 
     q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
@@ -557,6 +576,10 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     see :func:`forward_launch` / :func:`backward_launch`; registers of the forward when
     ``registers`` per thread is given) which is not device memory and is never added to the
     totals. ``causal`` and ``deterministic`` change no device buffer.
+
+    ``alibi_slopes`` / ``sinks``: arrays or shapes of the score modifiers' float32 inputs (listed
+    as inputs; the backward with sinks also writes dsinks, float32 (Hq,)). A softcap adds no
+    buffer.
     """
     _check_choice("method", method, METHODS)
     _check_choice("pass_", pass_, PASSES)
@@ -591,8 +614,18 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
         if not fwd:
             E.append(MemoryEntry("O", INPUT, q_elems * s, "the forward's output, read by the backward"))
         E.append(MemoryEntry("dO", INPUT, q_elems * s, "upstream gradient, B*Hq*Nq*d"))
+    for name, a, what in (("ALiBi slopes", alibi_slopes, "float32 (Hq,) or (B, Hq)"),
+                          ("sinks", sinks, "float32 (Hq,)")):
+        if a is not None:
+            shape = tuple(a.shape) if hasattr(a, "shape") else tuple(_int_list(name, a))
+            if not shape or shape[-1] != p.hq or len(shape) > (2 if name != "sinks" else 1):
+                raise ValueError(f"{'alibi_slopes' if name != 'sinks' else 'sinks'}: expected {what} with Hq = {p.hq}, "
+                                 f"got shape {shape}")
+            E.append(MemoryEntry(name, INPUT, math.prod(shape) * 4, what))
     if fwd:
         E.append(MemoryEntry("O", OUTPUT, q_elems * s, "B*Hq*Nq*d"))
+    if bwd and sinks is not None:
+        E.append(MemoryEntry("dsinks", OUTPUT, p.hq * 4, "float32 (Hq,)"))
     if bwd:
         E += [MemoryEntry("dQ", OUTPUT, q_elems * s, "B*Hq*Nq*d"),
               MemoryEntry("dK", OUTPUT, kv_elems * s, "B*Hkv*Nk*d (summed over the group's query heads)"),

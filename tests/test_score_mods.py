@@ -412,3 +412,30 @@ def test_plan_refuses_what_has_no_kernel():
         dispatch.forward_plan(p, h100, dispatch.ALIGNED, tuned=False)
     with pytest.raises(NotImplementedError, match="float32"):
         dispatch.backward_plan(p, h100, dispatch.ALIGNED, tuned=False)
+
+
+# ----------------------------------------------------------------------------- accounting
+
+def test_flops_count_the_modifiers_apart():
+    base = cuflash.flops((2, 4, 300, 64), (2, 2, 500, 64), causal=True)
+    for pass_, softcap_ops, alibi_ops in (("fwd", 1, 1), ("bwd", 2, 1), ("fwd+bwd", 3, 2)):
+        plain = cuflash.flops((2, 4, 300, 64), (2, 2, 500, 64), causal=True, pass_=pass_)
+        both = cuflash.flops((2, 4, 300, 64), (2, 2, 500, 64), causal=True, pass_=pass_, softcap=30.0,
+                             alibi_slopes=np.zeros(4, np.float32), sinks=np.zeros(4, np.float32))
+        cap = cuflash.flops((2, 4, 300, 64), (2, 2, 500, 64), causal=True, pass_=pass_, softcap=30.0)
+        assert both.flops == plain.flops and both.pairs == plain.pairs == base.pairs
+        assert plain.elementwise == 0
+        assert cap.elementwise == softcap_ops * plain.pairs
+        assert both.elementwise == (softcap_ops + alibi_ops) * plain.pairs
+        assert "score modifiers" in both.convention
+
+
+def test_memory_report_lists_modifier_inputs():
+    plain = cuflash.memory_report((2, 4, 300, 64), (2, 2, 500, 64), pass_="fwd+bwd")
+    rep = cuflash.memory_report((2, 4, 300, 64), (2, 2, 500, 64), pass_="fwd+bwd",
+                                alibi_slopes=np.zeros((2, 4), np.float32), sinks=(4,))
+    names = {e.name: e for e in rep.entries}
+    assert names["ALiBi slopes"].bytes == 2 * 4 * 4 and names["sinks"].bytes == 16 and names["dsinks"].bytes == 16
+    assert rep.device_bytes == plain.device_bytes + 32 + 16 + 16
+    with pytest.raises(ValueError, match="sinks"):
+        cuflash.memory_report((2, 4, 300, 64), (2, 2, 500, 64), sinks=(3,))
