@@ -4,6 +4,8 @@ independently), with the project's accuracy rule; masked rows, GQA, windows, kv_
 paged inputs; finite differences of the oracle's gradients (dsinks, the softcap's chain rule);
 validation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -158,8 +160,6 @@ def test_sinks_definition(rng):
 def _loss(q, k, v, do, mods):
     """sum(do * o) of the float64 materializing reference (cuflash.backends.reference.forward_bhsd
     on float64 arrays, causal); ``mods`` may hold float64 sinks (the formula reads any array)."""
-    import dataclasses
-
     p = problem.validate_forward(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), causal=True)
     p = dataclasses.replace(p, softcap=mods.get("softcap"), sinks=mods.get("sinks"),
                             alibi=None if mods.get("alibi_slopes") is None
