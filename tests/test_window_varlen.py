@@ -234,9 +234,9 @@ def test_only_band_tiles_are_computed(rng, monkeypatch, causal, window):
     do = random_array(rng, q.shape, np.float16)
     seen = []
     real = cpu._scores
-    def counted(p, qt, kt, m0, m1, n0, b):
+    def counted(p, qt, kt, m0, m1, n0, b, **kw):
         seen.append((m0, n0))
-        return real(p, qt, kt, m0, m1, n0, b)
+        return real(p, qt, kt, m0, m1, n0, b, **kw)
 
     monkeypatch.setattr(cpu, "_scores", counted)
     vis = brute_visible(causal, window, nq, nk)
