@@ -171,15 +171,33 @@ def test_prepared_and_vjp(rng):
     assert len(vjp(o3)) == 4
 
 
-def test_unsupported_raise(rng):
-    mods = dict(softcap=2.0)
+def test_float32_raises(rng):
     q, k, v = (to_device(a) for a in random_inputs(rng, (1, 2, 64, 64), (1, 2, 64, 64), FLOAT32))
-    with pytest.raises(NotImplementedError, match="float32"):
-        cuflash.attention(q, k, v, **mods)
-    # a head dim that is not a multiple of 8: no 16-byte loads
-    q, k, v = (to_device(a) for a in random_inputs(rng, (1, 2, 64, 60), (1, 2, 64, 60), FLOAT16))
-    with pytest.raises(NotImplementedError, match="16-byte"):
-        cuflash.attention(q, k, v, **mods)
+    for mods in (dict(softcap=2.0), dict(sinks=cupy.zeros(2, np.float32))):
+        with pytest.raises(NotImplementedError, match="float32"):
+            cuflash.attention(q, k, v, **mods)
+
+
+@pytest.mark.parametrize("d", [60, 13])
+def test_head_dims_without_16_byte_rows(rng, kernels, d):
+    """d % 8 != 0: the inputs are copied into zero-padded rows for the modifier kernels."""
+    q, k, v = random_inputs(rng, (2, 2, 90, d), (2, 1, 120, d), FLOAT16)
+    do = random_array(rng, q.shape, FLOAT16)
+    mods = make_mods(rng, "all", 2, 2)
+    o, lse, grads = run(q, k, v, do, mods, causal=True)
+    assert_forward_accurate(o, lse, q, k, v, causal=True, **mods)
+    assert_backward_accurate(grads, do, q, k, v, causal=True, **mods)
+
+
+def test_unaligned_rows(rng):
+    """Row strides that are not a multiple of 16 bytes (a slice of a wider array)."""
+    wide = random_inputs(rng, (1, 2, 70, 76), (1, 2, 80, 76), BFLOAT16)  # rows 152 bytes apart
+    q, k, v = (a[..., :64] for a in wide)
+    mods = make_mods(rng, "all", 2, 1)
+    dq, dk, dv = (to_device(a)[..., :64] for a in wide)
+    o, lse = cuflash.attention(dq, dk, dv, return_lse=True, **on_device(mods))
+    assert_forward_accurate(to_host(o), lse.get(), np.ascontiguousarray(q), np.ascontiguousarray(k),
+                            np.ascontiguousarray(v), **mods)
 
 
 def test_modifier_arrays_must_be_on_the_device(rng):

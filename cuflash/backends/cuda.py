@@ -7,6 +7,8 @@ the schedule search and the tuner); without them the dispatch decides."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..core.arrays import FLOAT32
@@ -22,6 +24,25 @@ from ..kernels.operands import describe, unit_d, vector_ok
 def _check_out(o4, p):
     if o4.strides[-1] != o4.itemsize and p.d > 1:
         raise ValueError("out: the head dim must have unit stride")
+
+
+def _padded_copies(p, arrays):
+    """(p with d rounded up to a multiple of 8, zero-padded contiguous copies of the 16-bit
+    arrays): the score-modifier kernels load 16 bytes at a time. Zero columns change no score,
+    no D and no output column that is kept."""
+    import cupy
+
+    d8 = -(-p.d // 8) * 8
+    copies = []
+    for a in arrays:
+        c = cupy.zeros(a.shape[:-1] + (d8,), dtype=a.dtype)
+        c.view(np.uint16)[..., : p.d] = a.view(np.uint16)  # (bits: CuPy stores bfloat16 only)
+        copies.append(c)
+    return dataclasses.replace(p, d=d8), copies
+
+
+def _copy_columns(dst, src, d):
+    dst.view(np.uint16)[...] = src.view(np.uint16)[..., :d]
 
 
 def decode_applies(p, k4, v4) -> bool:
@@ -71,6 +92,14 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
         raise NotImplementedError(MODS_FP32 if p.modified else FP32_BAND)
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
+    if p.modified and not vector_ok((q4, k4, v4, o4), p.d):  # the modifier kernels load 16 bytes at a time
+        import cupy
+
+        pp, (qp, kp, vp) = _padded_copies(p, (q4, k4, v4))
+        op = cupy.empty(qp.shape, dtype=p.dtype)
+        forward_band(pp, qp, kp, vp, op, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q, tile=tile)
+        _copy_columns(o4, op, p.d)
+        return
     q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
     _check_out(o4, p)
     ops = dispatch.Operands(vec=vector_ok((q4, k4, v4, o4), p.d))
@@ -104,6 +133,16 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         fp32.launch_backward(plan, p, do4, q4, k4, v4, dq4, dk4, dv4)
         return
     if p.batch == 0 or p.hq == 0:
+        return
+    if p.scores_modified and not vector_ok((do4, q4, k4, v4, o4, dq4, dk4, dv4), p.d):
+        import cupy
+
+        pp, padded = _padded_copies(p, (do4, q4, k4, v4, o4))
+        grads = [cupy.empty(g.shape[:-1] + (pp.d,), dtype=p.dtype) for g in (dq4, dk4, dv4)]
+        backward(pp, *padded, lse3, *grads, deterministic=deterministic, tile=tile, hopper_tile=hopper_tile,
+                 cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
+        for g, gp in zip((dq4, dk4, dv4), grads):
+            _copy_columns(g, gp, p.d)
         return
     do4, q4, k4, v4, o4 = (unit_d(a) for a in (do4, q4, k4, v4, o4))
     ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)
