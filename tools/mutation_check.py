@@ -33,6 +33,7 @@ COPIED = ("cuflash", "cuda_src", "tests", "pyproject.toml")
 FORWARD = ["tests/test_cpu_forward.py"]
 BACKWARD = ["tests/test_cpu_backward.py"]
 MASKS = ["tests/test_cpu_forward.py", "tests/test_cpu_backward.py"]
+MODS = ["tests/test_score_mods.py", "-k", "small_tiles and f16 and 37"]
 WINDOW = ["tests/test_window_varlen.py", "-k", "window_forward or window_backward or window_public or varlen_forward"]
 
 
@@ -116,6 +117,22 @@ MUTANTS = [
            "t = a4[:, (np.arange(p.hq) % p.group) * p.hkv + np.arange(p.hq) // p.group, m0:m1]"
            ".astype(accumulator_dtype(p.dtype))", tuple(FORWARD),
            "GQA: query head h reads K/V head h % Hkv instead of h // group"),
+    Mutant("softcap-no-derivative", "cuflash/backends/numpy.py",
+           "                ds *= factor\n", "                pass\n", tuple(MODS),
+           "backward: the softcap's 1 - tanh^2 left out of dS"),
+    Mutant("softcap-twice-the-cap", "cuflash/backends/numpy.py",
+           "        s = c * t\n", "        s = 2 * c * t\n", tuple(MODS),
+           "softcap: scores capped at 2c instead of c"),
+    Mutant("alibi-sign", "cuflash/backends/numpy.py",
+           "s = s - slopes * dist.astype(s.dtype)", "s = s + slopes * dist.astype(s.dtype)", tuple(MODS),
+           "ALiBi: bias added with the wrong sign"),
+    Mutant("sink-missing-from-denominator", "cuflash/backends/numpy.py",
+           "            l[...] = 1\n", "            l[...] = 0\n", tuple(MODS),
+           "sinks: the running max starts at the sink but its exp(0) is not counted"),
+    Mutant("dsinks-sign", "cuflash/backends/numpy.py",
+           "total += -(p_sink * row_dot[t]).sum(axis=(0, 3)).reshape(p.hq)",
+           "total += (p_sink * row_dot[t]).sum(axis=(0, 3)).reshape(p.hq)", tuple(MODS),
+           "backward: dsinks with the wrong sign"),
 ]
 
 
