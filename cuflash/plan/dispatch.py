@@ -7,6 +7,9 @@ few facts of the call's arrays (Operands); an explicit tile (schedule search, te
 tables, and with ``CUFLASH_TUNE`` the tuning cache's winner does (plan.tuning).
 
 Order of the forward's choice:
+  score modifiers (softcap, ALiBi, sinks) -> the mma.sync band kernel with them (attn_fwd_band_mod),
+  on every GPU and for every mask (the backward: the *_band_mod kernels for softcap / ALiBi; sinks
+  alone keep the plain backward);
   few query rows per K/V head over a long cache -> split-KV decode (plan.decode);
   a window or packed sequences -> the band kernels (wgmma on sm_90, else mma.sync);
   sm_90, 16-bit, 16-byte-aligned rows, a head dim of the Hopper tables -> the wgmma forward, on a
