@@ -32,6 +32,8 @@ cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# JAX would otherwise take most of the GPU's memory in whichever test worker imports it first.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PART=${PART:-all}
 rc=0
 
