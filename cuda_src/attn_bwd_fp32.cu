@@ -1,10 +1,12 @@
 // Backward attention for float32 inputs, computed in float64 on the FMA pipes (f64_tile.cuh says
 // why float64: the only float32 rounding left is the final one of dQ, dK and dV).
 //
-// The saved float32 lse is not used: it is within half an ulp of the true value, so exp(s - lse)
+// The saved float32 lse is refined: it is within half an ulp of the true value, so exp(s - lse)
 // would move every probability by up to |lse| * 2^-24 relative - several float32 ulps of the
-// gradients once |lse| >= 8, beyond the accuracy rule. Nor is the float32 O: D = rowsum(dO * O)
-// is computed exactly as sum_j P_ij dP_ij. Two kernels, no atomics (bitwise reproducible):
+// gradients once |lse| >= 8, beyond the accuracy rule. Where it is the lse of this call's keys, the
+// exact lse2 and D = sum_j P_ij dP_ij computed here replace it and rowsum(dO * O); where it is over
+// more keys (a global lse, the call holding a slice of them) it is used as given (given_row_stats).
+// Two kernels, no atomics (bitwise reproducible):
 //
 //   attn_bwd_f32_dq (one block per query tile, head, batch):
 //     pass 1 over the visible key tiles: S = Q K^T, dP = dO V^T; online row max m, row sum
@@ -145,6 +147,12 @@ attn_bwd_f32_dq(const float* __restrict__ q, const float* __restrict__ k, const 
         const double l = lanes8_sum(l_run[i]), w = lanes8_sum(w_run[i]);
         lse2[i] = l > 0.0 ? m_run[i] + log2(l) : -INFINITY;  // -inf: the row sees no key
         dsum[i] = l > 0.0 ? w / l : 0.0;
+        const int row = ty + i * RG;
+        if (row < rows_valid) given_row_stats(lse2[i], dsum[i], ws_lse2[stat0 + row], ws_d[stat0 + row]);
+    }
+    __syncwarp();  // a row's 8 lanes (one warp) read the given statistics before lane 0 overwrites them
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
         const int row = ty + i * RG;
         if (tx == 0 && row < rows_valid) {
             ws_lse2[stat0 + row] = lse2[i];

@@ -290,6 +290,12 @@ attn_bwd_f32_mma_dq(const float* __restrict__ q, const float* __restrict__ k, co
         const double w = stats[r * 3 + 2] * a_a + stats[(BM + r) * 3 + 2] * a_b;
         lse2[hf] = l > 0.0 ? mx + log2(l) : -INFINITY;  // -inf: the row sees no key
         dsum[hf] = l > 0.0 ? w / l : 0.0;
+        if (r < rows_valid) given_row_stats(lse2[hf], dsum[hf], ws_lse2[stat0 + r], ws_d[stat0 + r]);
+    }
+    __syncthreads();  // both halves read the given statistics before half 0 overwrites them
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = rw * 16 + g + 8 * hf;
         if (half == 0 && t == 0 && r < rows_valid) {
             ws_lse2[stat0 + r] = lse2[hf];
             ws_d[stat0 + r] = dsum[hf];

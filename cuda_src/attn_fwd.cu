@@ -39,8 +39,10 @@ struct FwdTraits {
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
 
+// O32: o is float32 (cuflash.attention(out_dtype=float32)): the normalized accumulator is stored
+// as it is, never rounded to 16 bits; o points to floats and its strides count floats.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          bool LAZY_RESCALE, bool BAND, bool MOD = false>
+          bool LAZY_RESCALE, bool BAND, bool MOD = false, bool O32 = false>
 __device__ __forceinline__ void
 attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
               u16* __restrict__ o, float* __restrict__ lse,
@@ -203,6 +205,32 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     float row_lse[2 * kMmaM];
     softmax.template finalize<kMmaM, kNO>(acc_o, scale_log2, row_lse);
 
+    if constexpr (O32) {
+        // Straight from the accumulator fragments: a lane holds two adjacent columns of a row
+        // (8 bytes), four lanes 32 contiguous bytes of it.
+        float* gO = reinterpret_cast<float*>(o) + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
+                if (row >= rows_valid) continue;
+#pragma unroll
+                for (int di = 0; di < kNO; ++di) {
+                    const int col = di * 8 + 2 * (lane & 3);
+                    const float x0 = acc_o[mi][di][2 * hf], x1 = acc_o[mi][di][2 * hf + 1];
+                    if constexpr (VEC) {  // rows 16-byte aligned, d a multiple of 8
+                        float2 pair;
+                        pair.x = x0;
+                        pair.y = x1;
+                        if (col < d) *reinterpret_cast<float2*>(gO + row * o_sn + col) = pair;
+                    } else {
+                        if (col < d) gO[row * o_sn + col] = x0;
+                        if (col + 1 < d) gO[row * o_sn + col + 1] = x1;
+                    }
+                }
+            }
+    } else {
     // Stage O through this warp's own rows of sQ (only this warp read them), then store 16 bytes
     // per lane, coalesced along rows.
     __syncwarp();
@@ -240,6 +268,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
             }
         }
     }
+    }
     if ((lane & 3) == 0) {
         float* gL = lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0);
 #pragma unroll
@@ -261,6 +290,20 @@ attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __rest
     attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, LAZY_RESCALE, false>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr});
+}
+
+// attn_fwd with a float32 o (out_dtype=float32): a kernel of its own, so attn_fwd's code stays as it was.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool LAZY_RESCALE = true>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd_o32(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+             float* __restrict__ o, float* __restrict__ lse,
+             i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+             i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+             int nq, int nk, int d, int group, int causal_off, float scale_log2) {
+    attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, LAZY_RESCALE, false, false, true>(
+        q, k, v, reinterpret_cast<u16*>(o), lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh,
+        o_sn, nq, nk, d, group, causal_off, scale_log2, FwdBand{0, 0, nullptr, nullptr});
 }
 
 // Sliding window and/or packed sequences: both bounds at run time (an open side clamps away) and

@@ -308,3 +308,16 @@ __device__ __forceinline__ double quad_sum(double x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+
+// The caller's row statistics, prefilled in ws_lse2 (its float32 lse in base 2) and ws_d (rowsum(dO * O)
+// of its O): the exact ones computed here replace them only where the given lse is within a few
+// float32 roundings of this call's own (2^-21 |lse|), i.e. the call holds all the keys the row saw.
+// A given lse over more keys (a merged, global one: context parallelism passes a slice of the keys)
+// is used as given, with its D; a given -inf with keys visible here gives P = 0 (lse2 = +inf).
+__device__ __forceinline__ void given_row_stats(double& lse2, double& dsum, double g_lse2, double g_d) {
+    const double tol = ldexp(fmax(fabs(g_lse2), 1.4426950408889634), -21);
+    if (isfinite(lse2) && isfinite(g_lse2) && fabs(lse2 - g_lse2) <= tol) return;
+    if (lse2 == -INFINITY && g_lse2 == -INFINITY) return;  // the row sees no key at all
+    lse2 = g_lse2 == -INFINITY ? INFINITY : g_lse2;
+    dsum = g_d;
+}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -26,8 +27,9 @@ import numpy as np
 
 from .core import masks
 from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
-from .core.problem import check_offset_values
+from .core.problem import check_offset_values, check_out_dtype
 from .plan import decode, dispatch, schedule
+from .plan import forward as plan_forward
 from .plan.hopper import split_partials
 from .plan.target import H200
 
@@ -559,7 +561,7 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
 
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
                   layout="bhsd", splits=None, registers=None, deterministic=False, alibi_slopes=None,
-                  sinks=None) -> MemoryReport:
+                  sinks=None, out_dtype=None) -> MemoryReport:
     """Every device buffer of one attention pass, exact bytes, by category.
 
     q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
@@ -580,11 +582,51 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     ``alibi_slopes`` / ``sinks``: arrays or shapes of the score modifiers' float32 inputs (listed
     as inputs; the backward with sinks also writes dsinks, float32 (Hq,)). A softcap adds no
     buffer.
+
+    ``out_dtype=float32`` (forward, tiled) with 16-bit inputs models ``attention(...,
+    out_dtype=float32)`` on the GPU: for d a multiple of 8 the mma.sync kernel with a float32
+    epilogue (a float32 O, nothing else); otherwise the inputs are widened to float32 copies
+    (workspace) and the float32 kernels run.
     """
     _check_choice("method", method, METHODS)
     _check_choice("pass_", pass_, PASSES)
     causal = masks.normalize_causal(causal)
     p = _problem_dims(q, k, v, layout, dtype)
+    if check_out_dtype(out_dtype) and p.dtype != FLOAT32:
+        if method != "tiled" or pass_ != "fwd" or alibi_slopes is not None or sinks is not None:
+            raise ValueError("out_dtype: float32 output is modelled for method='tiled', pass_='fwd' and no "
+                             "score modifiers only")
+        if p.d % 8 == 0 and config is None:  # attn_fwd_o32: the mma.sync kernel storing float32 o
+            spec, t = plan_forward.forward_spec(p.dtype, p.d, causal is not None, True, o32=True)
+            s16, q_elems = p.dtype.itemsize, p.batch * p.hq * p.nq * p.d
+            kv_elems = p.batch * p.hkv * p.nk * p.d
+            E = [MemoryEntry("Q", INPUT, q_elems * s16, "B*Hq*Nq*d"),
+                 MemoryEntry("K", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
+                 MemoryEntry("V", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
+                 MemoryEntry("O", OUTPUT, q_elems * 4, "float32 B*Hq*Nq*d (out_dtype=float32)"),
+                 MemoryEntry("LSE", SAVED, p.batch * p.hq * p.nq * LSE_ITEMSIZE,
+                             "float32 log-sum-exp, B*Hq*Nq*4: written by the forward"),
+                 MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
+                             f"{t.block_m} query rows x {t.block_n}-key tiles; {spec.short_name}")]
+            shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
+            return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E),
+                                ("out_dtype=float32: the mma.sync kernel with a float32 epilogue (aligned arrays "
+                                 "assumed; unaligned ones, kv_lens, paged caches, windows and packed sequences "
+                                 "widen the inputs: d not a multiple of 8 is modelled so)",))
+        shapes = [_as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", k if v is None else v))]
+        wide = memory_report(*shapes, method=method, pass_=pass_, dtype=FLOAT32, causal=causal, config=config,
+                             layout=layout, splits=splits, registers=registers, deterministic=deterministic)
+        s16 = p.dtype.itemsize
+        entries = []
+        for e in wide.entries:
+            if e.category == INPUT:  # the caller's 16-bit array, and its float32 copy
+                entries.append(dataclasses.replace(e, bytes=e.bytes // 4 * s16))
+                entries.append(MemoryEntry(f"{e.name} (float32 copy)", WORKSPACE, e.bytes,
+                                           "widened exactly for the float32 kernels (out_dtype=float32)", phase="fwd"))
+            else:
+                entries.append(e)
+        notes = wide.notes + (f"out_dtype=float32: {dtype_name(p.dtype)} inputs widened, the float32 kernels run",)
+        return MemoryReport(method, pass_, dtype_name(p.dtype), wide.shape, tuple(entries), notes)
     if method == "tiled":
         _check_head_dim(p.d, "q")
         if config is not None:
@@ -654,9 +696,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
             notes.append("the key split also keeps a 4 KiB counter buffer per device and stream from its first "
                          "launch on (zeroed again by every launch; not counted per call)")
         if bwd and p.dtype == FLOAT32:  # float32 kernels (plan.fp32): no dQ accumulator; float64 row statistics
-            E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp recomputed by the dQ kernel "
-                              "(base 2), B*Hq*Nq*8; the saved float32 LSE is not read", phase="bwd"),
-                  MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(P*dP), B*Hq*Nq*8", phase="bwd")]
+            E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp (base 2), B*Hq*Nq*8: the "
+                              "saved LSE, replaced by the dQ kernel's recomputed one where it is this call's own",
+                              phase="bwd"),
+                  MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(dO*O), B*Hq*Nq*8 (rowsum(P*dP) where the LSE "
+                              "is replaced)", phase="bwd")]
         elif bwd:
             frag = _backward_frag_dq(p.dtype, hd, causal, deterministic)
             width = _dq_accumulator_width(p.dtype, hd, deterministic)
@@ -972,6 +1016,10 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
                 IOEntry(p + "K (dQ kernel)", 2 * bh * dq_keys * d, 0, s,
                         f"twice (statistics, then dQ) per query tile ({bl.dq_block_m} rows) per query head"),
                 IOEntry(p + "V (dQ kernel)", 2 * bh * dq_keys * d, 0, s, "twice per query tile per query head"),
+                IOEntry(p + "O, dO (given D)", 2 * qe, 0, s, "read once: float64 rowsum(dO*O) of the given o"),
+                IOEntry(p + "LSE (given)", rows, 0, LSE_ITEMSIZE, "the given float32 lse, read once"),
+                IOEntry(p + "LSE, D (given, float64)", 2 * rows, 2 * rows, 8,
+                        "written by the host's prefill, read once by the dQ kernel"),
                 IOEntry(p + "LSE, D", 2 * bh * q_rows, 2 * rows, 8,
                         "float64: written once by the dQ kernel, reread per visible K/V tile"),
                 IOEntry(p + "K", kve, 0, s, "read once per K/V tile"),
@@ -1072,3 +1120,159 @@ def format_table(header, rows) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line([str(h) for h in header]), sep] + [line(r) for r in rows])
+
+
+# --------------------------------------------------------------------------- context parallelism
+
+# Assumed rates of the overlap model (override per call): the 16-bit kernels' measured throughput
+# on the H200 at d = 128, 16k tokens (docs/performance.md: forward 683-711, backward 553-562
+# TFLOP/s), NVLink 4 at 450 GB/s per direction of which a ring's send and receive each reach
+# about 400, and the HBM bandwidth the merge streams at (copy ceiling, 4.28 TB/s measured).
+CP_TFLOPS_FWD = 680.0
+CP_TFLOPS_BWD = 550.0
+CP_LINK_GBPS = 400.0
+CP_HBM_GBPS = 4280.0
+
+
+@dataclass(frozen=True)
+class ContextParallelStep:
+    """One step of the ring (the slowest rank's compute; every rank sends one block)."""
+
+    step: int
+    flops: int  # the busiest rank's FLOPs in this step
+    bytes_sent: int  # per rank
+    compute_s: float
+    transfer_s: float
+
+    @property
+    def time_s(self) -> float:
+        """Compute and transfer overlap: the step takes the longer of the two."""
+        return max(self.compute_s, self.transfer_s)
+
+
+@dataclass(frozen=True)
+class ContextParallelModel:
+    """Per-rank FLOPs, bytes per step and the overlap model of one pass (cuflash.distributed)."""
+
+    world: int
+    mode: str
+    balance: str
+    pass_: str
+    seq_len: int
+    rank_flops: tuple  # per rank, the whole pass
+    steps: tuple  # ContextParallelStep (ring) or one entry per phase (all-gather)
+    serial_flops: int  # the single-device pass's exact FLOPs
+    tflops: float
+    link_gbps: float
+    notes: tuple = ()
+
+    @property
+    def time_s(self) -> float:
+        return sum(s.time_s for s in self.steps)
+
+    @property
+    def single_device_s(self) -> float:
+        return self.serial_flops / (self.tflops * 1e12)
+
+    @property
+    def speedup(self) -> float:
+        return self.single_device_s / self.time_s if self.time_s else float("inf")
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.world
+
+    def table(self) -> str:
+        rows = [(s.step, f"{s.flops:,}", f"{s.bytes_sent:,}", f"{s.compute_s * 1e3:.3f}", f"{s.transfer_s * 1e3:.3f}",
+                 "compute" if s.compute_s >= s.transfer_s else "transfer") for s in self.steps]
+        return format_table(("step", "busiest rank FLOPs", "bytes sent / rank", "compute ms", "transfer ms",
+                             "bound by"), rows)
+
+
+def _chunk_pairs(causal, qa, qb, ka, kb):
+    """Visible (query, key) pairs between global rows [qa, qb) and [ka, kb) of one sequence."""
+    if qb <= qa or kb <= ka:
+        return 0
+    if not causal:
+        return (qb - qa) * (kb - ka)
+    # row i sees keys [ka, min(kb, i + 1)): i + 1 - ka of them for ka <= i < kb - 1, all from kb - 1 on
+    lo, hi = max(qa, ka), max(max(qa, ka), min(qb, kb - 1))
+    partial = (hi - ka) * (hi - ka + 1) // 2 - (lo - ka) * (lo - ka + 1) // 2
+    full = max(0, qb - max(qa, kb - 1)) * (kb - ka)
+    return partial + full
+
+
+def _cp_chunks(n, world, balance):
+    chunks = 2 * world if balance == "zigzag" else world
+    edge = [c * n // chunks for c in range(chunks + 1)]
+    ids = [(r, 2 * world - 1 - r) if balance == "zigzag" else (r,) for r in range(world)]
+    return [[(edge[c], edge[c + 1]) for c in cs] for cs in ids]
+
+
+def context_parallel(q_shape, world, *, hkv=None, causal=False, dtype=None, mode="ring", balance="zigzag",
+                     pass_="fwd", tflops=None, link_gbps=CP_LINK_GBPS, hbm_gbps=CP_HBM_GBPS) -> ContextParallelModel:
+    """The model of ``cuflash.distributed.ring_attention`` over a whole sequence of ``q_shape``
+    (B, Hq, N, d) on ``world`` ranks: each rank's FLOPs, the bytes each rank sends per step, and
+    per step the compute time (the busiest rank at ``tflops``, plus the float32 merge of its
+    partial o at ``hbm_gbps``) against the transfer time at ``link_gbps`` (GB/s per direction).
+
+    Ring (``mode="ring"``): step s computes this rank's rows against the block of rank r - s while
+    the next block is sent, so a step takes max(compute, transfer). Forward sends K and V
+    (``dtype``); backward also dK and dV (float32). All-gather: the K/V all-gather (forward and
+    backward) and the backward's dK/dV all-reduce (float32, 2 (P-1)/P of it) are not overlapped.
+    ``tflops`` defaults to the 16-bit kernels' measured H200 rates (CP_TFLOPS_FWD / _BWD)."""
+    _check_choice("mode", mode, ("ring", "allgather"))
+    _check_choice("balance", balance, ("zigzag", "contiguous"))
+    _check_choice("pass_", pass_, ("fwd", "bwd"))
+    if len(q_shape) != 4:
+        raise ValueError(f"q_shape: expected (B, Hq, N, d), got {q_shape}")
+    b, hq, n, d = (_check_int("q_shape", x, minimum=1) for x in q_shape)
+    world = _check_int("world", world, minimum=1)
+    hkv = hq if hkv is None else _check_int("hkv", hkv, minimum=1)
+    _check_heads(hq, hkv)
+    dt = _check_dtype("dtype", dtype if dtype is not None else BFLOAT16)
+    causal = bool(masks.normalize_causal(causal))
+    per_pair = 4 if pass_ == "fwd" else 10
+    rate = tflops if tflops is not None else (CP_TFLOPS_FWD if pass_ == "fwd" else CP_TFLOPS_BWD)
+    if not (rate > 0 and link_gbps > 0 and hbm_gbps > 0):
+        raise ValueError("tflops, link_gbps, hbm_gbps: expected positive rates")
+    chunks = _cp_chunks(n, world, balance)
+    lens = [sum(e - s for s, e in cs) for cs in chunks]
+    unit = per_pair * b * hq * d  # FLOPs per visible pair
+    serial = unit * _chunk_pairs(causal, 0, n, 0, n)
+    kv_elems = 2 * b * hkv * d  # K and V per sequence row
+    steps, rank_flops, notes = [], [0] * world, []
+    if mode == "ring":
+        for s in range(world):
+            flops, merge_bytes = [], 0
+            for r in range(world):
+                src = (r - s) % world
+                pairs = sum(_chunk_pairs(causal, qa, qb, ka, kb) for qa, qb in chunks[r] for ka, kb in chunks[src])
+                flops.append(unit * pairs)
+                rank_flops[r] += unit * pairs
+            busiest = max(flops)
+            # the merge of this step's float32 partial o into the running one: read two, write one
+            merge_bytes = 3 * b * hq * max(lens) * d * 4 if (s > 0 and pass_ == "fwd") else 0
+            # K, V on to the next rank but after the last step; the backward's float32 dK, dV every step
+            # (after the last one they return to their owner, overlapping nothing: counted in that step)
+            sent = 0
+            if world > 1:
+                sent = (kv_elems * max(lens) * dt.itemsize if s < world - 1 else 0) + \
+                    (kv_elems * max(lens) * 4 if pass_ == "bwd" else 0)
+            steps.append(ContextParallelStep(s, busiest, sent, busiest / (rate * 1e12) + merge_bytes / (hbm_gbps * 1e9),
+                                             sent / (link_gbps * 1e9)))
+        notes.append("ring: each step's transfer overlaps its compute; a step lasts the longer of the two")
+    else:
+        for r in range(world):
+            rank_flops[r] = unit * sum(_chunk_pairs(causal, qa, qb, 0, n) for qa, qb in chunks[r])
+        gathered = kv_elems * n * dt.itemsize * (world - 1) // world
+        steps.append(ContextParallelStep(0, 0, gathered, 0.0, gathered / (link_gbps * 1e9)))
+        steps.append(ContextParallelStep(1, max(rank_flops), 0, max(rank_flops) / (rate * 1e12), 0.0))
+        if pass_ == "bwd":
+            reduced = 2 * kv_elems * n * 4 * (world - 1) // world
+            steps.append(ContextParallelStep(2, 0, reduced, 0.0, reduced / (link_gbps * 1e9)))
+        notes.append("all-gather: step 0 gathers K/V, step 1 computes, (backward) step 2 all-reduces dK/dV; "
+                     "not overlapped")
+    notes.append(f"assumed rates: {rate:g} TFLOP/s, link {link_gbps:g} GB/s per direction, HBM {hbm_gbps:g} GB/s")
+    return ContextParallelModel(world, mode, balance, pass_, n, tuple(rank_flops), tuple(steps), serial, rate,
+                                link_gbps, tuple(notes))

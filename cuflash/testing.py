@@ -39,7 +39,7 @@ import math
 import numpy as np
 
 from .backends import reference
-from .core.arrays import UNIT_ROUNDOFF, dtype_name
+from .core.arrays import BFLOAT16, UNIT_ROUNDOFF, dtype_name
 from .core.layout import from_bhsd, to_bhsd
 from .core.problem import validate_forward
 
@@ -54,6 +54,8 @@ U32 = 2.0**-24
 def to_numpy(a):
     """A NumPy array of ``a`` (CuPy arrays are copied from the device)."""
     if type(a).__module__.split(".")[0] == "cupy":
+        if a.dtype == BFLOAT16:  # CuPy's bfloat16 is storage only: copy the bits
+            return a.view(np.uint16).get().view(BFLOAT16)
         return a.get()
     return np.asarray(a)
 

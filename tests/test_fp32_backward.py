@@ -118,7 +118,11 @@ def _kind(arg):
 def test_launch_arguments_match_the_kernels(monkeypatch, causal, mma):
     """Every argument the launcher passes has the kernel's parameter type, in order (a stand-in
     CuPy allocates with NumPy; the launches are recorded, not run)."""
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ascontiguousarray=np.ascontiguousarray))
+    def reduction(*_):  # the D of the given o: rowsum(do * o) in float64
+        return lambda a, b, axis: (a.astype(np.float64) * b.astype(np.float64)).sum(axis=axis)
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ascontiguousarray=np.ascontiguousarray,
+                                                                   multiply=np.multiply, ReductionKernel=reduction))
     calls = []
     monkeypatch.setattr(fp32_kernels, "get_function", lambda spec: lambda grid, block, args, **kw: calls.append((spec, grid, block, args, kw)))
     on_target(monkeypatch, SM90 if mma else SM80)
@@ -128,7 +132,7 @@ def test_launch_arguments_match_the_kernels(monkeypatch, causal, mma):
     do = rng.standard_normal(q.shape).astype(np.float32)
     p = problem.validate_forward(q, k, v, causal=causal, scale=0.3)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(k)
-    cuda.backward(p, do, q, k, v, np.empty_like(q), np.empty((2, 4, 70), np.float32), dq, dk, dv)
+    cuda.backward(p, do, q, k, v, np.zeros_like(q), np.zeros((2, 4, 70), np.float32), dq, dk, dv)
     kernels = ["attn_bwd_f32_mma_dq", "attn_bwd_f32_mma_kv"] if mma else ["attn_bwd_f32_dq", "attn_bwd_f32_kv"]
     assert [c[0].expression.split("<")[0] for c in calls] == kernels
     (dq_spec, dq_grid, dq_block, dq_args, dq_kw), (kv_spec, kv_grid, kv_block, kv_args, kv_kw) = calls
@@ -156,6 +160,7 @@ def test_accounting_matches_the_launch():
     m = cuflash.io_model((2, 4, 1000, 128), dtype="float32", pass_="bwd")
     names = {e.name for e in m.entries}
     assert "O (preprocess)" not in names and "LSE, D" in names
+    assert {"O, dO (given D)", "LSE (given)"} <= names  # the given statistics, read once
 
 
 @pytest.mark.parametrize("mma", [False, True], ids=["fma", "tensor-cores"])

@@ -7,7 +7,8 @@ import numpy as np
 from ..backends import cuda
 from ..backends import numpy as numpy_backend
 from ..core import problem as _problem
-from ..core.arrays import may_share_memory
+from ..core.merge import validate_merge
+from ..core.arrays import FLOAT32, array_namespace, may_share_memory, widen_to_float32
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
 from . import interop, plan_cache
 from .prepared import PreparedAttention
@@ -19,7 +20,7 @@ def _backend(p):
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-              softcap=None, alibi_slopes=None, sinks=None):
+              softcap=None, alibi_slopes=None, sinks=None, out_dtype=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -91,9 +92,19 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         alibi_slopes and sinks must be arrays of q's library and device; their values are not
         checked.
 
+    out_dtype : None (q's dtype) or float32: o's dtype. float32 with float16/bfloat16 inputs keeps
+        o unrounded to 16 bits, e.g. for partial results that :func:`merge_attention_states` merges.
+        The NumPy backend stores its float32 accumulator. On the GPU, plain shapes (no kv_lens,
+        block_table, window or cu_seqlens_*; 16-byte aligned operands, d a multiple of 8) run the
+        16-bit mma.sync kernel with a float32 epilogue (attn_fwd_o32: the accumulator stored
+        unrounded; not the Hopper wgmma or split-KV decode kernels). Other calls widen the inputs
+        to float32 (exactly) and run the float32 kernels (float64 arithmetic, o rounded once):
+        exact but several times slower, and window= / cu_seqlens_* then raise
+        NotImplementedError as for float32 inputs. ``out`` must then be float32.
+
     Returns
     -------
-    o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype.
+    o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype (or out_dtype).
 
     A decode geometry called twice (CuPy arrays or CUDA torch tensors with the same shapes,
     strides, dtypes, device and options) is planned once, and later calls launch from the plan
@@ -101,6 +112,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     turns that off.
     """
     mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if _problem.check_out_dtype(out_dtype):
+        return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
+                          kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, block_table=block_table, out_dtype=FLOAT32, **mods)
     if cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None and sinks is None:
         planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
                                  (causal, scale, layout, return_lse, validate, window))
@@ -115,24 +130,49 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
                                 "alibi_slopes", "sinks", outputs=("out",))
 def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
                kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-               softcap=None, alibi_slopes=None, sinks=None):
+               softcap=None, alibi_slopes=None, sinks=None, out_dtype=None):
     """attention without a plan: validate, convert foreign arrays (cuflash.api.interop), plan, run."""
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
     mods = (softcap, alibi_slopes, sinks)
+    if out_dtype is not None and np.dtype(q.dtype) == FLOAT32:
+        out_dtype = None
+    if out_dtype is not None and array_namespace(q) is not np:
+        if block_table is None and cu_seqlens_q is None and cu_seqlens_k is None and kv_lens is None \
+                and window is None and all(m is None for m in mods):
+            # Plain shapes: the 16-bit mma.sync kernel with a float32 epilogue, where it applies.
+            p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+            _problem.check_out("out", out, p.q_shape(), FLOAT32, p.xp, (("q", q), ("k", k), ("v", v)))
+            o, o4, direct, lse3 = _forward_outputs(p, out, FLOAT32)
+            q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+            if cuda.forward_o32(p, q4, k4, v4, o4, lse3):
+                return _forward_result(p, o, o4, direct, lse3, return_lse)
+        # Elsewhere the GPU's 16-bit kernels store 16-bit o: widen the inputs (exact) and run the
+        # float32 kernels, which compute in float64 and round o once to float32 (score modifiers,
+        # windows and packed sequences then raise NotImplementedError as for float32 inputs).
+        options = dict(causal=causal, scale=scale, layout=layout, window=window)
+        if block_table is not None:
+            _problem.validate_paged(q, k, v, block_table, **options)
+        elif cu_seqlens_q is None and cu_seqlens_k is None:
+            _problem.validate_forward(q, k, v, **options)
+        q, k, v = (widen_to_float32(a) for a in (q, k, v))
+        out_dtype = None
     if block_table is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("block_table: not combinable with cu_seqlens_q / cu_seqlens_k")
         return _attention_paged(q, k, v, block_table, kv_lens, causal=causal, scale=scale, layout=layout,
-                                window=window, return_lse=return_lse, out=out, validate=validate, mods=mods)
+                                window=window, return_lse=return_lse, out=out, validate=validate, mods=mods,
+                                out_dtype=out_dtype)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
-                                 window=window, kv_lens=kv_lens, return_lse=return_lse, out=out, mods=mods)
+                                 window=window, kv_lens=kv_lens, return_lse=return_lse, out=out, mods=mods,
+                                 out_dtype=out_dtype)
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     p = _problem.check_score_mods(p, q, *mods)
-    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
+    odt = p.dtype if out_dtype is None else FLOAT32
+    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     xp = p.xp
-    o, o4, direct, lse3 = _forward_outputs(p, out)
+    o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
     if lens_dev is None:
@@ -142,18 +182,18 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
     return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
-def _forward_outputs(p, out):
+def _forward_outputs(p, out, odt):
     """(o, o4, direct, lse3): o (out or fresh), its (B, Hq, Nq, d) view o4 - a scratch array when
     out's strides don't merge into one batch axis or its head dim is strided, which the kernels
     do not write (direct False: copied in by _forward_result)."""
     xp = p.xp
     if xp is not np:
         _problem.warn_if_capture_unsafe()
-    o = out if out is not None else xp.empty(p.q_shape(), dtype=p.dtype)
+    o = out if out is not None else xp.empty(p.q_shape(), dtype=odt)
     o4 = to_bhsd(o, p, p.hq, p.nq)
     direct = is_view_of(o4, o) and (p.d == 1 or o4.strides[-1] == o4.itemsize)
     if not direct:
-        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
+        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=odt)
     return o, o4, direct, xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
 
 
@@ -165,7 +205,8 @@ def _forward_result(p, o, o4, direct, lse3, return_lse):
     return o
 
 
-def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, mods, **options):
+def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, out, validate, mods, out_dtype,
+                     **options):
     """Paged KV cache: the decode kernel reads pages in place (a window's too); otherwise (NumPy,
     prefill shapes) each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d)
     copy, its window aligned on its own kv_len keys."""
@@ -173,7 +214,8 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
 
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
     p = _problem.check_score_mods(p, q, *mods)
-    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
+    odt = p.dtype if out_dtype is None else FLOAT32
+    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
     xp = p.xp
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
     if lens_dev is None:  # every sequence holds Nk keys: the decode kernel needs no lengths array
@@ -181,7 +223,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     table_host = None
     if validate or xp is np:
         table_host = _problem.check_block_table(block_table, lens_host, bs, k_cache.shape[0])
-    o, o4, direct, lse3 = _forward_outputs(p, out)
+    o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
@@ -225,13 +267,14 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
         backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
 
 
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, **options):
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, out_dtype, **options):
     """Packed sequences (cu_seqlens_*): on the GPU one launch over all sequences; on the CPU each
     one is its own problem over its slices of q, k, v."""
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
     p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
-    _problem.check_out("out", out, p.q_shape(), p.dtype, p.xp, (("q", q), ("k", k), ("v", v)))
-    o = out if out is not None else p.xp.empty(p.q_shape(), dtype=p.dtype)
+    odt = p.dtype if out_dtype is None else FLOAT32
+    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    o = out if out is not None else p.xp.empty(p.q_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
@@ -379,6 +422,71 @@ def _gradient_outputs(p, out, inputs):
             if may_share_memory(out[i], out[j]):
                 raise ValueError(f"{names[i]}: must not overlap {names[j]}")
     return out
+
+
+def merge_attention_states(o_parts, lse_parts, *, layout="bhsd", dtype=None, out=None, lse_out=None):
+    """Merge attention results computed over disjoint sets of keys into the result over their union.
+
+    ``o_parts`` (P, ...) and ``lse_parts`` (P, ...) stack, along a new leading parts axis, P >= 1
+    results of :func:`attention` for the same queries over disjoint key sets (e.g. a long sequence
+    cut into slices: context parallelism, split KV): each part's o, shaped as ``attention`` returns
+    it for ``layout`` ((..., H, N, d), (..., N, H, d) or (N, d)), and its lse as
+    ``attention(..., return_lse=True)`` returns it ((..., H, N) float32, (N,) for a 2-D o). A
+    list or tuple of P arrays is stacked first (one copy).
+
+    lse is the natural-log log-sum-exp of a row's scaled, masked scores over the keys the part
+    saw, ``lse_i = log sum_j exp(scale * q_i . k_j)``, -inf for a row that saw no key. The merge is
+    exact: with ``m = max_p lse_p`` and ``w_p = exp(lse_p - m)``,
+    ``o = sum_p w_p o_p / sum_p w_p`` and ``lse = m + log sum_p w_p``, computed in float32 for
+    16-bit parts and float64 for float32 parts, rounded once. A part whose lse is -inf does not
+    count (whatever its o holds); a row no part saw gets o = 0 and lse = -inf, as ``attention``
+    gives a row that sees no key. Partial outputs keep more precision with
+    ``attention(..., out_dtype=numpy.float32)``.
+
+    ``dtype``: the merged o's dtype (float16, bfloat16 or float32), default the parts' dtype.
+    ``out``, ``lse_out``: optional arrays (o's shape and ``dtype``; lse's shape, float32) to write
+    the results into, overlapping neither the inputs nor each other.
+
+    Returns (o, lse). NumPy arrays merge on the CPU, CuPy arrays on their GPU (one kernel on the
+    current stream); other array kinds as for ``attention``.
+    """
+    if isinstance(o_parts, (list, tuple)) or isinstance(lse_parts, (list, tuple)):
+        _, o_parts, lse_parts = validate_merge(o_parts, lse_parts, layout=layout, dtype=dtype)  # stacks them
+    return _merge(o_parts, lse_parts, layout=layout, dtype=dtype, out=out, lse_out=lse_out)
+
+
+@interop.accepts_foreign_arrays("o_parts", "lse_parts", outputs=("out", "lse_out"))
+def _merge(o_parts, lse_parts, *, layout="bhsd", dtype=None, out=None, lse_out=None):
+    mp, o_parts, lse_parts = validate_merge(o_parts, lse_parts, layout=layout, dtype=dtype, out=out,
+                                            lse_out=lse_out)
+    xp = mp.xp
+    if xp is not np:
+        _problem.warn_if_capture_unsafe()
+    o = out if out is not None else xp.empty(mp.o_shape(), dtype=mp.out_dtype)
+    lse = lse_out if lse_out is not None else xp.empty(mp.lse_shape(), dtype=np.float32)
+    o5, lse4 = mp.o5(o_parts), mp.lse4(lse_parts)
+    # The outputs' canonical views; a scratch array where out's strides do not merge (copied in after).
+    o4, lse3 = mp.o5(o[None])[0], mp.lse4(lse[None])[0]
+    o_direct, lse_direct = is_view_of(o4, o), is_view_of(lse3, lse)
+    if not o_direct:
+        o4 = xp.empty((mp.batch, mp.heads, mp.n, mp.d), dtype=mp.out_dtype)
+    if not lse_direct:
+        lse3 = xp.empty((mp.batch, mp.heads, mp.n), dtype=np.float32)
+    (numpy_backend if xp is np else cuda).merge(o5, lse4, o4, lse3)
+    if not o_direct:
+        o[...] = _from5(mp, o4)
+    if not lse_direct:
+        lse[...] = lse3.reshape(mp.lse_shape())
+    return o, lse
+
+
+def _from5(mp, o4):
+    """(B, H, N, d) -> the layout's o shape."""
+    if mp.single_head:
+        return o4[0, 0]
+    if mp.layout == "bhsd":
+        return o4.reshape(mp.o_shape())
+    return o4.swapaxes(1, 2).reshape(mp.o_shape())
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, cu_seqlens_q=None,

@@ -13,11 +13,12 @@ import numpy as np
 
 from ..core.arrays import FLOAT32
 from ..plan import dispatch
-from ..plan.forward import FP32_BAND, MODS_FP32
+from ..plan.forward import FP32_BAND, MODS_FP32, forward_spec
 from ..kernels import backward as backward_kernels
 from ..kernels import decode as decode_kernels
 from ..kernels import device, fp32, hopper
 from ..kernels import forward as forward_kernels
+from ..kernels import merge as merge_kernels
 from ..kernels.operands import describe, unit_d, vector_ok
 
 
@@ -71,6 +72,23 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     target = device.current()
     plan = dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper), tile=tile)
     _launch_forward(plan, p, qu, ku, vu, o4, lse3)
+
+
+def forward_o32(p, q4, k4, v4, o4, lse3) -> bool:
+    """out_dtype=float32 of 16-bit inputs: the mma.sync kernel with a float32 epilogue
+    (attn_fwd_o32) writes o4 (float32). False, launching nothing, where it does not apply
+    (operands not 16-byte aligned with d a multiple of 8, a window or score modifiers); the caller
+    then widens."""
+    if p.window is not None or p.modified:
+        return False
+    if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return True
+    qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
+    if o4.strides[-1] != o4.itemsize or not vector_ok((qu, ku, vu, o4), p.d):
+        return False
+    spec, t = forward_spec(p.dtype, p.d, p.causal is not None, True, o32=True)
+    forward_kernels.launch_forward(spec, t.block_m, p, qu, ku, vu, o4, lse3)
+    return True
 
 
 def forward_wgmma(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
@@ -130,7 +148,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic on the FMA pipes or float64 tensor cores
         plan = dispatch.backward_plan(p, target, dispatch.Operands(vec=False), deterministic=deterministic,
                                       packed=packed, tile=tile, hopper_tile=hopper_tile)
-        fp32.launch_backward(plan, p, do4, q4, k4, v4, dq4, dk4, dv4)
+        fp32.launch_backward(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4)
         return
     if p.batch == 0 or p.hq == 0:
         return
@@ -151,3 +169,9 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     band = p.window is not None or packed or p.scores_modified
     backward_kernels.launch(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, band=band,
                             cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
+
+
+def merge(o5, lse4, out4, lse_out3):
+    """Log-sum-exp merge of partial results (cuda_src/merge.cu): o5 (P, B, H, N, d), lse4
+    (P, B, H, N) float32 -> out4 (B, H, N, d), lse_out3 (B, H, N) float32; any strides."""
+    merge_kernels.launch(o5, lse4, out4, lse_out3)

@@ -118,7 +118,7 @@ def _key_tiles(p, m0, m1, bn):
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
-    """Write o4 (B, Hq, Nq, d) in the input dtype and lse3 (B, Hq, Nq) float32.
+    """Write o4 (B, Hq, Nq, d) in its dtype (the input's, or float32) and lse3 (B, Hq, Nq) float32.
 
     ``block_m`` / ``block_n`` override the kernel's tile sizes (tests use small ones so that
     short sequences still span many tiles)."""
@@ -155,12 +155,14 @@ def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
         o = acc * inv_l.reshape(p.batch, p.hkv, p.group * r, 1)
         log_l = np.log(l, out=np.zeros_like(l), where=seen)
         lse = np.where(seen, m + log_l, _NEG_INF)
-        o4[:, :, m0:m1] = o.reshape(p.batch, p.hq, r, p.d).astype(p.dtype)
+        # o4's dtype: q's, or float32 (out_dtype): the accumulator then is stored, never rounded to 16 bits.
+        o4[:, :, m0:m1] = o.reshape(p.batch, p.hq, r, p.d).astype(o4.dtype)
         lse3[:, :, m0:m1] = lse.reshape(p.batch, p.hq, r).astype(_F32)
 
 
 def _refine_lse(p, q4, k4, lse, m0, m1, bn):
-    """lse + log(sum_j exp(s_j - lse)) over the visible keys of rows [m0, m1), in float64.
+    """lse + log(sum_j exp(s_j - lse)) over the visible keys of rows [m0, m1), in float64, where
+    that is within lse_tolerance of lse; elsewhere lse as given.
 
     Only for float32 inputs: the float32 lse of the interface has an absolute error up to
     u32 * |lse|, which exp(s - lse) turns into a relative error of every P in the row, larger
@@ -176,7 +178,22 @@ def _refine_lse(p, q4, k4, lse, m0, m1, bn):
         s = _scores(p, qt, _key_tile(k4, n0, bn), m0, m1, n0, bn)
         total += np.exp(s - shift[..., None]).sum(axis=-1)
     seen = total > 0
-    return np.where(seen, shift + np.log(total, out=np.zeros_like(total), where=seen), _NEG_INF)
+    refined = np.where(seen, shift + np.log(total, out=np.zeros_like(total), where=seen), _NEG_INF)
+    # The lse given may be over more keys than these (a merged, global lse: context parallelism
+    # passes a slice of the keys). Only an lse within a few float32 roundings of these keys' own
+    # is taken as theirs and refined; any other is honoured as given.
+    both = np.isfinite(refined) & np.isfinite(lse)
+    diff = np.subtract(refined, lse, out=np.full_like(lse, np.inf), where=both)
+    close = np.abs(diff) <= lse_tolerance(lse)
+    return np.where(close, refined, lse)
+
+
+def lse_tolerance(lse):
+    """How far a float32 lse may be from the exact log-sum-exp of its keys and still be taken as
+    theirs: 2^-21 |lse| (4 to 8 float32 ulps; the forward rounds once, a merge adds about one),
+    at least 2^-21. An lse over a superset of the keys that carry all but a fraction 2^-21 |lse|
+    of the mass is within it; using the refined value then moves P by at most that."""
+    return np.ldexp(np.maximum(np.abs(np.where(np.isfinite(lse), lse, 0.0)), 1.0), -21)
 
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, block_m=None, block_n=None,
@@ -242,3 +259,26 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         dk4[:, :, n0:n0 + cols] = dk_acc[:, :, :cols].astype(p.dtype)
         dv4[:, :, n0:n0 + cols] = dv_acc[:, :, :cols].astype(p.dtype)
     dq4[...] = dq_acc.astype(p.dtype)
+
+
+def merge(o5, lse4, out4, lse_out3):
+    """Log-sum-exp merge of partial results over disjoint key sets: o5 (P, B, H, N, d) parts and
+    lse4 (P, B, H, N) float32 -> out4 (B, H, N, d) and lse_out3 (B, H, N) float32.
+
+    m = max_i lse_i, w_i = exp(lse_i - m), o = sum_i w_i o_i / sum_i w_i, lse = m + log(sum_i w_i),
+    in the accumulator type of the parts' dtype (as cuda_src/merge.cu). A part with lse = -inf saw
+    no key and does not count, whatever its o holds; a row no part saw gets o = 0, lse = -inf."""
+    acc_t = accumulator_dtype(o5.dtype)
+    lse = lse4.astype(acc_t)
+    m = lse.max(axis=0)
+    seen_part = lse != _NEG_INF
+    shift = np.where(m == _NEG_INF, acc_t.type(0), m)
+    w = np.where(seen_part, np.exp(lse - shift), acc_t.type(0))
+    total = w.sum(axis=0)
+    parts = np.where(seen_part[..., None], o5.astype(acc_t), acc_t.type(0))  # a skipped part's NaN stays out
+    acc = (w[..., None] * parts).sum(axis=0)
+    seen = total > 0
+    inv = np.divide(acc_t.type(1), total, out=np.zeros_like(total), where=seen)
+    out4[...] = (acc * inv[..., None]).astype(out4.dtype)
+    log_total = np.log(total, out=np.zeros_like(total), where=seen)
+    lse_out3[...] = np.where(seen, m + log_total, _NEG_INF).astype(_F32)

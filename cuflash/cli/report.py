@@ -66,6 +66,16 @@ def build_parser():
     ap.add_argument("--plot", metavar="DIR", help="write memory-vs-N and traffic-vs-N plots (needs matplotlib)")
     ap.add_argument("--measure", action="store_true",
                     help="run one forward under Nsight Compute (needs a GPU, CuPy and ncu on PATH)")
+    ap.add_argument("--context-parallel", type=_positive, metavar="P",
+                    help="model cuflash.distributed.ring_attention over P ranks instead (N is the whole sequence): "
+                         "per-rank FLOPs, bytes sent per step, compute vs transfer per step, predicted scaling")
+    ap.add_argument("--cp-mode", default="auto", choices=("auto", "ring", "allgather"),
+                    help="context-parallel mode (auto: all-gather when H >= P * Hkv, as ring_attention picks)")
+    ap.add_argument("--link-gbps", type=float, default=accounting.CP_LINK_GBPS, metavar="GB/s",
+                    help="link bandwidth per direction for --context-parallel (default: %(default)s, NVLink 4)")
+    ap.add_argument("--tflops", type=float, default=None, metavar="T",
+                    help="compute rate for --context-parallel (default: the 16-bit kernels' measured H200 rates, "
+                         f"{accounting.CP_TFLOPS_FWD:g} forward / {accounting.CP_TFLOPS_BWD:g} backward)")
     ap.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -84,6 +94,18 @@ def main(argv=None) -> int:
     dims = dict(batch=b, hq=h, hkv=hkv, nq=n, nk=args.decode or n, d=d, dtype=args.dtype, causal=args.causal)
     if args.launch_only:
         return _launch_only(**dims)
+    if args.context_parallel:
+        if args.decode:
+            print("cuflash report: error: --context-parallel models one sequence attending to itself; drop --decode",
+                  file=sys.stderr)
+            return 2
+        try:
+            print(context_parallel_text(dims, args.context_parallel, mode=args.cp_mode, link_gbps=args.link_gbps,
+                                        tflops=args.tflops))
+        except (ValueError, TypeError) as e:
+            print(f"cuflash report: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.plot and not _have_matplotlib():
         print("cuflash report: --plot needs matplotlib, which is not installed "
               "(pip install matplotlib, or the cuflash[plot] extra)", file=sys.stderr)
@@ -109,6 +131,51 @@ def main(argv=None) -> int:
 
 
 # --------------------------------------------------------------------------- the tables
+
+
+def _cp_mode(mode, hq, hkv, world):
+    # cuflash.distributed.pick_mode's rule, restated here: the CLI must not import torch
+    if mode != "auto":
+        return mode
+    return "allgather" if hq >= world * hkv else "ring"
+
+
+def context_parallel_text(dims, world, *, mode="auto", link_gbps=accounting.CP_LINK_GBPS, tflops=None) -> str:
+    """The context-parallel model (accounting.context_parallel) of one shape on ``world`` ranks."""
+    b, hq, hkv, n, d = dims["batch"], dims["hq"], dims["hkv"], dims["nq"], dims["d"]
+    causal = bool(dims["causal"])
+    picked = _cp_mode(mode, hq, hkv, world)
+    head = (f"cuflash report --context-parallel {world}: B={b} Hq={hq} Hkv={hkv} N={n} (whole sequence) d={d} "
+            f"{dims['dtype']} causal={causal} mode={picked} balance=zigzag")
+    parts = [head]
+    for pass_ in ("fwd", "bwd"):
+        m = accounting.context_parallel((b, hq, n, d), world, hkv=hkv, causal=causal, dtype=dims["dtype"], mode=picked,
+                                        pass_=pass_, tflops=tflops, link_gbps=link_gbps)
+        ranks = format_table(("rank", "FLOPs", "rows"), [(r, f"{f:,}", f"{_rows_of(n, world, r):,}")
+                                                          for r, f in enumerate(m.rank_flops)])
+        parts += ["", f"== {pass_}: per-rank FLOPs ==", ranks, "", f"== {pass_}: steps ==", m.table(), "",
+                  f"{pass_}: modelled {m.time_s * 1e3:.3f} ms vs one device {m.single_device_s * 1e3:.3f} ms: "
+                  f"speedup {m.speedup:.2f} on {world} (efficiency {m.efficiency:.3f})"] + [f"  {x}" for x in m.notes]
+    rows = []
+    for p in sorted({2, 4, 8, world}):
+        row = [p, _cp_mode(mode, hq, hkv, p)]
+        for pass_ in ("fwd", "bwd"):
+            m = accounting.context_parallel((b, hq, n, d), p, hkv=hkv, causal=causal, dtype=dims["dtype"], mode=row[1],
+                                            pass_=pass_, tflops=tflops, link_gbps=link_gbps)
+            row += [f"{m.time_s * 1e3:.2f}", f"{m.speedup:.2f}"]
+        rows.append(tuple(row))
+    parts += ["", "== predicted scaling ==",
+              format_table(("P", "mode", "fwd ms", "fwd speedup", "bwd ms", "bwd speedup"), rows),
+              "", "The rates are the 16-bit wgmma kernels'. ring_attention keeps float32 partials: on the GPU its "
+              "forward steps run the mma.sync kernel with a float32 epilogue and its backward steps the float32 "
+              "kernels, below these rates (docs/distributed.md)."]
+    return "\n".join(parts)
+
+
+def _rows_of(n, world, r):
+    chunks = 2 * world
+    edge = [c * n // chunks for c in range(chunks + 1)]
+    return sum(edge[c + 1] - edge[c] for c in (r, 2 * world - 1 - r))
 
 
 def _shapes(dims):

@@ -69,3 +69,11 @@ def may_share_memory(a, b) -> bool:
         return bool(np.may_share_memory(a, b))
     (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
     return a0 < b1 and b0 < a1
+
+
+def widen_to_float32(a):
+    """A float32 copy of a float16/bfloat16/float32 NumPy or CuPy array (exact). CuPy's bfloat16 is
+    storage only (no casts): its bits are widened instead (a bfloat16 is a float32's top half)."""
+    if np.dtype(a.dtype) == BFLOAT16 and not isinstance(a, np.ndarray):
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(FLOAT32)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import masks
-from .arrays import SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
+from .arrays import FLOAT32, SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -154,6 +154,19 @@ def check_dtype(named):
                 "all inputs must share one dtype"
             )
     return np.dtype(dtype)
+
+
+def check_out_dtype(out_dtype) -> bool:
+    """attention's out_dtype: None (q's dtype) -> False, float32 -> True, else TypeError."""
+    if out_dtype is None:
+        return False
+    try:
+        dt = np.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype: expected None or float32, got {out_dtype!r}") from None
+    if dt != FLOAT32:
+        raise TypeError(f"out_dtype: expected None (q's dtype) or float32, got {dtype_name(dt)}")
+    return True
 
 
 def check_flag(name, value):

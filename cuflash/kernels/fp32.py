@@ -14,11 +14,22 @@ from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_YZ
 from .operands import elem_strides, unit_d
 
 
-def launch_backward(plan: BackwardPlan, p, do4, q4, k4, v4, dq4, dk4, dv4):
+def _row_dot():
+    """rowsum(dO * O) in float64 of float32 rows, without float64 copies of dO and O (CuPy caches
+    the compiled reduction by its text)."""
+    import cupy
+
+    return cupy.ReductionKernel("float32 a, float32 b", "float64 y", "(double)a * (double)b", "a + b", "y = a", "0",
+                                "cuflash_row_dot_f64")
+
+
+def launch_backward(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4):
     """dq4, dk4, dv4 (B, H, N, d) float32 views with a unit head-dim stride receive the gradients.
 
-    The saved lse and O are not read (see attn_bwd_fp32.cu): the row statistics are recomputed in
-    float64. Deterministic by construction (no atomics)."""
+    The row statistics are recomputed in float64 (see attn_bwd_fp32.cu) and replace the given lse3
+    and rowsum(do4 * o4) where lse3 is this call's own up to float32 rounding; a given lse over
+    more keys (a global lse, a slice of the keys here) is honoured with its D. Deterministic by
+    construction (no atomics)."""
     import cupy
 
     if p.batch == 0 or p.hkv == 0:
@@ -28,8 +39,9 @@ def launch_backward(plan: BackwardPlan, p, do4, q4, k4, v4, dq4, dk4, dv4):
     off = np.int32(p.causal_offset if p.causal is not None else 0)
     # Python floats are doubles: the scale reaches the float64 arithmetic unrounded.
     scale_log2, scale = np.float64(p.scale * _LOG2E), np.float64(p.scale)
-    lse2 = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float64)
-    dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float64)
+    # The kernels read the caller's statistics from these workspaces before writing their own.
+    lse2 = cupy.ascontiguousarray(cupy.multiply(lse3, np.float64(_LOG2E), dtype=np.float64))
+    dsum = cupy.ascontiguousarray(_row_dot()(do4, o4, axis=-1))
 
     def strides(*arrays):
         return [np.int64(s) for a in arrays for s in elem_strides(a)[:3]]

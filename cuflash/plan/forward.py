@@ -14,14 +14,16 @@ from .spec import KernelSpec
 from .spec import cpp_bool as _b
 
 def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool = False, target=None,
-                 mods: bool = False):
+                 mods: bool = False, o32: bool = False):
     """(KernelSpec, TileConfig) of the forward kernel for these runtime choices.
 
     ``band``: the sliding-window / packed-sequence kernel attn_fwd_band (16-bit only; ``causal``
     is then ignored, the bounds are run-time arguments). The compile check instantiates exactly
     these, so what CI compiles is what runs. ``target``: the float32 kernels' default tile is the
     target's (plan.fp32.mma_runs). ``mods``: the band kernel with score modifiers,
-    attn_fwd_band_mod (softcap, ALiBi, sinks; 16-byte loads only: MODS_NEED_VEC)."""
+    attn_fwd_band_mod (softcap, ALiBi, sinks; 16-byte loads only: MODS_NEED_VEC).
+    ``o32``: attn_fwd_o32, the plain kernel storing a float32 o (16-bit inputs, vec operands;
+    attention(out_dtype=float32))."""
     dtype = np.dtype(dtype)
     if mods and (dtype == FLOAT32 or not vec):
         raise NotImplementedError(MODS_FP32 if dtype == FLOAT32 else MODS_NEED_VEC)
@@ -36,6 +38,10 @@ def forward_spec(dtype, d: int, causal: bool, vec: bool, tile=None, band: bool =
     head = f"{KERNEL_TYPE[dtype]}, {hd}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
     if band or mods:
         expr = f"attn_fwd_band{'_mod' if mods else ''}<{head}, {_b(vec)}, {_b(t.lazy_rescale)}>"
+    elif o32:
+        if not vec:
+            raise ValueError("o32: the float32 epilogue is instantiated for vec operands only")
+        expr = f"attn_fwd_o32<{head}, {_b(causal)}, true" + ("" if t.lazy_rescale else ", false") + ">"
     else:
         expr = f"attn_fwd<{head}, {_b(causal)}, {_b(vec)}" + ("" if t.lazy_rescale else ", false") + ">"
     return KernelSpec("attn_fwd.cu", expr, t.threads, t.smem_bytes(hd)), t
@@ -68,4 +74,6 @@ def all_forward_specs():
             for vec in (False, True):
                 specs.append(forward_spec(dtype, hd, True, vec, band=True)[0])
             specs.append(forward_spec(dtype, hd, True, True, band=True, mods=True)[0])
+            for causal in (False, True):  # out_dtype=float32 (vec operands)
+                specs.append(forward_spec(dtype, hd, causal, True, o32=True)[0])
     return list(dict.fromkeys(specs))

@@ -7,6 +7,7 @@ from .backward import all_backward_specs
 from .decode import all_decode_specs
 from .forward import all_forward_specs
 from .hopper import all_hopper_backward_specs, all_hopper_forward_specs
+from .merge import all_merge_specs
 
 FAMILIES = {
     "forward": all_forward_specs,  # mma.sync, band and float32 forwards
@@ -14,6 +15,7 @@ FAMILIES = {
     "hopper_forward": all_hopper_forward_specs,
     "hopper_backward": all_hopper_backward_specs,
     "decode": all_decode_specs,
+    "merge": all_merge_specs,  # merge_attention_states
 }
 
 
