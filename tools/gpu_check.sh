@@ -14,6 +14,7 @@
 #   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
 #   TEST_TIMEOUT   seconds for the test suite (default: no limit)
 #   BLAS_THREADS   threads of each worker's float64 references (default: the libraries' own)
+#   GRID=d128      forward and backward at d = 128, N = 4k, 16k (bf16)
 #   GRID=corners   forward and backward at d = 64, 128, 256, N = 4k, 16k (bf16)
 #   GRID=quick     forward and backward at d = 64, 128, 256, N = 1k, 4k, 16k (bf16; fp16 at d=128)
 #   GRID=full      forward and backward at d = 64, 128, 256, N = 1k..16k, bf16 and fp16
@@ -58,9 +59,13 @@ if [ "$PART" != bench ]; then
 fi
 [ "$PART" = tests ] && exit "$rc"
 
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-if [ "${GRID:-}" = corners ]; then  # d = 64, 128, 256 at N = 4k, 16k (bf16): a check that fits beside the suite and asv
+# Each benchmark's JSON lands in $OUT/bench-parts as it finishes, so a run cut short keeps them.
+tmp="$OUT/bench-parts"
+mkdir -p "$tmp"
+if [ "${GRID:-}" = d128 ]; then  # d = 128 at N = 4k, 16k (bf16): the smallest check
+    fwd_grid=(--d 128 --n 4096,16384 --seconds-per-impl 0.3); FWD_TIMEOUT=${FWD_TIMEOUT:-30}
+    bwd_grid=(--d 128 --n 4096,16384 --seconds-per-impl 0.3); BWD_TIMEOUT=${BWD_TIMEOUT:-30}
+elif [ "${GRID:-}" = corners ]; then  # d = 64, 128, 256 at N = 4k, 16k (bf16): a check that fits beside the suite and asv
     fwd_grid=(--d 64,128,256 --n 4096,16384 --seconds-per-impl 0.3); FWD_TIMEOUT=${FWD_TIMEOUT:-60}
     bwd_grid=(--d 64,128,256 --n 4096,16384 --seconds-per-impl 0.3); BWD_TIMEOUT=${BWD_TIMEOUT:-60}
 elif [ "${GRID:-}" = quick ]; then  # the grid's corners: d = 64, 128, 256 at N = 1k, 4k, 16k, bf16 and fp16 at d = 128
