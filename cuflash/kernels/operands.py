@@ -3,6 +3,8 @@ alignment facts the dispatch reads (plan.dispatch.Operands), and the band kernel
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..core import masks
 from ..plan.dispatch import Operands
 from . import tma
