@@ -17,6 +17,7 @@ from cuflash.testing import (assert_backward_accurate, assert_forward_accurate, 
                              random_inputs)
 
 from test_paged import paged_cache
+from test_score_mods import make_mods
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -32,18 +33,6 @@ def to_device(a):
 
 def to_host(a):
     return cupy.ascontiguousarray(a).view(_UINT[a.dtype.itemsize]).get().view(a.dtype)
-
-
-def make_mods(rng, which, hq, batch):
-    slopes = lambda shape: rng.uniform(0.01, 0.5, shape).astype(np.float32)  # noqa: E731
-    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
-    return {
-        "softcap": dict(softcap=float(rng.uniform(1.0, 5.0))),
-        "alibi": dict(alibi_slopes=slopes(hq)),
-        "alibi_batch": dict(alibi_slopes=slopes((batch, hq))),
-        "sinks": dict(sinks=sinks),
-        "all": dict(softcap=float(rng.uniform(1.0, 5.0)), alibi_slopes=slopes((batch, hq)), sinks=sinks),
-    }[which]
 
 
 def on_device(mods):
