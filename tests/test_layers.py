@@ -1,9 +1,14 @@
-"""The package's layers import one way: no import cycle, no package import hidden in a function."""
+"""The package's layers import one way: no import cycle, no package import hidden in a function;
+and no name is used undefined (pyflakes)."""
 
 import importlib.util
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "import_graph.py"
+from pyflakes import api as pyflakes_api
+from pyflakes import messages, reporter
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "import_graph.py"
 
 
 def _tool():
@@ -45,3 +50,36 @@ def test_lower_layers_do_not_import_upper_ones():
             t_parts = t.split(".")
             if len(t_parts) >= 2 and t_parts[1] in order:
                 assert order.index(t_parts[1]) <= order.index(parts[1]), f"{mod} imports {t}"
+
+
+def _undefined_names(paths):
+    """pyflakes' undefined-name findings under paths, as 'file:line: message' strings."""
+    found = []
+
+    class Collect(reporter.Reporter):
+        def __init__(self):
+            super().__init__(None, None)
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)):
+                found.append(f"{message.filename}:{message.lineno}: {message.message % message.message_args}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):  # noqa: N802 - pyflakes' interface
+            found.append(f"{filename}:{lineno}: syntax error: {msg}")
+
+        def unexpectedError(self, filename, msg):  # noqa: N802
+            found.append(f"{filename}: {msg}")
+
+    pyflakes_api.checkRecursive([str(p) for p in paths], Collect())
+    return found
+
+
+def test_no_undefined_names_in_the_package_or_the_tests():
+    """Code that runs only on a GPU (launchers, GPU tests) is never executed here: a name it uses
+    without defining or importing it would first fail on the device. pyflakes finds those."""
+    assert _undefined_names([ROOT / "cuflash", ROOT / "tests"]) == []
+
+
+def test_the_undefined_name_check_finds_one(tmp_path):
+    (tmp_path / "m.py").write_text("import os\n\ndef f(a):\n    return np.asarray(a, dtype=os.sep)\n")
+    assert [line.split(": ", 1)[1] for line in _undefined_names([tmp_path])] == ["undefined name 'np'"]
