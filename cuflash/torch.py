@@ -38,23 +38,25 @@ from .core import masks, problem
 __all__ = ["attention", "scaled_dot_product_attention", "register_transformers", "transformers_attention"]
 
 # Options travel through the operators' schemas as plain values: causal as a string
-# ("none" / "bottom_right" / "top_left"), window as an int list or None.
-_OPTIONS = "str causal, float? scale, str layout, int[]? window"
+# ("none" / "bottom_right" / "top_left"), window as an int list or None; the score modifiers
+# (softcap a float, ALiBi slopes and sinks float32 tensors) follow them.
+_OPTIONS = "str causal, float? scale, str layout, int[]? window, float? softcap, Tensor? alibi_slopes, Tensor? sinks"
 # The forward's deterministic is not used by it: it is recorded for the backward of its call.
 _FORWARD_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                  f"Tensor? block_table, {_OPTIONS}, bool validate")
 
 
-def _options(causal, scale, layout, window):
+def _options(causal, scale, layout, window, softcap, alibi_slopes, sinks):
     return dict(causal=None if causal == "none" else causal, scale=scale, layout=layout,
-                window=None if window is None else tuple(window))
+                window=None if window is None else tuple(window), softcap=softcap, alibi_slopes=alibi_slopes,
+                sinks=sinks)
 
 
-def _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
-                  out=None):
-    return api.attention(q, k, v, **_options(causal, scale, layout, window), return_lse=True, out=out, kv_lens=kv_lens,
-                         validate=validate, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         block_table=block_table)
+def _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
+                  alibi_slopes, sinks, validate, out=None):
+    return api.attention(q, k, v, **_options(causal, scale, layout, window, softcap, alibi_slopes, sinks),
+                         return_lse=True, out=out, kv_lens=kv_lens, validate=validate, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
 
 def _lse_shape(q, varlen, layout):
@@ -78,10 +80,10 @@ def _lse_like(q, varlen, layout):
 # ----------------------------------------------------------------------------- forward
 
 
-def _attention_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
-                  deterministic):
+def _attention_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
+                  alibi_slopes, sinks, validate, deterministic):
     return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                         validate)
+                         softcap, alibi_slopes, sinks, validate)
 
 
 _attention = torch.library.custom_op("cuflash::attention", _attention_op, mutates_args=(),
@@ -89,15 +91,15 @@ _attention = torch.library.custom_op("cuflash::attention", _attention_op, mutate
 
 
 @_attention.register_fake
-def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, validate,
-                    deterministic):
+def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
+                    alibi_slopes, sinks, validate, deterministic):
     return q.new_empty(q.shape), _lse_like(q, cu_seqlens_q is not None, layout)
 
 
 def _attention_out_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                      validate, out):
+                      softcap, alibi_slopes, sinks, validate, out):
     return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                         validate, out=out)[1]
+                         softcap, alibi_slopes, sinks, validate, out=out)[1]
 
 
 _attention_out = torch.library.custom_op("cuflash::attention_out", _attention_out_op, mutates_args=("out",),
@@ -106,35 +108,46 @@ _attention_out = torch.library.custom_op("cuflash::attention_out", _attention_ou
 
 @_attention_out.register_fake
 def _attention_out_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                        validate, out):
+                        softcap, alibi_slopes, sinks, validate, out):
     return _lse_like(q, cu_seqlens_q is not None, layout)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, deterministic):
-    return api.attention_backward(do, q, k, v, o, lse, **_options(causal, scale, layout, window),
-                                  deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+def _no_dsinks(q):
+    # The operator's schema has one output list: without sinks, dsinks is an empty float32 tensor.
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+def _backward_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, softcap,
+                 alibi_slopes, sinks, deterministic):
+    grads = api.attention_backward(do, q, k, v, o, lse,
+                                   **_options(causal, scale, layout, window, softcap, alibi_slopes, sinks),
+                                   deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return tuple(grads) if sinks is not None else (*grads, _no_dsinks(q))
 
 
 _backward = torch.library.custom_op(
     "cuflash::attention_backward", _backward_op, mutates_args=(),
     schema=("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
-            f"Tensor? cu_seqlens_k, {_OPTIONS}, bool deterministic) -> (Tensor, Tensor, Tensor)"))
+            f"Tensor? cu_seqlens_k, {_OPTIONS}, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)"))
 
 
 @_backward.register_fake
-def _backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, deterministic):
-    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+def _backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, softcap,
+                   alibi_slopes, sinks, deterministic):
+    dsinks = _no_dsinks(q) if sinks is None else sinks.new_empty(sinks.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, _, deterministic = inputs
+    (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap, alibi_slopes,
+     sinks, _, deterministic) = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = (causal, scale, layout, window)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    ctx.options = (causal, scale, layout, window, softcap)
     ctx.cache_inputs = "kv_lens" if kv_lens is not None else ("block_table" if block_table is not None else None)
     ctx.deterministic = deterministic
 
@@ -142,10 +155,13 @@ def _setup_context(ctx, inputs, output):
 def _attention_backward(ctx, do, _dlse):
     if ctx.cache_inputs is not None:  # checked up front by attention(); this guards direct op calls
         raise NotImplementedError(f"{ctx.cache_inputs}: cuflash has no backward for KV-cache calls")
-    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    # The op takes do in q's dtype; one kernel pass yields all three gradients.
-    dq, dk, dv = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.options, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    q, k, v, o, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    # The op takes do in q's dtype; one kernel pass yields all the gradients (ALiBi's slopes
+    # have none, as in FlashAttention: they are not trained).
+    dq, dk, dv, dsinks = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.options, alibi_slopes, sinks,
+                                   ctx.deterministic)
+    dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsinks, None, None
 
 
 _attention.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -171,28 +187,33 @@ def _check_tensors(named):
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None, kv_lens=None,
               validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-              deterministic=False):
+              deterministic=False, softcap=None, alibi_slopes=None, sinks=None):
     """:func:`cuflash.attention` for torch tensors, differentiable and traceable by torch.compile.
 
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
     "bottom_right" / "top_left"; layout "bhsd" / "bshd"; GQA; ``kv_lens``; ``block_table`` paged
     caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences; ``window``; ``out=``;
-    ``validate``; ``return_lse``). Returns o (and the float32 lse) as tensors on q's device.
+    ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes`` and
+    ``sinks``). Returns o (and the float32 lse) as tensors on q's device.
 
     Gradients flow to whichever of q, k, v require them, with or without ``window`` and
     ``cu_seqlens_*`` (``deterministic`` is then passed to :func:`cuflash.attention_backward`).
     ``kv_lens`` and ``block_table`` calls (KV caches, inference) have no backward: asking for
-    one raises ValueError. lse is returned without a gradient. ``out=`` is refused while a
+    one raises ValueError. ``sinks`` (a float32 tensor) gets its gradient when it requires one;
+    ``alibi_slopes`` gets none (not trained, as in FlashAttention). lse is returned without a
+    gradient. ``out=`` is refused while a
     gradient is needed, as torch's own ``out=`` functions do. Double backward is not supported.
     """
     _check_tensors((("q", q), ("k", k), ("v", v), ("out", out), ("kv_lens", kv_lens), ("cu_seqlens_q", cu_seqlens_q),
-                    ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table)))
+                    ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+                    ("sinks", sinks)))
     problem.check_flag("return_lse", return_lse)
     problem.check_flag("validate", validate)
     problem.check_flag("deterministic", deterministic)
     args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, _causal_word(causal), _scale_value(scale),
-            layout, _window_list(window), validate)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            layout, _window_list(window), _softcap_value(softcap), alibi_slopes, sinks, validate)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
     if grad and (kv_lens is not None or block_table is not None):
         name = "kv_lens" if kv_lens is not None else "block_table"
         raise ValueError(f"{name}: KV-cache calls have no backward; call under torch.no_grad() or detach q, k, v")
@@ -203,6 +224,15 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         return (out, lse) if return_lse else out
     o, lse = _attention(*args, deterministic)
     return (o, lse) if return_lse else o
+
+
+def _softcap_value(softcap):
+    """softcap as the operators' float; cuflash checks the value (finite, > 0) in the call."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap: expected a real number > 0 or None, got {type(softcap).__name__}")
+    return float(softcap)
 
 
 def _scale_value(scale):
@@ -267,7 +297,8 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
     query (B, Hq, S, D), key / value (B, Hkv, T, D) (GQA is left to cuflash); returns
     (attn_output (B, S, Hq, D), None) - no attention weights. Causal modules (``module.is_causal``,
     or the ``is_causal`` keyword) run causal="bottom_right", which is the KV-cache alignment: the S
-    new queries are the last S of the T positions. ``sliding_window`` W maps to window=(W - 1, 0).
+    new queries are the last S of the T positions. ``sliding_window`` W maps to window=(W - 1, 0);
+    ``softcap`` (Gemma-2) and ``s_aux`` (gpt-oss's sinks) map to cuflash's softcap and sinks.
     Padding masks are not supported (ValueError): a 2-D padding mask, or a dense mask that is
     not exactly the causal pattern.
     """
@@ -289,8 +320,11 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
         if not causal:
             raise ValueError("attention_mask: a dense mask on a non-causal module is not supported by cuflash")
         _check_causal_mask(attention_mask, nq, nk, window if causal else None)
+    # Gemma-2-style models pass their logit softcap as softcap=, gpt-oss its per-head sinks as
+    # s_aux= (cuflash takes sinks in float32; the gradient flows back through the cast).
+    sinks = kwargs.get("s_aux")
     o = attention(query, key, value, causal="bottom_right" if causal else False, scale=scaling, layout="bhsd",
-                  window=window)
+                  window=window, softcap=kwargs.get("softcap"), sinks=None if sinks is None else sinks.float())
     return o.transpose(1, 2).contiguous(), None
 
 

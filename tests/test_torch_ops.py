@@ -53,8 +53,8 @@ def _grads(ts):
 
 
 def _op_args(q, k, v, kv_lens=None, cu_q=None, cu_k=None, table=None, causal="none", scale=None, layout="bhsd",
-             window=None, validate=True):
-    return (q, k, v, kv_lens, cu_q, cu_k, table, causal, scale, layout, window, validate)
+             window=None, softcap=None, alibi=None, sinks=None, validate=True):
+    return (q, k, v, kv_lens, cu_q, cu_k, table, causal, scale, layout, window, softcap, alibi, sinks, validate)
 
 
 def _cases(rng):
@@ -75,6 +75,9 @@ def _cases(rng):
         ("kv_lens", _op_args(q, k, v, kv_lens=lens, causal="bottom_right")),
         ("varlen", _op_args(qp, kp, vp, cu_q=cu_q, cu_k=cu_k, causal="bottom_right", window=[3, -1])),
         ("paged", _op_args(qd, cache_k, cache_v, kv_lens=torch.tensor([20, 31], dtype=torch.int32), table=table)),
+        ("score-modifiers", _op_args(q, k, v, causal="bottom_right", softcap=2.5,
+                                     alibi=T(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32)),
+                                     sinks=T(rng.standard_normal(4).astype(np.float32)))),
     ]
 
 
@@ -89,7 +92,7 @@ def test_operators_pass_opcheck(rng):
             q, k, v = args[:3]
             o, lse = OPS.attention(*args, False)
             do = torch.randn_like(o)
-            torch.library.opcheck(OPS.attention_backward, (do, q, k, v, o, lse, args[4], args[5], *args[7:11], False))
+            torch.library.opcheck(OPS.attention_backward, (do, q, k, v, o, lse, args[4], args[5], *args[7:14], False))
 
 
 def test_fake_shapes_match_real(rng):
@@ -146,6 +149,50 @@ def test_varlen_and_window_gradients(rng, dtype):
     for g, w in zip(grads, cuflash.attention_vjp(q, k, v, window=(3, 2))[1](do, deterministic=True)):
         assert same(g, w)
     assert_backward_accurate(tuple(grads), do, q, k, v, window=(3, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_modifiers_and_dsinks_through_autograd(rng, dtype):
+    """softcap, ALiBi and sinks through the operators: o and lse, and dq, dk, dv and the sinks'
+    gradient from autograd, equal cuflash's own calls bit for bit (slopes get no gradient)."""
+    q, k, v = random_inputs(rng, (2, 4, 6, 8), (2, 2, 9, 8), dtype)
+    do = random_array(rng, q.shape, dtype)
+    slopes = rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    opts = dict(causal="bottom_right", softcap=3.0)
+    ts = [T(a).requires_grad_() for a in (q, k, v)]
+    t_sinks = T(sinks).requires_grad_()
+    o, lse = cft.attention(*ts, alibi_slopes=T(slopes), sinks=t_sinks, return_lse=True, **opts)
+    o.backward(T(do))
+    want_o, want_lse = cuflash.attention(q, k, v, alibi_slopes=slopes, sinks=sinks, return_lse=True, **opts)
+    assert same(N(o), want_o) and same(N(lse), want_lse)
+    want = cuflash.attention_backward(do, q, k, v, want_o, want_lse, alibi_slopes=slopes, sinks=sinks, **opts)
+    assert len(want) == 4
+    for g, w in zip(_grads(ts) + [N(t_sinks.grad)], want):
+        assert same(g, w)
+    # sinks alone requiring a gradient is enough to record the backward
+    t_sinks = T(sinks).requires_grad_()
+    cft.attention(T(q), T(k), T(v), sinks=t_sinks, **opts).backward(T(do))
+    assert t_sinks.grad is not None and t_sinks.grad.shape == (4,)
+    with pytest.raises(TypeError, match="softcap"):
+        cft.attention(T(q), T(k), T(v), softcap="3")
+    with pytest.raises(TypeError, match="sinks"):
+        cft.attention(T(q), T(k), T(v), sinks=sinks)
+    with pytest.raises(ValueError, match="softcap"):
+        cft.attention(T(q), T(k), T(v), softcap=-1.0)
+
+
+def test_transformers_attention_takes_softcap_and_sinks(rng):
+    """transformers' softcap= (Gemma-2) and s_aux= (gpt-oss sinks, in the model's dtype) reach
+    cuflash: the same o as cuflash.torch.attention, and the sinks' gradient flows back."""
+    q, k, v = (T(a) for a in random_inputs(rng, (1, 4, 5, 8), (1, 2, 5, 8), np.float32))
+    sinks = T(rng.standard_normal(4).astype(np.float32)).to(torch.float64).requires_grad_()
+    module = type("Attention", (), {"is_causal": True})()
+    o, weights = cft.transformers_attention(module, q, k, v, None, scaling=0.5, softcap=4.0, s_aux=sinks)
+    want = cft.attention(q, k, v, causal="bottom_right", scale=0.5, softcap=4.0, sinks=sinks.detach().float())
+    assert weights is None and torch.equal(o, want.transpose(1, 2))
+    o.sum().backward()
+    assert sinks.grad is not None and sinks.grad.dtype == torch.float64
 
 
 def test_out_and_return_lse(rng):
