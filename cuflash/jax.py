@@ -101,6 +101,7 @@ class _Native:
 
 
 _ARRAY_OPTIONS = ("kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+_MOD_ARRAYS = ("alibi_slopes", "sinks")  # float32 arrays of the score modifiers
 
 
 def _lse_shape(q, p, varlen, paged, layout):
@@ -117,9 +118,9 @@ def _lse_shape(q, p, varlen, paged, layout):
 @functools.lru_cache(maxsize=None)
 def _forward_callback(options, names):
     """One callback object per option set, so JAX's compilation caches see the same function.
-    ``options``: (causal, scale, layout, window, validate); ``names``: the array options given,
-    passed after q, k, v."""
-    causal, scale, layout, window, validate = options
+    ``options``: (causal, scale, layout, window, validate, softcap); ``names``: the array options
+    given, passed after q, k, v."""
+    causal, scale, layout, window, validate, softcap = options
 
     def callback(ctx, outs, q, k, v, *arrays):
         o_buf, lse_buf = outs
@@ -127,7 +128,7 @@ def _forward_callback(options, names):
             qn, kn, vn, on, lsen = (native.wrap(b) for b in (q, k, v, o_buf, lse_buf))
             given = {n: native.wrap(b) for n, b in zip(names, arrays)}
             _, lse = api.attention(qn, kn, vn, causal=causal, scale=scale, layout=layout, window=window,
-                                   validate=validate, return_lse=True, out=on, **given)
+                                   validate=validate, return_lse=True, out=on, softcap=softcap, **given)
             lsen[...] = lse
 
     return callback
@@ -135,22 +136,25 @@ def _forward_callback(options, names):
 
 @functools.lru_cache(maxsize=None)
 def _backward_callback(options, names, deterministic):
-    causal, scale, layout, window, _ = options
+    causal, scale, layout, window, _, softcap = options
 
     def callback(ctx, outs, do, q, k, v, o, lse, *arrays):
         with _Native(ctx, q) as native:
             args = [native.wrap(b) for b in (do, q, k, v, o, lse)]
             grads = tuple(native.wrap(b) for b in outs)
             given = {n: native.wrap(b) for n, b in zip(names, arrays)}
-            api.attention_backward(*args, causal=causal, scale=scale, layout=layout, window=window,
-                                   deterministic=deterministic, out=grads, **given)
+            result = api.attention_backward(*args, causal=causal, scale=scale, layout=layout, window=window,
+                                            deterministic=deterministic, out=grads[:3], softcap=softcap, **given)
+            if "sinks" in given:  # dsinks comes back as a fresh array: into XLA's buffer
+                grads[3][...] = result[3]
 
     return callback
 
 
 def _vmap_method(names):
-    # Packed sequences and paged caches have no batch axis to add: map them one call at a time.
-    return "sequential" if ({"cu_seqlens_q", "block_table"} & set(names)) else "broadcast_all"
+    # Packed sequences and paged caches have no batch axis to add, and per-head slopes and sinks
+    # must keep their shapes: map such calls one at a time.
+    return "sequential" if ({"cu_seqlens_q", "block_table", *_MOD_ARRAYS} & set(names)) else "broadcast_all"
 
 
 def _forward(q, k, v, arrays, static):
@@ -164,6 +168,8 @@ def _backward(do, q, k, v, o, lse, arrays, static):
     options, names, _, deterministic = static
     result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(v.shape, v.dtype))
+    if "sinks" in names:
+        result += (jax.ShapeDtypeStruct(arrays[names.index("sinks")].shape, jnp.float32),)
     call = buffer_callback(_backward_callback(options, names, deterministic), result, vmap_method=_vmap_method(names))
     return call(do, q, k, v, o, lse, *arrays)
 
@@ -185,24 +191,29 @@ def _attention_fwd(q, k, v, arrays, static):
 def _attention_bwd(static, saved, cotangents):
     q, k, v, o, lse, arrays = saved
     do = cotangents[0]  # lse is returned under stop_gradient: its cotangent is zero
-    dq, dk, dv = _backward(do.astype(q.dtype), q, k, v, o, lse, arrays, static)
-    return dq, dk, dv, tuple(None for _ in arrays)
+    grads = _backward(do.astype(q.dtype), q, k, v, o, lse, arrays, static)
+    # Only the sinks have a gradient among the array options (ALiBi slopes are not trained).
+    names = static[1]
+    return (*grads[:3], tuple(grads[3] if n == "sinks" else None for n in names))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None, validate=True,
-              window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, deterministic=False):
+              window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, deterministic=False, softcap=None,
+              alibi_slopes=None, sinks=None):
     """``cuflash.attention`` for JAX: differentiable, and usable inside ``jax.jit`` / ``vmap``.
 
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
     "bottom_right" / "top_left"; layout "bhsd" or "bshd"; GQA; ``window``; ``kv_lens``;
     ``block_table`` paged caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences;
-    ``validate``; ``return_lse``; float16, bfloat16, float32 on CPU; float16 and bfloat16 for the
-    GPU backward). The options other than arrays are static: under ``jax.jit`` pass them as
-    Python values (a closure or ``static_argnames``); kv_lens, block_table and cu_seqlens_* are
-    int32 arrays and may be traced. Returns o (and the float32 lse), jax.Arrays.
+    ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes``, ``sinks``;
+    float16, bfloat16, float32 on CPU; float16 and bfloat16 for the GPU backward). The options
+    other than arrays are static: under ``jax.jit`` pass them as Python values (a closure or
+    ``static_argnames``); kv_lens, block_table and cu_seqlens_* (int32) and alibi_slopes and
+    sinks (float32) are arrays and may be traced. Returns o (and the float32 lse), jax.Arrays.
+    ``sinks`` gets its gradient; ``alibi_slopes`` none.
 
     Gradients: reverse mode (``jax.grad``, ``jax.vjp``) for q, k, v, with ``window`` and
     ``cu_seqlens_*`` too (``deterministic`` goes to the backward); KV-cache calls (kv_lens,
@@ -215,12 +226,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     problem.check_flag("validate", validate)
     problem.check_flag("deterministic", deterministic)
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
-    given = {n: a for n, a in zip(_ARRAY_OPTIONS, (kv_lens, cu_seqlens_q, cu_seqlens_k, block_table)) if a is not None}
+    given = {n: a for n, a in zip(_ARRAY_OPTIONS + _MOD_ARRAYS,
+                                  (kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sinks))
+             if a is not None}
+    softcap = problem.check_softcap(softcap)
     for name, a in given.items():
+        want = np.float32 if name in _MOD_ARRAYS else np.int32
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected an int32 array, got {type(a).__name__}")
-        if np.dtype(a.dtype) != np.int32:
-            raise TypeError(f"{name}: expected dtype int32, got {np.dtype(a.dtype).name}")
+            raise TypeError(f"{name}: expected a {np.dtype(want).name} array, got {type(a).__name__}")
+        if np.dtype(a.dtype) != want:
+            raise TypeError(f"{name}: expected dtype {np.dtype(want).name}, got {np.dtype(a.dtype).name}")
     varlen = "cu_seqlens_q" in given or "cu_seqlens_k" in given
     paged = "block_table" in given
     window = masks.normalize_window(window)
@@ -235,14 +250,17 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         scale = problem.check_scale(scale, q.shape[-1])
     else:
         p = _problem_of(q, k, v, causal, scale, layout, window)  # errors surface here, naming the argument
+        mods = {n: np.broadcast_to(np.zeros((), np.float32), given[n].shape) for n in _MOD_ARRAYS if n in given}
+        problem.check_score_mods(p, np.zeros(()), **mods)  # the slopes' and sinks' shapes, by name
         causal, scale = p.causal, p.scale
         if p.single_head and not given:  # (N, d) -> (1, N, d): leading axes are then batch axes under vmap too
             o, lse = _attention(q[None], k[None], v[None], (),
-                                ((causal or False, scale, "bhsd", window, validate), (), (1, p.nq), deterministic))
+                                ((causal or False, scale, "bhsd", window, validate, softcap), (), (1, p.nq),
+                                 deterministic))
             o, lse = o[0], jax.lax.stop_gradient(lse[0])
             return (o, lse) if return_lse else o
     names = tuple(given)
-    static = ((causal or False, scale, layout, window, validate), names,
+    static = ((causal or False, scale, layout, window, validate, softcap), names,
               _lse_shape(q, p, varlen, paged, layout), bool(deterministic))
     o, lse = _attention(q, k, v, tuple(jnp.asarray(a) for a in given.values()), static)
     lse = jax.lax.stop_gradient(lse)

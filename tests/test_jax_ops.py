@@ -56,6 +56,41 @@ def test_jit_grad_window_against_reference(rng, dtype):
         assert_within_rule(name, np.asarray(g), r, y, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jit_grad_score_modifiers_and_dsinks(rng, dtype):
+    """softcap (static), ALiBi slopes and sinks (traced arrays) under jit(grad): o and dq, dk, dv
+    and the sinks' gradient bit for bit cuflash's NumPy calls; under vmap one call per element."""
+    q, k, v = random_inputs(rng, (2, 4, 6, 8), (2, 2, 9, 8), dtype)
+    do = random_array(rng, q.shape, dtype)
+    slopes = rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    opts = dict(causal="bottom_right", softcap=3.0)
+
+    def loss(a, b, c, s, sl):
+        o = cfj.attention(a, b, c, alibi_slopes=sl, sinks=s, **opts)
+        return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do).astype(jnp.float32))
+
+    args = tuple(jnp.asarray(a) for a in (q, k, v, sinks, slopes))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    want_o, want_lse = cuflash.attention(q, k, v, alibi_slopes=slopes, sinks=sinks, return_lse=True, **opts)
+    want = cuflash.attention_backward(do, q, k, v, want_o, want_lse, alibi_slopes=slopes, sinks=sinks, **opts)
+    for g, w in zip(grads, want):
+        assert same(g, w)
+    o = jax.jit(lambda a, b, c, s, sl: cfj.attention(a, b, c, alibi_slopes=sl, sinks=s, **opts))(*args)
+    assert same(o, want_o)
+    # vmap over a leading axis of q, k, v; the per-head arrays keep their shapes
+    vq, vk, vv = (np.stack([a, a]) for a in (q, k, v))
+    mapped = jax.vmap(lambda a, b, c: cfj.attention(a, b, c, alibi_slopes=args[4], sinks=args[3], **opts))(
+        jnp.asarray(vq), jnp.asarray(vk), jnp.asarray(vv))
+    assert same(mapped[1], want_o)
+    with pytest.raises(TypeError, match="sinks"):
+        cfj.attention(*args[:3], sinks=sinks.astype(np.float64))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        cfj.attention(*args[:3], alibi_slopes=slopes[:, :3])
+    with pytest.raises(ValueError, match="softcap"):
+        cfj.attention(*args[:3], softcap=0.0)
+
+
 def test_jit_grad_packed_sequences(rng):
     q, k, v = random_inputs(rng, (9, 4, 8), (11, 2, 8), np.float16)
     do = random_array(rng, q.shape, np.float16)
