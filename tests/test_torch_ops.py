@@ -426,6 +426,26 @@ def test_gpu_options_match_cupy_path(rng):
 
 
 @pytest.mark.gpu
+def test_gpu_score_modifiers_match_cupy_path(rng):
+    """softcap, ALiBi and sinks on CUDA tensors: o, the gradients and dsinks equal cuflash's own
+    calls on the same tensors (deterministic dq, so bit for bit)."""
+    q, k, v = _cuda_inputs(rng, (2, 4, 70, 64), (2, 2, 90, 64))
+    do = torch.randn_like(q)
+    slopes = torch.rand(2, 4, device="cuda") * 0.4 + 0.01
+    sinks = torch.randn(4, device="cuda")
+    opts = dict(causal=True, softcap=4.0, alibi_slopes=slopes)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    t_sinks = sinks.clone().requires_grad_()
+    o = cft.attention(*ts, sinks=t_sinks, deterministic=True, **opts)
+    o.backward(do)
+    want_o, want_lse = cuflash.attention(q, k, v, sinks=sinks, return_lse=True, **opts)
+    assert torch.equal(o, want_o)
+    want = cuflash.attention_backward(do, q, k, v, want_o, want_lse, sinks=sinks, deterministic=True, **opts)
+    for got, w in zip([t.grad for t in ts] + [t_sinks.grad], want):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.gpu
 def test_gpu_compile_fullgraph_block_matches_eager():
     torch.manual_seed(0)
     block = Block(dim=256, heads=4, kv_heads=2).cuda().to(torch.bfloat16)
