@@ -210,8 +210,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     problem.check_flag("return_lse", return_lse)
     problem.check_flag("validate", validate)
     problem.check_flag("deterministic", deterministic)
-    args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, _causal_word(causal), _scale_value(scale),
-            layout, _window_list(window), _softcap_value(softcap), alibi_slopes, sinks, validate)
+    scale = _real_or_none("scale", scale, "a real number")
+    softcap = _real_or_none("softcap", softcap, "a real number > 0")
+    args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, _causal_word(causal), scale, layout,
+            _window_list(window), softcap, alibi_slopes, sinks, validate)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
     if grad and (kv_lens is not None or block_table is not None):
@@ -226,22 +228,14 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     return (o, lse) if return_lse else o
 
 
-def _softcap_value(softcap):
-    """softcap as the operators' float; cuflash checks the value (finite, > 0) in the call."""
-    if softcap is None:
+def _real_or_none(name, value, what):
+    """A scalar option as the operators' float (a bool, a string or an array is refused, as cuflash
+    refuses them); cuflash checks its value in the call."""
+    if value is None:
         return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
-        raise TypeError(f"softcap: expected a real number > 0 or None, got {type(softcap).__name__}")
-    return float(softcap)
-
-
-def _scale_value(scale):
-    """scale as the operators' float, checked like cuflash checks it (a bool or a string is refused)."""
-    if scale is None:
-        return None
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
-    return float(scale)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected {what} or None, got {type(value).__name__}")
+    return float(value)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
