@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the optional-impor
 import numpy as np
 
 from .api import functional as api
+from .api.merge import merge_attention_states
 
 __all__ = ["ring_attention", "shard", "unshard", "chunk_bounds", "MODES", "BALANCES"]
 
@@ -196,8 +197,8 @@ def _ring_forward(q, k, v, plan, o_opts, partial_dtype):
                                            out_dtype=partial_dtype)
                 if c in acc:
                     o_a, lse_a = acc[c]
-                    o_p, lse_p = api.merge_attention_states(torch.stack([o_a, o_p.float()]), torch.stack([lse_a, lse_p]),
-                                                            layout=layout, dtype=np.float32)
+                    o_p, lse_p = merge_attention_states(torch.stack([o_a, o_p.float()]), torch.stack([lse_a, lse_p]),
+                                                        layout=layout, dtype=np.float32)
                 acc[c] = (o_p.float(), lse_p)
         if reqs:
             _wait(reqs)

@@ -7,7 +7,6 @@ import numpy as np
 from ..backends import cuda
 from ..backends import numpy as numpy_backend
 from ..core import problem as _problem
-from ..core.merge import validate_merge
 from ..core.arrays import FLOAT32, array_namespace, may_share_memory, widen_to_float32
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
 from . import interop, plan_cache
@@ -171,7 +170,6 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
     p = _problem.check_score_mods(p, q, *mods)
     odt = p.dtype if out_dtype is None else FLOAT32
     _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
-    xp = p.xp
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
@@ -210,8 +208,6 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     """Paged KV cache: the decode kernel reads pages in place (a window's too); otherwise (NumPy,
     prefill shapes) each sequence's used pages are gathered into a contiguous (1, Hkv, kv_len, d)
     copy, its window aligned on its own kv_len keys."""
-    import dataclasses
-
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
     p = _problem.check_score_mods(p, q, *mods)
     odt = p.dtype if out_dtype is None else FLOAT32
@@ -251,8 +247,6 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
 def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
-    import dataclasses
-
     if p.xp is not np:
         if cuda.decode_applies(p, k4, v4) and not p.modified:
             cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
@@ -422,71 +416,6 @@ def _gradient_outputs(p, out, inputs):
             if may_share_memory(out[i], out[j]):
                 raise ValueError(f"{names[i]}: must not overlap {names[j]}")
     return out
-
-
-def merge_attention_states(o_parts, lse_parts, *, layout="bhsd", dtype=None, out=None, lse_out=None):
-    """Merge attention results computed over disjoint sets of keys into the result over their union.
-
-    ``o_parts`` (P, ...) and ``lse_parts`` (P, ...) stack, along a new leading parts axis, P >= 1
-    results of :func:`attention` for the same queries over disjoint key sets (e.g. a long sequence
-    cut into slices: context parallelism, split KV): each part's o, shaped as ``attention`` returns
-    it for ``layout`` ((..., H, N, d), (..., N, H, d) or (N, d)), and its lse as
-    ``attention(..., return_lse=True)`` returns it ((..., H, N) float32, (N,) for a 2-D o). A
-    list or tuple of P arrays is stacked first (one copy).
-
-    lse is the natural-log log-sum-exp of a row's scaled, masked scores over the keys the part
-    saw, ``lse_i = log sum_j exp(scale * q_i . k_j)``, -inf for a row that saw no key. The merge is
-    exact: with ``m = max_p lse_p`` and ``w_p = exp(lse_p - m)``,
-    ``o = sum_p w_p o_p / sum_p w_p`` and ``lse = m + log sum_p w_p``, computed in float32 for
-    16-bit parts and float64 for float32 parts, rounded once. A part whose lse is -inf does not
-    count (whatever its o holds); a row no part saw gets o = 0 and lse = -inf, as ``attention``
-    gives a row that sees no key. Partial outputs keep more precision with
-    ``attention(..., out_dtype=numpy.float32)``.
-
-    ``dtype``: the merged o's dtype (float16, bfloat16 or float32), default the parts' dtype.
-    ``out``, ``lse_out``: optional arrays (o's shape and ``dtype``; lse's shape, float32) to write
-    the results into, overlapping neither the inputs nor each other.
-
-    Returns (o, lse). NumPy arrays merge on the CPU, CuPy arrays on their GPU (one kernel on the
-    current stream); other array kinds as for ``attention``.
-    """
-    if isinstance(o_parts, (list, tuple)) or isinstance(lse_parts, (list, tuple)):
-        _, o_parts, lse_parts = validate_merge(o_parts, lse_parts, layout=layout, dtype=dtype)  # stacks them
-    return _merge(o_parts, lse_parts, layout=layout, dtype=dtype, out=out, lse_out=lse_out)
-
-
-@interop.accepts_foreign_arrays("o_parts", "lse_parts", outputs=("out", "lse_out"))
-def _merge(o_parts, lse_parts, *, layout="bhsd", dtype=None, out=None, lse_out=None):
-    mp, o_parts, lse_parts = validate_merge(o_parts, lse_parts, layout=layout, dtype=dtype, out=out,
-                                            lse_out=lse_out)
-    xp = mp.xp
-    if xp is not np:
-        _problem.warn_if_capture_unsafe()
-    o = out if out is not None else xp.empty(mp.o_shape(), dtype=mp.out_dtype)
-    lse = lse_out if lse_out is not None else xp.empty(mp.lse_shape(), dtype=np.float32)
-    o5, lse4 = mp.o5(o_parts), mp.lse4(lse_parts)
-    # The outputs' canonical views; a scratch array where out's strides do not merge (copied in after).
-    o4, lse3 = mp.o5(o[None])[0], mp.lse4(lse[None])[0]
-    o_direct, lse_direct = is_view_of(o4, o), is_view_of(lse3, lse)
-    if not o_direct:
-        o4 = xp.empty((mp.batch, mp.heads, mp.n, mp.d), dtype=mp.out_dtype)
-    if not lse_direct:
-        lse3 = xp.empty((mp.batch, mp.heads, mp.n), dtype=np.float32)
-    (numpy_backend if xp is np else cuda).merge(o5, lse4, o4, lse3)
-    if not o_direct:
-        o[...] = _from5(mp, o4)
-    if not lse_direct:
-        lse[...] = lse3.reshape(mp.lse_shape())
-    return o, lse
-
-
-def _from5(mp, o4):
-    """(B, H, N, d) -> the layout's o shape."""
-    if mp.single_head:
-        return o4[0, 0]
-    if mp.layout == "bhsd":
-        return o4.reshape(mp.o_shape())
-    return o4.swapaxes(1, 2).reshape(mp.o_shape())
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, cu_seqlens_q=None,
