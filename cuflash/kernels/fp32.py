@@ -5,6 +5,8 @@ forward shares attn_fwd's arguments (cuflash.kernels.forward.launch_forward)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..plan.dispatch import BackwardPlan
@@ -14,9 +16,10 @@ from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_YZ
 from .operands import elem_strides, unit_d
 
 
+@functools.lru_cache(maxsize=None)
 def _row_dot():
-    """rowsum(dO * O) in float64 of float32 rows, without float64 copies of dO and O (CuPy caches
-    the compiled reduction by its text)."""
+    """rowsum(dO * O) in float64 of float32 rows, without float64 copies of dO and O; built once
+    (a ReductionKernel costs host time to construct on every call)."""
     import cupy
 
     return cupy.ReductionKernel("float32 a, float32 b", "float64 y", "(double)a * (double)b", "a + b", "y = a", "0",
