@@ -50,11 +50,13 @@ if [ "$PART" != bench ]; then
     limit=()
     if [ -n "${TEST_TIMEOUT:-}" ]; then limit=(timeout "$TEST_TIMEOUT"); fi
     echo "== tests: ${GPU_CHECK_TESTS:=-m gpu tests/}"
+    # -v names every test as it finishes: a run cut short by TEST_TIMEOUT still names its failures.
     # shellcheck disable=SC2086  # the selection is a list of pytest arguments
-    "${limit[@]}" python3 -m pytest -q $GPU_CHECK_TESTS -p no:cacheprovider -rfE "${workers[@]}" \
+    "${limit[@]}" python3 -m pytest -v $GPU_CHECK_TESTS -p no:cacheprovider -rfE --durations=15 "${workers[@]}" \
         --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
     tests_rc=$?
-    echo "tests rc=$tests_rc"; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -40; tail -3 "$OUT/tests.log"
+    echo "tests rc=$tests_rc"; grep -E "(^| )(FAILED|ERROR) " "$OUT/tests.log" | sort -u | head -40
+    grep -A 17 "slowest 15 durations" "$OUT/tests.log"; tail -3 "$OUT/tests.log"
     [ "$tests_rc" -ne 0 ] && rc=1
 fi
 [ "$PART" = tests ] && exit "$rc"
