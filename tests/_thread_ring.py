@@ -87,10 +87,16 @@ def run_ring(case, world, full, device="cpu"):
             o, lse = ring_attention(q, k, v, group=ThreadComm(group, rank), causal=case["causal"],
                                     layout=case["layout"], mode=case["mode"], balance=case["balance"],
                                     seq_len=n, return_lse=True)
-            o.backward(do)
-            if device != "cpu":
+            if device == "cpu":
+                o.backward(do)
+                grads = (q.grad, k.grad, v.grad)
+            else:
+                # autograd runs every CUDA backward on one worker thread per device, where the
+                # ranks' backward passes (each waiting for the others' messages) would deadlock:
+                # the operator's backward node runs here, in the rank's thread.
+                grads = o.grad_fn.apply(do, None)[:3]
                 torch.cuda.synchronize()
-            results[rank] = [t.detach().float().cpu() for t in (o, lse, q.grad, k.grad, v.grad)]
+            results[rank] = [t.detach().float().cpu() for t in (o, lse, *grads)]
         except BaseException as exc:  # re-raised in the caller
             errors.append((rank, exc))
             group.barrier.abort()

@@ -68,7 +68,7 @@ def test_merge_kernel_against_the_cpu_and_empty_rows(rng, parts_dtype, out_dtype
     want_o, want_lse = cuflash.merge_attention_states(o, lse, layout="bshd", dtype=out_dtype)
     got_o, got_lse = to_numpy(ro).astype(np.float64), to_numpy(rl)
     assert np.all(got_o[0, 2, 1] == 0) and got_lse[0, 1, 2] == -np.inf
-    assert np.isfinite(got_o).all() and np.isfinite(np.delete(got_lse.reshape(-1), 1 * 5 + 2))
+    assert np.isfinite(got_o).all() and np.isfinite(np.delete(got_lse.reshape(-1), 1 * 5 + 2)).all()
     # the same formula in the same arithmetic type; exp/log of the GPU and of NumPy differ by an ulp
     u = {np.dtype(np.float16): 2**-11, np.dtype(BFLOAT16): 2**-8, np.dtype(np.float32): 2**-24}[np.dtype(out_dtype)]
     np.testing.assert_allclose(got_o, want_o.astype(np.float64), rtol=2 * u, atol=2 * u * np.abs(want_o).max())

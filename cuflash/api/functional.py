@@ -49,6 +49,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         inside a capture raises ValueError naming the argument. Capture with
         cupy.cuda.MemoryAsyncPool as the allocator, so that the graph owns the buffers a call
         allocates (lse, split-KV partials); with another allocator a RuntimeWarning says so.
+        torch tensors allocate through torch's caching allocator, so torch's captures
+        (torch.cuda.graph, torch.compile(mode="reduce-overhead")) own them with no setup.
     window : optional (left, right) ints >= -1, FlashAttention's sliding window: query i sees key
         j only if diag - left <= j <= diag + right, diag = i + Nk - Nq (bottom-right, also without
         causal; i for causal="top_left"); -1 leaves a side unbounded, (-1, -1) is no window. With

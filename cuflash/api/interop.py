@@ -29,9 +29,10 @@ The NumPy-style functions drop torch's autograd history (results do not require 
 Streams: torch inputs run on ``torch.cuda.current_stream(device)``, made CuPy's current stream for
 the call (``external_stream``); CuPy inputs run on CuPy's current stream; for JAX and
 other DLPack producers the protocol itself orders the producer's pending work before CuPy's
-current stream and the consumer's work after it. Memory CuPy allocates during a call (outputs,
-scratch) belongs to CuPy's pool on that stream: like torch's caching allocator, a result used on
-another stream must be kept alive until that stream is done with it.
+current stream and the consumer's work after it. Memory a call allocates (outputs, scratch) comes
+from torch's caching allocator for torch inputs (so torch's CUDA graph captures own it) and from
+CuPy's pool otherwise, on the call's stream: as with torch's allocator, a result used on another
+stream must be kept alive until that stream is done with it.
 
 Devices: all inputs must live on one device (else ValueError); the call runs inside
 ``cupy.cuda.Device(n)`` so allocations, compiled modules (cached per device by kernels.build) and launches
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core import problem as _problem
 from ..core.arrays import BFLOAT16, is_cupy_array
 
 # DLPack device types (dlpack.h).
@@ -329,6 +331,7 @@ class ForeignCall:
             self._stack.enter_context(cupy.cuda.Device(dev))
             if self.placement.kind == TORCH:
                 self._stack.enter_context(self._torch_stream(dev))
+                self._stack.enter_context(self._torch_allocations(dev))
         return self
 
     def __exit__(self, *exc):
@@ -342,6 +345,26 @@ class ForeignCall:
 
         torch = _loaded("torch")
         with external_stream(torch.cuda.current_stream(dev).cuda_stream, dev):
+            yield
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _torch_allocations(dev):
+        """CuPy allocates the call's buffers (o, lse, split-KV partials, workspaces) from torch's
+        caching allocator on torch's current stream: a CUDA graph torch captures (torch.cuda.graph,
+        torch.compile(mode="reduce-overhead")) owns them, where CuPy's pool would take them back
+        after capture while the graph keeps writing them; outside capture they return to torch's
+        pool when the call's arrays die, like any torch temporary, and one pool serves both."""
+        import cupy
+
+        torch = _loaded("torch")
+        device = torch.device("cuda", dev)
+
+        def malloc(size):
+            t = torch.empty((max(size, 1),), dtype=torch.uint8, device=device)
+            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, dev), 0)
+
+        with cupy.cuda.using_allocator(malloc), _problem.caller_owned_allocations():
             yield
 
     def to_native(self, name, x, output=False):

@@ -6,8 +6,10 @@ dtypes, layouts, masks and ``out=`` live in one place and every error names its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -325,12 +327,28 @@ def to_host(a, name: str, why: str):
     return a.get()
 
 
+_allocations = threading.local()
+
+
+@contextlib.contextmanager
+def caller_owned_allocations():
+    """Within it (this thread), CuPy allocates through the caller's allocator (torch's caching
+    allocator, for torch calls: cuflash.api.interop), whose CUDA graph captures own the buffers
+    a call allocates: no warning under capture."""
+    before = getattr(_allocations, "caller", False)
+    _allocations.caller = True
+    try:
+        yield
+    finally:
+        _allocations.caller = before
+
+
 def warn_if_capture_unsafe(stacklevel: int = 4):
     """Under CUDA graph capture, cuflash's per-call buffers (lse, split-KV partials, the backward's
     workspace) must belong to the graph: with CuPy's default MemoryPool a buffer freed after the
     call returns to the pool while the graph keeps writing it on every replay. A stream-ordered
     pool (cupy.cuda.MemoryAsyncPool) records them as the graph's own allocations."""
-    if not stream_is_capturing():
+    if getattr(_allocations, "caller", False) or not stream_is_capturing():
         return
     import cupy
 
