@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .core import masks
+from .core import masks, sequence_split
 from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
 from .core.problem import check_offset_values, check_out_dtype
 from .plan import decode, dispatch, schedule
@@ -1202,13 +1202,6 @@ def _chunk_pairs(causal, qa, qb, ka, kb):
     return partial + full
 
 
-def _cp_chunks(n, world, balance):
-    chunks = 2 * world if balance == "zigzag" else world
-    edge = [c * n // chunks for c in range(chunks + 1)]
-    ids = [(r, 2 * world - 1 - r) if balance == "zigzag" else (r,) for r in range(world)]
-    return [[(edge[c], edge[c + 1]) for c in cs] for cs in ids]
-
-
 def context_parallel(q_shape, world, *, hkv=None, causal=False, dtype=None, mode="ring", balance="zigzag",
                      pass_="fwd", tflops=None, link_gbps=CP_LINK_GBPS, hbm_gbps=CP_HBM_GBPS) -> ContextParallelModel:
     """The model of ``cuflash.distributed.ring_attention`` over a whole sequence of ``q_shape``
@@ -1222,7 +1215,7 @@ def context_parallel(q_shape, world, *, hkv=None, causal=False, dtype=None, mode
     backward) and the backward's dK/dV all-reduce (float32, 2 (P-1)/P of it) are not overlapped.
     ``tflops`` defaults to the 16-bit kernels' measured H200 rates (CP_TFLOPS_FWD / _BWD)."""
     _check_choice("mode", mode, ("ring", "allgather"))
-    _check_choice("balance", balance, ("zigzag", "contiguous"))
+    _check_choice("balance", balance, sequence_split.BALANCES)
     _check_choice("pass_", pass_, ("fwd", "bwd"))
     if len(q_shape) != 4:
         raise ValueError(f"q_shape: expected (B, Hq, N, d), got {q_shape}")
@@ -1236,7 +1229,7 @@ def context_parallel(q_shape, world, *, hkv=None, causal=False, dtype=None, mode
     rate = tflops if tflops is not None else (CP_TFLOPS_FWD if pass_ == "fwd" else CP_TFLOPS_BWD)
     if not (rate > 0 and link_gbps > 0 and hbm_gbps > 0):
         raise ValueError("tflops, link_gbps, hbm_gbps: expected positive rates")
-    chunks = _cp_chunks(n, world, balance)
+    chunks = [[(lo, hi) for _, lo, hi in cs] for cs in sequence_split.chunk_bounds(n, world, balance)]
     lens = [sum(e - s for s, e in cs) for cs in chunks]
     unit = per_pair * b * hq * d  # FLOPs per visible pair
     serial = unit * _chunk_pairs(causal, 0, n, 0, n)

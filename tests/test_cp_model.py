@@ -5,14 +5,15 @@ import numpy as np
 import pytest
 
 from cuflash import accounting
+from cuflash.core.sequence_split import chunk_bounds
 from cuflash.cli import report
 
 
 def _pairs_by_enumeration(n, world, rank, src, causal, balance="zigzag"):
-    chunks = accounting._cp_chunks(n, world, balance)
+    chunks = chunk_bounds(n, world, balance)
     vis = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
-    rows = np.concatenate([np.arange(a, b) for a, b in chunks[rank]])
-    cols = np.concatenate([np.arange(a, b) for a, b in chunks[src]])
+    rows = np.concatenate([np.arange(a, b) for _, a, b in chunks[rank]])
+    cols = np.concatenate([np.arange(a, b) for _, a, b in chunks[src]])
     return int(vis[np.ix_(rows, cols)].sum())
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..api.functional import attention
+from ..core import sequence_split
 from ..core.arrays import BFLOAT16
 from ..kernels.build import compile_offline
 from .common import _positive
@@ -134,10 +135,7 @@ def main(argv=None) -> int:
 
 
 def _cp_mode(mode, hq, hkv, world):
-    # cuflash.distributed.pick_mode's rule, restated here: the CLI must not import torch
-    if mode != "auto":
-        return mode
-    return "allgather" if hq >= world * hkv else "ring"
+    return sequence_split.pick_mode(hq, hkv, world) if mode == "auto" else mode
 
 
 def context_parallel_text(dims, world, *, mode="auto", link_gbps=accounting.CP_LINK_GBPS, tflops=None) -> str:
@@ -173,9 +171,7 @@ def context_parallel_text(dims, world, *, mode="auto", link_gbps=accounting.CP_L
 
 
 def _rows_of(n, world, r):
-    chunks = 2 * world
-    edge = [c * n // chunks for c in range(chunks + 1)]
-    return sum(edge[c + 1] - edge[c] for c in (r, 2 * world - 1 - r))
+    return sum(b - a for _, a, b in sequence_split.chunk_bounds(n, world, "zigzag")[r])
 
 
 def _shapes(dims):
