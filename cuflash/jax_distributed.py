@@ -32,6 +32,7 @@ docs/distributed.md explains the modes, the balance and the cost model. Imported
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -118,7 +119,6 @@ def _varying_like(outputs, inputs):
     return tuple(out)
 
 
-
 @functools.lru_cache(maxsize=None)
 def _step_forward_callback(causal, scale, layout):
     def callback(ctx, outs, q, k, v):
@@ -162,10 +162,9 @@ def _step_backward(do, q, k, v, o, lse, causal, scale, layout):
     return _varying_like(call(do, q, k, v, o, lse), (do, q, k, v, o, lse))
 
 
-def _pair_case(causal, q_chunk, k_chunk):
-    """0: full, 1: the causal diagonal, 2: no pair (relation() for traced chunk indices)."""
-    if not causal:
-        return 0
+def _causal_case(q_chunk, k_chunk):
+    """The branch of a causal chunk pair: 0 full (the key chunk comes first), 1 the diagonal, 2 no
+    pair (core.sequence_split.relation, for traced chunk indices)."""
     return jnp.where(k_chunk < q_chunk, 0, jnp.where(k_chunk == q_chunk, 1, 2))
 
 
@@ -179,7 +178,7 @@ def _pair_forward(q_chunk, k_chunk, q, k, v, static):
         lse = jnp.full(_lse_of(q, layout), -jnp.inf, jnp.float32)
         return _varying_like((o, lse), (q, k, v))
 
-    return lax.switch(_pair_case(True, q_chunk, k_chunk),
+    return lax.switch(_causal_case(q_chunk, k_chunk),
                       [lambda *a: _step_forward(*a, False, scale, layout),
                        lambda *a: _step_forward(*a, True, scale, layout), empty], q, k, v)
 
@@ -193,7 +192,7 @@ def _pair_backward(q_chunk, k_chunk, do, q, k, v, o, lse, static):
         zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
         return _varying_like(zeros, (do, q, k, v, o, lse))
 
-    return lax.switch(_pair_case(True, q_chunk, k_chunk),
+    return lax.switch(_causal_case(q_chunk, k_chunk),
                       [lambda *a: _step_backward(*a, False, scale, layout),
                        lambda *a: _step_backward(*a, True, scale, layout), empty], do, q, k, v, o, lse)
 
@@ -216,19 +215,18 @@ def _merge(a, b, layout):
 # ----------------------------------------------------------------------------- the passes
 
 
+@dataclass(frozen=True)
 class _Static:
-    """The hashable options of one call (custom_vjp's nondiff argument)."""
+    """The options of one call, hashable (custom_vjp's nondiff argument), and the geometry they
+    give: the sequence axis, a device's chunks, the ring's permutation."""
 
-    def __init__(self, causal, scale, layout, mode, balance, axis_name, world):
-        self.causal, self.scale, self.layout, self.mode = causal, scale, layout, mode
-        self.balance, self.axis_name, self.world = balance, axis_name, world
-        self.key = (causal, scale, layout, mode, balance, axis_name, world)
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Static) and self.key == other.key
+    causal: bool
+    scale: float
+    layout: str
+    mode: str
+    balance: str
+    axis_name: object
+    world: int
 
     @property
     def axis(self):
@@ -264,27 +262,21 @@ def _pairs(static, rank, src_chunks):
 
 def _forward(q, k, v, static):
     rank = lax.axis_index(static.axis_name)
-    q_parts = static.split(q)
+    blocks = _ring_blocks(static, rank, k, v) if static.mode == "ring" else _gathered_blocks(static, k, v)
+    # Without a mask the device's rows are one part seeing every key; with one, each of its chunks
+    # is a part of its own, merged over the key chunks it sees.
+    q_parts = static.split(q) if static.causal else [q]
     acc = [None] * len(q_parts)
-
-    def add(j, part):
-        acc[j] = part if acc[j] is None else _merge(acc[j], part, static.layout)
-
-    if static.mode == "ring":
-        blocks = _ring_blocks(static, rank, k, v)
-    else:
-        blocks = _gathered_blocks(static, k, v)
     for src_chunks, k_blk, v_blk in blocks:
-        if not static.causal:
-            add(0, _pair_forward(None, None, q, k_blk, v_blk, static))
-            continue
-        k_parts, v_parts = static.split(k_blk), static.split(v_blk)
-        for j, i, qc, kc in _pairs(static, rank, src_chunks):
-            add(j, _pair_forward(qc, kc, q_parts[j], k_parts[i], v_parts[i], static))
-    if not static.causal:
-        o, lse = acc[0]
-    else:
-        o, lse = static.join([a[0] for a in acc]), static.join([a[1] for a in acc], axis=-1)
+        if static.causal:
+            k_parts, v_parts = static.split(k_blk), static.split(v_blk)
+            steps = [(j, _pair_forward(qc, kc, q_parts[j], k_parts[i], v_parts[i], static))
+                     for j, i, qc, kc in _pairs(static, rank, src_chunks)]
+        else:
+            steps = [(0, _pair_forward(None, None, q, k_blk, v_blk, static))]
+        for j, part in steps:
+            acc[j] = part if acc[j] is None else _merge(acc[j], part, static.layout)
+    o, lse = static.join([a[0] for a in acc]), static.join([a[1] for a in acc], axis=-1)
     return o.astype(q.dtype), lse
 
 
