@@ -27,7 +27,7 @@ import numpy as np
 from .core import masks
 from .core.arrays import BFLOAT16, FLOAT32
 
-__all__ = ["E4M3", "E4M3_MAX", "quantize", "dequantize", "hadamard_rotation", "emulate_attention"]
+__all__ = ["E4M3", "E4M3_MAX", "to_e4m3", "quantize", "dequantize", "hadamard_rotation", "emulate_attention"]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
