@@ -188,7 +188,8 @@ def _varying_like(outputs, inputs):
 
 def _forward(q, k, v, arrays, static):
     options, names, lse_shape, _ = static
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    o_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim may differ from q's
+    result = (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = buffer_callback(_forward_callback(options, names), result, vmap_method=_vmap_method(names))
     return _varying_like(call(q, k, v, *arrays), (q, k, v, *arrays))
 
