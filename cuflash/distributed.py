@@ -174,10 +174,10 @@ def _ring_forward(q, k, v, plan, o_opts, partial_dtype):
         if reqs:
             _wait(reqs)
             k_cur, v_cur = k_buf, v_buf
-    return _assemble(q, plan, acc, layout)
+    return _assemble(q, plan, acc, layout, v.shape[-1])
 
 
-def _assemble(q, plan, acc, layout):
+def _assemble(q, plan, acc, layout, dv):
     """(o in q's dtype, lse float32) of this rank's rows from the merged results per chunk."""
     os_, lses = [], []
     for c, qoff, qa, qb in plan.segments(plan.comm.rank):
@@ -188,7 +188,8 @@ def _assemble(q, plan, acc, layout):
         lses.append(lse_c)
     if not os_:
         lse_shape = tuple(q.shape[:1]) + ((q.shape[1], 0) if layout == "bhsd" else (q.shape[2], 0))
-        return torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        o_shape = (*q.shape[:-1], dv)  # v's head dim
+        return q.new_empty(o_shape), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     return torch.cat(os_, dim=_seq_axis(layout)).to(q.dtype), torch.cat(lses, dim=-1)
 
 
@@ -284,7 +285,7 @@ def _gather_forward(q, k, v, plan, o_opts):
         os_.append(o_c)
         lses.append(lse_c)
     if not os_:
-        return _assemble(q, plan, {}, layout)
+        return _assemble(q, plan, {}, layout, v.shape[-1])
     return torch.cat(os_, dim=_seq_axis(layout)), torch.cat(lses, dim=-1)
 
 
@@ -374,7 +375,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhs
     if causal not in (False, True):
         raise ValueError(f"causal: expected False or True (one sequence attending to itself), got {causal!r}")
     ax = _seq_axis(layout)
-    if k.shape[ax] != q.shape[ax] or v.shape != k.shape:
+    if k.shape[ax] != q.shape[ax] or v.shape[:-1] != k.shape[:-1]:  # (v's head dim may differ)
         raise ValueError(f"k, v: this rank's rows must be q's ({q.shape[ax]} along the sequence axis), got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     comm = group if hasattr(group, "exchange") else _Comm(group)

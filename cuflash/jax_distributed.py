@@ -123,7 +123,8 @@ def _lse_of(q, layout):
 
 def _step_forward(q, k, v, causal, scale, layout):
     """(o float32, lse float32) of q's rows over these keys."""
-    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(_lse_of(q, layout), jnp.float32))
+    o_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim may differ from q's
+    result = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(_lse_of(q, layout), jnp.float32))
     call = adapter.buffer_callback(_step_forward_callback(causal, scale, layout), result)
     return adapter._varying_like(call(q, k, v), (q, k, v))
 
@@ -147,7 +148,7 @@ def _pair_forward(q_chunk, k_chunk, q, k, v, static):
         return _step_forward(q, k, v, False, scale, layout)
 
     def empty(q, k, v):
-        o = jnp.zeros(q.shape, jnp.float32)
+        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
         lse = jnp.full(_lse_of(q, layout), -jnp.inf, jnp.float32)
         return adapter._varying_like((o, lse), (q, k, v))
 

@@ -36,6 +36,7 @@ def cases(world, seed):
         dict(base, hq=4, hkv=2, n=2 * world, dtype="float16", causal=False, mode="allgather", layout="bshd"),
         dict(base, hq=2, hkv=1, n=3 * world, dtype="float32", causal=False, balance="contiguous"),
         dict(base, hq=2, hkv=2, n=5 * world, dtype="bfloat16", causal=True, balance="contiguous", mode="allgather"),
+        dict(base, hq=4, hkv=2, n=4 * world, dtype="float16", causal=True, dv=8),  # v narrower than q, k
     ]
     for i, c in enumerate(out):
         c["seed"] = seed + i
@@ -45,9 +46,10 @@ def cases(world, seed):
 def inputs(case):
     rng = np.random.default_rng(case["seed"])
     b, hq, hkv, n, d = case["b"], case["hq"], case["hkv"], case["n"], case["d"]
+    dv = case.get("dv", d)  # v's (and o's) head dim
     sq, skv = ((b, hq, n, d), (b, hkv, n, d)) if case["layout"] == "bhsd" else ((b, n, hq, d), (b, n, hkv, d))
     dt = NUMPY[case["dtype"]]
-    return [rng.standard_normal(s).astype(np.float32).astype(dt) for s in (sq, skv, skv, sq)]
+    return [rng.standard_normal(s).astype(np.float32).astype(dt) for s in (sq, skv, skv[:-1] + (dv,), sq[:-1] + (dv,))]
 
 
 def run_case(case, mesh, world):
