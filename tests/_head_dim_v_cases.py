@@ -5,11 +5,23 @@ accuracy rule. ``xp``: the array library the calls run on (inputs are made with 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import cuflash
+from cuflash.core.arrays import BFLOAT16
 from cuflash.testing import assert_backward_accurate, assert_forward_accurate, random_array, to_numpy
 
 WIDTHS = [(192, 128), (128, 64), (64, 128), (40, 24)]  # MLA prefill; narrower v; wider v; d not a multiple of 16
+
+
+def matrix(test):
+    """The forward/backward test matrix both backends run: (d, dv), layout, mask, dtype."""
+    marks = [pytest.mark.parametrize("d,dv", WIDTHS), pytest.mark.parametrize("layout", ["bhsd", "bshd"]),
+             pytest.mark.parametrize("causal", [False, True]),
+             pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["f16", "bf16", "f32"])]
+    for mark in marks:
+        test = mark(test)
+    return test
 
 
 def shapes(layout, b, hq, hkv, nq, nk, d, dv):

@@ -3,9 +3,8 @@ is zero-padded to the wider (cuflash.backends.cuda._one_width); forward and back
 family (16-bit Hopper and mma.sync, windows and score modifiers on the band kernels, packed
 sequences, float32), outputs poisoned, against the float64 reference by the accuracy rule."""
 
-import numpy as np
 import pytest
-from _head_dim_v_cases import WIDTHS, check_forward_backward
+from _head_dim_v_cases import check_forward_backward, matrix
 
 from cuflash.core.arrays import BFLOAT16
 
@@ -13,10 +12,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("d,dv", WIDTHS)
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["f16", "bf16", "f32"])
+@matrix
 def test_forward_and_backward(rng, dtype, causal, layout, d, dv):
     check_forward_backward(rng, cupy, dtype, layout, causal, d, dv)
 

@@ -5,7 +5,7 @@ kv_lens, 2-D inputs, the adapters), the FLOP count, and the errors for what does
 
 import numpy as np
 import pytest
-from _head_dim_v_cases import WIDTHS, check_forward_backward, shapes
+from _head_dim_v_cases import check_forward_backward, matrix, shapes
 
 import cuflash
 from cuflash.backends import reference
@@ -13,10 +13,7 @@ from cuflash.core.arrays import BFLOAT16
 from cuflash.testing import (assert_backward_accurate, assert_forward_accurate, random_array, reference64)
 
 
-@pytest.mark.parametrize("d,dv", WIDTHS)
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["f16", "bf16", "f32"])
+@matrix
 def test_forward_and_backward(rng, dtype, causal, layout, d, dv):
     check_forward_backward(rng, np, dtype, layout, causal, d, dv)
 

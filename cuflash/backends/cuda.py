@@ -27,34 +27,15 @@ def _check_out(o4, p):
         raise ValueError("out: the head dim must have unit stride")
 
 
-def _padded_copies(p, arrays):
-    """(p with d rounded up to a multiple of 8, zero-padded contiguous copies of the 16-bit
-    arrays): the score-modifier kernels load 16 bytes at a time. Zero columns change no score,
-    no D and no output column that is kept."""
-    import cupy
-
-    d8 = -(-p.d // 8) * 8
-    copies = []
-    for a in arrays:
-        c = cupy.zeros(a.shape[:-1] + (d8,), dtype=a.dtype)
-        c.view(np.uint16)[..., : p.d] = a.view(np.uint16)  # (bits: CuPy stores bfloat16 only)
-        copies.append(c)
-    return dataclasses.replace(p, d=d8), copies
-
-
-def _copy_columns(dst, src, d):
-    dst.view(np.uint16)[...] = src.view(np.uint16)[..., :d]
-
-
 _BITS = {2: np.uint16, 4: np.uint32}
 
 
-def _to_width(a, w):
-    """a with its last axis zero-padded to w (a itself when already w wide); through the bits, as
-    CuPy stores bfloat16 only."""
+def _to_width(a, w, copy=False):
+    """a with its last axis zero-padded to w, contiguous (a itself when already w wide, unless
+    ``copy``); through the bits, as CuPy stores bfloat16 only."""
     import cupy
 
-    if a.shape[-1] == w:
+    if a.shape[-1] == w and not copy:
         return a
     c = cupy.zeros(a.shape[:-1] + (w,), dtype=a.dtype)
     bits = _BITS[a.dtype.itemsize]
@@ -67,6 +48,14 @@ def _from_width(dst, src):
     if src is not dst:
         bits = _BITS[dst.dtype.itemsize]
         dst.view(bits)[...] = src.view(bits)[..., : dst.shape[-1]]
+
+
+def _padded_copies(p, arrays):
+    """(p with d rounded up to a multiple of 8, zero-padded contiguous copies of the 16-bit
+    arrays): the score-modifier kernels load 16 bytes at a time. Zero columns change no score,
+    no D and no output column that is kept."""
+    d8 = -(-p.d // 8) * 8
+    return dataclasses.replace(p, d=d8), [_to_width(a, d8, copy=True) for a in arrays]
 
 
 def _one_width(p):
@@ -161,7 +150,7 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
         pp, (qp, kp, vp) = _padded_copies(p, (q4, k4, v4))
         op = cupy.empty(qp.shape, dtype=p.dtype)
         forward_band(pp, qp, kp, vp, op, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q, tile=tile)
-        _copy_columns(o4, op, p.d)
+        _from_width(o4, op)
         return
     q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
     _check_out(o4, p)
@@ -214,7 +203,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         backward(pp, *padded, lse3, *grads, deterministic=deterministic, tile=tile, hopper_tile=hopper_tile,
                  cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
         for g, gp in zip((dq4, dk4, dv4), grads):
-            _copy_columns(g, gp, p.d)
+            _from_width(g, gp)
         return
     do4, q4, k4, v4, o4 = (unit_d(a) for a in (do4, q4, k4, v4, o4))
     ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)
