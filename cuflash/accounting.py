@@ -242,7 +242,8 @@ class FlopCount:
 
 
 def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqlens_q=None,
-          cu_seqlens_k=None, layout="bhsd", pass_="fwd", softcap=None, alibi_slopes=None, sinks=None) -> FlopCount:
+          cu_seqlens_k=None, layout="bhsd", pass_="fwd", softcap=None, alibi_slopes=None, sinks=None,
+          dv=None) -> FlopCount:
     """Exact pair and FLOP counts of attention over q of ``q_shape`` and k, v of ``k_shape``.
 
     Shapes are (..., H, N, d) (``layout="bhsd"``), (..., N, H, d) (``"bshd"``) or (N, d); with
@@ -257,6 +258,11 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     masking are not counted. dense_equivalent is the peers' 4 * B * H * Nq * Nk * d, halved when
     causal, ignoring windows (backward 2.5x that): use it only to compare with their tables.
 
+    ``dv``: v's (and o's) head dim where it differs from q's and k's d. Products over d: S and, in
+    the backward, dQ and dK; over dv: O = P V and, in the backward, dP and dV. Forward
+    2 * pairs * (d + dv), backward 2 * pairs * (3 d + 2 dv), "fwd+bwd" 2 * pairs * (4 d + 3 dv).
+    The dense equivalent then counts (d + dv) / 2 for d.
+
     Score modifiers (any value but None turns one on; only whether it is given matters) change no
     product: ``elementwise`` counts their work per visible pair apart - the softcap 1 tanh forward,
     2 backward (the tanh recomputed and the derivative 1 - tanh^2 applied to dS), ALiBi 1 fused
@@ -266,10 +272,11 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     causal = masks.normalize_causal(causal)
     window = masks.normalize_window(window)
     batch, hq, _, d, lengths = _sequence_lengths(q_shape, k_shape, layout, kv_lens, cu_seqlens_q, cu_seqlens_k)
+    dv = d if dv is None else _check_int("dv", dv, minimum=1)
     pairs = hq * sum(n * pairs_per_head(causal, nq, nk, window) for (nq, nk), n in lengths.items())
     dense_pairs = hq * sum(n * nq * nk for (nq, nk), n in lengths.items())
-    # 4 * dense_pairs * d is even, so the causal halving and the 2.5x / 3.5x stay exact integers.
-    dense = _DENSE_FACTOR_X2[pass_] * dense_pairs * d * (1 if causal else 2)
+    # exact integers when d + dv is even (always when dv = d): the causal halving and the 2.5x / 3.5x.
+    dense = _DENSE_FACTOR_X2[pass_] * dense_pairs * (d + dv) * (1 if causal else 2) // 2
     products = {"fwd": FWD_PRODUCTS, "bwd": BWD_PRODUCTS, "fwd+bwd": f"{FWD_PRODUCTS}; {BWD_PRODUCTS}"}[pass_]
     conv = (f"exact: {_EXACT_PER_PAIR[pass_]}*pairs*d = 2 FLOPs per multiply-add of {products}, over the "
             "visible (query, key) pairs only; softmax, scaling and masking not counted")
@@ -288,7 +295,11 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     elementwise = pairs * {"fwd": per_pair["fwd"], "bwd": per_pair["bwd"], "fwd+bwd": sum(per_pair.values())}[pass_]
     if elementwise:
         conv += "; score modifiers: elementwise, counted apart"
-    return FlopCount(pass_, pairs, d, _EXACT_PER_PAIR[pass_] * pairs * d, dense, conv, dconv, elementwise)
+    if dv != d:
+        conv = conv.replace(f"{_EXACT_PER_PAIR[pass_]}*pairs*d", {"fwd": "2*pairs*(d+dv)", "bwd": "2*pairs*(3d+2dv)",
+                                                                   "fwd+bwd": "2*pairs*(4d+3dv)"}[pass_])
+    exact = 2 * pairs * {"fwd": d + dv, "bwd": 3 * d + 2 * dv, "fwd+bwd": 4 * d + 3 * dv}[pass_]
+    return FlopCount(pass_, pairs, d, exact, dense, conv, dconv, elementwise)
 
 
 # --------------------------------------------------------------------------- memory

@@ -35,29 +35,14 @@ import numpy as np
 
 from .api import functional as api
 from .api.merge import merge_attention_states
+from .core.sequence_split import BALANCES, MODES, check_choice, chunk_bounds, pick_mode, relation
 
 __all__ = ["ring_attention", "shard", "unshard", "chunk_bounds", "MODES", "BALANCES"]
 
-MODES = ("auto", "ring", "allgather")
-BALANCES = ("zigzag", "contiguous")
 LAYOUTS = ("bhsd", "bshd")
 
 
 # ----------------------------------------------------------------------------- geometry
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-
-
-def chunk_bounds(n: int, world: int, balance: str = "zigzag"):
-    """[(rank's chunks as (start, stop) global rows)] for a sequence of n rows on ``world`` ranks."""
-    _check_choice("balance", balance, BALANCES)
-    chunks = 2 * world if balance == "zigzag" else world
-    edge = [c * n // chunks for c in range(chunks + 1)]
-    ids = [(r, 2 * world - 1 - r) if balance == "zigzag" else (r,) for r in range(world)]
-    return [[(c, edge[c], edge[c + 1]) for c in cs] for cs in ids]
 
 
 def _seq_axis(layout):
@@ -146,20 +131,6 @@ class _Plan:
         return out
 
 
-def _relation(causal, qa, qb, ka, kb):
-    """How query rows [qa, qb) see key rows [ka, kb) of one sequence: None (no pair), "full" or
-    "causal" (the same chunk). Chunks are aligned on both sides, so no other case arises."""
-    if qb == qa or kb == ka:
-        return None
-    if not causal or kb <= qa:
-        return "full"
-    if ka >= qb:
-        return None
-    if (ka, kb) == (qa, qb):
-        return "causal"
-    raise AssertionError("chunks overlap without coinciding")  # unreachable with chunk_bounds
-
-
 def _seq(x, layout, off, n):
     return x.narrow(_seq_axis(layout), off, n)
 
@@ -187,9 +158,9 @@ def _ring_forward(q, k, v, plan, o_opts, partial_dtype):
             v_buf = v_cur.new_empty(_kv_shape(v, layout, plan.lens[nxt]))
             reqs = comm.exchange([k_cur, v_cur], [k_buf, v_buf])
         for c, qoff, qa, qb in plan.segments(rank):
-            for _, koff, ka, kb in plan.segments(src):
-                rel = _relation(o_opts["causal"], qa, qb, ka, kb)
-                if rel is None:
+            for kc, koff, ka, kb in plan.segments(src):
+                rel = relation(o_opts["causal"], c, kc)
+                if rel is None or qb == qa or kb == ka:
                     continue
                 o_p, lse_p = api.attention(_seq(q, layout, qoff, qb - qa), _seq(k_cur, layout, koff, kb - ka),
                                            _seq(v_cur, layout, koff, kb - ka), causal=rel == "causal",
@@ -203,10 +174,10 @@ def _ring_forward(q, k, v, plan, o_opts, partial_dtype):
         if reqs:
             _wait(reqs)
             k_cur, v_cur = k_buf, v_buf
-    return _assemble(q, plan, acc, layout)
+    return _assemble(q, plan, acc, layout, v.shape[-1])
 
 
-def _assemble(q, plan, acc, layout):
+def _assemble(q, plan, acc, layout, dv):
     """(o in q's dtype, lse float32) of this rank's rows from the merged results per chunk."""
     os_, lses = [], []
     for c, qoff, qa, qb in plan.segments(plan.comm.rank):
@@ -217,7 +188,8 @@ def _assemble(q, plan, acc, layout):
         lses.append(lse_c)
     if not os_:
         lse_shape = tuple(q.shape[:1]) + ((q.shape[1], 0) if layout == "bhsd" else (q.shape[2], 0))
-        return torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        o_shape = (*q.shape[:-1], dv)  # v's head dim
+        return q.new_empty(o_shape), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     return torch.cat(os_, dim=_seq_axis(layout)).to(q.dtype), torch.cat(lses, dim=-1)
 
 
@@ -246,10 +218,10 @@ def _ring_backward(do, q, k, v, o, lse, plan, o_opts, partial_dtype):
         dk_p = torch.zeros(k_cur.shape, dtype=torch.float32, device=k.device)
         dv_p = torch.zeros(v_cur.shape, dtype=torch.float32, device=v.device)
         k_w, v_w = _wide(k_cur, partial_dtype), _wide(v_cur, partial_dtype)
-        for _, qoff, qa, qb in plan.segments(rank):
-            for _, koff, ka, kb in plan.segments(src):
-                rel = _relation(o_opts["causal"], qa, qb, ka, kb)
-                if rel is None:
+        for c, qoff, qa, qb in plan.segments(rank):
+            for kc, koff, ka, kb in plan.segments(src):
+                rel = relation(o_opts["causal"], c, kc)
+                if rel is None or qb == qa or kb == ka:
                     continue
                 nq_, nk_ = qb - qa, kb - ka
                 g = api.attention_backward(_seq(do_w, layout, qoff, nq_), _seq(q_w, layout, qoff, nq_),
@@ -313,7 +285,7 @@ def _gather_forward(q, k, v, plan, o_opts):
         os_.append(o_c)
         lses.append(lse_c)
     if not os_:
-        return _assemble(q, plan, {}, layout)
+        return _assemble(q, plan, {}, layout, v.shape[-1])
     return torch.cat(os_, dim=_seq_axis(layout)), torch.cat(lses, dim=-1)
 
 
@@ -366,12 +338,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def pick_mode(hq: int, hkv: int, world: int) -> str:
-    """mode="auto": the all-gather when the gathered K and V (2 Hkv N d) are no larger than twice the
-    local q (Hq N / P d), i.e. Hq >= P Hkv; else the ring."""
-    return "allgather" if hq >= world * hkv else "ring"
-
-
 def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhsd", mode="auto", balance="zigzag",
                    seq_len=None, return_lse=False):
     """Exact attention of this rank's query rows over the whole sequence held by the ranks of
@@ -403,13 +369,13 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhs
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor ({'B, H, n, d' if layout == 'bhsd' else 'B, n, H, d'}), "
                              f"got shape {tuple(t.shape)}")
-    _check_choice("layout", layout, LAYOUTS)
-    _check_choice("mode", mode, MODES)
-    _check_choice("balance", balance, BALANCES)
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("mode", mode, MODES)
+    check_choice("balance", balance, BALANCES)
     if causal not in (False, True):
         raise ValueError(f"causal: expected False or True (one sequence attending to itself), got {causal!r}")
     ax = _seq_axis(layout)
-    if k.shape[ax] != q.shape[ax] or v.shape != k.shape:
+    if k.shape[ax] != q.shape[ax] or v.shape[:-1] != k.shape[:-1]:  # (v's head dim may differ)
         raise ValueError(f"k, v: this rank's rows must be q's ({q.shape[ax]} along the sequence axis), got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     comm = group if hasattr(group, "exchange") else _Comm(group)

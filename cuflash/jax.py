@@ -7,7 +7,8 @@ launches cuflash's CUDA kernels on XLA's stream, on the buffers' device; on a CP
 buffers are NumPy arrays and the NumPy backend fills them. Hence:
 
 * works eagerly and inside ``jax.jit``, ``jax.grad`` / ``jax.vjp`` and ``jax.vmap`` (mapped axes
-  become leading batch axes, which cuflash treats as batch);
+  become leading batch axes, which cuflash treats as batch), and per device inside
+  ``jax.shard_map`` (results vary over the mesh axes their inputs vary over);
 * no copies of q, k, v, do, o: o and dq, dk, dv are written in place into XLA's output buffers;
   the float32 lse (4 bytes per query row) is copied once into its buffer;
 * ordering: the kernels run on XLA's stream, so they follow the producers of their inputs and
@@ -157,11 +158,40 @@ def _vmap_method(names):
     return "sequential" if ({"cu_seqlens_q", "block_table", *_MOD_ARRAYS} & set(names)) else "broadcast_all"
 
 
+def _varying_axes(x) -> frozenset:
+    """The mesh axes x varies over inside ``shard_map`` (empty outside, or on a JAX without them)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(t, "vma", ()) or ())  # JAX 0.6 - 0.9
+
+
+def _varying_like(outputs, inputs):
+    """Inside ``shard_map``, a callback's results carry no manual-axis type: mark them varying over
+    the mesh axes their inputs vary over, as per-device values are. A custom_vjp whose gradients
+    are typed unlike its primals (varying) is refused, and lax.switch needs its branches typed
+    alike (cuflash.jax_distributed)."""
+    if not hasattr(jax, "typeof"):  # a JAX without manual-axis types
+        return outputs
+    vma = frozenset().union(*(_varying_axes(x) for x in inputs))
+    out = []
+    for y in outputs:
+        missing = tuple(sorted(vma - _varying_axes(y)))
+        if missing and hasattr(jax.lax, "pcast"):  # JAX >= 0.8.2
+            y = jax.lax.pcast(y, missing, to="varying")
+        elif missing:
+            y = jax.lax.pvary(y, missing)
+        out.append(y)
+    return tuple(out)
+
+
 def _forward(q, k, v, arrays, static):
     options, names, lse_shape, _ = static
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    o_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim may differ from q's
+    result = (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = buffer_callback(_forward_callback(options, names), result, vmap_method=_vmap_method(names))
-    return call(q, k, v, *arrays)
+    return _varying_like(call(q, k, v, *arrays), (q, k, v, *arrays))
 
 
 def _backward(do, q, k, v, o, lse, arrays, static):
@@ -171,7 +201,7 @@ def _backward(do, q, k, v, o, lse, arrays, static):
     if "sinks" in names:
         result += (jax.ShapeDtypeStruct(arrays[names.index("sinks")].shape, jnp.float32),)
     call = buffer_callback(_backward_callback(options, names, deterministic), result, vmap_method=_vmap_method(names))
-    return call(do, q, k, v, o, lse, *arrays)
+    return _varying_like(call(do, q, k, v, o, lse, *arrays), (do, q, k, v, o, lse, *arrays))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

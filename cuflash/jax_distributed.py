@@ -92,33 +92,6 @@ def from_ring_order(x, world: int, *, balance: str = "zigzag", axis: int = 2):
 # ----------------------------------------------------------------------------- one step
 
 
-def _varying_axes(x) -> frozenset:
-    """The mesh axes x varies over inside ``shard_map``."""
-    t = jax.typeof(x)
-    manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(t, "vma", ()) or ())  # JAX 0.6 - 0.9
-
-
-def _varying_like(outputs, inputs):
-    """A callback's results carry no manual-axis type: mark them varying over the mesh axes their
-    inputs vary over, as per-device values are. lax.switch needs its branches typed alike, and
-    custom_vjp refuses gradients typed unlike their (varying) primals."""
-    if not hasattr(jax, "typeof"):  # a JAX without manual-axis types
-        return tuple(outputs)
-    vma = frozenset().union(*(_varying_axes(x) for x in inputs))
-    out = []
-    for y in outputs:
-        missing = tuple(sorted(vma - _varying_axes(y)))
-        if missing and hasattr(jax.lax, "pcast"):  # JAX >= 0.8.2
-            y = jax.lax.pcast(y, missing, to="varying")
-        elif missing:
-            y = jax.lax.pvary(y, missing)
-        out.append(y)
-    return tuple(out)
-
-
 @functools.lru_cache(maxsize=None)
 def _step_forward_callback(causal, scale, layout):
     def callback(ctx, outs, q, k, v):
@@ -150,16 +123,17 @@ def _lse_of(q, layout):
 
 def _step_forward(q, k, v, causal, scale, layout):
     """(o float32, lse float32) of q's rows over these keys."""
-    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(_lse_of(q, layout), jnp.float32))
+    o_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim may differ from q's
+    result = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(_lse_of(q, layout), jnp.float32))
     call = adapter.buffer_callback(_step_forward_callback(causal, scale, layout), result)
-    return _varying_like(call(q, k, v), (q, k, v))
+    return adapter._varying_like(call(q, k, v), (q, k, v))
 
 
 def _step_backward(do, q, k, v, o, lse, causal, scale, layout):
     """float32 (dq, dk, dv) of one step, from the global o and lse (float32 inputs)."""
     result = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
     call = adapter.buffer_callback(_step_backward_callback(causal, scale, layout), result)
-    return _varying_like(call(do, q, k, v, o, lse), (do, q, k, v, o, lse))
+    return adapter._varying_like(call(do, q, k, v, o, lse), (do, q, k, v, o, lse))
 
 
 def _causal_case(q_chunk, k_chunk):
@@ -174,9 +148,9 @@ def _pair_forward(q_chunk, k_chunk, q, k, v, static):
         return _step_forward(q, k, v, False, scale, layout)
 
     def empty(q, k, v):
-        o = jnp.zeros(q.shape, jnp.float32)
+        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
         lse = jnp.full(_lse_of(q, layout), -jnp.inf, jnp.float32)
-        return _varying_like((o, lse), (q, k, v))
+        return adapter._varying_like((o, lse), (q, k, v))
 
     return lax.switch(_causal_case(q_chunk, k_chunk),
                       [lambda *a: _step_forward(*a, False, scale, layout),
@@ -190,7 +164,7 @@ def _pair_backward(q_chunk, k_chunk, do, q, k, v, o, lse, static):
 
     def empty(do, q, k, v, o, lse):
         zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-        return _varying_like(zeros, (do, q, k, v, o, lse))
+        return adapter._varying_like(zeros, (do, q, k, v, o, lse))
 
     return lax.switch(_causal_case(q_chunk, k_chunk),
                       [lambda *a: _step_backward(*a, False, scale, layout),
@@ -368,7 +342,7 @@ def _context_parallel_fwd(q, k, v, static):
 def _context_parallel_bwd(static, saved, cotangents):
     q, k, v, o, lse = saved
     grads = _backward(cotangents[0], q, k, v, o, lse, static)  # lse is not differentiable
-    return _varying_like(grads, (q, k, v))
+    return adapter._varying_like(grads, (q, k, v))
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)

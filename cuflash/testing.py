@@ -126,7 +126,7 @@ class _Case:
     def group_sum(self, g):
         """(B, Hq, Nk, d) per query head -> (B, Hkv, Nk, d): the heads of a group summed."""
         p = self.p
-        return g.reshape(p.batch, p.hkv, p.group, p.nk, p.d).sum(axis=2)
+        return g.reshape(p.batch, p.hkv, p.group, p.nk, g.shape[-1]).sum(axis=2)
 
     def out_q(self, a4):
         return from_bhsd(a4, self.p, self.p.hq, self.p.nq)

@@ -93,7 +93,8 @@ _attention = torch.library.custom_op("cuflash::attention", _attention_op, mutate
 @_attention.register_fake
 def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
                     alibi_slopes, sinks, validate, deterministic):
-    return q.new_empty(q.shape), _lse_like(q, cu_seqlens_q is not None, layout)
+    # o: q's shape with v's head dim (which may differ from q's)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), _lse_like(q, cu_seqlens_q is not None, layout)
 
 
 def _attention_out_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,

@@ -25,6 +25,7 @@ def cases_for(world, seed):
         dict(base, hq=4, hkv=2, n=3 * world + 2, dtype="float16", causal=False, mode="allgather", layout="bshd"),
         dict(base, hq=2, hkv=1, n=4 * world - 1, dtype="float32", causal=False, balance="contiguous"),
         dict(base, hq=2, hkv=2, n=2 * world - 1, dtype="float32", causal=True),  # an empty chunk
+        dict(base, hq=4, hkv=2, n=4 * world + 1, dtype="bfloat16", causal=True, dv=8),  # v narrower than q, k
     ]
     for i, c in enumerate(cases):
         c["seed"] = seed + i

@@ -15,9 +15,11 @@ def full_inputs(case):
     """The whole problem's q, k, v, do as torch tensors (every rank draws the same)."""
     rng = np.random.default_rng(case["seed"])
     b, hq, hkv, n, d = case["b"], case["hq"], case["hkv"], case["n"], case["d"]
+    dv = case.get("dv", d)  # v's (and o's) head dim
     sq, skv = ((b, hq, n, d), (b, hkv, n, d)) if case["layout"] == "bhsd" else ((b, n, hq, d), (b, n, hkv, d))
+    sv, so = skv[:-1] + (dv,), sq[:-1] + (dv,)
     dt = TORCH[case["dtype"]]
-    return [torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(dt) for s in (sq, skv, skv, sq)]
+    return [torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(dt) for s in (sq, skv, sv, so)]
 
 
 def run(rank, world, port, cases, queue):

@@ -513,8 +513,8 @@ def test_jax_adapter_errors_and_no_forward_mode(rng):
     import cuflash.jax as cfj
 
     q, k, v = (jnp.asarray(a) for a in small_inputs(rng))
-    with pytest.raises(ValueError, match=r"^v: head dim"):
-        cfj.attention(q, k, v[..., :4])
+    with pytest.raises(ValueError, match=r"^v: heads and length"):
+        cfj.attention(q, k, v[..., :3, :])
     with pytest.raises(TypeError, match=r"^q: dtype int32 is not supported"):
         cfj.attention(q.astype(jnp.int32), k, v)
     # documented: custom_vjp defines reverse mode only

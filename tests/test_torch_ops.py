@@ -226,8 +226,8 @@ def test_adapter_errors(rng):
         cft.attention(q, k, v, window=3)
     with pytest.raises(TypeError, match=r"^scale: expected a real number"):
         cft.attention(q, k, v, scale="0.1")
-    with pytest.raises(ValueError, match=r"^v: head dim"):
-        cft.attention(q, k, v[..., :4])
+    with pytest.raises(ValueError, match=r"^v: heads and length"):
+        cft.attention(q, k, v[..., :3, :])
     with pytest.raises(TypeError, match=r"^deterministic"):
         cft.attention(q, k, v, deterministic=1)
 

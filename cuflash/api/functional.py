@@ -143,10 +143,10 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
                 and window is None and all(m is None for m in mods):
             # Plain shapes: the 16-bit mma.sync kernel with a float32 epilogue, where it applies.
             p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout)
-            _problem.check_out("out", out, p.q_shape(), FLOAT32, p.xp, (("q", q), ("k", k), ("v", v)))
+            _problem.check_out("out", out, p.o_shape(), FLOAT32, p.xp, (("q", q), ("k", k), ("v", v)))
             o, o4, direct, lse3 = _forward_outputs(p, out, FLOAT32)
-            q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-            if cuda.forward_o32(p, q4, k4, v4, o4, lse3):
+            q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk, p.dv)
+            if p.dv == p.d and cuda.forward_o32(p, q4, k4, v4, o4, lse3):
                 return _forward_result(p, o, o4, direct, lse3, return_lse)
         # Elsewhere the GPU's 16-bit kernels store 16-bit o: widen the inputs (exact) and run the
         # float32 kernels, which compute in float64 and round o once to float32 (score modifiers,
@@ -171,9 +171,9 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     p = _problem.check_score_mods(p, q, *mods)
     odt = p.dtype if out_dtype is None else FLOAT32
-    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
-    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk, p.dv)
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
     if lens_dev is None:
         _backend(p).forward(p, q4, k4, v4, o4, lse3)
@@ -189,11 +189,11 @@ def _forward_outputs(p, out, odt):
     xp = p.xp
     if xp is not np:
         _problem.warn_if_capture_unsafe()
-    o = out if out is not None else xp.empty(p.q_shape(), dtype=odt)
-    o4 = to_bhsd(o, p, p.hq, p.nq)
-    direct = is_view_of(o4, o) and (p.d == 1 or o4.strides[-1] == o4.itemsize)
+    o = out if out is not None else xp.empty(p.o_shape(), dtype=odt)
+    o4 = to_bhsd(o, p, p.hq, p.nq, p.dv)
+    direct = is_view_of(o4, o) and (p.dv == 1 or o4.strides[-1] == o4.itemsize)
     if not direct:
-        o4 = xp.empty((p.batch, p.hq, p.nq, p.d), dtype=odt)
+        o4 = xp.empty((p.batch, p.hq, p.nq, p.dv), dtype=odt)
     return o, o4, direct, xp.empty((p.batch, p.hq, p.nq), dtype=np.float32)
 
 
@@ -250,7 +250,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
     if p.xp is not np:
-        if cuda.decode_applies(p, k4, v4) and not p.modified:
+        if cuda.decode_applies(p, k4, v4) and not p.modified and p.dv == p.d:
             cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
@@ -269,8 +269,8 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_ls
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
     p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
     odt = p.dtype if out_dtype is None else FLOAT32
-    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
-    o = out if out is not None else p.xp.empty(p.q_shape(), dtype=odt)
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
         cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
@@ -302,8 +302,8 @@ def _packed_outputs(p, arrays, rows):
     views, direct = [], []
     for a, (h, n) in zip(arrays, rows):
         a4 = to_bhsd(a, p, h, n)
-        ok = is_view_of(a4, a) and (p.d == 1 or a4.strides[-1] == a4.itemsize)
-        views.append(a4 if ok else p.xp.empty((1, h, n, p.d), dtype=p.dtype))
+        ok = is_view_of(a4, a) and (a4.shape[-1] == 1 or a4.strides[-1] == a4.itemsize)
+        views.append(a4 if ok else p.xp.empty((1, h, n, a4.shape[-1]), dtype=a.dtype))
         direct.append(ok)
     return views, direct
 
@@ -347,19 +347,21 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     p = _problem.check_score_mods(p, q, *mods)
     _problem.check_flag("deterministic", deterministic)
     xp = p.xp
-    rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
+    rows = ((p.hq, p.nq, p.d), (p.hkv, p.nk, p.d), (p.hkv, p.nk, p.dv))
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
-    views = [to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o)] + [to_bhsd(a, p, p.hkv, p.nk) for a in (k, v)]
-    do4, q4, o4, k4, v4 = views
+    do4, o4 = (to_bhsd(a, p, p.hq, p.nq, p.dv) for a in (do, o))
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk, p.dv)
     lse3 = lse.reshape((p.batch, p.hq, p.nq))
-    grads = [to_bhsd(g, p, h, n) for g, (h, n) in zip((dq, dk, dv), rows)]
+    grads = [to_bhsd(g, p, h, n, d) for g, (h, n, d) in zip((dq, dk, dv), rows)]
     # An out= array whose strides do not merge into (B, H, N, d) with a unit head-dim stride gets
     # a scratch array; the result is copied in afterwards.
-    direct = [is_view_of(g4, g) and (p.d == 1 or g4.strides[-1] == g4.itemsize) for g4, g in zip(grads, (dq, dk, dv))]
-    grads = [g4 if ok else xp.empty((p.batch, h, n, p.d), dtype=p.dtype) for g4, ok, (h, n) in zip(grads, direct, rows)]
+    direct = [is_view_of(g4, g) and (g4.shape[-1] == 1 or g4.strides[-1] == g4.itemsize)
+              for g4, g in zip(grads, (dq, dk, dv))]
+    grads = [g4 if ok else xp.empty((p.batch, h, n, d), dtype=p.dtype)
+             for g4, ok, (h, n, d) in zip(grads, direct, rows)]
     dsinks = _dsinks(p)
     _backend(p).backward(p, do4, q4, k4, v4, o4, lse3, *grads, deterministic=bool(deterministic), **dsinks)
-    for g, g4, ok, (h, n) in zip((dq, dk, dv), grads, direct, rows):
+    for g, g4, ok, (h, n, _) in zip((dq, dk, dv), grads, direct, rows):
         if not ok:
             g[...] = from_bhsd(g4, p, h, n)
     return (dq, dk, dv) + tuple(dsinks.values())
@@ -405,13 +407,13 @@ def _gradient_outputs(p, out, inputs):
         _problem.warn_if_capture_unsafe()
     if out is None:
         return (xp.empty(p.q_shape(), dtype=p.dtype), xp.empty(p.kv_shape(), dtype=p.dtype),
-                xp.empty(p.kv_shape(), dtype=p.dtype))
+                xp.empty(p.v_shape(), dtype=p.dtype))
     if not (isinstance(out, tuple) and len(out) == 3) or any(a is None for a in out):
         got = (f"a tuple of {len(out)}" + (" with None in it" if len(out) == 3 else "")) if isinstance(out, tuple) \
             else type(out).__name__
         raise TypeError(f"out: expected a tuple (dq, dk, dv) of arrays, got {got}")
     names = ("out[0]", "out[1]", "out[2]")
-    for name, a, shape in zip(names, out, (p.q_shape(), p.kv_shape(), p.kv_shape())):
+    for name, a, shape in zip(names, out, (p.q_shape(), p.kv_shape(), p.v_shape())):
         _problem.check_out(name, a, shape, p.dtype, xp, inputs)
     for i in range(3):
         for j in range(i):

@@ -266,8 +266,8 @@ class _DecodeCall:
 
         p, bs = checked.p, checked.block_size
         q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
-        if p.xp is np or p.nq == 0 or p.batch == 0 or p.hq == 0 or p.modified:
-            return None
+        if p.xp is np or p.nq == 0 or p.batch == 0 or p.hq == 0 or p.modified or p.dv != p.d:
+            return None  # (v's head dim unlike q's: attention pads it)
         q4 = to_bhsd(q, p, p.hq, p.nq)
         k4, v4 = (k, v) if table is not None else (to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk))
         views = ((q4, q), (k4, k), (v4, v))

@@ -27,23 +27,44 @@ def _check_out(o4, p):
         raise ValueError("out: the head dim must have unit stride")
 
 
+_BITS = {2: np.uint16, 4: np.uint32}
+
+
+def _to_width(a, w, copy=False):
+    """a with its last axis zero-padded to w, contiguous (a itself when already w wide, unless
+    ``copy``); through the bits, as CuPy stores bfloat16 only."""
+    import cupy
+
+    if a.shape[-1] == w and not copy:
+        return a
+    c = cupy.zeros(a.shape[:-1] + (w,), dtype=a.dtype)
+    bits = _BITS[a.dtype.itemsize]
+    c.view(bits)[..., : a.shape[-1]] = a.view(bits)
+    return c
+
+
+def _from_width(dst, src):
+    """dst[...] = src's first dst.shape[-1] columns (a no-op when src is dst)."""
+    if src is not dst:
+        bits = _BITS[dst.dtype.itemsize]
+        dst.view(bits)[...] = src.view(bits)[..., : dst.shape[-1]]
+
+
 def _padded_copies(p, arrays):
     """(p with d rounded up to a multiple of 8, zero-padded contiguous copies of the 16-bit
     arrays): the score-modifier kernels load 16 bytes at a time. Zero columns change no score,
     no D and no output column that is kept."""
-    import cupy
-
     d8 = -(-p.d // 8) * 8
-    copies = []
-    for a in arrays:
-        c = cupy.zeros(a.shape[:-1] + (d8,), dtype=a.dtype)
-        c.view(np.uint16)[..., : p.d] = a.view(np.uint16)  # (bits: CuPy stores bfloat16 only)
-        copies.append(c)
-    return dataclasses.replace(p, d=d8), copies
+    return dataclasses.replace(p, d=d8), [_to_width(a, d8, copy=True) for a in arrays]
 
 
-def _copy_columns(dst, src, d):
-    dst.view(np.uint16)[...] = src.view(np.uint16)[..., :d]
+def _one_width(p):
+    """dv != d (v and o narrower or wider than q and k): the problem at w = max(d, dv) for both,
+    the narrower side zero-padded by the callers. Zero columns of q and k change no score (the
+    scale stays the one of the true d), zero columns of v give zero columns of o, and zero columns
+    of o and do change no D = rowsum(do * o): the kept columns are exact. The kernels take one head
+    dim; the padding costs a copy of the narrower operands and the padded columns' FLOPs."""
+    return dataclasses.replace(p, d=max(p.d, p.dv), head_dim_v=None)
 
 
 def decode_applies(p, k4, v4) -> bool:
@@ -60,6 +81,12 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     """The forward of a validated problem. ``tile``: the portable kernel's TileConfig (or a
     float32 tile), which skips the decode and Hopper kernels."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    if p.dv != p.d:
+        pw = _one_width(p)
+        ow = _to_width(o4, pw.d)
+        forward(pw, *(_to_width(a, pw.d) for a in (q4, k4, v4)), ow, lse3, tile=tile)
+        _from_width(o4, ow)
         return
     qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
     if tile is None and decode_applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV
@@ -110,13 +137,20 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
         raise NotImplementedError(MODS_FP32 if p.modified else FP32_BAND)
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
+    if p.dv != p.d:
+        pw = _one_width(p)
+        ow = _to_width(o4, pw.d)
+        forward_band(pw, *(_to_width(a, pw.d) for a in (q4, k4, v4)), ow, lse3, cu_seqlens=cu_seqlens,
+                     max_seqlen_q=max_seqlen_q, tile=tile)
+        _from_width(o4, ow)
+        return
     if p.modified and not vector_ok((q4, k4, v4, o4), p.d):  # the modifier kernels load 16 bytes at a time
         import cupy
 
         pp, (qp, kp, vp) = _padded_copies(p, (q4, k4, v4))
         op = cupy.empty(qp.shape, dtype=p.dtype)
         forward_band(pp, qp, kp, vp, op, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q, tile=tile)
-        _copy_columns(o4, op, p.d)
+        _from_width(o4, op)
         return
     q4, k4, v4 = unit_d(q4), unit_d(k4), unit_d(v4)
     _check_out(o4, p)
@@ -142,6 +176,15 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     packed = cu_seqlens is not None
     if packed and max_seqlens is None:
         raise ValueError("max_seqlens: required with cu_seqlens (the grids cover the longest sequences)")
+    if p.dv != p.d:
+        pw = _one_width(p)
+        grads = [_to_width(g, pw.d) for g in (dq4, dk4, dv4)]
+        backward(pw, *(_to_width(a, pw.d) for a in (do4, q4, k4, v4, o4)), lse3, *grads,
+                 deterministic=deterministic, tile=tile, hopper_tile=hopper_tile, cu_seqlens=cu_seqlens,
+                 max_seqlens=max_seqlens, dsinks=dsinks)
+        for g, gw in zip((dq4, dk4, dv4), grads):
+            _from_width(g, gw)
+        return
     target = device.current()
     if np.dtype(p.dtype) == FLOAT32 and p.modified:
         raise NotImplementedError(MODS_FP32)
@@ -160,7 +203,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         backward(pp, *padded, lse3, *grads, deterministic=deterministic, tile=tile, hopper_tile=hopper_tile,
                  cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
         for g, gp in zip((dq4, dk4, dv4), grads):
-            _copy_columns(g, gp, p.d)
+            _from_width(g, gp)
         return
     do4, q4, k4, v4, o4 = (unit_d(a) for a in (do4, q4, k4, v4, o4))
     ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)

@@ -118,7 +118,7 @@ def _key_tiles(p, m0, m1, bn):
 
 
 def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
-    """Write o4 (B, Hq, Nq, d) in its dtype (the input's, or float32) and lse3 (B, Hq, Nq) float32.
+    """Write o4 (B, Hq, Nq, dv) in its dtype (the input's, or float32) and lse3 (B, Hq, Nq) float32.
 
     ``block_m`` / ``block_n`` override the kernel's tile sizes (tests use small ones so that
     short sequences still span many tiles)."""
@@ -137,7 +137,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
         if sink is not None:  # the sink is a key of its own that carries no value: exp(sink - sink) = 1
             m = np.broadcast_to(sink, stat_shape).copy()
             l[...] = 1
-        acc = np.zeros((p.batch, p.hkv, p.group * r, p.d), dtype=acc_t)  # unnormalized O
+        acc = np.zeros((p.batch, p.hkv, p.group * r, p.dv), dtype=acc_t)  # unnormalized O
         for n0 in _key_tiles(p, m0, m1, bn):
             s = _scores(p, qt, _key_tile(k4, n0, bn), m0, m1, n0, bn)
             m_new = np.maximum(m, s.max(axis=-1))
@@ -156,7 +156,7 @@ def forward(p, q4, k4, v4, o4, lse3, *, block_m=None, block_n=None):
         log_l = np.log(l, out=np.zeros_like(l), where=seen)
         lse = np.where(seen, m + log_l, _NEG_INF)
         # o4's dtype: q's, or float32 (out_dtype): the accumulator then is stored, never rounded to 16 bits.
-        o4[:, :, m0:m1] = o.reshape(p.batch, p.hq, r, p.d).astype(o4.dtype)
+        o4[:, :, m0:m1] = o.reshape(p.batch, p.hq, r, p.dv).astype(o4.dtype)
         lse3[:, :, m0:m1] = lse.reshape(p.batch, p.hq, r).astype(_F32)
 
 
@@ -198,7 +198,7 @@ def lse_tolerance(lse):
 
 def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False, block_m=None, block_n=None,
              dsinks=None):
-    """Write dq4 (B, Hq, Nq, d), dk4 and dv4 (B, Hkv, Nk, d) in the input dtype; with sinks, add
+    """Write dq4 (B, Hq, Nq, d), dk4 (B, Hkv, Nk, d) and dv4 (B, Hkv, Nk, dv) in the input dtype; with sinks, add
     this problem's dsink_h = -sum_rows P_sink D into ``dsinks`` (Hq,) float32.
 
     The softcap's derivative 1 - tanh^2 multiplies dS before it is rounded for its products
@@ -237,7 +237,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
         cols = min(bn, p.nk - n0)
         kt, vt = _key_tile(k4, n0, bn), _key_tile(v4, n0, bn)
         dk_acc = np.zeros((p.batch, p.hkv, bn, p.d), dtype=acc_t)
-        dv_acc = np.zeros((p.batch, p.hkv, bn, p.d), dtype=acc_t)
+        dv_acc = np.zeros((p.batch, p.hkv, bn, p.dv), dtype=acc_t)
         for t, (m0, m1) in enumerate(nq_tiles):
             if not masks.tile_is_visible(p.causal, p.nq, p.nk, m0, m1, n0, p.window, n0 + bn):
                 continue

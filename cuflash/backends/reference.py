@@ -153,7 +153,7 @@ def forward_bhsd(p, q4, k4, v4, mask=None):
     cdt = q4.dtype
     if p.nk == 0:  # no keys: every row sees nothing (a max over an empty axis is undefined)
         lse = _NEG_INF if p.sinks is None else p.sinks.astype(cdt).reshape(1, p.hq, 1)
-        return (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
+        return (xp.zeros((p.batch, p.hq, p.nq, p.dv), dtype=cdt),
                 xp.broadcast_to(xp.asarray(lse, dtype=cdt), (p.batch, p.hq, p.nq)).copy())
     probs, m, l = _probabilities(p, q4, k4, cdt, mask)
     o4 = xp.matmul(probs, _heads_as_query_heads(v4, p))
@@ -171,11 +171,11 @@ def backward_bhsd(p, do4, q4, k4, v4, mask=None):
     if p.nk == 0:
         grads = (xp.zeros((p.batch, p.hq, p.nq, p.d), dtype=cdt),
                  xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt),
-                 xp.zeros((p.batch, p.hkv, 0, p.d), dtype=cdt))
+                 xp.zeros((p.batch, p.hkv, 0, p.dv), dtype=cdt))
         return grads + ((xp.zeros(p.hq, dtype=cdt),) if p.sinks is not None else ())
     probs, m, l, deriv = _probabilities(p, q4, k4, cdt, mask, with_deriv=True)
     kq, vq = _heads_as_query_heads(k4, p), _heads_as_query_heads(v4, p)
-    dv_per_qhead = xp.matmul(probs.swapaxes(-1, -2), do4)  # (B, Hq, Nk, d)
+    dv_per_qhead = xp.matmul(probs.swapaxes(-1, -2), do4)  # (B, Hq, Nk, dv)
     dprobs = xp.matmul(do4, vq.swapaxes(-1, -2))  # (B, Hq, Nq, Nk)
     row_dot = (probs * dprobs).sum(axis=-1, keepdims=True)
     ds = probs * (dprobs - row_dot)
@@ -185,8 +185,9 @@ def backward_bhsd(p, do4, q4, k4, v4, mask=None):
     dq4 = xp.matmul(ds, kq) * sc
     dk_per_qhead = xp.matmul(ds.swapaxes(-1, -2), q4) * sc
     # Query heads g*group .. (g+1)*group-1 read K/V head g: sum their contributions.
-    grouped = (p.batch, p.hkv, p.group, p.nk, p.d)
-    grads = (dq4, dk_per_qhead.reshape(grouped).sum(axis=2), dv_per_qhead.reshape(grouped).sum(axis=2))
+    grouped = (p.batch, p.hkv, p.group, p.nk)
+    grads = (dq4, dk_per_qhead.reshape(grouped + (p.d,)).sum(axis=2),
+             dv_per_qhead.reshape(grouped + (p.dv,)).sum(axis=2))
     if p.sinks is None:
         return grads
     shift = xp.where(m == _NEG_INF, cdt.type(0), m)
@@ -247,7 +248,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, mods
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
     xp = p.xp
-    o = xp.empty(p.q_shape(), dtype=_out_dtype(p, cdt))
+    o = xp.empty(p.o_shape(), dtype=_out_dtype(p, cdt))
     lse = xp.empty(p.lse_shape(), dtype=cdt)
     for pb, qs, ks in _sequences(p, cu_seqlens_q, cu_seqlens_k):
         o4, lse3 = forward_bhsd(pb, *_wide_bhsd(pb, cdt, (q[qs],), (k[ks], v[ks])))
@@ -274,7 +275,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
         p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), causal=causal,
                                             scale=scale, layout=layout, window=window)
         p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
-        grads = [p.xp.empty(shape, dtype=_out_dtype(p, cdt)) for shape in (p.q_shape(), p.kv_shape(), p.kv_shape())]
+        grads = [p.xp.empty(shape, dtype=_out_dtype(p, cdt)) for shape in (p.q_shape(), p.kv_shape(), p.v_shape())]
         dsinks = p.xp.zeros(p.hq, dtype=cdt)
         for pb, qs, ks in _sequences(p, cu_seqlens_q, cu_seqlens_k):
             parts = _backward_in(pb, cdt, do[qs], q[qs], k[ks], v[ks])

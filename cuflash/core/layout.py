@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 
-def to_bhsd(a, p, heads: int, n: int):
-    """A (B, H, N, d) view of one input or output of problem p.
+def to_bhsd(a, p, heads: int, n: int, d: int | None = None):
+    """A (B, H, N, d) view of one input or output of problem p (``d``: its head dim, the array's
+    last axis unless given: p.d for q, k, dq, dk; p.dv for v, o, do, dv).
 
     Leading batch axes merge into B; NumPy/CuPy reshape returns a view when the strides allow it
     and a copy otherwise (callers that write into the result check with :func:`is_view_of`).
     """
+    d = a.shape[-1] if d is None else d
     if p.single_head:
         return a[None, None]
     b = p.batch
     if p.layout == "bhsd":
-        return a.reshape((b, heads, n, p.d))
-    return a.reshape((b, n, heads, p.d)).transpose(0, 2, 1, 3)
+        return a.reshape((b, heads, n, d))
+    return a.reshape((b, n, heads, d)).transpose(0, 2, 1, 3)
 
 
 def from_bhsd(a4, p, heads: int, n: int):
     """Inverse of to_bhsd for arrays this package allocates in canonical (B, H, N, d) order."""
+    d = a4.shape[-1]
     if p.single_head:
         return a4[0, 0]
     if p.layout == "bhsd":
-        return a4.reshape(p.batch_shape + (heads, n, p.d))
-    return a4.transpose(0, 2, 1, 3).reshape(p.batch_shape + (n, heads, p.d))
+        return a4.reshape(p.batch_shape + (heads, n, d))
+    return a4.transpose(0, 2, 1, 3).reshape(p.batch_shape + (n, heads, d))
 
 
 def is_view_of(view, base) -> bool:

@@ -41,6 +41,12 @@ class Problem:
     softcap: float | None = None  # scores become softcap * tanh(s / softcap) before masking
     alibi: object = field(default=None, compare=False)  # (B, Hq) float32 slopes (B: batch or sequences)
     sinks: object = field(default=None, compare=False)  # (Hq,) float32 logits joining each row's softmax
+    head_dim_v: int | None = None  # v's (and o's) head dim where it differs from q's and k's d
+
+    @property
+    def dv(self) -> int:
+        """The head dim of v, o, do and dv (d unless v's differs)."""
+        return self.d if self.head_dim_v is None else self.head_dim_v
 
     @property
     def modified(self) -> bool:
@@ -79,15 +85,23 @@ class Problem:
     def kv_shape(self):
         return self._shape(self.hkv, self.nk)
 
+    def o_shape(self):
+        """o's (and do's) shape: q's with v's head dim."""
+        return self._shape(self.hq, self.nq, self.dv)
+
+    def v_shape(self):
+        return self._shape(self.hkv, self.nk, self.dv)
+
     def lse_shape(self):
         if self.single_head:
             return (self.nq,)
         return self.batch_shape + (self.hq, self.nq)
 
-    def _shape(self, h, n):
+    def _shape(self, h, n, d=None):
+        d = self.d if d is None else d
         if self.single_head:
-            return (n, self.d)
-        tail = (h, n, self.d) if self.layout == "bhsd" else (n, h, self.d)
+            return (n, d)
+        tail = (h, n, d) if self.layout == "bhsd" else (n, h, d)
         return self.batch_shape + tail
 
 
@@ -181,13 +195,13 @@ def check_flag(name, value):
 MAX_HEAD_DIM = 256  # the largest head dim of the kernels' tile tables (plan.schedule.HEAD_DIM_BUCKETS)
 
 
-def check_head_dim(d: int):
+def check_head_dim(d: int, name: str = "q"):
     """Every backend takes the head dims the GPU kernels take, 1 to MAX_HEAD_DIM, so that a
     problem that runs on the NumPy backend also runs on the GPU."""
     if d == 0:
-        raise ValueError("q: head dim d must be at least 1")
+        raise ValueError(f"{name}: head dim d must be at least 1")
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
+        raise ValueError(f"{name}: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
 
 
 def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
@@ -213,15 +227,16 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window
         raise ValueError(f"k, v: batch dimensions {kb}, {vb} must equal q's {qb} (layout {layout} {axes})")
     if dk != d:
         raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
-    if dv != d:
-        raise ValueError(f"v: head dim {dv} must equal q's head dim {d} (equal widths only)")
     if (hv, nv) != (hkv, nk):
         raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
     check_head_dim(d)
+    if dv != d:  # v (and o) may be narrower or wider than q and k (MLA: 192 / 128)
+        check_head_dim(dv, "v")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
     scale = check_scale(scale, d)
-    return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2, window=window)
+    return Problem(xp, layout, qb, hq, hkv, nq, nk, d, dtype, causal, scale, single_head=q.ndim == 2, window=window,
+                   head_dim_v=None if dv == d else dv)
 
 
 def check_softcap(softcap):
@@ -294,8 +309,9 @@ def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="
     p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     same_library((("q", q), ("do", do), ("o", o), ("lse", lse)))
     for name, a in (("do", do), ("o", o)):
-        if tuple(a.shape) != tuple(q.shape):
-            raise ValueError(f"{name}: expected q's shape {tuple(q.shape)}, got {tuple(a.shape)}")
+        if tuple(a.shape) != p.o_shape():
+            what = "q's shape" if p.dv == p.d else "q's shape with v's head dim"
+            raise ValueError(f"{name}: expected {what} {p.o_shape()}, got {tuple(a.shape)}")
         if a.dtype != p.dtype:
             raise TypeError(f"{name}: expected dtype {dtype_name(p.dtype)} like q, got {dtype_name(a.dtype)}")
     if tuple(lse.shape) != p.lse_shape():

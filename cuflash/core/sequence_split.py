@@ -1,7 +1,6 @@
 """How context parallelism cuts one sequence over P ranks: the chunks each rank holds, and which
-of its query chunks see which key chunks. Read by the JAX ring (cuflash.jax_distributed), the
-cost model (cuflash.accounting.context_parallel) and the CLI's report; the torch ring
-(cuflash.distributed) cuts the sequence the same way.
+of its query chunks see which key chunks. Shared by the torch ring (cuflash.distributed), the
+JAX ring (cuflash.jax_distributed) and their cost model (cuflash.accounting.context_parallel).
 
 ``"zigzag"`` cuts the sequence into 2P chunks and gives rank r chunks r and 2P - 1 - r: under a
 causal mask an early chunk (little work) pairs with a late one (much work), so every rank has the
