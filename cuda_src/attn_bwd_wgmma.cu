@@ -37,9 +37,10 @@
 #include "hopper/bwd_scheduler.cuh"
 #include "hopper/bwd_producer.cuh"
 #include "hopper/bwd_dq.cuh"
+#include "score_mod.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
-          bool PERSISTENT = false, bool MATH_STATS = true>
+          bool PERSISTENT = false, bool MATH_STATS = true, bool MOD = false>
 __device__ __forceinline__ void
 attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -47,7 +48,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                        i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                        i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                        int hq, int nq, int nk, int d, int group, int causal_off, float scale_log2, BwdMaps maps,
-                       BwdUnits units = BwdUnits{}) {
+                       BwdUnits units = BwdUnits{}, const ScoreModArgs& mods = ScoreModArgs{}) {
     using Tr = HopperBwdTraits<HEAD_DIM, BLOCK_M, WARPGROUPS, TMA, WS>;
     static_assert(!WS || (TMA && ATOMIC_DQ && Tr::kDqCols == 64), "WS: TMA loads, atomic dQ in 64 x 64 tiles");
     // 2 math warpgroups: the register split (24 + 2 x 240) and the barrier IDs below assume it; the
@@ -178,6 +179,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const float* tD = sm.sD + buf * BLOCK_M;
 
             const bool need_mask = (n0 + kBN > nk) || (m0 + BLOCK_M > nq) || (CAUSAL && n0 + kBN - 1 > m0 + causal_off);
+            // (MOD) this step's head's softcap and ALiBi slope (a GQA block steps through its heads).
+            ScoreMod mod{};
+            if constexpr (MOD) mod = ScoreMod(mods, b, h, nq, nk);
             // This half's P^T and dS^T as A fragments. Declared out here so that the last half's stay
             // pinned (fence_regs after the final wait) while its dV and dK read them.
             u32 pf[64 / 16][4], sf[64 / 16][4];
@@ -210,6 +214,17 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
                 wgmma_wait<1>();
                 fence_regs(s);
+                // (MOD) the modified scores (S^T's rows are keys, its columns queries).
+                if constexpr (MOD) {
+#pragma unroll
+                    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float th;
+                            s[ni][e] = mod.apply(s[ni][e], m0 + 64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1),
+                                                 n0 + key_row + 8 * (e >> 1), th);
+                        }
+                }
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -252,6 +267,20 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
+                // (MOD) the softcap's factor 1 - tanh^2, its tanh recovered from P and the lse: kept
+                // from the scores above, 32 more registers per thread spill 76 words at d = 128.
+                if constexpr (MOD) {
+                    if (mod.capped()) {
+#pragma unroll
+                        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1);
+                                dp[ni][e] *= mod.grad_from_prob(s[ni][e], tL[qc], scale_log2, m0 + qc,
+                                                                n0 + key_row + 8 * (e >> 1));
+                            }
+                    }
+                }
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
                 if (ATOMIC_DQ && (!Tr::kSplitD || wg == 0)) {  // (split head dim: every warpgroup holds all of dS^T)
@@ -398,6 +427,18 @@ __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS) {
     attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS>(
         BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do});
+}
+
+// attn_bwd_kv_wgmma_ws with score modifiers (score_mod.cuh: softcap, ALiBi; sinks change no
+// kernel, the lse includes them), no mask or a causal one. alibi is batch x alibi_sb + head,
+// offset to the launch's first batch entry.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool MATH_STATS>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_bwd_kv_wgmma_ws_mod(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS,
+                         float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+    attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS, true>(
+        BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do}, BwdUnits{},
+        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
 }
 
 // attn_bwd_kv_wgmma_ws over a grid of at most one block per SM (K and V through tensor maps

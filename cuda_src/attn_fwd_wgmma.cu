@@ -31,9 +31,11 @@
 #include "hopper/fwd_consumer.cuh"
 #include "hopper/fwd_epilogue.cuh"
 #include "hopper/fwd_split_merge.cuh"
+#include "score_mod.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
-          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false, bool SPLIT = false>
+          bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false, bool SPLIT = false,
+          bool MOD = false>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
@@ -41,12 +43,15 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
-                    FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr}) {
+                    FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr},
+                    const ScoreModArgs& mods = ScoreModArgs{}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
     static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the key split: full attention, per-tile TMA kernel");
+    // MOD: rows and keys count from the sequence's first (the modifiers' positions), one tile per block.
+    static_assert(!MOD || (TMA && !BAND && !PERSISTENT && !SPLIT), "score modifiers: the per-tile TMA kernel");
     // WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows of O, behind
     // warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's end
     // (persistent: under ping-pong their offset carries into the next tile). Without PERSISTENT O
@@ -150,7 +155,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     int kv0 = 0;
     u32 q_phase = 0;
     // The math warpgroups' part: everything after the tiles start arriving (hopper/fwd_consumer.cuh).
-    using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT>;
+    using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT, MOD>;
     auto math = [&]() {
         // The warpgroup's registers: O (zero), S, P and the online softmax's state.
         float acc_o[1][kNO][4];
@@ -163,9 +168,15 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         OnlineSoftmax<2> softmax;
         float alpha[2];
         bool moved = true;
+        // (MOD) this (batch entry, head)'s softcap and ALiBi slope, and its sink in the softmax.
+        ScoreMod mod{};
+        if constexpr (MOD) {
+            mod = ScoreMod(mods, b, h, nq, nk);
+            softmax.add_sink(sink_raw(mods, h), lane);
+        }
         const FwdKvSource src{gK, gV, k_sn, v_sn, d, tid};
         Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane,
-                   nk_b, hi, lo, n_tiles, scale_log2);
+                   nk_b, hi, lo, n_tiles, scale_log2, mod);
         c.prologue();  // S_0 and its probabilities
         // K/V tile j: P_j V_j with S_{j+1} = Q K_{j+1}^T in flight, then the softmax of tile j+1.
         for (int j = 0; j + 1 < c.n_mine; ++j) c.step(j, true);
@@ -265,6 +276,18 @@ attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int splits, float* __restr
                          float* __restrict__ part_lse, unsigned* __restrict__ flags) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, false, true, false, true, PINGPONG, false,
                         WG_EPILOGUE, true>(FWD_TMA_ARGS, n_heads, 0, FwdSplit{splits, part_o, part_lse, flags});
+}
+// The per-tile TMA kernel with score modifiers (score_mod.cuh: softcap, ALiBi, sinks), no mask
+// or a causal one; windows and packed sequences with modifiers run attn_fwd_band_mod. alibi is
+// batch x alibi_sb + head, offset to the launch's first batch entry.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi,
+                       int alibi_sb, const float* __restrict__ sinks) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE,
+                        false, true>(FWD_TMA_ARGS, 0, 0, FwdSplit{1, nullptr, nullptr, nullptr},
+                                     ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

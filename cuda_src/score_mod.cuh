@@ -55,6 +55,16 @@ struct ScoreMod {
     // d(modified)/d(raw) from apply()'s t.
     static __device__ __forceinline__ float grad(float t) { return fmaf(-t, t, 1.f); }
 
+    // The same from the score's probability p = exp2(modified * scale_log2 - lse2), for a kernel
+    // that keeps P rather than t: modified = (log2 p + lse2) / scale_log2, less the bias, is
+    // cap_out * t. p = 0 (masked, or underflowed) gives 0: dS is 0 there anyway.
+    __device__ __forceinline__ float grad_from_prob(float p, float lse2, float scale_log2, int row, int col) const {
+        if (!(p > 0.f)) return 0.f;
+        float s = __fdividef(__log2f(p) + lse2, scale_log2);
+        if (biased()) s = fmaf(-bias, fabsf((float)(row + dist_off - col)), s);
+        return grad(s * cap_in);
+    }
+
     // A forward accumulator tile of one 16-row mma tile (rows row_g, row_g + 8; columns of this
     // lane), the softcap and the bias each behind one uniform branch.
     template <int NS>

@@ -1,8 +1,8 @@
 """Score modifiers (softcap, ALiBi slopes, sinks) on the GPU against the float64 oracle, by the
-accuracy rule (cuflash.testing): the forward (attn_fwd_band_mod) and the backward
-(attn_bwd_kv_band_mod / attn_bwd_dq_band_mod for softcap and ALiBi; the plain kernels and D for
-sinks), both kernel selections (the modifiers run the mma.sync band kernels on every GPU),
-masked rows, GQA, windows, packed, kv_lens and paged inputs. Every allocation cuflash makes is
+accuracy rule (cuflash.testing): the forward (on sm_90 without a window attn_fwd_wgmma_tma_mod,
+else attn_fwd_band_mod) and the backward (softcap and ALiBi: on sm_90, d <= 128, atomic dQ
+attn_bwd_kv_wgmma_ws_mod, else attn_bwd_kv_band_mod / attn_bwd_dq_band_mod; sinks: the plain
+kernels and D), both kernel selections, masked rows, GQA, windows, packed, kv_lens and paged inputs. Every allocation cuflash makes is
 filled with NaN bytes first (cuflash.testing.poisoned_allocations), so an output element a kernel
 forgets shows; inputs are compared bit for bit afterwards."""
 

@@ -374,13 +374,24 @@ def test_plan_runs_the_mod_kernels(which):
     mods = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=np.zeros(4, np.float32)),
             "all": dict(softcap=2.0, alibi_slopes=np.zeros(4, np.float32), sinks=np.zeros(4, np.float32))}[which]
     fwd, bwd, det, _ = _planned(mods)
-    assert fwd.spec.expression.startswith("attn_fwd_band_mod<")
-    assert bwd.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
+    # sm_90 without a window: the wgmma kernels with the modifiers (the backward's K/V kernel
+    # warp-specialized, dQ atomic); deterministic: the band kernels' dQ and K/V
+    assert fwd.kernel == "wgmma_mod" and fwd.spec.expression.startswith("attn_fwd_wgmma_tma_mod<")
+    assert bwd.specs["kv"].expression.startswith("attn_bwd_kv_wgmma_ws_mod<") and bwd.kernel == "wgmma"
     assert det.specs["dq"].expression.startswith("attn_bwd_dq_band_mod<")
+    assert det.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
+    # a window, a head dim without the warp-specialized backward: the band kernels
+    wfwd, wbwd, _, _ = _planned(mods, window=(100, 0))
+    assert wfwd.spec.expression.startswith("attn_fwd_band_mod<")
+    assert wbwd.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
+    dfwd, dbwd, _, _ = _planned(mods, d=256)
+    assert dfwd.spec.expression.startswith("attn_fwd_wgmma_tma_mod<")
+    assert dbwd.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
     from cuflash.plan.registry import all_specs
 
     listed = set(all_specs())
-    for spec in [fwd.spec, *bwd.specs.values(), *det.specs.values()]:
+    for spec in [fwd.spec, *bwd.specs.values(), *det.specs.values(), wfwd.spec, *wbwd.specs.values(), dfwd.spec,
+                 *dbwd.specs.values()]:
         assert spec in listed, f"{spec.expression} is not in plan.registry (CI would not compile it)"
     # decode shapes take the prefill band kernel too
     assert not _planned(mods, nq=1, nk=8192)[3]
@@ -392,7 +403,7 @@ def test_plan_sinks_backward_keeps_the_plain_kernels():
     backward kernels run (dsinks comes from D); the forward needs the sink kernel."""
     fwd, bwd, _, _ = _planned(dict(sinks=np.zeros(4, np.float32)))
     plain_fwd, plain_bwd, _, _ = _planned({})
-    assert fwd.spec.expression.startswith("attn_fwd_band_mod<")
+    assert fwd.spec.expression.startswith("attn_fwd_wgmma_tma_mod<")
     assert bwd.specs == plain_bwd.specs
     assert not plain_fwd.spec.expression.startswith("attn_fwd_band")
 

@@ -21,6 +21,7 @@
 #                  (otherwise a smaller grid: bf16, fp16 at d=128 only, backward at 4k and 16k)
 #   MQA=0          skip the decode shapes with many query heads per K/V head
 #   PAGED=0        skip the paged-cache benchmark (tools/paged_bench.py)
+#   OPTIONS=1      also benchmark the score modifiers (benchmarks/options.py; OPTIONS_TIMEOUT, default 150)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
@@ -96,6 +97,11 @@ bench decode "${DECODE_TIMEOUT:-60}" --ops decode --impls cuflash,torch-flash,to
 if [ "${MQA:-1}" = 1 ]; then
     bench decode_mqa 50 --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
         --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,2x48x1x32768,4x64x1x16384,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64
+fi
+# Score modifiers (softcap, ALiBi, sinks) against the plain kernels and FlexAttention.
+if [ "${OPTIONS:-0}" = 1 ]; then
+    timeout "${OPTIONS_TIMEOUT:-150}" python3 benchmarks/options.py --out "$tmp/options.json" > "$tmp/options.log" 2>&1
+    r=$?; echo "options bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/options.log" >> "$OUT/bench.log"
 fi
 if [ "${PAGED:-1}" = 1 ]; then
     timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1

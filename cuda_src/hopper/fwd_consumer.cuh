@@ -12,6 +12,7 @@
 #pragma once
 #include "common.cuh"
 #include "softmax.cuh"
+#include "score_mod.cuh"
 #include "wgmma.cuh"
 #include "hopper/fwd_traits.cuh"
 #include "hopper/fwd_smem.cuh"
@@ -27,7 +28,7 @@ struct FwdKvSource {
 };
 
 template <typename T, typename Tr, bool CAUSAL, bool PRODUCER, bool BAND, bool TMA, bool PINGPONG, bool PERSISTENT,
-          bool SPLIT>
+          bool SPLIT, bool MOD = false>
 struct FwdConsumer {
     static constexpr int HEAD_DIM = Tr::kHeadDim, BLOCK_N = Tr::kBlockN, STAGES = Tr::kStages;
     static constexpr int WARPGROUPS = Tr::kWarpgroups;
@@ -70,6 +71,7 @@ struct FwdConsumer {
     const int &kv0, &m0, &wg, &warp, &lane, &nk_b, &hi, &lo, &n_tiles;
     const u32& q_phase;
     const float& scale_log2;
+    const ScoreMod& mod;  // (MOD) softcap and ALiBi of this (batch entry, head)
     int row0;    // this thread's first row in the tile
     u32 q_rows;  // this warpgroup's rows of each column block
     const FwdTurns<WARPGROUPS> turns;
@@ -83,10 +85,10 @@ struct FwdConsumer {
                                            const FwdKvSource& src_, const int& kv0_, const u32& q_phase_,
                                            const int& m0_, const int& rows_valid, const int& wg_, const int& warp_,
                                            const int& lane_, const int& nk_b_, const int& hi_, const int& lo_,
-                                           const int& n_tiles_, const float& scale_log2_)
+                                           const int& n_tiles_, const float& scale_log2_, const ScoreMod& mod_)
         : acc_o(acc_o_), acc_s(acc_s_), p_frag(p_frag_), softmax(softmax_), alpha(alpha_), moved(moved_), sm(sm_),
           src(src_), kv0(kv0_), m0(m0_), wg(wg_), warp(warp_), lane(lane_), nk_b(nk_b_), hi(hi_), lo(lo_),
-          n_tiles(n_tiles_), q_phase(q_phase_), scale_log2(scale_log2_), turns{wg_} {
+          n_tiles(n_tiles_), q_phase(q_phase_), scale_log2(scale_log2_), mod(mod_), turns{wg_} {
         row0 = 64 * wg + 16 * warp + (lane >> 2);
         q_rows = sm.sQ + 64 * wg * 128;
         if constexpr (PINGPONG) turns.open(n_tiles);
@@ -119,7 +121,9 @@ struct FwdConsumer {
     __device__ __forceinline__ void issue_pv(int j) {
         fwd_issue_pv<T, Tr>(acc_o[0], p_frag, sm.v_slot((kv0 + j) % STAGES));
     }
+    // (MOD) the modifiers first: softcap before the mask, so a masked key stays -inf.
     __device__ __forceinline__ void mask(int j) {
+        if constexpr (MOD) mod.template apply_rows<kNS>(acc_s[0], m0 + row0, j * BLOCK_N, lane);
         fwd_mask_tile<BLOCK_N, kHi, BAND>(acc_s[0], j * BLOCK_N, BAND ? 0 : m0, wg, warp, row0, nk_b, hi, lo, lane);
     }
     __device__ __forceinline__ void to_p() { fwd_to_p<T>(p_frag, acc_s[0]); }

@@ -92,12 +92,15 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     if tile is None and decode_applies(p, ku, vu):  # few query rows per K/V head, long cache: split-KV
         decode_kernels.forward(p, qu, ku, vu, o4, lse3)
         return
-    if p.window is not None or p.modified:  # the band kernels (wgmma on sm_90; score modifiers: mma.sync)
+    target = device.current()
+    mod_wgmma = None
+    if p.modified and p.window is None and tile is None and np.dtype(p.dtype) != FLOAT32:
+        mod_wgmma = dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper))
+    if p.window is not None or (p.modified and (mod_wgmma is None or mod_wgmma.kernel != "wgmma_mod")):  # band kernels
         forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
         return
     _check_out(o4, p)
-    target = device.current()
-    plan = dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper), tile=tile)
+    plan = mod_wgmma or dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper), tile=tile)
     _launch_forward(plan, p, qu, ku, vu, o4, lse3)
 
 
@@ -160,7 +163,7 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
 
 
 def _launch_forward(plan, p, q4, k4, v4, o4, lse3):
-    if plan.kernel in ("wgmma", "wgmma_split"):
+    if plan.kernel in ("wgmma", "wgmma_split", "wgmma_mod"):
         hopper.launch(plan, p, q4, k4, v4, o4, lse3)
     else:
         forward_kernels.launch_forward(plan.spec, plan.block_m, p, q4, k4, v4, o4, lse3)
@@ -209,7 +212,7 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     ops = describe(p.d, q4, k4, v4, o4, do4, grads=(dq4, dk4, dv4), maps=target.hopper)
     plan = dispatch.backward_plan(p, target, ops, deterministic=deterministic, packed=packed, tile=tile,
                                   hopper_tile=hopper_tile)
-    band = p.window is not None or packed or p.scores_modified
+    band = plan.kernel == "band"  # (softcap / ALiBi may run the wgmma K/V kernel with them)
     backward_kernels.launch(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, band=band,
                             cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
 

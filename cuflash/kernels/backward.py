@@ -79,7 +79,8 @@ def launch(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, d
         common = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
         n_blocks = -(-n_rows_k // kv_block_n)
         for nz, cu in z_chunks(b0, b1):
-            extra = (*band_args, *cu) if band else ()
+            # (the wgmma K/V kernel with modifiers: their arguments after the plain ones)
+            extra = (*band_args, *cu) if band else (*cu[2:],) if mods else ()
             if n_blocks > 0:  # also when nq == 0: the blocks then write dK = dV = 0
                 maps = ()
                 if hopper_kv is not None and hopper_kv.tma:  # Q and dO boxes of block_m rows

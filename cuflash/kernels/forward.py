@@ -15,12 +15,13 @@ from .operands import elem_strides as _elem_strides
 
 
 def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent_blocks=None, blocks=None,
-                   extra_args=()):
+                   extra_args=(), chunk_args=None):
     """One launch per chunk of at most 65535 batch entries; grid (query tiles, heads, batch).
     `maps(q, k, v)`, if given, returns the chunk's tensor maps, passed before the pointers.
     `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
     chunk's query tiles; the head and batch counts follow the other arguments. `blocks` (the key
-    split kernel, one chunk): a 1-D grid of that many blocks, `extra_args` after the plain ones."""
+    split kernel, one chunk): a 1-D grid of that many blocks, `extra_args` after the plain ones.
+    `chunk_args(first batch entry)` (the score-modifier kernel): a chunk's arguments after the plain ones."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that
@@ -44,6 +45,8 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
             fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
                shared_mem=spec.smem_bytes)
         else:
+            if chunk_args is not None:
+                args += tuple(chunk_args(b0))
             fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
 
 

@@ -10,10 +10,11 @@ from ..plan.dispatch import ForwardPlan
 from ..plan.hopper import split_partials
 from . import counters, device, tma
 from . import forward
+from .operands import score_mod_args, sink_pointer
 
 
 def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None):
-    """Launch a "wgmma" or "wgmma_split" plan. A persistent tile runs one block per SM, or
+    """Launch a "wgmma", "wgmma_split" or "wgmma_mod" plan. A persistent tile runs one block per SM, or
     `persistent_blocks` blocks (tests: a few blocks walk many tiles each)."""
     t = plan.tile
 
@@ -23,6 +24,10 @@ def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None
     maps = tensor_maps if t.tma else None
     if plan.kernel == "wgmma_split":
         _launch_split(plan, p, q4, k4, v4, o4, lse3, maps)
+        return
+    if plan.kernel == "wgmma_mod":
+        forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
+                               chunk_args=lambda b0: (*score_mod_args(p, b0), sink_pointer(p)))
         return
     blocks = None
     if t.persistent:

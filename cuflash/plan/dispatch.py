@@ -7,9 +7,10 @@ few facts of the call's arrays (Operands); an explicit tile (schedule search, te
 tables, and with ``CUFLASH_TUNE`` the tuning cache's winner does (plan.tuning).
 
 Order of the forward's choice:
-  score modifiers (softcap, ALiBi, sinks) -> the mma.sync band kernel with them (attn_fwd_band_mod),
-  on every GPU and for every mask (the backward: the *_band_mod kernels for softcap / ALiBi; sinks
-  alone keep the plain backward);
+  score modifiers (softcap, ALiBi, sinks) -> on sm_90 without a window, rows TMA can address, the
+  wgmma TMA kernel with them (attn_fwd_wgmma_tma_mod); else the mma.sync band kernel with them
+  (attn_fwd_band_mod), on every GPU and for every mask (the backward: the *_band_mod kernels for
+  softcap / ALiBi; sinks alone keep the plain backward);
   few query rows per K/V head over a long cache -> split-KV decode (plan.decode);
   a window or packed sequences -> the band kernels (wgmma on sm_90, else mma.sync);
   sm_90, 16-bit, 16-byte-aligned rows, a head dim of the Hopper tables -> the wgmma forward, on a
@@ -49,7 +50,7 @@ ALIGNED = Operands(vec=True, tma_q=True, tma_kv=True, kv_vec=True)  # contiguous
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split"
+    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod"
     spec: KernelSpec
     tile: object  # schedule.TileConfig, schedule.HopperTile or plan.fp32.Fp32TileConfig
     splits: int = 0  # wgmma_split: key pieces per query tile
@@ -97,6 +98,11 @@ def forward_plan(p, target: Target, ops: Operands, *, tile=None, tuned: bool = T
     """The prefill forward's plan (the caller checked decode_applies first). ``tile``: a forced
     tile of the portable kernel; ``tuned``: consult the tuning cache (``autotuner``: a
     plan.tuning autotuner factory for CUFLASH_TUNE=1's first use)."""
+    if (getattr(p, "modified", False) and tile is None and getattr(p, "window", None) is None
+            and hopper.applies(p, ops.vec, target) and ops.tma_q and ops.tma_kv):
+        t = hopper.mod_tile(p.d, p.causal, getattr(p, "nq", None), getattr(p, "nk", None))
+        spec, t = hopper.mod_spec(p.dtype, p.d, p.causal is not None, t)
+        return ForwardPlan("wgmma_mod", spec, t)
     if getattr(p, "window", None) is not None or getattr(p, "modified", False):
         return band_forward_plan(p, target, ops, tile=tile)
     if tile is None and hopper.applies(p, ops.vec, target):
@@ -143,7 +149,8 @@ def wgmma_forward_plan(p, target: Target, ops: Operands, *, tile=None, split=Non
 def band_forward_plan(p, target: Target, ops: Operands, *, tile=None) -> ForwardPlan:
     """Sliding window and/or packed sequences: attn_fwd_wgmma_band where hopper.applies (and no
     tile is forced), else attn_fwd_band (every GPU, 16-bit inputs). Score modifiers (softcap,
-    ALiBi, sinks; any mask): attn_fwd_band_mod, on every GPU (no wgmma variant yet)."""
+    ALiBi, sinks; any mask, packed sequences): attn_fwd_band_mod, on every GPU (forward_plan sends
+    the ones without a window to the wgmma kernel on sm_90)."""
     if getattr(p, "modified", False):
         spec, t = forward_spec(p.dtype, p.d, True, ops.vec, tile, band=True, mods=True)
         return ForwardPlan("band", spec, t)
@@ -163,8 +170,11 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
     ValueError). A window or packed sequences run the band kernels; the softcap and ALiBi their
     score-modifier variants (sinks need no change of the kernels: lse includes them)."""
     mods = getattr(p, "scores_modified", False)
-    band = getattr(p, "window", None) is not None or packed or mods
     causal = p.causal is not None
+    # softcap / ALiBi without a window or packed rows: the wgmma K/V kernel with them where it applies
+    mod_kv = (mods and not packed and getattr(p, "window", None) is None and tile is None and hopper_tile is None
+              and np.dtype(p.dtype) != FLOAT32 and hopper.backward_mod_applies(p, ops.vec, ops.tma_q, target, deterministic))
+    band = getattr(p, "window", None) is not None or packed or (mods and not mod_kv)
     if getattr(p, "modified", False) and np.dtype(p.dtype) == FLOAT32:
         raise NotImplementedError(MODS_FP32)
     if np.dtype(p.dtype) == FLOAT32:  # float64 arithmetic (plan.fp32), deterministic either way
@@ -174,14 +184,14 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
             raise ValueError("tile / hopper_tile: float32 runs its own kernels (plan.fp32.BACKWARD_TILES_FP32)")
         specs, hd, t = backward_specs_fp32(p.d, causal, target=target)
         return BackwardPlan("fp32", specs, hd, t, kv_block_n=t.kv_block_n)
-    kv = None
+    kv = hopper.backward_kv_mod_spec(p.dtype, p.d, causal) if mod_kv else None
     if hopper_tile is not None:
         if band or not hopper.backward_applies(p, ops.vec, target):
             raise ValueError("hopper_tile: the wgmma backward K/V kernel does not run for this problem here (it needs "
                              "sm_90, float16/bfloat16 with 16-byte-aligned rows, a head dim of HOPPER_BACKWARD_TILES "
                              f"{tuple(schedule.HOPPER_BACKWARD_TILES)} and {hopper.ENV}=auto)")
         kv = hopper.backward_kv_spec(p.dtype, p.d, causal, deterministic, tile=hopper_tile)
-    elif tile is None and not band and hopper.backward_applies(p, ops.vec, target):
+    elif kv is None and tile is None and not band and hopper.backward_applies(p, ops.vec, target):
         picked = tuning.pick_hopper_backward_tile(p, target, deterministic, autotuner) if tuned else None
         kv = hopper.backward_kv_spec(p.dtype, p.d, causal, deterministic, tile=picked)
     if kv is not None and kv[1].tma and not (ops.tma_q and (ops.tma_kv or not kv[1].persistent)):
@@ -196,7 +206,7 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
                                      tile=dataclasses.replace(kv[1], persistent=False))
     if tile is None and ops.vec and kv is None and not band and tuned:
         tile = tuning.pick_backward_tile(p, target, deterministic, autotuner)
-    specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band, mods=mods)
+    specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band, mods=mods and band)
     kv_block_n = t.block_n
     frag_dq = kv is not None and kv[1].ws
     # Rows of the accumulator: the wgmma K/V kernel adds dQ rows of its own HEAD_DIM (192: 256).

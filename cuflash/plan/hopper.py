@@ -89,6 +89,26 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
     return _forward_spec("attn_fwd_wgmma", dtype, d, f", {'true' if causal else 'false'}", tile)
 
 
+def mod_tile(d: int, causal, nq: int | None, nk: int | None) -> schedule.HopperTile:
+    """The tile of the score-modifier kernel (attn_fwd_wgmma_tma_mod, one query tile per block):
+    the plain kernel's for the shape (default_tile) where that is not persistent, else the table's."""
+    t = default_tile(d, causal, nq, nk) if nq is not None and nk is not None else None
+    return t if t is not None and not t.persistent else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
+
+
+def mod_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_mod: softcap, ALiBi and sinks on the per-tile
+    TMA kernel (no mask or a causal one), the modifiers' arguments after the plain ones."""
+    hd = schedule.head_dim_bucket(d)
+    t = tile or schedule.HOPPER_FORWARD_TILES[hd]
+    if not t.tma or t.persistent:
+        raise ValueError("tile: the score-modifier kernel runs the per-tile TMA kernel (tma=True, persistent=False)")
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    params = (f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(causal)}, "
+              f"{b(t.pingpong)}, {b(t.wg_epilogue)}")
+    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_mod<{params}>", t.threads, t.smem_bytes(hd)), t
+
+
 def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_split: full attention on a per-tile TMA
     tile (the table's by default), every query tile split into key ranges."""
@@ -187,7 +207,14 @@ def all_hopper_forward_specs():
     plain = list(dict.fromkeys(plain))  # the table's ping-pong tiles are their own variant
     band = [forward_band_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_FORWARD_TILES]
     split = [split_spec(dtype, hd)[0] for dtype in (FLOAT16, BFLOAT16) for hd in schedule.SPLIT_HEAD_DIMS]
-    return plain + band + split
+    mods = [mod_spec(dtype, hd, causal, tile)[0]
+            for dtype in (FLOAT16, BFLOAT16)
+            for hd, t in schedule.HOPPER_FORWARD_TILES.items()
+            for causal in (False, True)
+            for tile in dict.fromkeys((t, *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile]
+                                            if hd in schedule.HOPPER_FORWARD_LONG_ROWS else [])))
+            if not tile.persistent]
+    return plain + band + split + list(dict.fromkeys(mods))
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
@@ -219,6 +246,31 @@ def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: sch
     return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
 
 
+MOD_BACKWARD_HEAD_DIMS = (64, 128)  # the warp-specialized kernel's buckets (d = 192/256 run no WS kernel)
+
+
+def backward_mod_applies(p, ops_vec: bool, tma_q: bool, target: Target, deterministic: bool) -> bool:
+    """Whether the softcap / ALiBi backward runs its K/V kernel on wgmma (attn_bwd_kv_wgmma_ws_mod):
+    the warp-specialized kernel's buckets, Q and dO rows TMA can address, atomic dQ (deterministic
+    runs need the band dQ kernel's modifiers: the mma.sync band kernels)."""
+    return (backward_applies(p, ops_vec, target) and tma_q and not deterministic
+            and schedule.head_dim_bucket(p.d) in MOD_BACKWARD_HEAD_DIMS)
+
+
+def backward_kv_mod_spec(dtype, d: int, causal: bool):
+    """(KernelSpec, HopperBwdTile) of attn_bwd_kv_wgmma_ws_mod: the default warp-specialized tile of
+    the bucket (not persistent), softcap and ALiBi arguments after the plain ones."""
+    hd = schedule.head_dim_bucket(d)
+    if hd not in MOD_BACKWARD_HEAD_DIMS:
+        raise ValueError(f"d={d}: the score-modifier wgmma backward is built for buckets {MOD_BACKWARD_HEAD_DIMS}")
+    t = dataclasses.replace(backward_tma(schedule.hopper_backward_tile(hd, causal)), ws=True, persistent=False)
+    if hd == 64 and causal:  # with the producer's row statistics it spills 4 words here
+        t = dataclasses.replace(t, math_stats=True)
+    expr = (f"attn_bwd_kv_wgmma_ws_mod<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_m}, {t.warpgroups}, "
+            f"{'true' if causal else 'false'}, {'true' if t.math_stats else 'false'}>")
+    return KernelSpec("attn_bwd_wgmma.cu", expr, t.threads, t.smem_bytes(hd)), t
+
+
 def dq_convert_frag_spec(dtype, hd: int) -> KernelSpec:
     """attn_bwd_dq_convert (FRAG): dQ from attn_bwd_kv_wgmma_ws's fragment-order accumulator."""
     return KernelSpec("attn_bwd.cu", f"attn_bwd_dq_convert<{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, true>",
@@ -245,4 +297,6 @@ def all_hopper_backward_specs():
     ]
     specs += [dq_convert_frag_spec(dtype, schedule.hopper_backward_head_dim(hd))
               for dtype in (FLOAT16, BFLOAT16) for hd in schedule.HOPPER_BACKWARD_TILES]
+    specs += [backward_kv_mod_spec(dtype, hd, causal)[0]
+              for dtype in (FLOAT16, BFLOAT16) for hd in MOD_BACKWARD_HEAD_DIMS for causal in (False, True)]
     return list(dict.fromkeys(specs))
