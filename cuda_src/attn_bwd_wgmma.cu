@@ -215,16 +215,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 wgmma_wait<1>();
                 fence_regs(s);
                 // (MOD) the modified scores (S^T's rows are keys, its columns queries).
-                if constexpr (MOD) {
-#pragma unroll
-                    for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float th;
-                            s[ni][e] = mod.apply(s[ni][e], m0 + 64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1),
-                                                 n0 + key_row + 8 * (e >> 1), th);
-                        }
-                }
+                if constexpr (MOD) mod.apply_cols<8>(s, m0 + 64 * hv, n0 + key_row, lane);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -271,14 +262,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 // from the scores above, 32 more registers per thread spill 76 words at d = 128.
                 if constexpr (MOD) {
                     if (mod.capped()) {
+                        const float d0 = mod.col_dist0(m0 + 64 * hv, n0 + key_row, lane);
 #pragma unroll
                         for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1);
-                                dp[ni][e] *= mod.grad_from_prob(s[ni][e], tL[qc], scale_log2, m0 + qc,
-                                                                n0 + key_row + 8 * (e >> 1));
-                            }
+                            for (int e = 0; e < 4; ++e)
+                                dp[ni][e] *= mod.grad_from_prob(s[ni][e], tL[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)],
+                                                                scale_log2, d0 + ScoreMod::col_dist(ni, e));
                     }
                 }
 #pragma unroll

@@ -58,10 +58,11 @@ struct ScoreMod {
     // The same from the score's probability p = exp2(modified * scale_log2 - lse2), for a kernel
     // that keeps P rather than t: modified = (log2 p + lse2) / scale_log2, less the bias, is
     // cap_out * t. p = 0 (masked, or underflowed) gives 0: dS is 0 there anyway.
-    __device__ __forceinline__ float grad_from_prob(float p, float lse2, float scale_log2, int row, int col) const {
+    // dist: ALiBi's row + dist_off - col.
+    __device__ __forceinline__ float grad_from_prob(float p, float lse2, float scale_log2, float dist) const {
         if (!(p > 0.f)) return 0.f;
         float s = __fdividef(__log2f(p) + lse2, scale_log2);
-        if (biased()) s = fmaf(-bias, fabsf((float)(row + dist_off - col)), s);
+        if (biased()) s = fmaf(-bias, fabsf(dist), s);
         return grad(s * cap_in);
     }
 
@@ -76,15 +77,40 @@ struct ScoreMod {
                 for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
         }
         if (biased()) {
+            // The distance converted once, then constants added: an int-to-float conversion per
+            // score runs at the special function unit's rate, as the softmax's exp2 does.
+            const float d0 = (float)(row_g + dist_off - n0 - 2 * (lane & 3));
 #pragma unroll
             for (int ni = 0; ni < NS; ++ni)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row_g + 8 * (e / 2), col = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
-                    acc[ni][e] = fmaf(bias, fabsf((float)(row + dist_off - col)), acc[ni][e]);
-                }
+                for (int e = 0; e < 4; ++e)
+                    acc[ni][e] = fmaf(bias, fabsf(d0 + (float)(8 * (e / 2) - ni * 8 - (e & 1))), acc[ni][e]);
         }
     }
+
+    // A backward S^T tile of the wgmma kernel: rows are keys (key0, key0 + 8), columns queries
+    // (q0 + ni * 8 + 2 * (lane & 3) + (e & 1)).
+    template <int NS>
+    __device__ __forceinline__ void apply_cols(float (&acc)[NS][4], int q0, int key0, int lane) const {
+        if (capped()) {
+#pragma unroll
+            for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
+        }
+        if (biased()) {
+            const float d0 = col_dist0(q0, key0, lane);
+#pragma unroll
+            for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ni][e] = fmaf(bias, fabsf(d0 + col_dist(ni, e)), acc[ni][e]);
+        }
+    }
+    // ALiBi's distance in apply_cols' tile: col_dist0 + col_dist(ni, e).
+    __device__ __forceinline__ float col_dist0(int q0, int key0, int lane) const {
+        return (float)(q0 + 2 * (lane & 3) + dist_off - key0);
+    }
+    static __device__ __forceinline__ float col_dist(int ni, int e) { return (float)(ni * 8 + (e & 1) - 8 * (e >> 1)); }
 };
 
 // The sink of head h in raw units (for the softmax's running max), or -inf without sinks.

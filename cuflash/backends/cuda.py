@@ -94,7 +94,9 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
         return
     target = device.current()
     mod_wgmma = None
-    if p.modified and p.window is None and tile is None and np.dtype(p.dtype) != FLOAT32:
+    # (rows without 16-byte loads take forward_band, which pads them first)
+    if (p.modified and p.window is None and tile is None and np.dtype(p.dtype) != FLOAT32
+            and vector_ok((qu, ku, vu, o4), p.d)):
         mod_wgmma = dispatch.forward_plan(p, target, describe(p.d, qu, ku, vu, o4, maps=target.hopper))
     if p.window is not None or (p.modified and (mod_wgmma is None or mod_wgmma.kernel != "wgmma_mod")):  # band kernels
         forward_band(p, q4, k4, v4, o4, lse3, tile=tile)
