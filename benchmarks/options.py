@@ -37,7 +37,7 @@ def _alibi_slopes(h):
 
 
 class Options:
-    def __init__(self, timer):
+    def __init__(self, timer, flex=True):
         import cupy
         import torch
 
@@ -46,14 +46,15 @@ class Options:
 
         self.torch, self.cupy, self.cuflash, self.timer = torch, cupy, cuflash, timer
         self._stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
-        self.flex = None
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        self.want_flex, self.flex, self.flex_missing = flex, None, None
+        if flex:
+            try:
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-            self.flex = torch.compile(flex_attention, dynamic=False)
-            self.block_mask = create_block_mask
-        except Exception as exc:  # noqa: BLE001 - recorded as the peer's status
-            self.flex_missing = f"{type(exc).__name__}: {exc}"[:300]
+                self.flex = torch.compile(flex_attention, dynamic=False)
+                self.block_mask = create_block_mask
+            except Exception as exc:  # noqa: BLE001 - recorded as the peer's status
+                self.flex_missing = f"{type(exc).__name__}: {exc}"[:300]
 
     def mods(self, option, h):
         """cuflash's keyword arguments for an option (CuPy arrays on the device)."""
@@ -98,7 +99,7 @@ class Options:
         ms, _ = self.timer(timed)
         rows.append(record(case, "cuflash", "ok", ms, option=option))
         sm = self.score_mod(option, case.hq, case.nq, case.nk)
-        if option not in ("none", "softcap", "alibi"):
+        if option not in ("none", "softcap", "alibi") or not self.want_flex:
             return
         if self.flex is None:
             rows.append(record(case, "torch-flex", "unsupported", reason=self.flex_missing, option=option))
@@ -131,6 +132,7 @@ def main(argv=None):
     ap.add_argument("--causal", default="1", help="comma list of 0/1")
     ap.add_argument("--options", default=",".join(OPTIONS))
     ap.add_argument("--seconds-per-impl", type=float, default=0.8)
+    ap.add_argument("--no-flex", action="store_true", help="cuflash only (no FlexAttention rows)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     cases = plan([int(x) for x in args.n.split(",")], [c == "1" for c in args.causal.split(",")])
@@ -139,7 +141,7 @@ def main(argv=None):
         for c in cases:
             print(c.label, options)
         return 0
-    runner = Options(Timer(3, 20, args.seconds_per_impl))
+    runner = Options(Timer(3, 20, args.seconds_per_impl), flex=not args.no_flex)
     rows = []
     for i, case in enumerate(cases):
         for option in options:
