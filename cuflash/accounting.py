@@ -418,14 +418,47 @@ def _problem_dims(q, k, v, layout, dtype):
     vb, hv, nv, dv = _split_heads("v", shapes["v"], layout)
     if not (len(shapes["q"]) == len(shapes["k"]) == len(shapes["v"])) or kb != qb or vb != qb:
         raise ValueError(f"k, v: batch dimensions {kb}, {vb} must equal q's {qb}")
-    if dk != d or dv != d:
-        raise ValueError(f"k, v: head dims {dk}, {dv} must equal q's head dim {d}")
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
+    if dv == 0:
+        raise ValueError("v: head dim must be at least 1")
     if (hv, nv) != (hkv, nk):
         raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
     if d == 0:
         raise ValueError("q: head dim d must be at least 1")
     _check_heads(hq, hkv)
-    return SimpleNamespace(batch=math.prod(qb), hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dt)
+    return SimpleNamespace(batch=math.prod(qb), hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dv=dv, dtype=dt)
+
+
+# The entries of a memory report sized by q's and k's head dim, and by v's.
+_QK_WIDE = ("Q", "K", "dQ", "dK")
+_V_WIDE = ("V", "O", "dO", "dV")
+
+
+def _narrowed(wide: MemoryReport, d: int, dv: int, tiled: bool) -> MemoryReport:
+    """A report of the problem at width w = max(d, dv) for both head dims, as the one with v's head
+    dim dv: Q, K, dQ, dK at d and V, O, dO, dV at dv; the GPU (``tiled``) also holds a zero-padded
+    w-wide copy of each narrower one while a pass runs (cuflash.backends.cuda: the kernels take one
+    head dim)."""
+    w = max(d, dv)
+    entries = []
+    for e in wide.entries:
+        true = d if e.name in _QK_WIDE else dv if e.name in _V_WIDE else w
+        if true == w:
+            entries.append(e)
+            continue
+        entries.append(dataclasses.replace(e, bytes=e.bytes // w * true, note=e.note.replace("*d", f"*{true}")))
+        if tiled:
+            phase = "fwd" if e.name in ("Q", "K", "V", "O") and wide.pass_ != "bwd" else "bwd"
+            entries.append(MemoryEntry(f"{e.name} (zero-padded copy)", WORKSPACE, e.bytes,
+                                       f"{e.name} at head dim {w} for the kernels", phase=phase))
+            if e.name in ("Q", "K", "V", "O") and wide.pass_ == "fwd+bwd":
+                entries.append(MemoryEntry(f"{e.name} (zero-padded copy, bwd)", WORKSPACE, e.bytes,
+                                           f"{e.name} at head dim {w}, padded again by the backward", phase="bwd"))
+    shape = dict(wide.shape, d=d, dv=dv)
+    note = (f"v's head dim {dv} unlike q's {d}: " + (f"the kernels run at {w} on zero-padded copies" if tiled
+                                                      else "no padding"))
+    return MemoryReport(wide.method, wide.pass_, wide.dtype, shape, tuple(entries), wide.notes + (note,))
 
 
 def _check_head_dim(d, shape_name):
@@ -603,6 +636,15 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     _check_choice("pass_", pass_, PASSES)
     causal = masks.normalize_causal(causal)
     p = _problem_dims(q, k, v, layout, dtype)
+    if p.dv != p.d:  # v's head dim unlike q's: the report at one width, narrowed
+        if check_out_dtype(out_dtype):
+            raise ValueError("out_dtype: float32 output is not modelled with v's head dim unlike q's")
+        w = max(p.d, p.dv)
+        shapes = [_as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", v))]
+        wide = memory_report(*(s[:-1] + (w,) for s in shapes), method=method, pass_=pass_, dtype=p.dtype,
+                             causal=causal, config=config, layout=layout, splits=splits, registers=registers,
+                             deterministic=deterministic, alibi_slopes=alibi_slopes, sinks=sinks)
+        return _narrowed(wide, p.d, p.dv, method == "tiled")
     if check_out_dtype(out_dtype) and p.dtype != FLOAT32:
         if method != "tiled" or pass_ != "fwd" or alibi_slopes is not None or sinks is not None:
             raise ValueError("out_dtype: float32 output is modelled for method='tiled', pass_='fwd' and no "

@@ -82,6 +82,35 @@ def test_flops_count_each_product_by_its_width():
             cuflash.flops((1, 4, 100, 64), (1, 4, 100, 64), pass_=pass_).flops
 
 
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 128)])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd", "fwd+bwd"])
+def test_memory_report_sizes_each_tensor_by_its_head_dim(d, dv, pass_):
+    B, Hq, Hkv, N = 2, 8, 2, 1000
+    q_bytes, kv_bytes = B * Hq * N * 2, B * Hkv * N * 2  # per head-dim column, bf16
+    want = {"Q": q_bytes * d, "K": kv_bytes * d, "V": kv_bytes * dv}
+    if pass_ != "bwd":
+        want["O"] = q_bytes * dv
+    if pass_ != "fwd":
+        want.update({"dO": q_bytes * dv, "dQ": q_bytes * d, "dK": kv_bytes * d, "dV": kv_bytes * dv, "O": q_bytes * dv})
+    for method in ("tiled", "reference"):
+        r = cuflash.memory_report((B, Hq, N, d), (B, Hkv, N, d), (B, Hkv, N, dv), pass_=pass_, method=method)
+        got = {e.name: e.bytes for e in r.entries}
+        for name, nbytes in want.items():
+            assert got[name] == nbytes, (method, name)
+        copies = {e.name: e for e in r.entries if "zero-padded" in e.name}
+        if method == "reference":
+            assert not copies
+            continue
+        # the GPU pads the narrower tensors to max(d, dv) in each pass that reads or writes them
+        w = max(d, dv)
+        narrow = [n for n in want if (d if n in ("Q", "K", "dQ", "dK") else dv) < w]
+        assert narrow
+        for n in narrow:
+            pads = [e for name, e in copies.items() if name.startswith(n + " (")]
+            assert pads and all(e.bytes == want[n] // min(d, dv) * w for e in pads), n
+        assert r.shape["dv"] == dv and r.shape["d"] == d
+
+
 def test_errors_name_the_argument(rng):
     q, k = random_array(rng, (1, 2, 8, 64), BFLOAT16), random_array(rng, (1, 2, 8, 64), BFLOAT16)
     v = random_array(rng, (1, 2, 8, 32), BFLOAT16)
