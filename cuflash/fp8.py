@@ -15,8 +15,9 @@ incoherent-processing rotation, and the arithmetic of an FP8 attention kernel em
   by ``v_descale / l``, the output rounded once. It is the yardstick of the accuracy table in
   docs/fp8.md and of a GPU kernel's tests; it materializes the scores (small problems only).
 
-NumPy arrays (ml_dtypes' ``float8_e4m3fn``). The attention functions do not take FP8 arrays yet
-(docs/fp8.md says what the kernels need).
+NumPy arrays (ml_dtypes' ``float8_e4m3fn``). ``cuflash.attention`` takes such arrays with their
+descale factors on the NumPy backend (core.fp8_inputs); no FP8 GPU kernel exists yet (docs/fp8.md
+says what the kernels need).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import ml_dtypes
 import numpy as np
 
 from .core import masks
+from .core.fp8_inputs import E4M3
 from .core.arrays import BFLOAT16, FLOAT32
 
 __all__ = ["E4M3", "E4M3_MAX", "to_e4m3", "quantize", "dequantize", "hadamard_rotation", "emulate_attention"]
 
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 GRANULARITIES = ("tensor", "head")
 _WIDE = (np.dtype(np.float16), np.dtype(BFLOAT16), np.dtype(np.float32))

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..backends import cuda
 from ..backends import numpy as numpy_backend
+from ..core import fp8_inputs
 from ..core import problem as _problem
 from ..core.arrays import FLOAT32, array_namespace, may_share_memory, widen_to_float32
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
@@ -19,7 +20,8 @@ def _backend(p):
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-              softcap=None, alibi_slopes=None, sinks=None, out_dtype=None):
+              softcap=None, alibi_slopes=None, sinks=None, out_dtype=None, q_descale=None, k_descale=None,
+              v_descale=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -102,6 +104,13 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         to float32 (exactly) and run the float32 kernels (float64 arithmetic, o rounded once):
         exact but several times slower, and window= / cu_seqlens_* then raise
         NotImplementedError as for float32 inputs. ``out`` must then be float32.
+    q_descale, k_descale, v_descale : with ``float8_e4m3fn`` q, k, v (ml_dtypes; NumPy arrays, the
+        NumPy backend: no FP8 GPU kernel exists yet, other arrays raise NotImplementedError): float32
+        factors, each input standing for ``x8 * descale`` (cuflash.fp8.quantize makes both). Shape
+        () or (1,) per tensor, or per batch entry and head: the input's batch axes + (H,), for q
+        also + (Hkv,) (FlashAttention-3's form). None: 1. Packed sequences and paged caches take
+        per-tensor factors. The scores, softmax and o are computed from the dequantized float32
+        values; o is bfloat16 (out_dtype: bfloat16, float16 or float32), rounded once from float32.
 
     Returns
     -------
@@ -113,6 +122,11 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     turns that off.
     """
     mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if fp8_inputs.requested((q, k, v), (q_descale, k_descale, v_descale)):
+        return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
+                              dict(causal=causal, scale=scale, layout=layout, kv_lens=kv_lens, validate=validate,
+                                   window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   block_table=block_table, **mods))
     if _problem.check_out_dtype(out_dtype):
         return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
                           kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
@@ -125,6 +139,32 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
                       kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, block_table=block_table, **mods)
+
+
+def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
+    """attention of float8_e4m3fn inputs (core.fp8_inputs): dequantized to float32 by their descale
+    factors, the float32 path (float64 arithmetic on the NumPy backend, o rounded once to
+    float32), then o rounded once to the output dtype."""
+    odt = fp8_inputs.check_call((q, k, v), descales, out_dtype)
+    layout = options["layout"]
+    _problem.check_layout(layout)
+    dense = options["cu_seqlens_q"] is None and options["cu_seqlens_k"] is None and options["block_table"] is None
+    hkv = fp8_inputs.kv_heads_of(k, layout) if dense else None
+    group = fp8_inputs.group_of(q, k, layout) if dense else 1
+    wide = []
+    for name, a, descale in zip(fp8_inputs.NAMES, (q, k, v), descales):
+        shapes = fp8_inputs.per_head_shapes(a, layout, hkv if name == "q" and group > 1 else None) if dense else ()
+        d = fp8_inputs.check_descale(f"{name}_descale", descale, shapes)
+        wide.append(fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1))
+    if out is not None:  # o has q's shape with v's head dim in every input form
+        _problem.check_out("out", out, q.shape[:-1] + v.shape[-1:], odt, np, (("q", q), ("k", k), ("v", v)))
+    o32, lse = _attention(*wide, return_lse=True, **options)
+    if out is not None:
+        out[...] = o32.astype(odt)
+        o = out
+    else:
+        o = o32 if odt == FLOAT32 else o32.astype(odt)
+    return (o, lse) if return_lse else o
 
 
 @interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",

@@ -1,0 +1,117 @@
+"""FP8 (e4m3) inputs of cuflash.attention: which calls have them, their descale factors checked,
+and the float32 values they stand for.
+
+q, k and v in ``float8_e4m3fn`` (ml_dtypes) stand for ``x8 * descale``: a descale is a float32
+array of shape () or (1,) (per tensor), or the tensor's batch axes + (H,) (per batch entry and
+head; q also takes FlashAttention-3's batch axes + (Hkv,), one factor per K/V head's group of
+query heads). Packed inputs (cu_seqlens_*) and a paged cache take one factor per tensor. Without
+a descale the factor is 1.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .arrays import BFLOAT16, FLOAT16, FLOAT32, array_namespace, dtype_name
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+OUT_DTYPES = (BFLOAT16, FLOAT16, FLOAT32)  # an FP8 forward's output (default bfloat16, as FlashAttention-3's)
+NAMES = ("q", "k", "v")
+
+
+def requested(arrays, descales) -> bool:
+    """Whether a call has FP8 inputs or descale factors."""
+    return any(getattr(a, "dtype", None) == E4M3 for a in arrays) or any(x is not None for x in descales)
+
+
+def check_call(arrays, descales, out_dtype):
+    """The output dtype of an FP8 call, after checking that all three inputs are e4m3 NumPy arrays
+    (TypeError / NotImplementedError naming the argument)."""
+    for name, a in zip(NAMES, arrays):
+        if getattr(a, "dtype", None) != E4M3:
+            given = [n for n, x in zip(NAMES, arrays) if getattr(x, "dtype", None) == E4M3]
+            why = f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} float8_e4m3fn" if given else \
+                "a descale factor was given"
+            got = dtype_name(a.dtype) if hasattr(a, "dtype") else type(a).__name__
+            raise TypeError(f"{name}: expected float8_e4m3fn ({why}), got {got}")
+    for name, a in zip(NAMES, arrays):
+        if array_namespace(a) is not np:
+            raise NotImplementedError(f"{name}: float8_e4m3fn inputs run on the NumPy backend only; no FP8 GPU "
+                                      "kernel exists yet (quantize on the host, or pass 16-bit arrays)")
+    if out_dtype is None:
+        return BFLOAT16
+    try:
+        odt = np.dtype(out_dtype)
+    except TypeError:
+        odt = None
+    if odt not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: with float8_e4m3fn inputs expected bfloat16, float16 or float32, got {out_dtype!r}")
+    return odt
+
+
+def check_descale(name, descale, per_head_shapes):
+    """descale as a float32 NumPy array: None -> 1; shape () / (1,) or one of ``per_head_shapes``
+    (empty: per tensor only)."""
+    if descale is None:
+        return np.ones((), dtype=FLOAT32)
+    if not isinstance(descale, np.ndarray):
+        raise TypeError(f"{name}: expected a float32 NumPy array, got {type(descale).__module__}.{type(descale).__name__}")
+    if descale.dtype != FLOAT32:
+        raise TypeError(f"{name}: expected dtype float32, got {dtype_name(descale.dtype)}")
+    shape = tuple(descale.shape)
+    if shape not in ((), (1,)) + tuple(per_head_shapes):
+        wants = " or ".join(str(s) for s in ((), *per_head_shapes))
+        raise ValueError(f"{name}: expected shape {wants}, got {shape}")
+    if not np.isfinite(descale).all():
+        raise ValueError(f"{name}: has NaN or infinite values")
+    return descale.reshape(()) if shape == (1,) else descale
+
+
+def _heads_axis(ndim, layout):
+    """The head axis of a dense input of ndim dimensions, or None for a single head (N, d)."""
+    if ndim == 2:
+        return None
+    return -2 if layout == "bshd" else -3
+
+
+def dequantize(x8, descale, *, layout, group=1):
+    """x8 * descale in float32. A per-head descale is (batch..., H); ``group`` > 1 (q only): it
+    may have one factor per K/V head, shared by ``group`` query heads."""
+    x = x8.astype(FLOAT32)
+    if descale.ndim == 0:
+        return x * descale
+    axis = _heads_axis(x8.ndim, layout)
+    if group > 1 and descale.shape[-1] * group == x8.shape[axis]:
+        descale = np.repeat(descale, group, axis=-1)
+    if axis is None:  # (N, d): a (1, 1) descale
+        return x * descale.reshape(())
+    return x * (descale[..., None, None] if axis == -3 else descale[..., None, :, None])
+
+
+def per_head_shapes(a, layout, kv_heads=None):
+    """The per-head descale shapes a dense input takes: its batch axes + (H,) (q: also + (Hkv,));
+    (1, 1) for a single head (N, d)."""
+    if a.ndim == 2:
+        return ((1, 1),)
+    axis = _heads_axis(a.ndim, layout)
+    shapes = [a.shape[:-3] + (a.shape[axis],)]
+    if kv_heads:
+        shapes.append(a.shape[:-3] + (kv_heads,))
+    return tuple(dict.fromkeys(shapes))
+
+
+def kv_heads_of(k, layout):
+    """K's head count from its shape (None for a single head)."""
+    axis = _heads_axis(k.ndim, layout)
+    return None if axis is None else k.shape[axis]
+
+
+def group_of(q, k, layout):
+    """Query heads per K/V head from the dense shapes (1 where they do not divide: the attention's
+    own validation names that error)."""
+    if q.ndim == 2 or k.ndim != q.ndim:
+        return 1
+    axis = _heads_axis(q.ndim, layout)
+    hq, hkv = q.shape[axis], k.shape[axis]
+    return hq // hkv if hkv and hq % hkv == 0 else 1
