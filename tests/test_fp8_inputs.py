@@ -115,6 +115,23 @@ def test_a_paged_cache_takes_per_tensor_descales(rng):
         cuflash.attention(q8, pages(k8), pages(v8), block_table=table, k_descale=np.ones((b, hkv), np.float32))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_an_fp8_kv_cache_with_a_16_bit_q(rng, dtype):
+    b, hq, hkv, nk, d = 2, 8, 2, 300, 128
+    q = random_inputs(rng, (b, hq, 1, d), (b, hkv, nk, d), dtype)[0]
+    (k8, kd), (v8, vd) = _fp8_inputs(rng, (b, hkv, nk, d), (b, hkv, nk, d), "head", "bhsd")[:2]
+    o, lse = cuflash.attention(q, k8, v8, k_descale=kd, v_descale=vd, return_lse=True)
+    assert o.dtype == dtype  # q's dtype by default
+    wide = (q, _dequantized(k8, kd, "bhsd"), _dequantized(v8, vd, "bhsd"))
+    o32 = cuflash.attention(q, k8, v8, k_descale=kd, v_descale=vd, out_dtype=np.float32)
+    assert_forward_accurate(o32, lse, *(a.astype(np.float32) for a in wide))
+    assert o.tobytes() == o32.astype(dtype).tobytes()
+    with pytest.raises(TypeError, match="q_descale: a .* q takes no descale"):
+        cuflash.attention(q, k8, v8, q_descale=np.float32(1).reshape(()))
+    with pytest.raises(TypeError, match=r"v: expected float8_e4m3fn \(k is float8_e4m3fn\)"):
+        cuflash.attention(q, k8, q)
+
+
 def test_errors_name_the_argument(rng):
     (q8, qd), (k8, kd), (v8, vd) = _fp8_inputs(rng, (1, 2, 8, 32), (1, 2, 8, 32), "head", "bhsd")
     bf = np.zeros((1, 2, 8, 32), BFLOAT16)

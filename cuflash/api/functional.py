@@ -111,6 +111,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         also + (Hkv,) (FlashAttention-3's form). None: 1. Packed sequences and paged caches take
         per-tensor factors. The scores, softmax and o are computed from the dequantized float32
         values; o is bfloat16 (out_dtype: bfloat16, float16 or float32), rounded once from float32.
+        A float16/bfloat16 q with e4m3 k and v (an FP8 KV cache) takes no q_descale, and o has q's
+        dtype by default.
 
     Returns
     -------
@@ -154,6 +156,9 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     wide = []
     for name, a, descale in zip(fp8_inputs.NAMES, (q, k, v), descales):
         shapes = fp8_inputs.per_head_shapes(a, layout, hkv if name == "q" and group > 1 else None) if dense else ()
+        if a.dtype != fp8_inputs.E4M3:  # (an FP8 KV cache: q is 16-bit, widened exactly)
+            wide.append(widen_to_float32(a))
+            continue
         d = fp8_inputs.check_descale(f"{name}_descale", descale, shapes)
         wide.append(fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1))
     if out is not None:  # o has q's shape with v's head dim in every input form

@@ -1,7 +1,8 @@
 """FP8 (e4m3) inputs of cuflash.attention: which calls have them, their descale factors checked,
 and the float32 values they stand for.
 
-q, k and v in ``float8_e4m3fn`` (ml_dtypes) stand for ``x8 * descale``: a descale is a float32
+q, k and v in ``float8_e4m3fn`` (ml_dtypes), or k and v alone with a 16-bit q (an FP8 KV cache),
+stand for ``x8 * descale``: a descale is a float32
 array of shape () or (1,) (per tensor), or the tensor's batch axes + (H,) (per batch entry and
 head; q also takes FlashAttention-3's batch axes + (Hkv,), one factor per K/V head's group of
 query heads). Packed inputs (cu_seqlens_*) and a paged cache take one factor per tensor. Without
@@ -25,10 +26,24 @@ def requested(arrays, descales) -> bool:
     return any(getattr(a, "dtype", None) == E4M3 for a in arrays) or any(x is not None for x in descales)
 
 
+def kv_cache_only(arrays) -> bool:
+    """q in float16/bfloat16 with an e4m3 k or v: an FP8 KV cache (FlashInfer's most used FP8
+    form; check_call then wants both k and v in e4m3)."""
+    q, k, v = arrays
+    return getattr(q, "dtype", None) in (FLOAT16, BFLOAT16) and E4M3 in (getattr(k, "dtype", None),
+                                                                         getattr(v, "dtype", None))
+
+
 def check_call(arrays, descales, out_dtype):
-    """The output dtype of an FP8 call, after checking that all three inputs are e4m3 NumPy arrays
-    (TypeError / NotImplementedError naming the argument)."""
+    """The output dtype of an FP8 call, after checking that q, k, v are e4m3 NumPy arrays, or q
+    16-bit with an e4m3 k and v (then o has q's dtype by default and q takes no descale);
+    TypeError / NotImplementedError naming the argument."""
+    kv_cache = kv_cache_only(arrays)
+    if kv_cache and descales[0] is not None:
+        raise TypeError(f"q_descale: a {dtype_name(arrays[0].dtype)} q takes no descale (k and v are the FP8 cache)")
     for name, a in zip(NAMES, arrays):
+        if name == "q" and kv_cache:
+            continue
         if getattr(a, "dtype", None) != E4M3:
             given = [n for n, x in zip(NAMES, arrays) if getattr(x, "dtype", None) == E4M3]
             why = f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} float8_e4m3fn" if given else \
@@ -40,7 +55,7 @@ def check_call(arrays, descales, out_dtype):
             raise NotImplementedError(f"{name}: float8_e4m3fn inputs run on the NumPy backend only; no FP8 GPU "
                                       "kernel exists yet (quantize on the host, or pass 16-bit arrays)")
     if out_dtype is None:
-        return BFLOAT16
+        return np.dtype(arrays[0].dtype) if kv_cache else BFLOAT16
     try:
         odt = np.dtype(out_dtype)
     except TypeError:
