@@ -22,8 +22,10 @@ NAMES = ("q", "k", "v")
 
 
 def requested(arrays, descales) -> bool:
-    """Whether a call has FP8 inputs or descale factors."""
-    return any(getattr(a, "dtype", None) == E4M3 for a in arrays) or any(x is not None for x in descales)
+    """Whether a call has FP8 inputs (NumPy arrays: the only ones that run them; other arrays are
+    not read before their own validation) or descale factors."""
+    return (any(isinstance(a, np.ndarray) and a.dtype == E4M3 for a in arrays)
+            or any(x is not None for x in descales))
 
 
 def kv_cache_only(arrays) -> bool:
