@@ -132,6 +132,28 @@ def test_an_fp8_kv_cache_with_a_16_bit_q(rng, dtype):
         cuflash.attention(q, k8, q)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_the_materializing_reference_takes_the_same_arguments(rng, layout):
+    from cuflash.backends import reference
+
+    sq, skv = ((2, 6, 30, 32), (2, 2, 40, 32)) if layout == "bhsd" else ((2, 30, 6, 32), (2, 40, 2, 32))
+    (q8, qd), (k8, kd), (v8, vd) = _fp8_inputs(rng, sq, skv, "head", layout)
+    qd_kv = rng.uniform(0.001, 0.01, (2, 2)).astype(np.float32)  # q per K/V head
+    kw = dict(causal=True, layout=layout)
+    for q_descale, group in ((qd, 1), (qd_kv, 3)):
+        o, lse = reference.attention(q8, k8, v8, q_descale=q_descale, k_descale=kd, v_descale=vd, precision="float64",
+                                     return_lse=True, **kw)
+        wide = (_dequantized(q8, q_descale, layout, per_kv_head_group=group), _dequantized(k8, kd, layout),
+                _dequantized(v8, vd, layout))
+        o_ref, lse_ref = reference.attention(*wide, precision="float64", return_lse=True, **kw)
+        assert o.tobytes() == o_ref.tobytes() and lse.tobytes() == lse_ref.tobytes()
+        # float32 precision: o in the FP8 output dtype
+        o16 = reference.attention(q8, k8, v8, q_descale=q_descale, k_descale=kd, v_descale=vd, **kw)
+        assert o16.dtype == BFLOAT16 and o16.shape == o_ref.shape
+    with pytest.raises(TypeError, match="k_descale: expected dtype float32"):
+        reference.attention(q8, k8, v8, k_descale=kd.astype(np.float64), **kw)
+
+
 def test_errors_name_the_argument(rng):
     (q8, qd), (k8, kd), (v8, vd) = _fp8_inputs(rng, (1, 2, 8, 32), (1, 2, 8, 32), "head", "bhsd")
     bf = np.zeros((1, 2, 8, 32), BFLOAT16)

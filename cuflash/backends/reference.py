@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from ..core import fp8_inputs
 from ..core import problem as _problem
 from ..core.arrays import BFLOAT16
 from ..core.layout import from_bhsd, to_bhsd
@@ -206,11 +207,14 @@ def _out_dtype(p, cdt):
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, precision="float32",
-              window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None):
+              window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None,
+              q_descale=None, k_descale=None, v_descale=None):
     """o = softmax(scale * q k^T [masked]) v with S and P materialized.
 
     ``softcap``, ``alibi_slopes``, ``sinks`` as for :func:`cuflash.attention` (lse includes the
-    sink).
+    sink). ``float8_e4m3fn`` inputs with ``q_descale``, ``k_descale``, ``v_descale`` as for
+    :func:`cuflash.attention` (NumPy arrays): the formula of the dequantized float32 values, o in
+    the FP8 output dtype (precision="float64": float64).
 
     Same arguments and results as :func:`cuflash.attention` (no ``out=``, ``kv_lens``), plus
     ``precision`` ("float32" or "float64", see the module docstring). lse is the natural-log
@@ -220,6 +224,20 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     """
     cdt = _compute_dtype(precision)
     _problem.check_flag("return_lse", return_lse)
+    descales = (q_descale, k_descale, v_descale)
+    if fp8_inputs.requested((q, k, v), descales):
+        odt = fp8_inputs.check_call((q, k, v), descales, None)
+        _problem.check_layout(layout)
+        dense = cu_seqlens_q is None and cu_seqlens_k is None
+        wide = [a.astype(np.float32) if a.dtype != fp8_inputs.E4M3 else
+                _dequantized(a, fp8_inputs.check_descale(
+                    f"{name}_descale", dd, _descale_shapes(a, k, layout, name) if dense else ()), layout)
+                for name, a, dd in zip(("q", "k", "v"), (q, k, v), descales)]
+        res = attention(*wide, causal=causal, scale=scale, layout=layout, return_lse=True, precision=precision,
+                        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
+        o = res[0] if cdt == np.float64 else res[0].astype(odt)
+        return (o, res[1]) if return_lse else o
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cdt, return_lse, causal=causal, scale=scale,
                                  layout=layout, window=window, mods=(softcap, alibi_slopes, sinks))
@@ -231,6 +249,29 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     if return_lse:
         return o, lse3.reshape(p.lse_shape())
     return o
+
+
+def _descale_shapes(a, k, layout, name):
+    """Per-head descale shapes of a dense input (q: also one per K/V head)."""
+    if a.ndim == 2:
+        return ((1, 1),)
+    heads = (lambda x: x.shape[-3] if layout == "bhsd" else x.shape[-2])  # noqa: E731
+    return tuple(dict.fromkeys((a.shape[:-3] + (heads(a),), a.shape[:-3] + (heads(k) if name == "q" else heads(a),))))
+
+
+def _dequantized(x8, descale, layout):
+    """x8 * descale, written here from the definition: the product of an e4m3 value and a float32
+    factor is exact in float64, then rounded once to float32."""
+    x = x8.astype(np.float64)
+    d = np.asarray(descale, dtype=np.float64)
+    if d.ndim == 0:
+        return (x * d).astype(np.float32)
+    if x8.ndim == 2:
+        return (x * d.reshape(())).astype(np.float32)
+    heads = x8.shape[-3] if layout == "bhsd" else x8.shape[-2]
+    d = np.repeat(d, heads // d.shape[-1], axis=-1)  # (q per K/V head: each factor for its group)
+    d = d[..., :, None, None] if layout == "bhsd" else d[..., None, :, None]
+    return (x * d).astype(np.float32)
 
 
 def _sequences(p, cu_seqlens_q, cu_seqlens_k):
