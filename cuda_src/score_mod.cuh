@@ -66,20 +66,26 @@ struct ScoreMod {
         return grad(s * cap_in);
     }
 
-    // A forward accumulator tile of one 16-row mma tile (rows row_g, row_g + 8; columns of this
-    // lane), the softcap and the bias each behind one uniform branch.
+    // The softcap of every score of an accumulator tile, behind one uniform branch.
     template <int NS>
-    __device__ __forceinline__ void apply_rows(float (&acc)[NS][4], int row_g, int n0, int lane) const {
+    __device__ __forceinline__ void cap_tile(float (&acc)[NS][4]) const {
         if (capped()) {
 #pragma unroll
             for (int ni = 0; ni < NS; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
         }
+    }
+
+    // A forward accumulator tile of one 16-row mma tile (rows row_g, row_g + 8; columns of this
+    // lane), the softcap and the bias each behind one uniform branch.
+    template <int NS>
+    __device__ __forceinline__ void apply_rows(float (&acc)[NS][4], int row_g, int n0, int lane) const {
+        cap_tile(acc);
         if (biased()) {
-            // (an integer distance converted per score: 0.89/0.93x the plain forward at N = 4k/16k,
-            // causal, d = 128; one conversion per row pair and float constants added measured
-            // 0.77/0.89x, and slowed the softcap there too, 0.61 -> 0.54x)
+            // (an integer distance converted per score: 0.88/0.92x the plain forward at N = 4k/16k,
+            // causal, d = 128; one conversion per row pair and float constants added, in the same
+            // run: 0.76/0.89x, and the softcap there 0.54 against 0.60x at 4k)
 #pragma unroll
             for (int ni = 0; ni < NS; ++ni)
 #pragma unroll
@@ -94,12 +100,7 @@ struct ScoreMod {
     // (q0 + ni * 8 + 2 * (lane & 3) + (e & 1)).
     template <int NS>
     __device__ __forceinline__ void apply_cols(float (&acc)[NS][4], int q0, int key0, int lane) const {
-        if (capped()) {
-#pragma unroll
-            for (int ni = 0; ni < NS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
-        }
+        cap_tile(acc);
         if (biased()) {
             const float d0 = col_dist0(q0, key0, lane);
 #pragma unroll

@@ -179,6 +179,10 @@ def test_errors_name_the_argument(rng):
                           k_descale=kd)
     with pytest.raises(ValueError, match="layout"):
         cuflash.attention(q8, k8, v8, layout="sbhd")
+    with pytest.raises(ValueError, match="q_descale: expected shape"):  # 3 query heads over 2 K/V heads
+        cuflash.attention(fp8.to_e4m3(np.ones((1, 3, 8, 32))), k8, v8, q_descale=np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match="k: number of heads 2 must divide"):
+        cuflash.attention(fp8.to_e4m3(np.ones((1, 3, 8, 32))), k8, v8)
     # the backward takes no FP8 inputs (FP8 is a forward format here): its dtype check names q
     o = cuflash.attention(q8, k8, v8)
     with pytest.raises(TypeError, match="q"):

@@ -151,16 +151,12 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     layout = options["layout"]
     _problem.check_layout(layout)
     dense = options["cu_seqlens_q"] is None and options["cu_seqlens_k"] is None and options["block_table"] is None
-    hkv = fp8_inputs.kv_heads_of(k, layout) if dense else None
     group = fp8_inputs.group_of(q, k, layout) if dense else 1
-    wide = []
-    for name, a, descale in zip(fp8_inputs.NAMES, (q, k, v), descales):
-        shapes = fp8_inputs.per_head_shapes(a, layout, hkv if name == "q" and group > 1 else None) if dense else ()
-        if a.dtype != fp8_inputs.E4M3:  # (an FP8 KV cache: q is 16-bit, widened exactly)
-            wide.append(widen_to_float32(a))
-            continue
-        d = fp8_inputs.check_descale(f"{name}_descale", descale, shapes)
-        wide.append(fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1))
+    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense)
+    # (an FP8 KV cache's 16-bit q is widened exactly)
+    wide = [widen_to_float32(a) if d is None else
+            fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1)
+            for name, a, d in zip(fp8_inputs.NAMES, (q, k, v), checked)]
     if out is not None:  # o has q's shape with v's head dim in every input form
         _problem.check_out("out", out, q.shape[:-1] + v.shape[-1:], odt, np, (("q", q), ("k", k), ("v", v)))
     o32, lse = _attention(*wide, return_lse=True, **options)

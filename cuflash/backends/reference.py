@@ -229,10 +229,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         odt = fp8_inputs.check_call((q, k, v), descales, None)
         _problem.check_layout(layout)
         dense = cu_seqlens_q is None and cu_seqlens_k is None
-        wide = [a.astype(np.float32) if a.dtype != fp8_inputs.E4M3 else
-                _dequantized(a, fp8_inputs.check_descale(
-                    f"{name}_descale", dd, _descale_shapes(a, k, layout, name) if dense else ()), layout)
-                for name, a, dd in zip(("q", "k", "v"), (q, k, v), descales)]
+        checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense)
+        wide = [a.astype(np.float32) if d is None else _dequantized(a, d, layout) for a, d in zip((q, k, v), checked)]
         res = attention(*wide, causal=causal, scale=scale, layout=layout, return_lse=True, precision=precision,
                         window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks)
@@ -249,14 +247,6 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     if return_lse:
         return o, lse3.reshape(p.lse_shape())
     return o
-
-
-def _descale_shapes(a, k, layout, name):
-    """Per-head descale shapes of a dense input (q: also one per K/V head)."""
-    if a.ndim == 2:
-        return ((1, 1),)
-    heads = (lambda x: x.shape[-3] if layout == "bhsd" else x.shape[-2])  # noqa: E731
-    return tuple(dict.fromkeys((a.shape[:-3] + (heads(a),), a.shape[:-3] + (heads(k) if name == "q" else heads(a),))))
 
 
 def _dequantized(x8, descale, layout):

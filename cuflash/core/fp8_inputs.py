@@ -85,6 +85,21 @@ def check_descale(name, descale, per_head_shapes):
     return descale.reshape(()) if shape == (1,) else descale
 
 
+def checked_descales(arrays, descales, layout, dense):
+    """The three descales checked (check_descale), None for a 16-bit q: per tensor, or (``dense``:
+    no packed sequences or paged cache) per batch entry and head, q also per K/V head."""
+    # (q per K/V head only where the heads divide: else the attention's validation names the heads)
+    hkv = kv_heads_of(arrays[1], layout) if dense and group_of(arrays[0], arrays[1], layout) > 1 else None
+    out = []
+    for name, a, descale in zip(NAMES, arrays, descales):
+        if a.dtype != E4M3:  # (an FP8 KV cache's q: check_call refused a q_descale)
+            out.append(None)
+            continue
+        shapes = per_head_shapes(a, layout, hkv if name == "q" else None) if dense else ()
+        out.append(check_descale(f"{name}_descale", descale, shapes))
+    return out
+
+
 def _heads_axis(ndim, layout):
     """The head axis of a dense input of ndim dimensions, or None for a single head (N, d)."""
     if ndim == 2:
