@@ -111,6 +111,8 @@ class Case:
         (the float32 lse is left out: it is d/2 times smaller than o)."""
         q_elems = self.b * self.hq * self.nq * self.d
         kv_elems = self.b * self.hkv * self.nk * self.d
+        if self.dtype == "float8_e4m3fn":  # an e4m3 K/V cache: q and o stay 16-bit
+            return 2 * q_elems * 2 + 2 * kv_elems
         if self.op == "bwd":
             elems = 3 * q_elems + 2 * kv_elems + q_elems + 2 * kv_elems
         else:

@@ -20,25 +20,29 @@
 #include "tile_load.cuh"
 #include "decode_common.cuh"
 
-template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES>
+// KV: KvSame or KvE4m3 (kv_e4m3.cuh): K/V rows of kKvCols 16-bit words (an e4m3 row's bytes in pairs).
+template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, typename KV = KvSame>
 struct DecodeTraits {
     static constexpr int kRows = 16 * ROW_TILES;  // packed (head, token) rows, zero-padded
     static constexpr int kChunks = HEAD_DIM / 8;
     static constexpr int kThreads = WARPS * 32;
-    static constexpr int kTileKV = BLOCK_N * HEAD_DIM;
+    static constexpr int kKvCols = HEAD_DIM * KV::kBytes / 2;
+    static constexpr int kTileKV = BLOCK_N * kKvCols;
     static constexpr int kRingElems = 2 * STAGES * kTileKV;  // one warp's K and V ring
     static constexpr int kRingBytes = WARPS * kRingElems * 2;  // all rings: the O merge's buffer at the end
     static constexpr int kSmemBytes =
         (kRows * HEAD_DIM + WARPS * kRingElems) * 2 + WARPS * kRows * 2 * 4;
     using Swz = Swizzle<HEAD_DIM>;
-    static_assert((BLOCK_N * kChunks) % 32 == 0, "a warp loads its tiles evenly");
+    static_assert((BLOCK_N * kChunks) % 32 == 0 && (BLOCK_N * kKvCols / 8) % 32 == 0, "a warp loads its tiles evenly");
 };
 
 // One block of the split-KV launch: its split's keys, then the block's end - decode_merge_store
 // (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
 // (CLUSTER splits form one cluster; part_o / part_lse unused).
+// KV (kv_e4m3.cuh): KvSame, or KvE4m3 for an e4m3 cache (k and v then address bytes in pairs: their
+// strides count 16-bit words) with its descales `scales`.
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER, bool WINDOW, int RING>
+          int CLUSTER, bool WINDOW, int RING, typename KV = KvSame>
 __device__ __forceinline__ void
 attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
@@ -46,9 +50,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                   int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo,
-                  int band_hi, int row_blocks) {
-    using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES>;
-    constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8;
+                  int band_hi, int row_blocks, KvDescales scales = {}) {
+    using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, KV>;
+    constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8, kKvCols = Tr::kKvCols;
+    constexpr bool kE4m3 = KV::kE4m3;
+    static_assert(!kE4m3 || (RING <= 2 && VEC), "e4m3 K/V: the per-warp and block rings, 16-byte copies");
+    const int kv_d = kE4m3 ? d / 2 : d;  // K/V columns in 16-bit words
     // RING 3 / 4: warps own row tiles (one each; warps past ROW_TILES only copy), the block ring's keys
     constexpr bool kRowSplit = RING >= 3;
     constexpr int kWarpTiles = kRowSplit ? 1 : ROW_TILES;
@@ -71,6 +78,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int hkv_head = hk / row_blocks;
     const u16* gK = k + b * k_sb + hkv_head * k_sh;
     const u16* gV = v + b * v_sb + hkv_head * v_sh;
+    KV kv{};
+    if constexpr (kE4m3) kv.k_scale = scales.k[b * scales.sb + hkv_head * scales.sh];
     float acc_o[kWarpTiles][kNO][4];
     OnlineSoftmax<2 * kWarpTiles> softmax;
     zero_acc(acc_o);
@@ -83,7 +92,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // same bit for bit; RING 1 copies a step's K and V together after the step's barrier, RING 2
     // copies K there and V after the softmax, each a step ahead (FA2's order: K_{j+1} loads under
     // P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
-    constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * HEAD_DIM;
+    constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * kKvCols;
     static_assert(RING == 0 || STAGES >= 2 || (RING == 4 && STAGES == 1), "the block ring keeps a step in flight");
     const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
@@ -96,11 +105,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
         const int in_page = n & ((1 << page_shift) - 1);
         if (do_k)
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, 0>(
-                dk, k + page * k_sb + hkv_head * k_sh + in_page * k_sn, k_sn, s1 - n, d, lane);
+            load_tile_rows<kKvCols, 16, 32, VEC, 0>(
+                dk, k + page * k_sb + hkv_head * k_sh + in_page * k_sn, k_sn, s1 - n, kv_d, lane);
         if (do_v)
-            load_tile_rows<HEAD_DIM, 16, 32, VEC, 0>(
-                dv, v + page * v_sb + hkv_head * v_sh + in_page * v_sn, v_sn, s1 - n, d, lane);
+            load_tile_rows<kKvCols, 16, 32, VEC, 0>(
+                dv, v + page * v_sb + hkv_head * v_sh + in_page * v_sn, v_sn, s1 - n, kv_d, lane);
     };
     // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
     auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
@@ -109,28 +118,28 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dv = ringV + slot * kStepTile;
         if (block_table == nullptr) {
             // (a step wholly inside the split's keys, rows of exactly HEAD_DIM: the predicate-free copy)
-            if constexpr (VEC && tile_rows_full_fits<HEAD_DIM, kStepN, Tr::kThreads>()) {
-                if (n0 + kStepN <= s1 && d == HEAD_DIM) {
+            if constexpr (VEC && tile_rows_full_fits<kKvCols, kStepN, Tr::kThreads>()) {
+                if (n0 + kStepN <= s1 && kv_d == kKvCols) {
                     if (do_k)
-                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, 0>(
+                        load_tile_rows_full<kKvCols, kStepN, Tr::kThreads, 0>(
                             dk, gK + n0 * k_sn, k_sn, threadIdx.x);
                     if (do_v)
-                        load_tile_rows_full<HEAD_DIM, kStepN, Tr::kThreads, 0>(
+                        load_tile_rows_full<kKvCols, kStepN, Tr::kThreads, 0>(
                             dv, gV + n0 * v_sn, v_sn, threadIdx.x);
                     return;
                 }
             }
             if (do_k)
-                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, 0>(
-                    dk, gK + n0 * k_sn, k_sn, s1 - n0, d, threadIdx.x);
+                load_tile_rows<kKvCols, kStepN, Tr::kThreads, VEC, 0>(
+                    dk, gK + n0 * k_sn, k_sn, s1 - n0, kv_d, threadIdx.x);
             if (do_v)
-                load_tile_rows<HEAD_DIM, kStepN, Tr::kThreads, VEC, 0>(
-                    dv, gV + n0 * v_sn, v_sn, s1 - n0, d, threadIdx.x);
+                load_tile_rows<kKvCols, kStepN, Tr::kThreads, VEC, 0>(
+                    dv, gV + n0 * v_sn, v_sn, s1 - n0, kv_d, threadIdx.x);
         } else {
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 16; ++i) {
                 const int row = warp * BLOCK_N + 16 * i;
-                load_page_group(dk + row * HEAD_DIM, dv + row * HEAD_DIM, n0 + row, do_k, do_v);
+                load_page_group(dk + row * kKvCols, dv + row * kKvCols, n0 + row, do_k, do_v);
             }
         }
     };
@@ -140,11 +149,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         u16* dk = ring + slot * Tr::kTileKV;
         u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
         if (block_table == nullptr) {
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, 0>(dk, gK + n0 * k_sn, k_sn, s1 - n0, d, lane);
-            load_tile_rows<HEAD_DIM, BLOCK_N, 32, VEC, 0>(dv, gV + n0 * v_sn, v_sn, s1 - n0, d, lane);
+            load_tile_rows<kKvCols, BLOCK_N, 32, VEC, 0>(dk, gK + n0 * k_sn, k_sn, s1 - n0, kv_d, lane);
+            load_tile_rows<kKvCols, BLOCK_N, 32, VEC, 0>(dv, gV + n0 * v_sn, v_sn, s1 - n0, kv_d, lane);
         } else {
 #pragma unroll
-            for (int g = 0; g < BLOCK_N / 16; ++g) load_page_group(dk + 16 * g * HEAD_DIM, dv + 16 * g * HEAD_DIM, n0 + 16 * g, true, true);
+            for (int g = 0; g < BLOCK_N / 16; ++g) load_page_group(dk + 16 * g * kKvCols, dv + 16 * g * kKvCols, n0 + 16 * g, true, true);
         }
     };
     // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
@@ -184,15 +193,15 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         }
     }
     if constexpr (kQFirst) {
-        qpack.store(sQ);
+        qpack.template store<kE4m3>(sQ);
     } else if constexpr (kQBatch) {
         // All pieces' loads, then the stores: one round trip (piece by piece, 4 of them: a block's
         // start was 3.3-4.4 us with two row tiles against 1.5 with one; the wide-rows blocks' 8
         // pieces at d=128 5.6-6.7 us, B=1 Hq=64 Hkv=1; block trace, H200).
         qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-        qpack.store(sQ);
+        qpack.template store<kE4m3>(sQ);
     } else {  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
-        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
+        decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads, kE4m3>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     }
     __syncthreads();
     const u32 sbase = smem_addr(smem);
@@ -223,9 +232,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 k_ahead();  // (a warp without rows still meets the barrier and copies its share)
         }
     } else if constexpr (RING > 0) {
-        const u32 kbase = sbase + (kRows * HEAD_DIM + (kRowSplit ? 0 : warp * BLOCK_N * HEAD_DIM)) * 2;
-        const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-        const LaneAddr<HEAD_DIM> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+        const u32 kbase = sbase + (kRows * HEAD_DIM + (kRowSplit ? 0 : warp * BLOCK_N * kKvCols)) * 2;
+        // (e4m3: K read with V's lane pattern, kv_e4m3.cuh)
+        const LaneAddr<kKvCols> aK(kbase, kE4m3 ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7),
+                                   kE4m3 ? lane >> 4 : (lane >> 3) & 1);
+        const LaneAddr<kKvCols> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
         // Groups after the one a wait needs: RING 1, the later steps' (STAGES - 2); RING 2, V_t
         // and the later steps' K and V (before Q K^T), or the later steps' and K_{t+STAGES-1} (before P V).
         constexpr int kAfter = RING != 2 ? STAGES - 2 : 2 * STAGES - 3;
@@ -254,15 +265,16 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 if (n0 < s1)
                     decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
                         qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                        v_ahead);
+                        v_ahead, kv);
                 else
                     v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
             }
         }
     } else {
         const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
-        const LaneAddr<HEAD_DIM> aK(rbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-        const LaneAddr<HEAD_DIM> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+        const LaneAddr<kKvCols> aK(rbase, kE4m3 ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7),
+                                   kE4m3 ? lane >> 4 : (lane >> 3) & 1);
+        const LaneAddr<kKvCols> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
         for (int t = 0; t < my_tiles; ++t) {
             cp_async_wait<STAGES - 2>();
             __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
@@ -271,10 +283,20 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
             const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
             decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
-                                                                             span.hi0, nq, lane, softmax, acc_o, scale_log2);
+                                                                             span.hi0, nq, lane, softmax, acc_o, scale_log2,
+                                                                             DecodeNoStep{}, kv);
         }
     }
     cp_async_wait<0>();
+    if constexpr (kE4m3) {  // O = (P v8) v_descale: linear, so before the warps' and the splits' merges
+        const float vs = scales.v[b * scales.sb + hkv_head * scales.sh];
+#pragma unroll
+        for (int mi = 0; mi < kWarpTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNO; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mi][ni][e] *= vs;
+    }
 
     if constexpr (kRowSplit) {
         // (each warp's rows are final: published as one warp's, then decode_store as for one warp)
@@ -288,7 +310,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
                 reinterpret_cast<float*>(smem));
     } else if constexpr (CLUSTER == 0) {
-        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes>(
+        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes, kE4m3>(
             softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
             part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
         if (split_done != nullptr && n_splits > 1)
@@ -300,8 +322,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 #if __CUDA_ARCH__ >= 900
         float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings
         constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, Tr::kRingBytes>();
-        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, true, s_stat, sO, warp, lane, group * nq,
-                                                               scale_log2);
+        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots, kE4m3>(softmax, acc_o, true, s_stat, sO, warp, lane,
+                                                                      group * nq, scale_log2);
         decode_cluster_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, CLUSTER, kSlots>(
             s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
 #endif
@@ -336,6 +358,19 @@ attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_
         q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS);
 }
 
+// attn_decode with an e4m3 K/V cache (kv_e4m3.cuh): k and v address the caches' bytes in pairs (their
+// strides in 16-bit words), k_descale / v_descale float32 at b * ds_sb + K/V head * ds_sh.
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          bool WINDOW = false, int RING = 0>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_decode_kv8(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_done,
+                DECODE_TAIL_PARAMS, const float* __restrict__ k_descale, const float* __restrict__ v_descale,
+                i64 ds_sb, i64 ds_sh) {
+    pdl_launch_dependents();
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, 0, WINDOW, RING, KvE4m3>(
+        q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS, KvDescales{k_descale, v_descale, ds_sb, ds_sh});
+}
+
 #if __CUDA_ARCH__ >= 900
 // Grid (CLUSTER, Hkv, B), the cluster size fixed at compile time (a plain launch then forms the
 // clusters): the CLUSTER splits of one (K/V head, sequence) merge in distributed shared memory.
@@ -345,6 +380,15 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
 attn_decode_cluster(DECODE_PARAMS, DECODE_TAIL_PARAMS) {
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW, RING>(
         q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS);
+}
+// attn_decode_cluster with an e4m3 K/V cache (as attn_decode_kv8).
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
+          int CLUSTER, bool WINDOW = false, int RING = 0>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
+attn_decode_cluster_kv8(DECODE_PARAMS, DECODE_TAIL_PARAMS, const float* __restrict__ k_descale,
+                        const float* __restrict__ v_descale, i64 ds_sb, i64 ds_sh) {
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW, RING, KvE4m3>(
+        q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS, KvDescales{k_descale, v_descale, ds_sb, ds_sh});
 }
 #endif
 #undef DECODE_PARAMS

@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "band.cuh"
 #include "softmax.cuh"
+#include "kv_e4m3.cuh"
 
 // Piece i (row r = i / (HEAD_DIM / 8), 8 columns from col = 8 (i % (HEAD_DIM / 8))) of the packed
 // query rows as four bf16/fp16 pairs: row r is (head hk * group + r / nq, token r % nq); columns
@@ -52,18 +53,24 @@ struct DecodeQPack {
                                      i < 16 * ROW_TILES * kChunks);
         }
     }
+    // KV8: the columns in the order of e4m3 K fragments (decode_q_store_kv8)
+    template <bool KV8 = false>
     __device__ __forceinline__ void store(u16* sQ) const {
 #pragma unroll
         for (int it = 0; it < kItems; ++it) {
             const int i = threadIdx.x + it * THREADS;
-            if (i < 16 * ROW_TILES * kChunks)
-                *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
-                    make_uint4(w[it][0], w[it][1], w[it][2], w[it][3]);
+            if (i < 16 * ROW_TILES * kChunks) {
+                if constexpr (KV8)
+                    decode_q_store_kv8<HEAD_DIM>(sQ, i / kChunks, (i % kChunks) * 8, w[it]);
+                else
+                    *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
+                        make_uint4(w[it][0], w[it][1], w[it][2], w[it][3]);
+            }
         }
     }
 };
 
-template <int HEAD_DIM, int ROW_TILES, int THREADS>
+template <int HEAD_DIM, int ROW_TILES, int THREADS, bool KV8 = false>
 __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i64 q_sh, i64 q_sn, int b, int hk,
                                               int group, int nq, int d) {
     constexpr int kChunks = HEAD_DIM / 8;
@@ -71,8 +78,11 @@ __device__ __forceinline__ void decode_pack_q(u16* sQ, const u16* q, i64 q_sb, i
     for (int i = threadIdx.x; i < 16 * ROW_TILES * kChunks; i += THREADS) {
         u32 w[4];
         decode_q_piece<HEAD_DIM>(w, q, q_sb, q_sh, q_sn, b, hk, group, nq, rows, d, i, true);
-        *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+        if constexpr (KV8)
+            decode_q_store_kv8<HEAD_DIM>(sQ, i / kChunks, (i % kChunks) * 8, w);
+        else
+            *reinterpret_cast<uint4*>(sQ + Swizzle<HEAD_DIM>::offset(i / kChunks, (i % kChunks) * 8)) =
+                make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
@@ -157,19 +167,29 @@ struct DecodeNoStep {
 
 // One warp's key tile: S = Q K^T, masks, the online softmax, O += P V. `before_pv` runs between the
 // softmax and P V (the block ring's wait for V and its next V copy, attn_decode_block RING 2).
+// kv: KvSame (K and V in q's type) or KvE4m3 (kv_e4m3.cuh; S scaled by its k_scale before the masks).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV,
-          typename BeforePV = DecodeNoStep>
+          typename BeforePV = DecodeNoStep, typename KV = KvSame>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
                                                  const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
                                                  const DecodeRowTokens<ROW_TILES, WINDOW>& rows, int lo0, int hi0,
                                                  int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                  float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2,
-                                                 const BeforePV& before_pv = BeforePV{}) {
+                                                 const BeforePV& before_pv = BeforePV{}, const KV& kv = KV{}) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
     zero_acc(acc_s);
+    if constexpr (KV::kE4m3) {
+        kv8_scores<T, HEAD_DIM, ROW_TILES, BLOCK_N>(acc_s, qa, aK, k_off);
 #pragma unroll
-    for (int kk = 0; kk < kKS; ++kk) {
+        for (int mi = 0; mi < ROW_TILES; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] *= kv.k_scale;
+    }
+#pragma unroll
+    for (int kk = 0; kk < (KV::kE4m3 ? 0 : kKS); ++kk) {
         u32 a[ROW_TILES][4];
 #pragma unroll
         for (int mi = 0; mi < ROW_TILES; ++mi) qa.get(a[mi], mi, kk);
@@ -195,8 +215,12 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
     }
     softmax.template update<ROW_TILES, kNS, kNO, true, false>(acc_s, acc_o, scale_log2);
     before_pv();
+    if constexpr (KV::kE4m3) {
+        kv8_pv<HEAD_DIM, ROW_TILES, BLOCK_N>(acc_o, acc_s, aV, v_off);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) mma_acc_times_bt<T>(acc_o, acc_s, kk, aV, kk * 16, 0, v_off);
+    }
 }
 
 // Four consecutive output columns acc * inv as T (inv: 1 / the row's sum, 0 for a row without
@@ -241,7 +265,8 @@ __host__ __device__ constexpr int decode_merge_slots() {
 // the block's un-normalized O: row r's sum of exp2((s - m) * scale_log2) v over its keys, m the
 // row's max over the warps (see decode_row_stat). `computes` is false for a warp with no
 // statistics (a TMA producer). All threads of the block must call this; it ends with a block barrier.
-template <int HEAD_DIM, int ROW_TILES, int WARPS, int SLOTS>
+// KV8_COLS: acc_o in the column order of the e4m3 P V product (kv8_pv), written back in order.
+template <int HEAD_DIM, int ROW_TILES, int WARPS, int SLOTS, bool KV8_COLS = false>
 __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, int rows,
@@ -272,6 +297,22 @@ __device__ __forceinline__ void decode_merge_warps(const OnlineSoftmax<2 * ROW_T
                     for (int w2 = 0; w2 < WARPS; ++w2) mx = fmaxf(mx, s_stat[(w2 * kRows + r) * 2]);
                     const float mine = softmax.m[2 * mi + hf];
                     const float f = mine == -INFINITY ? 0.f : fast_exp2((mine - mx) * scale_log2);
+                    if constexpr (KV8_COLS) {
+#pragma unroll
+                        for (int ni = 0; ni < kNO; ni += 2) {  // tiles ni, ni + 1: columns 8 ni + 4t .. +3
+                            float4* dst = reinterpret_cast<float4*>(&slot[r * HEAD_DIM + ni * 8 + 4 * (lane & 3)]);
+                            float4 add = make_float4(acc_o[mi][ni][2 * hf] * f, acc_o[mi][ni + 1][2 * hf] * f,
+                                                     acc_o[mi][ni][2 * hf + 1] * f, acc_o[mi][ni + 1][2 * hf + 1] * f);
+                            if (r < rows) {
+                                if (round > 0) {
+                                    const float4 old = *dst;
+                                    add.x += old.x, add.y += old.y, add.z += old.z, add.w += old.w;
+                                }
+                                *dst = add;
+                            }
+                        }
+                        continue;
+                    }
 #pragma unroll
                     for (int ni = 0; ni < kNO; ++ni) {
                         float2* dst = reinterpret_cast<float2*>(&slot[r * HEAD_DIM + ni * 8 + 2 * (lane & 3)]);
@@ -427,7 +468,7 @@ __device__ __forceinline__ void decode_store(float* s_stat, const float* sO, u16
 
 // decode_merge_warps then decode_store: the end of a block whose splits (if any) a combine kernel
 // merges. BUFFER_BYTES: the shared memory at sO free for the merge.
-template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int BUFFER_BYTES>
+template <typename T, int HEAD_DIM, int ROW_TILES, int WARPS, int THREADS, int BUFFER_BYTES, bool KV8_COLS = false>
 __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                    const float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], bool computes,
                                                    float* s_stat, float* sO, int warp, int lane, u16* o, float* lse,
@@ -435,8 +476,8 @@ __device__ __forceinline__ void decode_merge_store(const OnlineSoftmax<2 * ROW_T
                                                    int b, int hk, int hkv, int split, int n_splits, int hq, int nq,
                                                    int d, int group, float scale_log2) {
     constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, BUFFER_BYTES>();
-    decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots>(softmax, acc_o, computes, s_stat, sO, warp, lane,
-                                                           group * nq, scale_log2);
+    decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots, KV8_COLS>(softmax, acc_o, computes, s_stat, sO, warp,
+                                                                     lane, group * nq, scale_log2);
     decode_store<T, HEAD_DIM, ROW_TILES, WARPS, THREADS, kSlots>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh,
                                                                  o_sn, b, hk, hkv, split, n_splits, hq, nq, d, group,
                                                                  scale_log2);

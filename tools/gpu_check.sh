@@ -22,6 +22,8 @@
 #   MQA=0          skip the decode shapes with many query heads per K/V head
 #   PAGED=0        skip the paged-cache benchmark (tools/paged_bench.py)
 #   OPTIONS=1      also benchmark the score modifiers (benchmarks/options.py; OPTIONS_TIMEOUT, default 150)
+#   FP8_DECODE=1   also benchmark the e4m3 K/V cache against the bf16 one (benchmarks/fp8_decode.py;
+#                  FP8_DECODE_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
@@ -102,6 +104,11 @@ fi
 if [ "${OPTIONS:-0}" = 1 ]; then
     timeout "${OPTIONS_TIMEOUT:-150}" python3 benchmarks/options.py --out "$tmp/options.json" > "$tmp/options.log" 2>&1
     r=$?; echo "options bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/options.log" >> "$OUT/bench.log"
+fi
+if [ "${FP8_DECODE:-0}" = 1 ]; then
+    timeout "${FP8_DECODE_TIMEOUT:-120}" python3 benchmarks/fp8_decode.py --out "$tmp/fp8_decode.json" > "$tmp/fp8_decode.log" 2>&1
+    r=$?; echo "fp8 decode bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/fp8_decode.log" >> "$OUT/bench.log"
+    tail -12 "$tmp/fp8_decode.log"
 fi
 if [ "${PAGED:-1}" = 1 ]; then
     timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1

@@ -8,7 +8,7 @@ from ..backends import cuda
 from ..backends import numpy as numpy_backend
 from ..core import fp8_inputs
 from ..core import problem as _problem
-from ..core.arrays import FLOAT32, array_namespace, may_share_memory, widen_to_float32
+from ..core.arrays import FLOAT32, array_namespace, dtype_name, may_share_memory, widen_to_float32
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
 from . import interop, plan_cache
 from .prepared import PreparedAttention
@@ -150,9 +150,12 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     odt = fp8_inputs.check_call((q, k, v), descales, out_dtype)
     layout = options["layout"]
     _problem.check_layout(layout)
+    _problem.check_flag("validate", options["validate"])
     dense = options["cu_seqlens_q"] is None and options["cu_seqlens_k"] is None and options["block_table"] is None
     group = fp8_inputs.group_of(q, k, layout) if dense else 1
-    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense)
+    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense, options["validate"])
+    if array_namespace(q) is not np:  # (check_call: an e4m3 k and v with a 16-bit CuPy q)
+        return _fp8_cache_on_gpu(q, k, v, checked[1:], odt, out, return_lse, options)
     # (an FP8 KV cache's 16-bit q is widened exactly)
     wide = [widen_to_float32(a) if d is None else
             fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1)
@@ -166,6 +169,57 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     else:
         o = o32 if odt == FLOAT32 else o32.astype(odt)
     return (o, lse) if return_lse else o
+
+
+def _fp8_cache_on_gpu(q, k, v, descales, odt, out, return_lse, options):
+    """A 16-bit CuPy q with an e4m3 K/V cache (contiguous or paged): the split-KV decode kernel
+    reads the cache's bytes (attn_decode_kv8). The shapes are validated as a 16-bit call's, on
+    stand-ins of k and v in q's dtype that hold no memory."""
+    import cupy
+
+    unsupported = [n for n in ("cu_seqlens_q", "cu_seqlens_k", "softcap", "alibi_slopes", "sinks")
+                   if options[n] is not None]
+    if unsupported:
+        raise NotImplementedError(f"{', '.join(unsupported)}: an FP8 KV cache on the GPU runs the split-KV decode "
+                                  "kernel, which does not take them")
+    if odt != q.dtype:
+        raise NotImplementedError(f"out_dtype: an FP8 KV cache on the GPU gives o in q's dtype "
+                                  f"({dtype_name(q.dtype)}), not {dtype_name(odt)}")
+    stand_ins = [cupy.lib.stride_tricks.as_strided(cupy.zeros(1, q.dtype), a.shape, (0,) * a.ndim) for a in (k, v)]
+    shape_opts = dict(causal=options["causal"], scale=options["scale"], layout=options["layout"],
+                      window=options["window"])
+    block_table, validate = options["block_table"], options["validate"]
+    if block_table is not None:
+        p, bs = _problem.validate_paged(q, *stand_ins, block_table, **shape_opts)
+    else:
+        p = _problem.validate_forward(q, *stand_ins, **shape_opts)
+    if p.dv != p.d:
+        raise NotImplementedError("v: an FP8 KV cache on the GPU takes v with k's head dim")
+    _problem.check_out("out", out, p.o_shape(), odt, cupy, (("q", q), ("k", k), ("v", v)))
+    lens_dev, lens_host = _problem.check_kv_lens(options["kv_lens"], p, validate)
+    if block_table is not None:
+        if validate:
+            lens = lens_host if lens_host is not None else np.full(p.batch, p.nk, dtype=np.int64)
+            _problem.check_block_table(block_table, lens, bs, k.shape[0])
+        k4, v4, paged = k, v, (cupy.ascontiguousarray(block_table), bs)
+    else:
+        k4, v4, paged = to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk), None
+    if not cuda.decode_applies_e4m3(p, k4, v4):
+        raise NotImplementedError(
+            "k, v: an FP8 KV cache runs on the GPU in the split-KV decode kernel only: at most 16 query tokens "
+            "per K/V head's rows, at least 256 keys, head dim 64, 128 or 256 (d a multiple of 16), 16-byte "
+            "aligned rows; dequantize the cache for other shapes")
+    o, o4, direct, lse3 = _forward_outputs(p, out, odt)
+    q4 = to_bhsd(q, p, p.hq, p.nq)
+    if p.nq and p.batch and p.hq:
+        kd, vd = (cupy.asarray(x, dtype=FLOAT32) for x in descales)
+        if kd.ndim == 0:
+            kv_descales = (kd, vd, 0, 0)
+        else:  # (batch..., Hkv) -> (B, Hkv)
+            kd, vd = (cupy.ascontiguousarray(x.reshape(-1, p.hkv)) for x in (kd, vd))
+            kv_descales = (kd, vd, p.hkv, 1)
+        cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev, paged=paged, kv_descales=kv_descales)
+    return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
 @interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",

@@ -19,7 +19,7 @@ from ..kernels import decode as decode_kernels
 from ..kernels import device, fp32, hopper
 from ..kernels import forward as forward_kernels
 from ..kernels import merge as merge_kernels
-from ..kernels.operands import describe, unit_d, vector_ok
+from ..kernels.operands import describe, unit_d, vector_ok, vector_ok_bytes
 
 
 def _check_out(o4, p):
@@ -70,6 +70,12 @@ def _one_width(p):
 def decode_applies(p, k4, v4) -> bool:
     """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V)."""
     return dispatch.decode_applies(p, vector_ok((k4, v4), p.d))
+
+
+def decode_applies_e4m3(p, k4, v4) -> bool:
+    """Whether split-KV decode runs this problem with an e4m3 K/V cache (k4, v4 float8_e4m3fn:
+    16-byte copies of d-byte rows, head dims of plan.schedule.DECODE_TILES_KV8)."""
+    return dispatch.decode_applies_e4m3(p, vector_ok_bytes((k4, v4), p.d))
 
 
 def decode(p, q4, k4, v4, o4, lse3, **options):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .arrays import BFLOAT16, FLOAT16, FLOAT32, array_namespace, dtype_name
+from .arrays import BFLOAT16, FLOAT16, FLOAT32, array_namespace, dtype_name, is_cupy_array
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 OUT_DTYPES = (BFLOAT16, FLOAT16, FLOAT32)  # an FP8 forward's output (default bfloat16, as FlashAttention-3's)
@@ -22,9 +22,9 @@ NAMES = ("q", "k", "v")
 
 
 def requested(arrays, descales) -> bool:
-    """Whether a call has FP8 inputs (NumPy arrays: the only ones that run them; other arrays are
+    """Whether a call has FP8 inputs (NumPy or CuPy arrays: the ones that run them; other arrays are
     not read before their own validation) or descale factors."""
-    return (any(isinstance(a, np.ndarray) and a.dtype == E4M3 for a in arrays)
+    return (any((isinstance(a, np.ndarray) or is_cupy_array(a)) and a.dtype == E4M3 for a in arrays)
             or any(x is not None for x in descales))
 
 
@@ -53,9 +53,13 @@ def check_call(arrays, descales, out_dtype):
             got = dtype_name(a.dtype) if hasattr(a, "dtype") else type(a).__name__
             raise TypeError(f"{name}: expected float8_e4m3fn ({why}), got {got}")
     for name, a in zip(NAMES, arrays):
-        if array_namespace(a) is not np:
-            raise NotImplementedError(f"{name}: float8_e4m3fn inputs run on the NumPy backend only; no FP8 GPU "
-                                      "kernel exists yet (quantize on the host, or pass 16-bit arrays)")
+        xp = array_namespace(a)
+        if xp is not np and not (kv_cache and is_cupy_array(a)):
+            raise NotImplementedError(f"{name}: float8_e4m3fn q, k and v run on the NumPy backend only (on the "
+                                      "GPU: an e4m3 k and v with a 16-bit CuPy q, the FP8 KV cache of decoding)")
+    xps = {array_namespace(a) for a in arrays}
+    if len(xps) > 1:
+        raise TypeError("q, k, v: expected arrays of one library (NumPy or CuPy), got a mix")
     if out_dtype is None:
         return np.dtype(arrays[0].dtype) if kv_cache else BFLOAT16
     try:
@@ -67,36 +71,42 @@ def check_call(arrays, descales, out_dtype):
     return odt
 
 
-def check_descale(name, descale, per_head_shapes):
-    """descale as a float32 NumPy array: None -> 1; shape () / (1,) or one of ``per_head_shapes``
-    (empty: per tensor only)."""
+def check_descale(name, descale, per_head_shapes, xp=np, validate=True):
+    """descale as a float32 array: None -> 1; shape () / (1,) or one of ``per_head_shapes``
+    (empty: per tensor only). With CuPy inputs (``xp``) a NumPy or CuPy descale; a CuPy one's
+    values are checked on the host only with ``validate`` (a device-to-host copy)."""
     if descale is None:
         return np.ones((), dtype=FLOAT32)
-    if not isinstance(descale, np.ndarray):
-        raise TypeError(f"{name}: expected a float32 NumPy array, got {type(descale).__module__}.{type(descale).__name__}")
+    ns = array_namespace(descale)
+    if ns is not np and (xp is np or ns is not xp):
+        want = "a float32 NumPy array" if xp is np else "a float32 NumPy or CuPy array"
+        raise TypeError(f"{name}: expected {want}, got {type(descale).__module__}.{type(descale).__name__}")
     if descale.dtype != FLOAT32:
         raise TypeError(f"{name}: expected dtype float32, got {dtype_name(descale.dtype)}")
     shape = tuple(descale.shape)
     if shape not in ((), (1,)) + tuple(per_head_shapes):
         wants = " or ".join(str(s) for s in ((), *per_head_shapes))
         raise ValueError(f"{name}: expected shape {wants}, got {shape}")
-    if not np.isfinite(descale).all():
-        raise ValueError(f"{name}: has NaN or infinite values")
+    if ns is np or validate:
+        values = descale if ns is np else descale.get()
+        if not np.isfinite(values).all():
+            raise ValueError(f"{name}: has NaN or infinite values")
     return descale.reshape(()) if shape == (1,) else descale
 
 
-def checked_descales(arrays, descales, layout, dense):
+def checked_descales(arrays, descales, layout, dense, validate=True):
     """The three descales checked (check_descale), None for a 16-bit q: per tensor, or (``dense``:
     no packed sequences or paged cache) per batch entry and head, q also per K/V head."""
     # (q per K/V head only where the heads divide: else the attention's validation names the heads)
     hkv = kv_heads_of(arrays[1], layout) if dense and group_of(arrays[0], arrays[1], layout) > 1 else None
+    xp = array_namespace(arrays[1])
     out = []
     for name, a, descale in zip(NAMES, arrays, descales):
         if a.dtype != E4M3:  # (an FP8 KV cache's q: check_call refused a q_descale)
             out.append(None)
             continue
         shapes = per_head_shapes(a, layout, hkv if name == "q" else None) if dense else ()
-        out.append(check_descale(f"{name}_descale", descale, shapes))
+        out.append(check_descale(f"{name}_descale", descale, shapes, xp, validate))
     return out
 
 

@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..plan import dispatch
+from ..core.fp8_inputs import E4M3
+from ..plan import dispatch, schedule
 from ..plan.decode import (_COMBINE_THREADS, DecodePlan, _launch_problem_and_tile, _plan_launch, combine_grid,
                            last_split_merges, launch_plan, launch_spec, combine_spec, tma_spec)
 from ..plan.spec import KernelSpec
@@ -111,24 +112,43 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq, p)
 
 
+def _word_strides(a4):
+    """An e4m3 cache's strides in the 16-bit words attn_decode_kv8 addresses its bytes by (even:
+    its rows are 16-byte aligned, plan.dispatch.decode_applies)."""
+    return tuple(s // 2 for s in a4.strides)
+
+
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
-            cluster=None, merge=None):
+            cluster=None, merge=None, kv_descales=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
     kernel (sm_90, d 64/128, see plan.dispatch.decode_tma_applies): measured no faster than the
     cp.async kernel on the H200, so it runs only when asked for. `paged` = (block_table,
     block_size): k4 and v4 are then caches (num_blocks, block_size, Hkv, d). `cluster`: how the
     splits merge (see launch_plan): None picks, False forces the float32 workspace, True the cluster
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
-    last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE."""
+    last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE.
+    `kv_descales` = (k_descale, v_descale, batch stride, head stride): an e4m3 cache (k4 and v4
+    float8_e4m3fn) with its float32 device descales (strides 0, 0: one per tensor); its tile
+    comes from schedule.DECODE_TILES_KV8 unless `tile` (one of kv_bytes 1) is given."""
     import cupy
 
     dev = cupy.cuda.Device().id
     lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
+    kv8 = kv_descales is not None
+    if kv8 != (k4.dtype == E4M3):
+        raise ValueError("kv_descales: given exactly when k and v are float8_e4m3fn")
+    if kv8:
+        if tma_tile is not None:
+            raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
+        tile = tile or schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)]
+        if tile.kv_bytes != 1 or tile.ring > 2:
+            raise ValueError(f"tile={tile}: an e4m3 cache takes a tile of kv_bytes 1 and ring 0-2")
     if tma_tile is not None:
         _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster)
         return
     table = paged[0] if paged is not None else np.uint64(0)
-    strides = (elem_strides(q4), elem_strides(k4), elem_strides(v4), elem_strides(o4),
+    kv_strides = _word_strides if kv8 else elem_strides
+    strides = (elem_strides(q4), kv_strides(k4), kv_strides(v4), elem_strides(o4),
                table.strides[0] // table.itemsize if paged is not None else 0)
     shift = paged[1].bit_length() - 1 if paged is not None else None
     dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
@@ -143,9 +163,11 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     else:  # one split writes o and lse itself: null workspace pointers
         part_o = part_lse = np.uint64(0)
     spec = dl.spec
-    get_function(spec)(dl.grid, (spec.threads,),
-                       dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table),
-                       shared_mem=spec.smem_bytes)
+    args = dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table)
+    if kv8:
+        kd, vd, sb, sh = kv_descales
+        args += (kd, vd, np.int64(sb), np.int64(sh))
+    get_function(spec)(dl.grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
     if dl.combines and not split_done:
         _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(),
                         combine_programmatic(p, splits=dl.plan.splits))

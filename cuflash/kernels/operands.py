@@ -38,6 +38,16 @@ def vector_ok(arrays, d) -> bool:
     return True
 
 
+def vector_ok_bytes(arrays, d) -> bool:
+    """vector_ok by bytes, for arrays of any element size (an e4m3 cache: d % 16 == 0)."""
+    for a in arrays:
+        if (d * a.itemsize) % 16 or a.data.ptr % 16:
+            return False
+        if any(s % 16 for n, s in zip(a.shape[:3], a.strides[:3]) if n > 1):
+            return False
+    return True
+
+
 def tma_ok(*arrays) -> bool:
     """Whether these (B, H, N, d) views can be read through tensor maps: cuda-bindings present,
     no empty axis (a map's extents are >= 1; e.g. an empty cache), unit-stride rows, 16-byte

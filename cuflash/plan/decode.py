@@ -237,14 +237,15 @@ def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
     tile t; window: the instantiation that masks a sliding window."""
     params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
     tail = ", true" if window else ""
-    if t.ring:
+    kv8 = "_kv8" if t.kv_bytes == 1 else ""  # (an e4m3 cache: the _kv8 kernels, every argument spelled out)
+    if t.ring or kv8:
         tail = f", {_b(window)}, {t.ring}"
     if cluster:
         if cluster not in CLUSTER_SIZES:
             raise ValueError(f"cluster size {cluster}: attn_decode_cluster is instantiated for {CLUSTER_SIZES}")
-        expr = f"attn_decode_cluster<{params}, {cluster}{tail}>"
+        expr = f"attn_decode_cluster{kv8}<{params}, {cluster}{tail}>"
     else:
-        expr = f"attn_decode<{params}{tail}>"
+        expr = f"attn_decode{kv8}<{params}{tail}>"
     return KernelSpec("attn_decode.cu", expr, t.threads, t.smem_bytes(hd, row_tiles))
 
 
@@ -315,6 +316,9 @@ def all_decode_specs():
         for hd, t, rt, causal, window in _instances(schedule.DECODE_TMA_TILES):
             if not window:  # (the TMA kernel has no band mask)
                 specs.append(tma_spec(dtype, hd, rt, causal)[0])
+        for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES_KV8):
+            specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
+            specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
     return list(dict.fromkeys(specs))
 
 

@@ -86,6 +86,12 @@ def decode_applies(p, kv_vec: bool) -> bool:
     return p.nq <= 16 and p.nk >= decode.MIN_KEYS and decode.row_tiles_for(p) is not None and kv_vec
 
 
+def decode_applies_e4m3(p, kv_vec: bool) -> bool:
+    """decode_applies for an e4m3 K/V cache (attn_decode_kv8): its head dims
+    (schedule.DECODE_TILES_KV8) and 16-byte copies of the caches' rows (kv_vec: d a multiple of 16)."""
+    return schedule.head_dim_bucket(p.d) in schedule.DECODE_TILES_KV8 and decode_applies(p, kv_vec)
+
+
 def decode_tma_applies(p, tile, target: Target, tma_kv: bool) -> bool:
     """Whether attn_decode_tma can run this problem with this tile: sm_90 with cuda-bindings, d of
     64 or 128, few enough packed rows, K and V rows whose base and strides TMA can address."""

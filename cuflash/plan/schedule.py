@@ -397,14 +397,16 @@ class DecodeTile:
     # At most this many blocks per SM (0: as many as fit): the launch asks for more shared memory
     # than max_blocks_per_sm + 1 blocks could share on an H200 SM (device_limits.H200).
     max_blocks_per_sm: int = 0
+    # Bytes per K/V element in the rings: 2 (q's 16-bit type) or 1 (an e4m3 cache: attn_decode_kv8).
+    kv_bytes: int = 2
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     def buffer_bytes(self, head_dim: int, row_tiles: int) -> int:
-        """Q's packed rows and the K/V rings (16-bit): the shared memory a block's merge may reuse."""
-        return (16 * row_tiles * head_dim + self.warps * 2 * self.stages * self.block_n * head_dim) * 2
+        """Q's packed rows (16-bit) and the K/V rings: the shared memory a block's merge may reuse."""
+        return 16 * row_tiles * head_dim * 2 + self.warps * 2 * self.stages * self.block_n * head_dim * self.kv_bytes
 
     def smem_bytes(self, head_dim: int, row_tiles: int) -> int:
         need = self.buffer_bytes(head_dim, row_tiles) + self.warps * 16 * row_tiles * 2 * 4  # + the row statistics
@@ -551,6 +553,16 @@ DECODE_TILES_WIDE_ROWS_LONG: dict[int, DecodeTile] = {
     128: DecodeTile(32, 4, 1, 4, "wide rows in FA2's order: one K and one V buffer of 128-key steps", ring=4),
 }
 WIDE_LONG_MIN_CHUNK = 768  # (between the splits measured: 256-512 keys stay on ring 3, 1008-4096 take ring 4)
+
+
+# An e4m3 K/V cache (attn_decode_kv8, cuda_src/kv_e4m3.cuh): each table tile with twice the stages,
+# so that a warp keeps the same bytes in flight and a block the same shared memory (and blocks per
+# SM) as the 16-bit cache; a key tile is half the bytes, so twice the keys are in flight.
+DECODE_TILES_KV8: dict[int, DecodeTile] = {
+    64: DecodeTile(32, 4, 4, 4, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
+    128: DecodeTile(16, 4, 4, 2, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
+    256: DecodeTile(16, 4, 4, 1, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
+}
 
 
 def decode_tile(d: int) -> tuple[int, DecodeTile]:

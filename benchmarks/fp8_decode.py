@@ -1,0 +1,156 @@
+"""An e4m3 (FP8) K/V cache against the bfloat16 cache: cuflash's split-KV decode with each, and
+torch SDPA's cuDNN and FlashAttention backends on the bfloat16 cache, in one process on the same
+shapes (one bf16 query token per head, d = 128), with the device's copy and read rates measured
+in the same run.
+
+    python benchmarks/fp8_decode.py --out fp8_decode.json     # on a GPU with torch and CuPy
+    python benchmarks/fp8_decode.py --dry-run                  # the plan, anywhere
+
+Rows are peers.py's; an e4m3 row has "dtype": "float8_e4m3fn" and counts the cache's bytes at one
+byte per element (q and o two), "vs_copy" is its rate over the measured copy rate, "vs_bf16" the
+bfloat16 cache's cuflash time over its own, and "max_abs_diff_vs_bf16" how far its output is from
+the bfloat16 cache's (the cache's quantization error, per-(sequence, head) scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+from peers import DEVICE, Case, Timer, measure_ceilings, record, torch_stream_ptr
+
+SHAPES = ((8, 32, 8, 16384), (8, 32, 8, 65536), (64, 32, 8, 16384), (8, 32, 32, 16384), (1, 32, 8, 131072))
+D = 128
+
+
+def plan(shapes=SHAPES):
+    return [Case("decode", dtype, D, b, hq, hkv, 1, n, False) for b, hq, hkv, n in shapes
+            for dtype in ("bfloat16", "float8_e4m3fn")]
+
+
+class Fp8Decode:
+    def __init__(self, timer):
+        import cupy
+        import torch
+
+        import cuflash
+        from cuflash import fp8
+        from cuflash.api.interop import external_stream
+
+        self.torch, self.cupy, self.cuflash, self.fp8, self.timer = torch, cupy, cuflash, fp8, timer
+        self._stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
+
+    def cell(self, case, rows, bf16_out):
+        torch, cp = self.torch, self.cupy
+        torch.manual_seed(0)
+        q = torch.randn(case.b, case.hq, 1, case.d, device=DEVICE, dtype=torch.bfloat16)
+        k, v = (torch.randn(case.b, case.hkv, case.nk, case.d, device=DEVICE, dtype=torch.bfloat16) for _ in "kv")
+        with self._stream():
+            qc, kc, vc = (cp.from_dlpack(t) for t in (q, k, v))
+        extra = {}
+        if case.dtype == "bfloat16":
+            fn = lambda: self.cuflash.attention(qc, kc, vc)  # noqa: E731
+        else:
+            (k8, kd), (v8, vd) = self._quantized(k), self._quantized(v)
+            del k, v, kc, vc  # (the e4m3 cell times its own cache only)
+            fn = lambda: self.cuflash.attention(qc, k8, v8, k_descale=kd, v_descale=vd)  # noqa: E731
+        with self._stream():
+            o = fn()
+        key = (case.b, case.hq, case.hkv, case.nk)
+        if case.dtype == "bfloat16":
+            bf16_out[key] = o
+        elif key in bf16_out:
+            diff = cp.abs(_wide(cp, o) - _wide(cp, bf16_out[key])).max()
+            extra["max_abs_diff_vs_bf16"] = float(diff)
+
+        def timed():
+            with self._stream():
+                return fn()
+        ms, _ = self.timer(timed)
+        rows.append(record(case, "cuflash", "ok", ms, **extra))
+        if case.dtype != "bfloat16":
+            return
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for impl, backend in (("torch-cudnn", SDPBackend.CUDNN_ATTENTION), ("torch-flash", SDPBackend.FLASH_ATTENTION)):
+            def run():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv)
+            try:
+                run()
+                ms, _ = self.timer(run)
+                rows.append(record(case, impl, "ok", ms))
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a crash
+                rows.append(record(case, impl, "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
+
+    def _quantized(self, t):
+        """t (B, H, L, d) bfloat16 as e4m3 with per-(sequence, head) descales, on the device:
+        scaled by amax / 448 and cast by torch (round to nearest; no value exceeds 448)."""
+        torch, cp = self.torch, self.cupy
+        amax = t.float().abs().amax(dim=(2, 3)).clamp_min(1e-30)
+        descale = (amax / 448.0).to(torch.float32)
+        x8 = (t.float() / descale[:, :, None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        with self._stream():
+            codes = cp.from_dlpack(x8.view(torch.uint8))
+            return codes.view(self.fp8.E4M3), cp.from_dlpack(descale.contiguous())
+
+
+def _wide(cp, a):
+    """float32 of a bfloat16 CuPy array (its bits widened)."""
+    return (a.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--seconds-per-impl", type=float, default=0.5)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    cases = plan()
+    if args.dry_run:
+        for c in cases:
+            print(c.label)
+        return 0
+    timer = Timer(3, 30, args.seconds_per_impl)
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "ceilings": measure_ceilings(timer), "bench": [], "complete": False}
+    runner = Fp8Decode(timer)
+    bf16_out = {}
+    for i, case in enumerate(cases):
+        try:
+            runner.cell(case, doc["bench"], bf16_out)
+        except Exception as exc:  # noqa: BLE001
+            doc["bench"].append(record(case, "cuflash", "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
+        if case.dtype != "bfloat16":
+            bf16_out.clear()
+        runner.cupy.get_default_memory_pool().free_all_blocks()
+        runner.torch.cuda.empty_cache()
+        copy = doc["ceilings"]["copy_tbps"]
+        base = {(r["b"], r["hq"], r["hkv"], r["nk"]): r["ms"] for r in doc["bench"]
+                if r["impl"] == "cuflash" and r["dtype"] == "bfloat16" and r["ms"]}
+        for r in doc["bench"]:
+            r["vs_copy"] = r["tbps"] / copy if r.get("tbps") else None
+            b = base.get((r["b"], r["hq"], r["hkv"], r["nk"]))
+            r["vs_bf16"] = b / r["ms"] if b and r["ms"] and r["impl"] == "cuflash" else None
+        doc["complete"] = i + 1 == len(cases)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
+    c = doc["ceilings"]
+    print(f"copy {c['copy_tbps']:.2f} TB/s, read {c['read_tbps']:.2f} TB/s")
+    for r in doc["bench"]:
+        ms = f"{r['ms']:.4f}" if r["ms"] else "-"
+        tb = f"{r['tbps']:.2f}" if r.get("tbps") else "-"
+        vc = f"{r['vs_copy']:.2f}" if r.get("vs_copy") else "-"
+        vb = f"{r['vs_bf16']:.2f}" if r.get("vs_bf16") else "-"
+        print(f"{r['impl']:11} {r['dtype']:13} B={r['b']:3} Hq={r['hq']} Hkv={r['hkv']:2} L={r['nk']:6} ms={ms:>8} "
+              f"TB/s={tb} vs_copy={vc} vs_bf16={vb} diff={r.get('max_abs_diff_vs_bf16', '-')} {r['status']} "
+              f"{r.get('reason', '')[:150]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
