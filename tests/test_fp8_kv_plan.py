@@ -1,0 +1,70 @@
+"""The e4m3 K/V cache's decode plans on the CPU: its tiles' shared memory, the instantiations the
+CPU compile test covers, and which problems the kernel takes (the GPU results are
+test_gpu_fp8_kv_cache.py's)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.plan import decode as plan_decode
+from cuflash.plan import dispatch, schedule
+
+SMS = 132
+
+
+def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16, window=None):
+    return types.SimpleNamespace(dtype=np.dtype(dtype), d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv,
+                                 batch=batch, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("hd", sorted(schedule.DECODE_TILES_KV8))
+def test_kv8_tiles_keep_the_16_bit_tiles_shared_memory(hd):
+    """Twice the stages of half the bytes: the same bytes in flight, the same shared memory (so the
+    same blocks per SM and merge buffer) as the 16-bit table's tile, and the same packed rows."""
+    t8, t16 = schedule.DECODE_TILES_KV8[hd], schedule.DECODE_TILES[hd]
+    assert t8.kv_bytes == 1 and t16.kv_bytes == 2 and t8.ring <= 2
+    assert t8.max_row_tiles == t16.max_row_tiles
+    for rt in range(1, t16.max_row_tiles + 1):
+        assert t8.smem_bytes(hd, rt) == t16.smem_bytes(hd, rt)
+        assert t8.buffer_bytes(hd, rt) == 16 * rt * hd * 2 + t8.warps * 2 * t8.stages * t8.block_n * hd
+
+
+def test_all_decode_specs_list_every_kv8_instantiation():
+    names = {s.short_name for s in plan_decode.all_decode_specs()}
+    for dtype in (FLOAT16, BFLOAT16):
+        for hd, t in schedule.DECODE_TILES_KV8.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                for causal in (False, True):
+                    for window in (False, True):
+                        main = plan_decode.decode_specs(dtype, hd, rt, causal, True, t, window)[0]
+                        assert main.expression.startswith("attn_decode_kv8<") and main.short_name in names
+                        for size in plan_decode.CLUSTER_SIZES:
+                            spec = plan_decode.cluster_spec(dtype, hd, rt, causal, True, size, t, window)
+                            assert spec.expression.startswith("attn_decode_cluster_kv8<")
+                            assert spec.short_name in names
+                            assert (spec.threads, spec.smem_bytes) == (main.threads, main.smem_bytes)
+
+
+@pytest.mark.parametrize("shape", [(1, 32, 8, 1, 131072, 128), (8, 32, 8, 1, 16384, 128), (64, 32, 8, 1, 16384, 128),
+                                   (8, 64, 1, 1, 32768, 128), (4, 32, 8, 4, 4096, 64), (2, 8, 2, 1, 65536, 256),
+                                   (16, 64, 4, 1, 8192, 64), (3, 12, 4, 16, 2048, 128)])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+@pytest.mark.parametrize("cluster", [None, False])
+def test_what_an_e4m3_cache_launches_is_compiled(shape, causal, cluster):
+    p = _problem(*shape, causal=causal)
+    assert dispatch.decode_applies_e4m3(p, True)
+    t = schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)]
+    lp = plan_decode.launch_plan(p, SMS, tile=t, cluster=cluster)  # (kernels.decode.forward's plan)
+    spec = plan_decode.launch_spec(p.dtype, p.d, causal is not None, lp)
+    assert "_kv8<" in spec.expression
+    assert spec.short_name in {s.short_name for s in plan_decode.all_decode_specs()}
+
+
+def test_which_problems_the_e4m3_kernel_takes():
+    assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 4096, 192), True)  # (no d = 192 tile)
+    assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 4096, 128), False)  # (rows not 16-byte copies)
+    assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 64, 4096, 128), True)  # (prefill shapes)
+    assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 100, 128), True)  # (a short cache)
+    assert dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 4096, 96), True)  # (the d = 128 kernel, zero-filled)
