@@ -67,8 +67,8 @@ def _run(q, k8, v8, kd, vd, **kw):
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "br"])
-@pytest.mark.parametrize("nq", [1, 5])
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 1, 64), (4, 4, 256), (16, 2, 96), (64, 1, 128)])
+@pytest.mark.parametrize("hq,hkv,d,nq", [(32, 8, 128, 1), (32, 8, 128, 5), (8, 1, 64, 1), (8, 1, 64, 5),
+                                          (4, 4, 256, 1), (4, 4, 256, 5), (16, 2, 96, 5), (64, 1, 128, 1)])
 @pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-tensor"])
 def test_fp8_cache_decode(rng, dtype, causal, nq, hq, hkv, d, per_head):
     b, nk = 4, 1500
