@@ -51,7 +51,8 @@ def _dequantized16(x8, descale, dtype):
 
 
 def _device(x8):
-    return cupy.asarray(x8.view(np.uint8)).view(E4M3)
+    """The e4m3 values' bits as a CuPy uint8 array (the form CuPy can hold; descales mark them)."""
+    return cupy.asarray(x8.view(np.uint8))
 
 
 def _run(q, k8, v8, kd, vd, **kw):
@@ -186,6 +187,22 @@ def test_fp8_cache_plans_the_kv8_kernel(monkeypatch, rng):
     kd, vd = _descales(rng, b, hkv, False)
     _run(q, k8, v8, kd, vd)
     assert seen and all("_kv8<" in e for e in seen), seen
+
+
+def test_fp8_cache_as_a_float8_dtype(rng):
+    """Where CuPy stores float8_e4m3fn arrays, they are taken as the uint8 bits are (bit for bit)."""
+    try:
+        probe = cupy.zeros(1, dtype=np.uint8).view(E4M3)
+    except Exception as exc:  # noqa: BLE001 - CuPy without float8 dtypes
+        pytest.skip(f"CuPy holds no float8_e4m3fn arrays: {type(exc).__name__}")
+    assert probe.dtype == E4M3
+    b, hq, hkv, nk, d = 2, 8, 2, 1024, 128
+    q = cupy.asarray(rng.standard_normal((b, hq, 1, d)).astype(BFLOAT16))
+    k8, v8 = _device(_codes(rng, (b, hkv, nk, d))), _device(_codes(rng, (b, hkv, nk, d)))
+    kd, vd = (cupy.asarray(x) for x in _descales(rng, b, hkv, True))
+    bits = cuflash.attention(q, k8, v8, k_descale=kd, v_descale=vd)
+    typed = cuflash.attention(q, k8.view(E4M3), v8.view(E4M3), k_descale=kd, v_descale=vd)
+    assert bool((bits.view(np.uint16) == typed.view(np.uint16)).all())
 
 
 def test_fp8_cache_refuses_other_shapes(rng):

@@ -2,7 +2,8 @@
 and the float32 values they stand for.
 
 q, k and v in ``float8_e4m3fn`` (ml_dtypes), or k and v alone with a 16-bit q (an FP8 KV cache),
-stand for ``x8 * descale``: a descale is a float32
+stand for ``x8 * descale`` (on the GPU, CuPy uint8 arrays of e4m3 bits count as e4m3 in a call
+that passes descale factors): a descale is a float32
 array of shape () or (1,) (per tensor), or the tensor's batch axes + (H,) (per batch entry and
 head; q also takes FlashAttention-3's batch axes + (Hkv,), one factor per K/V head's group of
 query heads). Packed inputs (cu_seqlens_*) and a paged cache take one factor per tensor. Without
@@ -28,12 +29,18 @@ def requested(arrays, descales) -> bool:
             or any(x is not None for x in descales))
 
 
+def holds_e4m3(a) -> bool:
+    """An array of e4m3 values: dtype float8_e4m3fn, or a CuPy array of their bits (uint8; CuPy may
+    have no float8 dtype) in a call that passes descale factors (requested: only those reach here)."""
+    dtype = getattr(a, "dtype", None)
+    return dtype == E4M3 or (is_cupy_array(a) and dtype == np.uint8)
+
+
 def kv_cache_only(arrays) -> bool:
     """q in float16/bfloat16 with an e4m3 k or v: an FP8 KV cache (FlashInfer's most used FP8
     form; check_call then wants both k and v in e4m3)."""
     q, k, v = arrays
-    return getattr(q, "dtype", None) in (FLOAT16, BFLOAT16) and E4M3 in (getattr(k, "dtype", None),
-                                                                         getattr(v, "dtype", None))
+    return getattr(q, "dtype", None) in (FLOAT16, BFLOAT16) and (holds_e4m3(k) or holds_e4m3(v))
 
 
 def check_call(arrays, descales, out_dtype):
@@ -46,8 +53,8 @@ def check_call(arrays, descales, out_dtype):
     for name, a in zip(NAMES, arrays):
         if name == "q" and kv_cache:
             continue
-        if getattr(a, "dtype", None) != E4M3:
-            given = [n for n, x in zip(NAMES, arrays) if getattr(x, "dtype", None) == E4M3]
+        if not holds_e4m3(a):
+            given = [n for n, x in zip(NAMES, arrays) if holds_e4m3(x)]
             why = f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} float8_e4m3fn" if given else \
                 "a descale factor was given"
             got = dtype_name(a.dtype) if hasattr(a, "dtype") else type(a).__name__
@@ -102,7 +109,7 @@ def checked_descales(arrays, descales, layout, dense, validate=True):
     xp = array_namespace(arrays[1])
     out = []
     for name, a, descale in zip(NAMES, arrays, descales):
-        if a.dtype != E4M3:  # (an FP8 KV cache's q: check_call refused a q_descale)
+        if not holds_e4m3(a):  # (an FP8 KV cache's q: check_call refused a q_descale)
             out.append(None)
             continue
         shapes = per_head_shapes(a, layout, hkv if name == "q" else None) if dense else ()

@@ -128,15 +128,15 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE.
     `kv_descales` = (k_descale, v_descale, batch stride, head stride): an e4m3 cache (k4 and v4
-    float8_e4m3fn) with its float32 device descales (strides 0, 0: one per tensor); its tile
+    float8_e4m3fn, or uint8 arrays of their bits) with its float32 device descales (strides 0, 0: one per tensor); its tile
     comes from schedule.DECODE_TILES_KV8 unless `tile` (one of kv_bytes 1) is given."""
     import cupy
 
     dev = cupy.cuda.Device().id
     lens_ptr = kv_lens if kv_lens is not None else np.uint64(0)
     kv8 = kv_descales is not None
-    if kv8 != (k4.dtype == E4M3):
-        raise ValueError("kv_descales: given exactly when k and v are float8_e4m3fn")
+    if kv8 != (k4.dtype in (E4M3, np.uint8)):
+        raise ValueError("kv_descales: given exactly when k and v hold e4m3 values (float8_e4m3fn or uint8 bits)")
     if kv8:
         if tma_tile is not None:
             raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
