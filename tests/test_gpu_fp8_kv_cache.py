@@ -209,13 +209,16 @@ def test_fp8_cache_refuses_other_shapes(rng):
     """Prefill shapes, score modifiers and d not a multiple of 16 raise NotImplementedError."""
     q = cupy.asarray(rng.standard_normal((1, 4, 64, 128)).astype(BFLOAT16))
     k = _device(_codes(rng, (1, 4, 512, 128)))
+    one = dict(k_descale=cupy.ones((), np.float32), v_descale=cupy.ones((), np.float32))
     with pytest.raises(NotImplementedError, match="split-KV decode kernel"):
-        cuflash.attention(q, k, k)
+        cuflash.attention(q, k, k, **one)
     with pytest.raises(NotImplementedError, match="softcap"):
-        cuflash.attention(q[:, :, :1], k, k, softcap=30.0)
+        cuflash.attention(q[:, :, :1], k, k, softcap=30.0, **one)
     q40 = cupy.asarray(rng.standard_normal((1, 4, 1, 40)).astype(BFLOAT16))
     k40 = _device(_codes(rng, (1, 4, 512, 40)))
     with pytest.raises(NotImplementedError, match="multiple of 16"):
-        cuflash.attention(q40, k40, k40)
+        cuflash.attention(q40, k40, k40, **one)
     with pytest.raises(TypeError, match="k_descale"):
         cuflash.attention(q[:, :, :1], k, k, k_descale=np.float64(1.0))
+    with pytest.raises(TypeError, match="uint8"):  # (bits without descales are not taken for e4m3)
+        cuflash.attention(q[:, :, :1], k, k)
