@@ -27,6 +27,7 @@ import numpy as np
 
 from .core import masks, sequence_split
 from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
+from .core.fp8_inputs import E4M3
 from .core.problem import check_offset_values, check_out_dtype
 from .plan import decode, dispatch, schedule
 from .plan import forward as plan_forward
@@ -557,16 +558,18 @@ def _forward_key_split(p, causal):
     return split_partials(mp, plan.tile, plan.splits) if plan.kernel == "wgmma_split" else None
 
 
-def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None):
+def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None, kv_e4m3=False):
     """The split-KV decode launch cuflash makes for this shape (contiguous inputs), or None.
-    cluster=False: the launch whose splits merge through memory (plan.decode.launch_plan)."""
+    cluster=False: the launch whose splits merge through memory (plan.decode.launch_plan).
+    kv_e4m3: an e4m3 K/V cache (kernels.decode.forward's tile, schedule.DECODE_TILES_KV8)."""
     p = SimpleNamespace(dtype=dtype, d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv, batch=batch,
                         causal=masks.normalize_causal(causal), window=None)
-    if not dispatch.decode_applies(p, kv_vec=True):
+    if not (dispatch.decode_applies_e4m3 if kv_e4m3 else dispatch.decode_applies)(p, True):
         return None
-    lp = decode.launch_plan(p, H200_SM_COUNT, cluster=cluster)
+    tile = schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(d)] if kv_e4m3 else None
+    lp = decode.launch_plan(p, H200_SM_COUNT, tile=tile, cluster=cluster)
     # (launch_plan's choice: the planner's own launch, wide-rows blocks included)
-    row_blocks = decode.launch_problem(p, H200_SM_COUNT, cluster=cluster).hkv // hkv
+    row_blocks = decode.launch_problem(p, None if kv_e4m3 else H200_SM_COUNT, tile, cluster).hkv // hkv
     off = masks.causal_offset(p.causal, nq, nk)
     keys = nk if off is None else max(0, min(nk, nq + off))  # keys the last query token sees
     main = decode.launch_spec(dtype, d, p.causal is not None, lp)
@@ -934,13 +937,34 @@ def _kv_tile_reads(causal, nq, nk, bm, bn):
     return keys, pairs
 
 
+def _check_kv_dtype(kv_dtype, dt, pass_, config) -> bool:
+    """io_model's kv_dtype: None (k and v in ``dtype``) -> False, float8_e4m3fn with a 16-bit
+    dtype and the forward alone -> True; else TypeError / ValueError naming it."""
+    if kv_dtype is None:
+        return False
+    try:
+        kdt = np.dtype(kv_dtype)
+    except TypeError:
+        kdt = None
+    if kdt != np.dtype(E4M3):
+        raise TypeError(f"kv_dtype: expected None or float8_e4m3fn, got {kv_dtype!r}")
+    if dt == FLOAT32:
+        raise ValueError("kv_dtype: an e4m3 cache goes with a float16 or bfloat16 q (dtype), not float32")
+    if pass_ != "fwd" or config is not None:
+        raise ValueError("kv_dtype: an e4m3 cache is modeled for the forward (pass_='fwd') of the decode kernel's "
+                         "own launch (no config)")
+    return True
+
+
 def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd", sram_bytes=None,
-             nk=None, hkv=None, deterministic=False) -> IOModel:
+             nk=None, hkv=None, deterministic=False, kv_dtype=None) -> IOModel:
     """Logical HBM traffic, in elements and bytes, of the tile schedule for ``shape = (B, H, N, d)``.
 
     ``nk`` sets a different key length (decoding: N new queries over a cache of nk keys); ``hkv``
     the K/V heads (GQA). Tiles are those cuflash launches (:func:`forward_launch`,
     :func:`backward_launch`); ``config`` (a TileConfig) replaces them in both passes.
+    ``kv_dtype="float8_e4m3fn"``: an e4m3 K/V cache with a 16-bit q (decode shapes, the forward):
+    K and V read at one byte per element by the e4m3 decode kernel's launch.
 
     Forward: Q read once; each query tile (block_m rows) of each query head reads the K and V
     tiles it sees (every tile, or with ``causal`` only those for which cuflash.core.masks.tile_is_visible
@@ -973,6 +997,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     s = dt.itemsize
+    kv_e4m3 = _check_kv_dtype(kv_dtype, dt, pass_, config)
     fl = forward_launch(dt, d, causal, config, nq, nk, batch, hq)
     bm, bn, hd = fl.block_m, fl.block_n, fl.hd
     sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else _check_int("sram_bytes", sram_bytes, minimum=1)
@@ -986,7 +1011,11 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
 
     kv_keys, computed = _kv_tile_reads(causal, nq, nk, bm, bn)
     computed *= bh
-    dec = _decode_launch(dt, d, causal, batch, hq, hkv, nq, nk) if config is None else None
+    dec = _decode_launch(dt, d, causal, batch, hq, hkv, nq, nk, kv_e4m3=kv_e4m3) if config is None else None
+    if kv_e4m3 and dec is None:
+        raise ValueError(f"kv_dtype: an e4m3 cache runs the split-KV decode kernel only, which does not take "
+                         f"shape {shape} with nk={nk}, hkv={hkv} (decode shapes, d a multiple of 16 up to 256)")
+    skv = 1 if kv_e4m3 else s
     if fwd and dec is not None:
         # Split-KV decode: all query rows of a K/V head share one pass over its cache.
         p = prefix("fwd")
@@ -998,8 +1027,8 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
                    "(reads after the first come from L2 when the row blocks run together)")
         entries += [
             IOEntry(p + "Q", qe, 0, s, "read once"),
-            IOEntry(p + "K", rb * bhkv * dec.keys * d, 0, s, kv_note),
-            IOEntry(p + "V", rb * bhkv * dec.keys * d, 0, s, "as K"),
+            IOEntry(p + "K", rb * bhkv * dec.keys * d, 0, skv, kv_note + (", e4m3" if kv_e4m3 else "")),
+            IOEntry(p + "V", rb * bhkv * dec.keys * d, 0, skv, "as K"),
             IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
                     f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
                     else f"float32, {dec.splits} splits: written by the splits, read by the last of them"

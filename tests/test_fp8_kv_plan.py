@@ -68,3 +68,31 @@ def test_which_problems_the_e4m3_kernel_takes():
     assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 64, 4096, 128), True)  # (prefill shapes)
     assert not dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 100, 128), True)  # (a short cache)
     assert dispatch.decode_applies_e4m3(_problem(1, 8, 8, 1, 4096, 96), True)  # (the d = 128 kernel, zero-filled)
+
+
+def test_io_model_reads_an_e4m3_cache_at_one_byte_per_element():
+    from cuflash import accounting
+
+    b, hq, hkv, nk, d = 8, 32, 8, 16384, 128
+    m8 = accounting.io_model((b, hq, 1, d), nk=nk, hkv=hkv, kv_dtype="float8_e4m3fn")
+    m16 = accounting.io_model((b, hq, 1, d), nk=nk, hkv=hkv)
+    kv8 = {e.name: e for e in m8.entries if e.name in ("K", "V")}
+    kv16 = {e.name: e for e in m16.entries if e.name in ("K", "V")}
+    for name in ("K", "V"):
+        assert (kv8[name].itemsize, kv8[name].reads) == (1, b * hkv * nk * d)  # each cache read once
+        assert kv16[name].itemsize == 2 and kv8[name].bytes * 2 == kv16[name].bytes
+    q8 = next(e for e in m8.entries if e.name == "Q")
+    assert q8.itemsize == 2  # (q and o stay 16-bit)
+
+
+def test_io_model_kv_dtype_errors():
+    from cuflash import accounting
+
+    with pytest.raises(TypeError, match="kv_dtype"):
+        accounting.io_model((1, 8, 1, 128), nk=4096, kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        accounting.io_model((1, 8, 1, 128), nk=4096, dtype="float32", kv_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        accounting.io_model((1, 8, 1, 128), nk=4096, pass_="bwd", kv_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv_dtype"):  # (prefill shapes: no e4m3 kernel)
+        accounting.io_model((1, 8, 512, 128), kv_dtype="float8_e4m3fn")
