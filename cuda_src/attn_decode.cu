@@ -41,8 +41,9 @@ struct DecodeTraits {
 // (CLUSTER splits form one cluster; part_o / part_lse unused).
 // KV (kv_e4m3.cuh): KvSame, or KvE4m3 for an e4m3 cache (k and v then address bytes in pairs: their
 // strides count 16-bit words) with its descales `scales`.
+// MOD: score modifiers `mods` (score_mod.cuh, DecodeMods; with WINDOW's band mask).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
-          int CLUSTER, bool WINDOW, int RING, typename KV = KvSame>
+          int CLUSTER, bool WINDOW, int RING, typename KV = KvSame, bool MOD = false>
 __device__ __forceinline__ void
 attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ part_o,
@@ -50,7 +51,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   i64 bt_sb, int page_shift, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                   int hq, int nq, int nk, int d, int group, int align, int chunk, float scale_log2, int band_lo,
-                  int band_hi, int row_blocks, KvDescales scales = {}) {
+                  int band_hi, int row_blocks, KvDescales scales = {}, const ScoreModArgs& mods = ScoreModArgs{}) {
     using Tr = DecodeTraits<HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, KV>;
     constexpr int kRows = Tr::kRows, kNO = HEAD_DIM / 8, kKvCols = Tr::kKvCols;
     constexpr bool kE4m3 = KV::kE4m3;
@@ -85,6 +86,18 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     zero_acc(acc_o);
     const int row0 = kRowSplit ? warp * 16 : 0;  // the warp's first block row
     const DecodeRowTokens<kWarpTiles, WINDOW> rows(lane, nq, row0);
+    DecodeMods<kWarpTiles, MOD> mod;
+    if constexpr (MOD) {
+        static_assert(WINDOW, "the modifiers run with the band mask");
+        // (ALiBi's rows in warp 0's row statistics, idle until the merge; filled before Q's barrier)
+        mod.init(mods, reinterpret_cast<float2*>(s_stat));
+        // A sink counts once per row: one warp of split 0 starts its state with it (RING 3 / 4: each
+        // row's warp), as one more key without a value. Every merge after it - the warps', the
+        // cluster's, the last split's, attn_decode_combine - adds states by the log-sum-exp rule, so
+        // the sink reaches the row's sum and LSE once and nothing else changes (adding it at each of
+        // those five ends instead would touch them all).
+        if (split == 0 && (kRowSplit || warp == 0)) mod.add_sinks(softmax, mods, hk, group, nq, row0, lane);
+    }
     // Warp w computes key tiles w, w + WARPS, ... of this split, one BLOCK_N-key tile per step of
     // WARPS x BLOCK_N keys. RING 0: each warp copies its own tiles into a private ring (no block
     // barrier in the loop). RING > 0: the block copies each step's K and V tiles into one shared
@@ -203,6 +216,8 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     } else {  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
         decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads, kE4m3>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     }
+    if constexpr (MOD)
+        mod.template fill<Tr::kThreads, kRows>(mods, b, hk, group, nq, kv_lens ? min(kv_lens[b], nk) : nk);
     __syncthreads();
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, kWarpTiles> qa(sbase + row0 * HEAD_DIM * 2, lane);  // (16-row offsets keep the swizzle's phase)
@@ -227,7 +242,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             if (warp < ROW_TILES)
                 decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, 0, 0, s0 + t * kStepN, s1, rows,
                                                                      span.lo0, span.hi0, nq, lane, softmax, acc_o,
-                                                                     scale_log2, k_ahead);
+                                                                     scale_log2, k_ahead, KvSame{}, mod);
             else
                 k_ahead();  // (a warp without rows still meets the barrier and copies its share)
         }
@@ -259,13 +274,13 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                 if (warp < ROW_TILES)
                     decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, s0 + t * kStepN, s1,
                                                                          rows, span.lo0, span.hi0, nq, lane, softmax,
-                                                                         acc_o, scale_log2);
+                                                                         acc_o, scale_log2, DecodeNoStep{}, KvSame{}, mod);
             } else {
                 const int n0 = s0 + t * kStepN + warp * BLOCK_N;
                 if (n0 < s1)
                     decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
                         qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                        v_ahead, kv);
+                        v_ahead, kv, mod);
                 else
                     v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
             }
@@ -284,10 +299,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
             decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
                                                                              span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                                                                             DecodeNoStep{}, kv);
+                                                                             DecodeNoStep{}, kv, mod);
         }
     }
     cp_async_wait<0>();
+    if constexpr (MOD && !kRowSplit) __syncthreads();  // every warp is done with ALiBi's rows in s_stat
     if constexpr (kE4m3) {  // O = (P v8) v_descale: linear, so before the warps' and the splits' merges
         const float vs = scales.v[b * scales.sb + hkv_head * scales.sh];
 #pragma unroll
@@ -371,6 +387,34 @@ attn_decode_kv8(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ p
         q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS, KvDescales{k_descale, v_descale, ds_sb, ds_sh});
 }
 
+// __launch_bounds__' blocks per SM of the modifier kernels (0: none given). Two or more row tiles per
+// warp at d <= 64: left free, ptxas held some of them at 168 registers (3 blocks of 128 threads per SM)
+// and spilled 8-72 bytes; with 1 they take 192-255 (174-255 where ptxas was left free and did not
+// spill: 2 blocks per SM either way). Elsewhere 1 would raise d=128's 168 registers to 200 (3 blocks
+// per SM down to 2).
+template <int HEAD_DIM, int ROW_TILES, int RING>
+__host__ __device__ constexpr int decode_mod_min_blocks() {
+    return RING < 3 && ROW_TILES > 1 && HEAD_DIM <= 64 ? 1 : 0;
+}
+
+// attn_decode with score modifiers (score_mod.cuh: softcap, ALiBi, sinks; cuflash.attention's
+// softcap= / alibi_slopes= / sinks= in decode shapes): the band mask's instantiation (its run-time
+// bounds cover no mask, causal and windows, as attn_fwd_band_mod's do), so one kernel per tile. alibi
+// is sequence * alibi_sb + query head, sinks one per query head; a zero cap_in / null pointer leaves
+// a modifier off.
+#define DECODE_MOD_PARAMS                                                                                           \
+    float cap_in, float cap_out, float inv_scale, const float *__restrict__ alibi, int alibi_sb,                    \
+        const float *__restrict__ sinks
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool VEC, int RING = 0>
+__global__ void __launch_bounds__(WARPS * 32, decode_mod_min_blocks<HEAD_DIM, ROW_TILES, RING>())
+attn_decode_mod(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_done,
+                DECODE_TAIL_PARAMS, DECODE_MOD_PARAMS) {
+    pdl_launch_dependents();
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, false, VEC, 0, true, RING, KvSame, true>(
+        q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS, KvDescales{},
+        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+}
+
 #if __CUDA_ARCH__ >= 900
 // Grid (CLUSTER, Hkv, B), the cluster size fixed at compile time (a plain launch then forms the
 // clusters): the CLUSTER splits of one (K/V head, sequence) merge in distributed shared memory.
@@ -390,8 +434,19 @@ attn_decode_cluster_kv8(DECODE_PARAMS, DECODE_TAIL_PARAMS, const float* __restri
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, CAUSAL, VEC, CLUSTER, WINDOW, RING, KvE4m3>(
         q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS, KvDescales{k_descale, v_descale, ds_sb, ds_sh});
 }
+// attn_decode_cluster with score modifiers (as attn_decode_mod).
+template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool VEC, int CLUSTER,
+          int RING = 0>
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+__launch_bounds__(WARPS * 32, decode_mod_min_blocks<HEAD_DIM, ROW_TILES, RING>())
+attn_decode_cluster_mod(DECODE_PARAMS, DECODE_TAIL_PARAMS, DECODE_MOD_PARAMS) {
+    attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, false, VEC, CLUSTER, true, RING, KvSame, true>(
+        q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS, KvDescales{},
+        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+}
 #endif
 #undef DECODE_PARAMS
+#undef DECODE_MOD_PARAMS
 #undef DECODE_TAIL_PARAMS
 #undef DECODE_TAIL_ARGS
 

@@ -7,6 +7,7 @@
 #include "band.cuh"
 #include "softmax.cuh"
 #include "kv_e4m3.cuh"
+#include "score_mod.cuh"
 
 // Piece i (row r = i / (HEAD_DIM / 8), 8 columns from col = 8 (i % (HEAD_DIM / 8))) of the packed
 // query rows as four bf16/fp16 pairs: row r is (head hk * group + r / nq, token r % nq); columns
@@ -165,17 +166,92 @@ struct DecodeNoStep {
     __device__ __forceinline__ void operator()() const {}
 };
 
+// Score modifiers (score_mod.cuh) of a block's packed rows: off (the plain kernels: nothing is
+// stored or computed), or on (attn_decode_mod): the softcap is the launch's, but the ALiBi slope and
+// the sink belong to each row's query head. Applied in raw units before the mask, as the prefill
+// kernels apply them. ALiBi's per-row (bias, distance) pairs live in shared memory, read once per row
+// and tile: held in registers (with the loop-invariant distances ptxas derived from them), they made
+// the two-row-tile kernels at d = 32 / 64 spill.
+template <int ROW_TILES, bool ON>
+struct DecodeMods {
+    static constexpr bool kOn = false;
+};
+template <int ROW_TILES>
+struct DecodeMods<ROW_TILES, true> {
+    static constexpr bool kOn = true;
+    ScoreMod cap;         // the softcap (its bias unused: per row below)
+    const float2* rows_;  // block row r: (-slope / scale of its head, 0 on padding rows; token + len - nq as int bits)
+    bool biased;          // ALiBi given (uniform)
+
+    __device__ __forceinline__ void init(const ScoreModArgs& a, float2* shared) {
+        cap.cap_in = a.cap_in;
+        cap.cap_out = a.cap_out;
+        rows_ = shared;
+        biased = a.alibi != nullptr;
+    }
+    // All threads of the block (THREADS) fill init's `shared` (BLOCK_ROWS float2, idle until the block's
+    // merge: the caller keeps it so with a barrier after its loop) for (sequence b, K/V head hk), whose
+    // block rows r < group * nq are (head hk * group + r / nq, token r % nq), over its len keys.
+    template <int THREADS, int BLOCK_ROWS>
+    __device__ __forceinline__ void fill(const ScoreModArgs& a, int b, int hk, int group, int nq, int len) const {
+        if (biased) {
+            float2* shared = const_cast<float2*>(rows_);
+            for (int r = threadIdx.x; r < BLOCK_ROWS; r += THREADS) {
+                const float bias =
+                    r < group * nq ? -a.alibi[(i64)b * a.alibi_sb + hk * group + r / nq] * a.inv_scale : 0.f;
+                shared[r] = make_float2(bias, __int_as_float(r % nq + len - nq));
+            }
+        }
+    }
+    // The sinks of this thread's rows (block rows row0 + (i / 2) * 16 + (lane >> 2) + 8 (i % 2)) as extra
+    // keys of its softmax state (sink_raw; the caller picks the one state per row that carries them).
+    template <int R>
+    __device__ __forceinline__ void add_sinks(OnlineSoftmax<R>& softmax, const ScoreModArgs& a, int hk, int group,
+                                              int nq, int row0, int lane) const {
+#pragma unroll
+        for (int i = 0; i < 2 * ROW_TILES; ++i) {
+            const int r = row0 + (i / 2) * 16 + (lane >> 2) + 8 * (i % 2);
+            if (r < group * nq) softmax.add_sink_row(i, sink_raw(a, hk * group + r / nq), lane);
+        }
+    }
+    // One key tile's raw scores (keys from n0) of the warp's rows from block row row0: the softcap,
+    // then ALiBi's fmaf(bias, |token + len - nq - key|, s) (ScoreMod::apply_rows' arithmetic).
+    template <int NS>
+    __device__ __forceinline__ void apply(float (&acc)[ROW_TILES][NS][4], int row0, int n0, int lane) const {
+#pragma unroll
+        for (int mi = 0; mi < ROW_TILES; ++mi) cap.cap_tile(acc[mi]);
+        if (biased) {
+            const int c0 = n0 + 2 * (lane & 3);
+#pragma unroll
+            for (int mi = 0; mi < ROW_TILES; ++mi)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const float2 rp = rows_[row0 + mi * 16 + (lane >> 2) + 8 * hf];
+                    const int dist = __float_as_int(rp.y) - c0;
+#pragma unroll
+                    for (int ni = 0; ni < NS; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            acc[mi][ni][2 * hf + e] =
+                                fmaf(rp.x, fabsf((float)(dist - ni * 8 - e)), acc[mi][ni][2 * hf + e]);
+                }
+        }
+    }
+};
+
 // One warp's key tile: S = Q K^T, masks, the online softmax, O += P V. `before_pv` runs between the
 // softmax and P V (the block ring's wait for V and its next V copy, attn_decode_block RING 2).
 // kv: KvSame (K and V in q's type) or KvE4m3 (kv_e4m3.cuh; S scaled by its k_scale before the masks).
+// mods: DecodeMods (off, or the rows' softcap and ALiBi, applied after kv's scale, before the masks).
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, bool CAUSAL, bool WINDOW, typename AddrK, typename AddrV,
-          typename BeforePV = DecodeNoStep, typename KV = KvSame>
+          typename BeforePV = DecodeNoStep, typename KV = KvSame, typename MODS = DecodeMods<ROW_TILES, false>>
 __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TILES>& qa, const AddrK& aK,
                                                  const AddrV& aV, u32 k_off, u32 v_off, int n0, int s1,
                                                  const DecodeRowTokens<ROW_TILES, WINDOW>& rows, int lo0, int hi0,
                                                  int nq, int lane, OnlineSoftmax<2 * ROW_TILES>& softmax,
                                                  float (&acc_o)[ROW_TILES][HEAD_DIM / 8][4], float scale_log2,
-                                                 const BeforePV& before_pv = BeforePV{}, const KV& kv = KV{}) {
+                                                 const BeforePV& before_pv = BeforePV{}, const KV& kv = KV{},
+                                                 const MODS& mods = MODS{}) {
     constexpr int kNS = BLOCK_N / 8, kNO = HEAD_DIM / 8, kKS = HEAD_DIM / 16;
     float acc_s[ROW_TILES][kNS][4];
     zero_acc(acc_s);
@@ -204,6 +280,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
             }
         }
     }
+    if constexpr (MODS::kOn) mods.apply(acc_s, rows.row0, n0, lane);  // softcap and ALiBi before the mask
     if (n0 + BLOCK_N > s1 || CAUSAL || WINDOW) {
 #pragma unroll
         for (int mi = 0; mi < ROW_TILES; ++mi)

@@ -28,6 +28,12 @@ struct OnlineSoftmax {
             l[r] = (lane & 3) == 0 ? 1.f : 0.f;
         }
     }
+    // add_sink for row r alone (the decode kernel packs rows of several heads, each its own sink).
+    __device__ __forceinline__ void add_sink_row(int r, float m_raw, int lane) {
+        if (m_raw == -INFINITY) return;
+        m[r] = m_raw;
+        l[r] = (lane & 3) == 0 ? 1.f : 0.f;
+    }
 
     // STALE: a row keeps its running max while the tile's max stays within 2^kStaleLog2 of it
     // (scaled, base 2), so its probabilities reach at most 2^8 - still exact, since O and l share

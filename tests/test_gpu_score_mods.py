@@ -1,6 +1,6 @@
 """Score modifiers (softcap, ALiBi slopes, sinks) on the GPU against the float64 oracle, by the
 accuracy rule (cuflash.testing): the forward (on sm_90 without a window attn_fwd_wgmma_tma_mod,
-else attn_fwd_band_mod) and the backward (softcap and ALiBi: on sm_90, d <= 128, atomic dQ
+else attn_fwd_band_mod; decode shapes attn_decode_mod, see test_gpu_decode_mods.py) and the backward (softcap and ALiBi: on sm_90, d <= 128, atomic dQ
 attn_bwd_kv_wgmma_ws_mod, else attn_bwd_kv_band_mod / attn_bwd_dq_band_mod; sinks: the plain
 kernels and D), both kernel selections, masked rows, GQA, windows, packed, kv_lens and paged inputs. Every allocation cuflash makes is
 filled with NaN bytes first (cuflash.testing.poisoned_allocations), so an output element a kernel
@@ -128,7 +128,7 @@ def test_varlen_with_modifiers(rng, kernels):
 
 
 def test_kv_lens_and_paged(rng, kernels):
-    b, hq, hkv, nq, nk, d = 3, 8, 2, 4, 600, 128  # decode shapes: the modifiers take the prefill kernel
+    b, hq, hkv, nq, nk, d = 3, 8, 2, 4, 600, 128  # decode shapes: the split-KV kernel (test_gpu_decode_mods.py)
     q, k, v = random_inputs(rng, (b, hq, nq, d), (b, hkv, nk, d), FLOAT16)
     lens = np.array([600, 17, 333], np.int32)
     mods = make_mods(rng, "all", hq, b)

@@ -393,9 +393,10 @@ def test_plan_runs_the_mod_kernels(which):
     for spec in [fwd.spec, *bwd.specs.values(), *det.specs.values(), wfwd.spec, *wbwd.specs.values(), dfwd.spec,
                  *dbwd.specs.values()]:
         assert spec in listed, f"{spec.expression} is not in plan.registry (CI would not compile it)"
-    # decode shapes take the prefill band kernel too
-    assert not _planned(mods, nq=1, nk=8192)[3]
+    # decode shapes take the split-KV decode kernel with them (tests/test_decode_mods_plan.py)
+    assert _planned(mods, nq=1, nk=8192)[3]
     assert _planned({}, nq=1, nk=8192)[3]
+    assert not _planned(mods, nq=64, nk=8192)[3]
 
 
 def test_plan_sinks_backward_keeps_the_plain_kernels():

@@ -20,7 +20,7 @@ from . import counters as stream_counters
 from . import device, pdl, tma
 from .build import get_function
 from .operands import LOG2E as _LOG2E
-from .operands import band_offsets, elem_strides, tma_ok
+from .operands import band_offsets, elem_strides, score_mod_args, sink_pointer, tma_ok
 
 
 
@@ -108,7 +108,7 @@ def decode_launch(p, dev, strides, paged_shift=None, splits=None, tile=None, wav
     p = lpp
     lp = _plan_launch(p, sms, splits, tile, waves, cluster, device.compute_capability(dev) >= 90, own)  # (launch_plan's plan)
     middle, combine_tail = _launch_scalars(p, strides, paged_shift, lp.chunk, r)
-    spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None)
+    spec = launch_spec(p.dtype, p.d, p.causal is not None, lp, p.window is not None, getattr(p, "modified", False))
     return DecodeLaunch(lp, spec, (lp.splits, p.hkv, p.batch), middle, combine_tail, p.group * p.nq, p)
 
 
@@ -128,8 +128,10 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     merge (ValueError where it cannot run). `merge`: how a workspace's partials merge, "last" (the
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE.
     `kv_descales` = (k_descale, v_descale, batch stride, head stride): an e4m3 cache (k4 and v4
-    float8_e4m3fn, or uint8 arrays of their bits) with its float32 device descales (strides 0, 0: one per tensor); its tile
-    comes from schedule.DECODE_TILES_KV8 unless `tile` (one of kv_bytes 1) is given."""
+    float8_e4m3fn, or uint8 arrays of their bits) with its float32 device descales (strides 0, 0: one
+    per tensor); its tile comes from schedule.DECODE_TILES_KV8 unless `tile` (one of kv_bytes 1) is
+    given. Score modifiers (p.softcap, p.alibi, p.sinks) run attn_decode_mod /
+    attn_decode_cluster_mod, on 16-bit caches and the cp.async kernel only."""
     import cupy
 
     dev = cupy.cuda.Device().id
@@ -137,6 +139,10 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     kv8 = kv_descales is not None
     if kv8 != (k4.dtype in (E4M3, np.uint8)):
         raise ValueError("kv_descales: given exactly when k and v hold e4m3 values (float8_e4m3fn or uint8 bits)")
+    modified = getattr(p, "modified", False)
+    if modified and (kv8 or tma_tile is not None):
+        raise NotImplementedError("softcap=, alibi_slopes=, sinks=: the split-KV decode kernel takes them with "
+                                  "16-bit caches on the cp.async kernel only (no kv_descales, no tma_tile)")
     if kv8:
         if tma_tile is not None:
             raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
@@ -167,6 +173,8 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     if kv8:
         kd, vd, sb, sh = kv_descales
         args += (kd, vd, np.int64(sb), np.int64(sh))
+    if modified:  # (the whole batch in one launch: slopes from sequence 0)
+        args += (*score_mod_args(p), sink_pointer(p))
     get_function(spec)(dl.grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
     if dl.combines and not split_done:
         _launch_combine(p, dl.combine_args(part_o, part_lse, o4, lse3), dl.combine_grid(),

@@ -232,9 +232,20 @@ CLUSTER_SIZES = (2, 4, 8)  # cluster sizes attn_decode_cluster is instantiated f
 
 
 @functools.lru_cache(maxsize=None)  # a few dozen keys: tiles and cluster sizes, not lengths
-def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
+def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False, mods=False):
     """attn_decode (cluster 0) or attn_decode_cluster (`cluster` splits per cluster) with launch
-    tile t; window: the instantiation that masks a sliding window."""
+    tile t; window: the instantiation that masks a sliding window; mods: attn_decode_mod /
+    attn_decode_cluster_mod (score modifiers), whose band mask covers every mask (causal and window
+    are not part of its name)."""
+    if mods:
+        if t.kv_bytes != 2:
+            raise ValueError("mods: the score-modifier decode kernel reads 16-bit caches only")
+        head = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(vec)}"
+        if cluster and cluster not in CLUSTER_SIZES:
+            raise ValueError(f"cluster size {cluster}: attn_decode_cluster_mod is instantiated for {CLUSTER_SIZES}")
+        expr = (f"attn_decode_cluster_mod<{head}, {cluster}, {t.ring}>" if cluster
+                else f"attn_decode_mod<{head}, {t.ring}>")
+        return KernelSpec("attn_decode.cu", expr, t.threads, t.smem_bytes(hd, row_tiles))
     params = f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {row_tiles}, {t.block_n}, {t.warps}, {t.stages}, {_b(causal)}, {_b(vec)}"
     tail = ", true" if window else ""
     kv8 = "_kv8" if t.kv_bytes == 1 else ""  # (an e4m3 cache: the _kv8 kernels, every argument spelled out)
@@ -250,27 +261,29 @@ def _kernel_spec(dtype, hd, row_tiles, t, causal, vec, cluster=0, window=False):
 
 
 @functools.lru_cache(maxsize=None)  # asked on every decode call: keep the host path short
-def decode_specs(dtype, d, row_tiles, causal, vec, tile=None, window=False):
+def decode_specs(dtype, d, row_tiles, causal, vec, tile=None, window=False, mods=False):
     """(attn_decode, attn_decode_combine, head-dim bucket, launch tile) for the table's tile or
-    `tile`, its key tile shrunk for row_tiles (pass a launch_plan tile to launch_spec instead)."""
+    `tile`, its key tile shrunk for row_tiles (pass a launch_plan tile to launch_spec instead);
+    mods: attn_decode_mod (_kernel_spec)."""
     hd, t = schedule.decode_tile(d)
     t = _launch_tile(tile or t, row_tiles)
-    return _kernel_spec(dtype, hd, row_tiles, t, causal, vec, 0, window), combine_spec(dtype, d), hd, t
+    return _kernel_spec(dtype, hd, row_tiles, t, causal, vec, 0, window, mods), combine_spec(dtype, d), hd, t
 
 
 @functools.lru_cache(maxsize=None)
-def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None, window=False):
+def cluster_spec(dtype, d, row_tiles, causal, vec, size, tile=None, window=False, mods=False):
     """attn_decode_cluster: decode_specs' main kernel with `size` splits per thread-block cluster."""
     hd, t = schedule.decode_tile(d)
-    return _kernel_spec(dtype, hd, row_tiles, _launch_tile(tile or t, row_tiles), causal, vec, size, window)
+    return _kernel_spec(dtype, hd, row_tiles, _launch_tile(tile or t, row_tiles), causal, vec, size, window, mods)
 
 
-def launch_spec(dtype, d, causal, plan, window=False):
+def launch_spec(dtype, d, causal, plan, window=False, mods=False):
     """The cp.async kernel a DecodePlan launches: attn_decode, or attn_decode_cluster when its
-    splits merge in a cluster (plan.tile is the launch tile already: no second shrink)."""
+    splits merge in a cluster (plan.tile is the launch tile already: no second shrink); mods: their
+    score-modifier variants (_kernel_spec)."""
     hd, _ = schedule.decode_tile(d)
     return _kernel_spec(dtype, hd, plan.row_tiles, plan.tile, causal, True, plan.splits if plan.cluster else 0,
-                        window)
+                        window, mods)
 
 
 def combine_spec(dtype, d):
@@ -319,7 +332,31 @@ def all_decode_specs():
         for hd, t, rt, causal, window in _instances(schedule.DECODE_TILES_KV8):
             specs.append(decode_specs(dtype, hd, rt, causal, True, t, window)[0])
             specs += [cluster_spec(dtype, hd, rt, causal, True, size, t, window) for size in CLUSTER_SIZES]
+        specs += mod_decode_specs(dtype)
     return list(dict.fromkeys(specs))
+
+
+def mod_decode_specs(dtype):
+    """The score-modifier instantiations (attn_decode_mod, attn_decode_cluster_mod): the 16-bit
+    tiles and cluster sizes all_decode_specs lists (TMA's and e4m3's aside), one per tile and
+    row-tile count, their band mask serving every mask."""
+    specs = []
+    for hd, t, rt in _tile_rows(schedule.DECODE_TILES, schedule.DECODE_TILES_NO_SPLIT, schedule.DECODE_TILES_LONG_SPLITS,
+                                schedule.DECODE_TILES_WIDE_ROWS, schedule.DECODE_TILES_WIDE_ROWS_LONG,
+                                schedule.DECODE_TILES_FEW_PAIRS):
+        specs.append(decode_specs(dtype, hd, rt, False, True, t, mods=True)[0])
+    for hd, t, rt in _tile_rows(schedule.DECODE_TILES, schedule.DECODE_TILES_FEW_PAIRS,
+                                schedule.DECODE_TILES_LONG_CLUSTER_SPLITS):
+        specs += [cluster_spec(dtype, hd, rt, False, True, size, t, mods=True) for size in CLUSTER_SIZES]
+    return list(dict.fromkeys(specs))
+
+
+def _tile_rows(*tables):
+    """(head-dim bucket, tile, row tiles) of every tile of the tables and packed-row count up to its own."""
+    for table in tables:
+        for hd, t in table.items():
+            for rt in range(1, t.max_row_tiles + 1):
+                yield hd, t, rt
 
 
 WAVES = 2  # blocks per SM the split count aims for

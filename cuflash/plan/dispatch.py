@@ -7,11 +7,12 @@ few facts of the call's arrays (Operands); an explicit tile (schedule search, te
 tables, and with ``CUFLASH_TUNE`` the tuning cache's winner does (plan.tuning).
 
 Order of the forward's choice:
+  few query rows per K/V head over a long cache -> split-KV decode (plan.decode), with score
+  modifiers too (attn_decode_mod, plan.decode.mod_decode_specs);
   score modifiers (softcap, ALiBi, sinks) -> on sm_90 without a window, rows TMA can address, the
   wgmma TMA kernel with them (attn_fwd_wgmma_tma_mod); else the mma.sync band kernel with them
   (attn_fwd_band_mod), on every GPU and for every mask (the backward: the *_band_mod kernels for
   softcap / ALiBi; sinks alone keep the plain backward);
-  few query rows per K/V head over a long cache -> split-KV decode (plan.decode);
   a window or packed sequences -> the band kernels (wgmma on sm_90, else mma.sync);
   sm_90, 16-bit, 16-byte-aligned rows, a head dim of the Hopper tables -> the wgmma forward, on a
   tile that depends on the shape (persistent, long rows, a key split of short full-attention grids);
@@ -80,21 +81,26 @@ def _known(p, *names) -> bool:
 
 def decode_applies(p, kv_vec: bool) -> bool:
     """Split-KV decode takes few query rows per K/V head over a long cache, with 16-byte loads of K
-    and V (unaligned caches take the prefill kernel, whose scalar-load path handles them)."""
-    if getattr(p, "modified", False):  # score modifiers run the prefill band kernel
-        return False
+    and V (unaligned caches take the prefill kernel, whose scalar-load path handles them); score
+    modifiers included (attn_decode_mod)."""
     return p.nq <= 16 and p.nk >= decode.MIN_KEYS and decode.row_tiles_for(p) is not None and kv_vec
 
 
 def decode_applies_e4m3(p, kv_vec: bool) -> bool:
     """decode_applies for an e4m3 K/V cache (attn_decode_kv8): its head dims
-    (schedule.DECODE_TILES_KV8) and 16-byte copies of the caches' rows (kv_vec: d a multiple of 16)."""
+    (schedule.DECODE_TILES_KV8) and 16-byte copies of the caches' rows (kv_vec: d a multiple of 16);
+    no score modifiers (no _kv8 kernel takes them)."""
+    if getattr(p, "modified", False):
+        return False
     return schedule.head_dim_bucket(p.d) in schedule.DECODE_TILES_KV8 and decode_applies(p, kv_vec)
 
 
 def decode_tma_applies(p, tile, target: Target, tma_kv: bool) -> bool:
     """Whether attn_decode_tma can run this problem with this tile: sm_90 with cuda-bindings, d of
-    64 or 128, few enough packed rows, K and V rows whose base and strides TMA can address."""
+    64 or 128, few enough packed rows, K and V rows whose base and strides TMA can address, no score
+    modifiers."""
+    if getattr(p, "modified", False):
+        return False
     if p.d not in schedule.DECODE_TMA_TILES or decode.row_blocks(p) > 1 or decode.row_tiles_for(p) > tile.max_row_tiles:
         return False
     return target.hopper and tma_kv
