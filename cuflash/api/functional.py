@@ -104,15 +104,22 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         to float32 (exactly) and run the float32 kernels (float64 arithmetic, o rounded once):
         exact but several times slower, and window= / cu_seqlens_* then raise
         NotImplementedError as for float32 inputs. ``out`` must then be float32.
-    q_descale, k_descale, v_descale : with ``float8_e4m3fn`` q, k, v (ml_dtypes; NumPy arrays, the
-        NumPy backend: no FP8 GPU kernel exists yet, other arrays raise NotImplementedError): float32
-        factors, each input standing for ``x8 * descale`` (cuflash.fp8.quantize makes both). Shape
-        () or (1,) per tensor, or per batch entry and head: the input's batch axes + (H,), for q
-        also + (Hkv,) (FlashAttention-3's form). None: 1. Packed sequences and paged caches take
-        per-tensor factors. The scores, softmax and o are computed from the dequantized float32
-        values; o is bfloat16 (out_dtype: bfloat16, float16 or float32), rounded once from float32.
-        A float16/bfloat16 q with e4m3 k and v (an FP8 KV cache) takes no q_descale, and o has q's
-        dtype by default.
+    q_descale, k_descale, v_descale : with ``float8_e4m3fn`` q, k, v: float32 factors, each input
+        standing for ``x8 * descale`` (cuflash.fp8.quantize makes both). Shape () or (1,) per
+        tensor, or per batch entry and head: the input's batch axes + (H,), for q also + (Hkv,)
+        (FlashAttention-3's form). None: 1.
+        NumPy arrays (ml_dtypes' float8_e4m3fn; descales NumPy float32, checked finite): the NumPy
+        backend, every option; packed sequences and paged caches take per-tensor factors. The
+        scores, softmax and o are computed from the dequantized float32 values; o is bfloat16
+        (out_dtype: bfloat16, float16 or float32), rounded once from float32. A float16/bfloat16
+        q with e4m3 k and v (an FP8 KV cache) takes no q_descale, and o has q's dtype by default.
+        GPU arrays: the e4m3 kernel on Hopper (sm_90; docs/fp8.md): CuPy holds e4m3 as uint8
+        bits, which a call marks as e4m3 by passing descales (arrays of the inputs' library and
+        device, values not read on the host; 1 for unscaled inputs); torch float8_e4m3fn tensors
+        need none. Dense q, k, v with no mask or a causal one (GQA, d <= 256, any strides); o
+        bfloat16 or float16 (out_dtype), lse float32; kv_lens, window, cu_seqlens_*,
+        block_table, softcap, alibi_slopes, sinks, out_dtype=float32 and an FP8 KV cache raise
+        NotImplementedError, other GPUs too. Its arithmetic is cuflash.fp8.emulate_attention's.
 
     Returns
     -------
@@ -144,9 +151,13 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
 
 
 def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
-    """attention of float8_e4m3fn inputs (core.fp8_inputs): dequantized to float32 by their descale
-    factors, the float32 path (float64 arithmetic on the NumPy backend, o rounded once to
-    float32), then o rounded once to the output dtype."""
+    """attention of float8_e4m3fn inputs (core.fp8_inputs). GPU arrays: the e4m3 kernel
+    (_attention_fp8_gpu). NumPy arrays: dequantized to float32 by their descale factors, the
+    float32 path (float64 arithmetic on the NumPy backend, o rounded once to float32), then o
+    rounded once to the output dtype."""
+    if fp8_inputs.on_gpu((q, k, v)):
+        q, k, v = (fp8_inputs.as_bits(a) for a in (q, k, v))
+        return _attention_fp8_gpu(q, k, v, *descales, out_dtype=out_dtype, out=out, return_lse=return_lse, **options)
     odt = fp8_inputs.check_call((q, k, v), descales, out_dtype)
     layout = options["layout"]
     _problem.check_layout(layout)
@@ -166,6 +177,37 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     else:
         o = o32 if odt == FLOAT32 else o32.astype(odt)
     return (o, lse) if return_lse else o
+
+
+@interop.accepts_foreign_arrays("q", "k", "v", "q_descale", "k_descale", "v_descale", outputs=("out",))
+def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, out, return_lse, causal, scale, layout,
+                       validate, kv_lens, window, cu_seqlens_q, cu_seqlens_k, block_table, softcap, alibi_slopes,
+                       sinks):
+    """float8_e4m3fn GPU inputs (CuPy uint8 bits; torch float8_e4m3fn tensors arrive as uint8 views)
+    on the e4m3 kernel: dense q, k, v with no mask or a causal one; other options raise
+    NotImplementedError naming themselves (core.fp8_inputs.GPU_OPTIONS)."""
+    options = dict(kv_lens=kv_lens, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if all(isinstance(a, np.ndarray) for a in (q, k, v)):  # torch CPU tensors: their bits as NumPy e4m3
+        q, k, v = (a.view(fp8_inputs.E4M3) if a.dtype == np.uint8 else a for a in (q, k, v))
+        return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
+                              dict(causal=causal, scale=scale, layout=layout, validate=validate, **options))
+    _problem.check_flag("return_lse", return_lse)
+    _problem.check_flag("validate", validate)
+    fp8_inputs.refuse_gpu_options(options)
+    _problem.check_layout(layout)
+    _problem.same_library((("q", q), ("k", k), ("v", v)))
+    odt = fp8_inputs.check_gpu_call((q, k, v), out_dtype)
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, element=fp8_inputs.E4M3)
+    if p.dv != p.d:
+        raise NotImplementedError(f"v: a head dim ({p.dv}) other than q's ({p.d}) is not implemented for "
+                                  "float8_e4m3fn GPU inputs")
+    descales = fp8_inputs.checked_gpu_descales((q, k, v), (q_descale, k_descale, v_descale), layout, p.xp)
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    o, o4, direct, lse3 = _forward_outputs(p, out, odt)
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    cuda.forward_fp8(p, q4, k4, v4, o4, lse3, descales)
+    return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
 @interop.accepts_foreign_arrays("q", "k", "v", "kv_lens", "cu_seqlens_q", "cu_seqlens_k", "block_table",
