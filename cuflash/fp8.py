@@ -11,13 +11,14 @@ incoherent-processing rotation, and the arithmetic of an FP8 attention kernel em
   amax falls and e4m3's 3 mantissa bits cover more of the values ("incoherent processing").
 - :func:`emulate_attention` is what an FP8 forward kernel computes, step by step: e4m3 products
   accumulated in float32, the scores scaled by ``scale * q_descale * k_descale``, the online
-  softmax in float32, P rounded to e4m3 for P V (or to ``p_dtype``), the float32 accumulator scaled
-  by ``v_descale / l``, the output rounded once. It is the yardstick of the accuracy table in
-  docs/fp8.md and of a GPU kernel's tests; it materializes the scores (small problems only).
+  softmax in float32, P rounded to e4m3 for P V (or to ``p_dtype``; against the row max, or the
+  running maxima of an online softmax's key tiles), the float32 accumulator scaled by
+  ``v_descale / l``, the output rounded once. It is the yardstick of the accuracy table in
+  docs/fp8.md and of the GPU kernel's tests; it materializes the scores (small problems only).
 
 NumPy arrays (ml_dtypes' ``float8_e4m3fn``). ``cuflash.attention`` takes such arrays with their
-descale factors on the NumPy backend (core.fp8_inputs); no FP8 GPU kernel exists yet (docs/fp8.md
-says what the kernels need).
+descale factors on the NumPy backend, and GPU e4m3 inputs on the Hopper e4m3 kernel, whose
+arithmetic this emulates with ``block_n`` = its key tile (core.fp8_inputs, docs/fp8.md).
 """
 
 from __future__ import annotations

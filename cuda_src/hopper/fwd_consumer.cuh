@@ -46,7 +46,7 @@ struct FwdConsumer {
     // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
     // (d=192 not measured: off.) Not with e4m3 P: its spec is P <= 1 (cuflash.fp8.emulate_attention),
     // where a row's largest key has P = 1 exactly; P up to 2^8 rounds that key too (2.4x the
-    // largest error of o, emulated at d=128).
+    // largest error of o in one emulated case).
     static constexpr bool kStale = HEAD_DIM >= 256 && !Tr::kFp8;
     // (warp-specialized) Where P_j V_j's wgmma retires. Written after the softmax of tile j+1,
     // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:

@@ -1,5 +1,6 @@
-// The Hopper forward's epilogue: the normalized O of a tile staged through shared memory (Q's rows,
-// or O's own tile when persistent) and stored 16 bytes per thread along rows, then the LSE.
+// The Hopper forward's epilogue: the normalized O of a tile staged through shared memory (Q's rows
+// - with e4m3 inputs Q's and the K ring's, O's rows being twice Q's - or O's own tile when
+// persistent) and stored 16 bytes per thread along rows, then the LSE.
 #pragma once
 #include "hopper/fwd_traits.cuh"
 
