@@ -436,10 +436,11 @@ def emulated_rows_fp8(q8, k8, v8, qd, kd, vd, rows, causal, scale):
     idx = torch.tensor(rows, device=q8.device)
     out = torch.empty((b, hq, len(rows), d), dtype=torch.float64, device=q8.device)
     cols = torch.arange(nk, device=q8.device)
-    for bi in range(b):
-        heads = torch.arange(hq, device=q8.device) // group
-        qs = q8[bi][:, idx, :].double()  # (Hq, R, d)
-        s = torch.matmul(qs, k8[bi][heads].double().transpose(-1, -2)).float().double()
+    heads = torch.arange(hq, device=q8.device) // group
+    for bi in range(b):  # (float8 tensors cast before indexing: not every torch indexes float8)
+        qs = q8[bi].double()[:, idx, :]  # (Hq, R, d)
+        kb, vb = k8[bi].double()[heads], v8[bi].double()[heads]
+        s = torch.matmul(qs, kb.transpose(-1, -2)).float().double()
         factor = (scale * qd[bi].double() * kd[bi][heads].double()).float().double()
         s = (s * factor[:, None, None]).float().double()
         if causal:
@@ -448,7 +449,7 @@ def emulated_rows_fp8(q8, k8, v8, qd, kd, vd, rows, causal, scale):
         p = torch.exp(s - m).float()
         ell = p.double().sum(dim=-1, keepdim=True)
         p8 = p.to(torch.float8_e4m3fn).double()
-        acc = torch.matmul(p8, v8[bi][heads].double()).float().double()
+        acc = torch.matmul(p8, vb).float().double()
         out[bi] = acc * vd[bi][heads].double()[:, None, None] / ell
     return out
 

@@ -180,6 +180,7 @@ def forward_fp8(p, q4, k4, v4, o4, lse3, descales, *, tile=None):
     if not tma.available():
         raise NotImplementedError("float8_e4m3fn GPU inputs need cuda-bindings: the e4m3 kernel reads them through "
                                   "tensor maps")
+    q4, k4, v4 = (a if a.dtype == np.uint8 else a.view(np.uint8) for a in (q4, k4, v4))  # (the bits TMA copies)
     qu, ku = (fp8_kernels.tma_input(unit_d(a)) for a in (q4, k4))
     _check_out(o4, p)
     if vector_ok((o4,), p.d):
