@@ -45,8 +45,9 @@ __device__ __forceinline__ void fwd_tma_issue(u32 dst, const TmaDesc* map, int r
     for (int cb = 0; cb < kBlocks; ++cb) tma_load_4d(dst + cb * rows * 128, map, kCols * cb, row0, head, b, bar);
 }
 
-// The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j (e4m3: vt's tile j). kv0: the ring's
-// count before this tile, q_phase: the tile's parity (persistent), k0: the first key (key split).
+// The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j (e4m3: vt's tile
+// j). kv0: the ring's count before this tile, q_phase: the tile's parity (persistent), k0: the
+// first key (key split).
 template <typename Tr, bool PERSISTENT, typename Smem>
 __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps& maps, int m0, int h, int hk, int b,
                                                    int n_tiles, int kv0, u32 q_phase, int k0) {
