@@ -22,6 +22,14 @@ Usage (on the GPU machine, from the repository root):
     python benchmarks/peers.py --out peers.json                 # the full forward grid
     python benchmarks/peers.py --quick --ops fwd,bwd,decode --out quick.json
     python benchmarks/peers.py --dry-run                        # the plan only, no GPU, no torch
+    python benchmarks/peers.py --fp8 --d 128,256 --n 8192,16384 --out fp8.json   # + e4m3 rows
+
+``--fp8``: after each forward case at a head dim and length of FP8_D / FP8_N, the same shape with
+float8_e4m3fn q, k, v (dtype "float8_e4m3fn": the bf16 inputs quantized per (batch, head), the
+quantization not timed; cuflash's e4m3 kernel, its vt pass timed with it; o bfloat16). torch's SDPA
+takes no float8 inputs, so its backends' rows say "unsupported". The e4m3 row's check: its error
+against float64 of the dequantized values on the sampled rows within 2x the error of the FP8
+arithmetic emulated on those rows (e4m3 P against the row max) plus one rounding of o.
 
 The file imports neither torch nor CuPy at module level, so ``--dry-run`` runs anywhere.
 """
@@ -56,8 +64,11 @@ REFERENCE_MAX_BYTES = 40e9
 BACKWARD_FLOP_FACTOR = 2.5
 L2_FLUSH_BYTES = 256 << 20
 L2_CLEAN_BYTES = 96 << 20  # > the H200's 60 MiB L2
-UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
-ITEMSIZE = {"bfloat16": 2, "float16": 2}
+FP8 = "float8_e4m3fn"  # --fp8 rows: e4m3 q, k, v with per-(batch, head) descales, o bfloat16
+FP8_D = (128, 256)
+FP8_N = (8192, 16384)
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, FP8: 2.0**-8}  # (FP8: o's bfloat16)
+ITEMSIZE = {"bfloat16": 2, "float16": 2, FP8: 1}
 DEVICE = "cuda"  # torch device of the inputs
 
 
@@ -111,8 +122,10 @@ class Case:
         (the float32 lse is left out: it is d/2 times smaller than o)."""
         q_elems = self.b * self.hq * self.nq * self.d
         kv_elems = self.b * self.hkv * self.nk * self.d
-        if self.dtype == "float8_e4m3fn":  # an e4m3 K/V cache: q and o stay 16-bit
+        if self.dtype == FP8 and self.op == "decode":  # an e4m3 K/V cache: q and o stay 16-bit
             return 2 * q_elems * 2 + 2 * kv_elems
+        if self.dtype == FP8:  # e4m3 q, k, v; bfloat16 o
+            return q_elems + 2 * kv_elems + 2 * q_elems
         if self.op == "bwd":
             elems = 3 * q_elems + 2 * kv_elems + q_elems + 2 * kv_elems
         else:
@@ -152,11 +165,13 @@ def parse_decode_shapes(text):
     return shapes
 
 
-def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=None, decode_shapes=None):
+def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=None, decode_shapes=None, fp8=False):
     """The list of Cases to run, in order. `quick` keeps a few shapes for a smoke run. `dtypes`
     (fwd/bwd): every head dim in each of these dtypes, instead of the default grid (bf16 at every
     head dim, fp16 at d=128 only, which keeps the final check's run under its time limit).
-    `decode_shapes` ((b, hq, hkv, L, d) each): these decode shapes instead of the issue's grid."""
+    `decode_shapes` ((b, hq, hkv, L, d) each): these decode shapes instead of the issue's grid.
+    `fp8`: each bfloat16 forward case at a head dim of FP8_D and a length of FP8_N is followed by
+    the same shape in FP8."""
     if quick:
         base = forward_grid(ds=(64, 128), ns=(1024, 4096))
         decode = [Case("decode", "bfloat16", DECODE_D, 8, 32, 8, 1, 4096, False),
@@ -182,6 +197,10 @@ def build_plan(ops=("fwd",), quick=False, d_filter=None, n_filter=None, dtypes=N
         plan = [c for c in plan if c.d in d_filter]
     if n_filter:
         plan = [c for c in plan if c.nk in n_filter]
+    if fp8:
+        plan = [x for c in plan for x in ([c, Case(c.op, FP8, c.d, c.b, c.hq, c.hkv, c.nq, c.nk, c.causal)]
+                                          if c.op == "fwd" and c.dtype == "bfloat16" and c.d in FP8_D
+                                          and c.nk in FP8_N else [c])]
     return plan
 
 
@@ -393,6 +412,47 @@ def exact_rows(q, k, v, rows, causal, scale):
             s = s.reshape(hkv, group, len(rows), nk).masked_fill(~visible, -math.inf).reshape(s.shape)
         p = torch.softmax(s, dim=-1)
         out[bi] = torch.matmul(p, v[bi].double()).reshape(hq, len(rows), d)
+    return out
+
+
+def quantize_e4m3(x):
+    """(x8 float8_e4m3fn, descale float32 (B, H)) of a (B, H, N, d) tensor: each (batch, head)'s
+    amax maps to e4m3's largest finite value, 448 (cuflash.fp8.quantize's per-head scales)."""
+    import torch
+
+    amax = x.float().abs().amax(dim=(2, 3))
+    descale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float()
+    x8 = (x.float() / descale[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def emulated_rows_fp8(q8, k8, v8, qd, kd, vd, rows, causal, scale):
+    """An FP8 kernel's arithmetic for the given query rows (cuflash.fp8.emulate_attention's, P
+    against the row max): float32 scores of the e4m3 values times scale * qd * kd, P = exp(S - m)
+    rounded to e4m3, o = (P8 v8) * vd / l, in float64 on the GPU: (B, Hq, R, d)."""
+    import torch
+
+    b, hq, nq, d = q8.shape
+    hkv, nk = k8.shape[1], k8.shape[2]
+    group = hq // hkv
+    idx = torch.tensor(rows, device=q8.device)
+    out = torch.empty((b, hq, len(rows), d), dtype=torch.float64, device=q8.device)
+    cols = torch.arange(nk, device=q8.device)
+    heads = torch.arange(hq, device=q8.device) // group
+    for bi in range(b):  # (float8 tensors cast before indexing: not every torch indexes float8)
+        qs = q8[bi].double()[:, idx, :]  # (Hq, R, d)
+        kb, vb = k8[bi].double()[heads], v8[bi].double()[heads]
+        s = torch.matmul(qs, kb.transpose(-1, -2)).float().double()
+        factor = (scale * qd[bi].double() * kd[bi][heads].double()).float().double()
+        s = (s * factor[:, None, None]).float().double()
+        if causal:
+            s = s.masked_fill(~(cols[None, :] <= idx[:, None]), -math.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m).float()
+        ell = p.double().sum(dim=-1, keepdim=True)
+        p8 = p.to(torch.float8_e4m3fn).double()
+        acc = torch.matmul(p8, vb).float().double()
+        out[bi] = acc * vd[bi][heads].double()[:, None, None] / ell
     return out
 
 
@@ -634,6 +694,59 @@ class Runner:
         self.free()
         return rows_out
 
+    # -- forward with float8_e4m3fn inputs ----------------------------------------------------
+    def run_forward_fp8(self, case, seed, deadline):
+        """cuflash's e4m3 kernel on the case's shape (per-(batch, head) descales, o bfloat16),
+        checked against float64 of the dequantized values on sampled rows (module docstring);
+        torch's SDPA backends and the reference: "unsupported" rows."""
+        torch = self.torch
+        rows_out = []
+        for impl in (i for i in PEERS + ("reference",) if i in self.args.impls):
+            rows_out.append(record(case, impl, "unsupported", reason="takes no float8_e4m3fn inputs"))
+        if "cuflash" not in self.args.impls:
+            return rows_out
+        if time.monotonic() > deadline:
+            return rows_out + [record(case, "cuflash", "skipped", reason="--max-seconds budget spent")]
+        q, k, v = self.inputs(Case(case.op, "bfloat16", case.d, case.b, case.hq, case.hkv, case.nq, case.nk,
+                                   case.causal), seed)
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(x) for x in (q, k, v))
+        del q, k, v
+        deq = [x8.float() * dd[..., None, None] for x8, dd in ((q8, qd), (k8, kd), (v8, vd))]
+        scale = 1.0 / math.sqrt(case.d)
+        rows = sample_rows(case.nq, seed)
+        exact = exact_rows(*deq, rows, case.causal, scale)
+        del deq
+        emulated = emulated_rows_fp8(q8, k8, v8, qd, kd, vd, rows, case.causal, scale)
+        emu_err = (emulated - exact).abs().max().item()
+        out_scale = exact.abs().max().item()
+        args = [self.as_cupy(x.view(torch.uint8)) for x in (q8, k8, v8)]
+        descales = dict(zip(("q_descale", "k_descale", "v_descale"), (self.as_cupy(x) for x in (qd, kd, vd))))
+
+        def run():
+            with self.on_torch_stream():
+                return self.cuflash.attention(*args, causal=self.cuflash_causal(case), **descales)
+        try:
+            try:
+                o, peak = self.peak_extra_bytes_cupy(run)
+            except NotImplementedError as exc:
+                return rows_out + [record(case, "cuflash", "unsupported", reason=str(exc)[:600])]
+            ot = self.as_torch(o)
+            finite = bool(torch.isfinite(ot).all().item())
+            err = (ot[:, :, rows, :].double() - exact).abs().max().item()
+            ok = finite and err <= 2.0 * emu_err + UNIT_ROUNDOFF[FP8] * out_scale
+            del o, ot
+            ms, n = self.timer(run)
+            rows_out.append(record(case, "cuflash", "ok" if ok else "mismatch", ms,
+                                   max_abs_err_vs_exact_sampled=err, emulated_err_vs_exact_sampled=emu_err,
+                                   out_max_abs=out_scale, peak_extra_bytes=peak, repeats=n))
+        except Exception as exc:  # noqa: BLE001 - one failing case must not end the run
+            oom = "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+            rows_out.append(record(case, "cuflash", "skipped" if oom else "error",
+                                   reason=f"{type(exc).__name__}: {str(exc)[:500]}"))
+        finally:
+            self.free()
+        return rows_out
+
     # -- backward --------------------------------------------------------------------------
     def run_backward(self, case, seed, deadline):
         import warnings
@@ -820,6 +933,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--count-launch", action="store_true",
                     help="let the events include host launch gaps (no GPU spin before each repeat)")
+    ap.add_argument("--fp8", action="store_true",
+                    help=f"after each bf16 forward case at d in {FP8_D}, N in {FP8_N}: the same shape with "
+                         "float8_e4m3fn inputs (cuflash's e4m3 kernel)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (shapes, FLOPs); no GPU")
     args = ap.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
@@ -845,7 +961,7 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.monotonic()
     deadline = started + args.max_seconds
-    plan = build_plan(args.ops, args.quick, args.d, args.n, args.dtypes, args.decode_shapes)
+    plan = build_plan(args.ops, args.quick, args.d, args.n, args.dtypes, args.decode_shapes, args.fp8)
     if args.dry_run:
         print(plan_table(plan))
         print(f"{len(plan)} cases, {sum(c.flops() for c in plan) / 1e12:.1f} TFLOP in one pass of each")
@@ -875,7 +991,8 @@ def main(argv=None):
             doc["not_run"] = [c.label for c in plan[i:]]
             print(f"--max-seconds reached: {len(plan) - i} cases not run", flush=True)
             break
-        run = runner.run_backward if case.op == "bwd" else runner.run_forward
+        run = (runner.run_backward if case.op == "bwd" else runner.run_forward_fp8 if case.dtype == FP8
+               else runner.run_forward)
         rows = run(case, args.seed + i, deadline)
         doc["bench"] += rows
         summary = ", ".join(f"{r['impl']} {_fmt(r['ms'], '.3f')} ms {r['status']}" for r in rows)

@@ -31,6 +31,7 @@
 #include "hopper/fwd_consumer.cuh"
 #include "hopper/fwd_epilogue.cuh"
 #include "hopper/fwd_split_merge.cuh"
+#include "hopper/fwd_fp8.cuh"
 #include "score_mod.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
@@ -44,7 +45,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
                     FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr},
-                    const ScoreModArgs& mods = ScoreModArgs{}) {
+                    const ScoreModArgs& mods = ScoreModArgs{}, const FwdFp8Scales& fp8 = FwdFp8Scales{}) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
@@ -58,7 +59,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // is staged in Q's rows: a warpgroup's own rows, which only its own wgmma read.
     static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
-    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA>;
+    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA, FwdElem<T>>;
+    // e4m3 inputs: one query tile per block, the block-wide epilogue (O outgrows Q's rows).
+    static_assert(!Tr::kFp8 || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE),
+                  "e4m3: the per-tile TMA kernel");
     constexpr int kBM = Tr::kBlockM, kMath = Tr::kMathThreads;
     constexpr int kNO = HEAD_DIM / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -154,6 +158,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     };
     int kv0 = 0;
     u32 q_phase = 0;
+    // (e4m3) the scores' descales join their scale (FlashAttention-3's folding).
+    if constexpr (Tr::kFp8) scale_log2 *= fp8.qk(b, h, hk);
     // The math warpgroups' part: everything after the tiles start arriving (hopper/fwd_consumer.cuh).
     using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT, MOD>;
     auto math = [&]() {
@@ -164,7 +170,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][ni][e] = 0.f;
         float acc_s[1][Consumer::kNS][4];
-        u32 p_frag[BLOCK_N / 16][4];
+        u32 p_frag[Tr::kPvSteps][4];
         OnlineSoftmax<2> softmax;
         float alpha[2];
         bool moved = true;
@@ -186,6 +192,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
         float row_lse[2];
         softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+        if constexpr (Tr::kFp8) {  // v's descale on O (P V took vt's raw e4m3 values)
+            const float vs = fp8.out(b, hk);
+    #pragma unroll
+            for (int ni = 0; ni < kNO; ++ni)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[0][ni][e] *= vs;
+        }
         if constexpr (SPLIT) {
             if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, c.row0, acc_o, row_lse)) return;
         }
@@ -291,6 +304,26 @@ attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_in, float cap_out, float inv_sc
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS
+
+// e4m3 q, k, v (T = E4m3<Bf16 or Fp16>: the output's type; hopper/fwd_fp8.cuh): the per-tile TMA
+// kernel on byte tensor maps - Q and K (d, rows, heads, batch) in 128-column boxes, vt (keys, d,
+// heads, batch) in 128-key boxes of HEAD_DIM rows - with the descales' pointers and element
+// strides (FwdFp8Scales), no mask or a causal one. o and lse as the 16-bit kernels'.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_fp8(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
+                       const __grid_constant__ TmaDesc tmap_vt, u16* __restrict__ o, float* __restrict__ lse,
+                       i64 o_sb, i64 o_sh, i64 o_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2,
+                       const float* __restrict__ q_descale, const float* __restrict__ k_descale,
+                       const float* __restrict__ v_descale, int qd_sb, int qd_sh, int qd_shk, int kd_sb, int kd_sh,
+                       int vd_sb, int vd_sh) {
+    static_assert(FwdElem<T>::kFp8, "T: E4m3<Bf16> or E4m3<Fp16>");
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
+        nullptr, nullptr, nullptr, o, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0, o_sb, o_sh, o_sn, nq, nk, d, group, causal_off,
+        scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_vt}, 0, 0,
+        FwdSplit{1, nullptr, nullptr, nullptr}, ScoreModArgs{},
+        FwdFp8Scales{q_descale, k_descale, v_descale, qd_sb, qd_sh, qd_shk, kd_sb, kd_sh, vd_sb, vd_sh});
+}
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + (PRODUCER ? 128 : 0), 1)

@@ -11,13 +11,14 @@ incoherent-processing rotation, and the arithmetic of an FP8 attention kernel em
   amax falls and e4m3's 3 mantissa bits cover more of the values ("incoherent processing").
 - :func:`emulate_attention` is what an FP8 forward kernel computes, step by step: e4m3 products
   accumulated in float32, the scores scaled by ``scale * q_descale * k_descale``, the online
-  softmax in float32, P rounded to e4m3 for P V (or to ``p_dtype``), the float32 accumulator scaled
-  by ``v_descale / l``, the output rounded once. It is the yardstick of the accuracy table in
-  docs/fp8.md and of a GPU kernel's tests; it materializes the scores (small problems only).
+  softmax in float32, P rounded to e4m3 for P V (or to ``p_dtype``; against the row max, or the
+  running maxima of an online softmax's key tiles), the float32 accumulator scaled by
+  ``v_descale / l``, the output rounded once. It is the yardstick of the accuracy table in
+  docs/fp8.md and of the GPU kernel's tests; it materializes the scores (small problems only).
 
 NumPy arrays (ml_dtypes' ``float8_e4m3fn``). ``cuflash.attention`` takes such arrays with their
-descale factors on the NumPy backend (core.fp8_inputs); no FP8 GPU kernel exists yet (docs/fp8.md
-says what the kernels need).
+descale factors on the NumPy backend, and GPU e4m3 inputs on the Hopper e4m3 kernel, whose
+arithmetic this emulates with ``block_n`` = its key tile (core.fp8_inputs, docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _round_to(x, dtype):
 
 
 def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, scale=None, layout="bhsd",
-                      out_dtype=BFLOAT16, p_dtype=E4M3):
+                      out_dtype=BFLOAT16, p_dtype=E4M3, block_n=None):
     """(o, lse) of an FP8 forward kernel's arithmetic on e4m3 q8, k8, v8 (4-D, GQA allowed) and
     their descales (shape () or (B, H) of that tensor's heads, as :func:`quantize` gives). 16-bit
     inputs with descales 1 and ``p_dtype`` = their dtype give the 16-bit kernels' arithmetic.
@@ -140,6 +141,11 @@ def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=Fal
     l = fl32(sum P); P8 = P rounded to ``p_dtype`` (e4m3: the P V operands; bfloat16 for a
     16-bit P V); o = fl(fl32(P8 v8) * v_descale / l) in ``out_dtype``; lse = m + log l.
     ``causal``: False, True / "bottom_right" or "top_left" (cuflash.attention's meanings).
+
+    ``block_n``: P rounded where an online softmax over key tiles of ``block_n`` keys rounds it
+    (the GPU kernel's tile): tile t's P = fl32(exp(S - m_t)) against the running max m_t of the
+    tiles so far, l and the float32 accumulator of P8 v8 rescaled by exp(m_{t-1} - m_t) from tile
+    to tile.
     """
     for name, x in (("q8", q8), ("k8", k8), ("v8", v8)):
         _check_numpy(name, x)
@@ -171,14 +177,39 @@ def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=Fal
     s = _round_to(s * _round_to(scale * dq * dk, np.float32)[..., None, None], np.float32)
     vis = masks.mask_matrix(np, masks.normalize_causal(causal), nq, nk)
     s = np.where(vis, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    if block_n is None:
+        m = s.max(axis=-1, keepdims=True)
+        m0 = np.where(np.isfinite(m), m, 0.0)
+        p = _round_to(np.exp(s - m0), np.float32)
+        ell = _round_to(p.sum(axis=-1, keepdims=True), np.float32)
+        acc = _round_to(_round_to(p, p_dtype) @ v, np.float32)
+    else:
+        if isinstance(block_n, bool) or not isinstance(block_n, (int, np.integer)) or block_n < 1:
+            raise ValueError(f"block_n: expected a positive int or None, got {block_n!r}")
+        m, ell, acc = _online_softmax(s, v, int(block_n), p_dtype)
     seen = np.isfinite(m)
     m0 = np.where(seen, m, 0.0)
-    p = _round_to(np.exp(s - m0), np.float32)
-    ell = _round_to(p.sum(axis=-1, keepdims=True), np.float32)
-    p8 = _round_to(p, p_dtype)
-    acc = _round_to(p8 @ v, np.float32)
     o = np.where(seen, acc * dv[..., None, None] / np.where(seen, ell, 1.0), 0.0)
     lse = np.where(seen, m0 + np.log(np.where(seen, ell, 1.0)), -np.inf)[..., 0].astype(np.float32)
     o = o.astype(out_dtype)
     return _bhsd(o, layout), lse
+
+
+def _online_softmax(s, v, block_n, p_dtype):
+    """(running max m, l, float32 accumulator of P8 v) of the online softmax over key tiles of
+    block_n keys (emulate_attention's ``block_n``), float64 arrays holding float32 values."""
+    shape = s.shape[:-1] + (1,)
+    m = np.full(shape, -np.inf)
+    ell = np.zeros(shape)
+    acc = np.zeros(s.shape[:-1] + (v.shape[-1],))
+    for t0 in range(0, s.shape[-1], block_n):
+        st = s[..., t0:t0 + block_n]
+        mx = np.maximum(m, st.max(axis=-1, keepdims=True))
+        base = np.where(np.isfinite(mx), mx, 0.0)
+        alpha = _round_to(np.exp(m - base), np.float32)  # exp(-inf) = 0 on a row's first keys
+        p = _round_to(np.exp(st - base), np.float32)
+        ell = _round_to(ell * alpha + _round_to(p.sum(axis=-1, keepdims=True), np.float32), np.float32)
+        acc = _round_to(acc * alpha + _round_to(_round_to(p, p_dtype) @ v[..., t0:t0 + block_n, :], np.float32),
+                        np.float32)
+        m = mx
+    return m, ell, acc

@@ -106,6 +106,23 @@ def test_peers_dry_run_dtypes_grid_covers_every_head_dim_in_each_dtype(tmp_path)
     assert len(plan) == len(seen)
 
 
+def test_peers_fp8_cases_follow_their_bf16_twins(tmp_path):
+    # --fp8: the e4m3 forward beside the bf16 one at d = 128 / 256, N = 8k / 16k, both masks; q, k,
+    # v one byte each and o two.
+    plan, stdout = dry_run(tmp_path, "--fp8", "--d", "64,128,256", "--n", "4096,8192,16384")
+    fp8 = [c for c in plan if c["dtype"] == "float8_e4m3fn"]
+    assert {(c["op"], c["d"], c["nq"], c["causal"]) for c in fp8} == {
+        ("fwd", d, n, c) for d in (128, 256) for n in (8192, 16384) for c in (False, True)}
+    for i, c in enumerate(plan):
+        if c["dtype"] == "float8_e4m3fn":
+            twin = plan[i - 1]
+            assert twin["dtype"] == "bfloat16" and {k: v for k, v in twin.items() if k not in (
+                "dtype", "logical_bytes")} == {k: v for k, v in c.items() if k not in ("dtype", "logical_bytes")}
+            q, kv = c["b"] * c["hq"] * c["nq"] * c["d"], c["b"] * c["hkv"] * c["nk"] * c["d"]
+            assert c["logical_bytes"] == q + 2 * kv + 2 * q
+    assert len(plan) == 24 + len(fp8) and f"{len(plan)} cases" in stdout  # (the default grid: + fp16 at d=128)
+
+
 def test_peers_rejects_an_unknown_dtype(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, str(PEERS), "--dry-run", "--out", str(out), "--dtypes", "float32"],

@@ -24,6 +24,8 @@
 #   OPTIONS=1      also benchmark the score modifiers (benchmarks/options.py; OPTIONS_TIMEOUT, default 150)
 #   FP8_DECODE=1   also benchmark the e4m3 K/V cache against the bf16 one (benchmarks/fp8_decode.py;
 #                  FP8_DECODE_TIMEOUT, default 120)
+#   FP8=1          also benchmark the float8_e4m3fn forward beside bf16 at d = 128, 256, N = 8k, 16k, causal
+#                  and not (benchmarks/peers.py --fp8; FP8_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
@@ -99,6 +101,11 @@ bench decode "${DECODE_TIMEOUT:-60}" --ops decode --impls cuflash,torch-flash,to
 if [ "${MQA:-1}" = 1 ]; then
     bench decode_mqa 50 --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
         --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,2x48x1x32768,4x64x1x16384,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64
+fi
+# float8_e4m3fn q, k, v on the e4m3 kernel, each shape after its bf16 rows (cuflash and torch's backends).
+if [ "${FP8:-0}" = 1 ]; then
+    bench fp8 "${FP8_TIMEOUT:-120}" --ops fwd --fp8 --d 128,256 --n 8192,16384 --impls cuflash,torch-flash,torch-cudnn \
+        --seconds-per-impl 0.5 --max-seconds "$(( ${FP8_TIMEOUT:-120} - 20 ))"
 fi
 # Score modifiers (softcap, ALiBi, sinks) against the plain kernels and FlexAttention.
 if [ "${OPTIONS:-0}" = 1 ]; then

@@ -44,8 +44,10 @@ struct FwdConsumer {
     // warp's rows moved its max). Against cuDNN (H200):
     // d=256 +2-4.5% in every cell (N 1k-4k, full 0.97/1.00/1.02 -> 1.01/1.04/1.06); d=128 full
     // -1.5-3%, causal within 1%; d=64 -2-5%: where O is small the vote and the branch cost more.
-    // (d=192 not measured: off.)
-    static constexpr bool kStale = HEAD_DIM >= 256;
+    // (d=192 not measured: off.) Not with e4m3 P: its spec is P <= 1 (cuflash.fp8.emulate_attention),
+    // where a row's largest key has P = 1 exactly; P up to 2^8 rounds that key too (2.4x the
+    // largest error of o in one emulated case).
+    static constexpr bool kStale = HEAD_DIM >= 256 && !Tr::kFp8;
     // (warp-specialized) Where P_j V_j's wgmma retires. Written after the softmax of tile j+1,
     // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:
     // DEPBAR.LE gsb0 0 before the first MUFU.EX2), and the softmax never overlaps P_j V_j.
@@ -60,7 +62,7 @@ struct FwdConsumer {
     // The warpgroup's registers (the caller's).
     float (&acc_o)[1][kNO][4];
     float (&acc_s)[1][kNS][4];
-    u32 (&p_frag)[BLOCK_N / 16][4];
+    u32 (&p_frag)[Tr::kPvSteps][4];
     OnlineSoftmax<2>& softmax;
     float (&alpha)[2];
     bool& moved;
@@ -80,7 +82,7 @@ struct FwdConsumer {
     // kv0: the ring's count of this tile's first key tile (across a persistent block's tiles),
     // q_phase: Q's parity.
     __device__ __forceinline__ FwdConsumer(float (&acc_o_)[1][kNO][4], float (&acc_s_)[1][kNS][4],
-                                           u32 (&p_frag_)[BLOCK_N / 16][4], OnlineSoftmax<2>& softmax_,
+                                           u32 (&p_frag_)[Tr::kPvSteps][4], OnlineSoftmax<2>& softmax_,
                                            float (&alpha_)[2], bool& moved_, const FwdSmem<Tr, PERSISTENT>& sm_,
                                            const FwdKvSource& src_, const int& kv0_, const u32& q_phase_,
                                            const int& m0_, const int& rows_valid, const int& wg_, const int& warp_,
@@ -126,7 +128,7 @@ struct FwdConsumer {
         if constexpr (MOD) mod.template apply_rows<kNS>(acc_s[0], m0 + row0, j * BLOCK_N, lane);
         fwd_mask_tile<BLOCK_N, kHi, BAND>(acc_s[0], j * BLOCK_N, BAND ? 0 : m0, wg, warp, row0, nk_b, hi, lo, lane);
     }
-    __device__ __forceinline__ void to_p() { fwd_to_p<T>(p_frag, acc_s[0]); }
+    __device__ __forceinline__ void to_p() { fwd_to_p<T, Tr>(p_frag, acc_s[0]); }
     __device__ __forceinline__ void retire_pv() {
         wgmma_wait<0>();
         fence_regs(acc_o[0]);

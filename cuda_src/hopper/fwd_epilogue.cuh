@@ -1,5 +1,6 @@
-// The Hopper forward's epilogue: the normalized O of a tile staged through shared memory (Q's rows,
-// or O's own tile when persistent) and stored 16 bytes per thread along rows, then the LSE.
+// The Hopper forward's epilogue: the normalized O of a tile staged through shared memory (Q's rows
+// - with e4m3 inputs Q's and the K ring's, O's rows being twice Q's - or O's own tile when
+// persistent) and stored 16 bytes per thread along rows, then the LSE.
 #pragma once
 #include "hopper/fwd_traits.cuh"
 
@@ -21,13 +22,13 @@ template <typename T, typename Tr, bool PRODUCER, bool WG_EPILOGUE, bool BAND, i
 __device__ __forceinline__ void fwd_store_tile(const float (&acc_o)[1][kNO][4], const float (&row_lse)[2], u32 sO,
                                                const FwdOut& out, const int* cu_q, int b, int h, int q_row0, int m0,
                                                int rows_valid, int row0, int wg, int tid, int lane) {
-    using TileQ = typename Tr::TileQ;
+    using TileO = typename Tr::TileO;  // (16-bit rows; e4m3 inputs: wider than Q's)
     constexpr int kMath = Tr::kMathThreads, kBM = Tr::kBlockM;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
         for (int di = 0; di < kNO; ++di) {
-            const u32 addr = sO + TileQ::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
+            const u32 addr = sO + TileO::offset(row0 + 8 * hf, di) + 4 * (lane & 3);
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(acc_o[0][di][2 * hf], acc_o[0][di][2 * hf + 1])));
         }
     if constexpr (WG_EPILOGUE) named_barrier(5 + wg, 128);
@@ -40,14 +41,14 @@ __device__ __forceinline__ void fwd_store_tile(const float (&acc_o)[1][kNO][4], 
     // (WG_EPILOGUE: this warpgroup's rows, i counts from its first row's first chunk)
     constexpr int kStoreThreads = WG_EPILOGUE ? 128 : kMath;
 #pragma unroll
-    for (int it = 0; it < kBM * TileQ::kChunks / kMath; ++it) {
-        const int i = it * kStoreThreads + (WG_EPILOGUE ? 64 * wg * TileQ::kChunks + (tid & 127) : tid);
-        const int row = i / TileQ::kChunks, c = i % TileQ::kChunks;
+    for (int it = 0; it < kBM * TileO::kChunks / kMath; ++it) {
+        const int i = it * kStoreThreads + (WG_EPILOGUE ? 64 * wg * TileO::kChunks + (tid & 127) : tid);
+        const int row = i / TileO::kChunks, c = i % TileO::kChunks;
         if (row < rows_valid && c * 8 < out.d) {
             uint4 val;
             asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sO + TileQ::offset(row, c)));
+                         : "r"(sO + TileO::offset(row, c)));
             *reinterpret_cast<uint4*>(gO + row * out.o_sn + c * 8) = val;
         }
     }

@@ -4,34 +4,48 @@
 #pragma once
 #include "band.cuh"
 #include "hopper/fwd_traits.cuh"
+#include "hopper/fwd_fp8.cuh"
 
-// S = Q K_j^T: HEAD_DIM/16 k-steps along the 128-byte rows of Q and K (K-major operands). q_rows:
-// this warpgroup's rows of each column block of Q; k_tile: K_j's ring slot.
+// S = Q K_j^T: Tr::kQkSteps k-steps along the 128-byte rows of Q and K (K-major operands), each
+// 32 bytes (16 16-bit or 32 e4m3 elements). q_rows: this warpgroup's rows of each column block of
+// Q; k_tile: K_j's ring slot.
 template <typename T, typename Tr, int kNS>
 __device__ __forceinline__ void fwd_issue_qk(float (&acc_s)[kNS][4], u32 q_rows, u32 k_tile) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
-        const u32 step = (kk & 3) * 32;  // 16 elements = 32 bytes into the swizzle atom
+    for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
+        const u32 step = (kk & 3) * 32;  // 32 bytes into the swizzle atom
         const auto da = sw128_desc(q_rows + (kk >> 2) * Tr::TileQ::kBlockBytes + step, 16, 1024);
         const auto db = sw128_desc(k_tile + (kk >> 2) * Tr::TileKV::kBlockBytes + step, 16, 1024);
-        Wgmma<T, Tr::kBlockN>::ss(acc_s, da, db, kk > 0);
+        if constexpr (Tr::kFp8) WgmmaE4m3<Tr::kBlockN>::ss(acc_s, da, db, kk > 0);
+        else Wgmma<T, Tr::kBlockN>::ss(acc_s, da, db, kk > 0);
     }
 }
 
-// O += P V_j: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart by one
-// block of the tile, 8-row groups 1024 bytes apart).
+// O += P V_j. 16-bit: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart
+// by one block of the tile, 8-row groups 1024 bytes apart). e4m3: BLOCK_N/32 k-steps along vt's
+// 128-byte rows (K-major, as K in Q K^T), a 128-key column block per 4.
 template <typename T, typename Tr, int kNO, int kKSteps>
 __device__ __forceinline__ void fwd_issue_pv(float (&acc_o)[kNO][4], const u32 (&p_frag)[kKSteps][4], u32 v_tile) {
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk)
-        Wgmma<T, Tr::kHeadDim>::rs(acc_o, p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, Tr::TileKV::kBlockBytes, 1024), 1);
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        if constexpr (Tr::kFp8) {
+            const u32 at = v_tile + (kk >> 2) * Tr::TileV::kBlockBytes + (kk & 3) * 32;
+            WgmmaE4m3<Tr::kHeadDim>::rs(acc_o, p_frag[kk], sw128_desc(at, 16, 1024), 1);
+        } else {
+            Wgmma<T, Tr::kHeadDim>::rs(acc_o, p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, Tr::TileKV::kBlockBytes, 1024), 1);
+        }
+    }
 }
 
-// P (the probabilities in S's accumulators) as the A fragments of P V.
-template <typename T, int kNS, int kKSteps>
+// P (the probabilities in S's accumulators) as the A fragments of P V (e4m3: fwd_p_to_e4m3).
+template <typename T, typename Tr, int kNS, int kKSteps>
 __device__ __forceinline__ void fwd_to_p(u32 (&p_frag)[kKSteps][4], const float (&acc_s)[kNS][4]) {
+    if constexpr (Tr::kFp8) {
+        fwd_p_to_e4m3(p_frag, acc_s);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) acc_to_a<T>(p_frag[kk], acc_s, kk);
+        for (int kk = 0; kk < kKSteps; ++kk) acc_to_a<T>(p_frag[kk], acc_s, kk);
+    }
 }
 
 // Keys past the end and, under causality, after each row's diagonal (and, under a band, before

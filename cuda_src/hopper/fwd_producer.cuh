@@ -3,6 +3,7 @@
 // consume them (Q and K_0, then K_{j+1} before V_j).
 #pragma once
 #include "hopper/fwd_smem.cuh"
+#include "hopper/fwd_fp8.cuh"
 
 // Key tile j of K or V into its ring slot by cp.async; ltid: this thread's index among the
 // loading threads (all of them, or the producer's, whose loops stay rolled to fit its registers).
@@ -34,16 +35,19 @@ __device__ __forceinline__ void fwd_cp_async_producer(const Smem& sm, const u16*
     cp_async_wait<0>();
 }
 
-// One box copy of `rows` rows: HEAD_DIM/64 boxes of 64 columns, completing on `bar`.
-template <int HEAD_DIM>
+// One box copy of `rows` rows: a box per 128-byte column block (64 16-bit or 128 e4m3 columns),
+// completing on `bar`.
+template <int HEAD_DIM, int ELEM_BYTES = 2>
 __device__ __forceinline__ void fwd_tma_issue(u32 dst, const TmaDesc* map, int rows, int row0, int head, int b, u32 bar) {
-    mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * rows * 128);
+    constexpr int kBlocks = HEAD_DIM * ELEM_BYTES / 128, kCols = 128 / ELEM_BYTES;
+    mbar_arrive_expect_tx(bar, kBlocks * rows * 128);
 #pragma unroll
-    for (int cb = 0; cb < HEAD_DIM / 64; ++cb) tma_load_4d(dst + cb * rows * 128, map, 64 * cb, row0, head, b, bar);
+    for (int cb = 0; cb < kBlocks; ++cb) tma_load_4d(dst + cb * rows * 128, map, kCols * cb, row0, head, b, bar);
 }
 
-// The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j. kv0: the ring's
-// count before this tile, q_phase: the tile's parity (persistent), k0: the first key (key split).
+// The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j (e4m3: vt's tile
+// j). kv0: the ring's count before this tile, q_phase: the tile's parity (persistent), k0: the
+// first key (key split).
 template <typename Tr, bool PERSISTENT, typename Smem>
 __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps& maps, int m0, int h, int hk, int b,
                                                    int n_tiles, int kv0, u32 q_phase, int k0) {
@@ -51,22 +55,23 @@ __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps
     auto issue_k = [&](int j) {
         const int g = kv0 + j, s = g % kStages;
         mbar_wait(sm.empty_k(s), ((g / kStages) & 1) ^ 1);
-        fwd_tma_issue<Tr::kHeadDim>(sm.k_slot(s), maps.k, kBN, k0 + j * kBN, hk, b, sm.full_k(s));
+        fwd_tma_issue<Tr::kHeadDim, Tr::kElemBytes>(sm.k_slot(s), maps.k, kBN, k0 + j * kBN, hk, b, sm.full_k(s));
     };
     if constexpr (PERSISTENT) {
         // K_0 needs only its ring slot; Q waits until the previous tile's last Q K^T retired.
         if (n_tiles > 0) issue_k(0);
         mbar_wait(sm.empty_q(), q_phase ^ 1);
-        fwd_tma_issue<Tr::kHeadDim>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
+        fwd_tma_issue<Tr::kHeadDim, Tr::kElemBytes>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
     } else {
-        fwd_tma_issue<Tr::kHeadDim>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
+        fwd_tma_issue<Tr::kHeadDim, Tr::kElemBytes>(sm.sQ, maps.q, Tr::kBlockM, m0, h, b, sm.full_q());
         if (n_tiles > 0) issue_k(0);
     }
     for (int j = 0; j < n_tiles; ++j) {
         if (j + 1 < n_tiles) issue_k(j + 1);
         const int g = kv0 + j, s = g % kStages;
         mbar_wait(sm.empty_v(s), ((g / kStages) & 1) ^ 1);
-        fwd_tma_issue<Tr::kHeadDim>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
+        if constexpr (Tr::kFp8) fwd_tma_issue_vt<Tr>(sm.v_slot(s), maps.v, k0 + j * kBN, hk, b, sm.full_v(s));
+        else fwd_tma_issue<Tr::kHeadDim>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
     }
 }
 

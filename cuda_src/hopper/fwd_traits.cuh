@@ -26,7 +26,42 @@ struct FwdSplit {
     unsigned* flags;
 };
 
-template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER, bool TMA = false>
+// e4m3 inputs with an OUT (Fp16 / Bf16) output: the element type of attn_fwd_wgmma_tma_fp8. Its
+// is_bf16 is the output's, for the epilogue's pack2.
+template <typename OUT>
+struct E4m3 {
+    static constexpr bool is_bf16 = OUT::is_bf16;
+};
+
+// The element policy of the Hopper forward. 16-bit inputs (Fp16, Bf16): wgmma m64nNk16, V read
+// N-major from its (keys, d) tile. e4m3 inputs (E4m3<OUT>): m64nNk32, whose 8-bit operands must
+// both be K-major, so V arrives as vt, its transpose (d, keys) built by the launcher
+// (hopper/fwd_fp8.cuh); the scores' scale carries q's and k's descales, the output v's.
+template <typename T>
+struct FwdElem {
+    static constexpr bool kFp8 = false;
+    static constexpr int kBytes = 2;  // bytes per input element
+    static constexpr int kK = 16;     // wgmma's K: elements per instruction (32 bytes)
+};
+template <typename OUT>
+struct FwdElem<E4m3<OUT>> {
+    static constexpr bool kFp8 = true;
+    static constexpr int kBytes = 1;
+    static constexpr int kK = 32;
+};
+
+// A if C else B (no <type_traits>: the sources compile without include paths).
+template <bool C, typename A, typename B>
+struct FwdPick {
+    using type = A;
+};
+template <typename A, typename B>
+struct FwdPick<false, A, B> {
+    using type = B;
+};
+
+template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER, bool TMA = false,
+          typename ELEM = FwdElem<Bf16>>
 struct HopperFwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 .. 256)
     static constexpr int kBlockN = BLOCK_N;       // keys per K/V tile
@@ -44,8 +79,17 @@ struct HopperFwdTraits {
     // (causal, one tile per block) launch order: longest first within groups of this many (head,
     // batch) pairs (lpt_head_groups), as the backward's HopperBwdTraits::kLptHeads.
     static constexpr int kLptHeads = 4;
-    using TileQ = Sw128Tile<HEAD_DIM, kBlockM>;
-    using TileKV = Sw128Tile<HEAD_DIM, BLOCK_N>;
+    static constexpr bool kFp8 = ELEM::kFp8;
+    static constexpr int kElemBytes = ELEM::kBytes;
+    // Sw128Tile counts 16-bit columns: an e4m3 row of HEAD_DIM bytes is HEAD_DIM / 2 of them.
+    using TileQ = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, kBlockM>;
+    using TileKV = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, BLOCK_N>;
+    // V's ring slots: V's own (keys, d) tile, or (e4m3) vt's (d, keys) tile of the same bytes.
+    using TileV = typename FwdPick<kFp8, Sw128Tile<BLOCK_N / 2, HEAD_DIM>, TileKV>::type;
+    // O (16-bit) staged for the store: in Q's rows, which the e4m3 O outgrows into the K ring.
+    using TileO = Sw128Tile<HEAD_DIM, kBlockM>;
+    static constexpr int kQkSteps = HEAD_DIM / ELEM::kK;  // wgmma k-steps of Q K^T
+    static constexpr int kPvSteps = BLOCK_N / ELEM::kK;   // of P V: P's A fragments
     // mbarriers (PRODUCER): Q full, then K full, V full, K empty, V empty per stage.
     static constexpr int kBarriers = PRODUCER ? 1 + 4 * STAGES : 0;
     // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
@@ -53,4 +97,8 @@ struct HopperFwdTraits {
     static_assert(STAGES >= 2, "a K (and a V) tile in use while the next one loads");
     static_assert(!TMA || PRODUCER, "TMA copies are issued by a producer warpgroup");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+    static_assert(!kFp8 || (TMA && HEAD_DIM % 128 == 0 && BLOCK_N % 128 == 0),
+                  "e4m3: TMA-fed, whole 128-byte swizzle rows of Q, K and vt");
+    static_assert(TileV::kBytes == TileKV::kBytes, "K and V slots of one size");
+    static_assert(TileO::kBytes <= TileQ::kBytes + STAGES * TileKV::kBytes, "O staged over Q and the K ring");
 };

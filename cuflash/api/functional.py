@@ -104,15 +104,26 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         to float32 (exactly) and run the float32 kernels (float64 arithmetic, o rounded once):
         exact but several times slower, and window= / cu_seqlens_* then raise
         NotImplementedError as for float32 inputs. ``out`` must then be float32.
-    q_descale, k_descale, v_descale : with ``float8_e4m3fn`` q, k, v (ml_dtypes; NumPy arrays, the
-        NumPy backend: no FP8 GPU kernel exists yet, other arrays raise NotImplementedError): float32
-        factors, each input standing for ``x8 * descale`` (cuflash.fp8.quantize makes both). Shape
-        () or (1,) per tensor, or per batch entry and head: the input's batch axes + (H,), for q
-        also + (Hkv,) (FlashAttention-3's form). None: 1. Packed sequences and paged caches take
-        per-tensor factors. The scores, softmax and o are computed from the dequantized float32
-        values; o is bfloat16 (out_dtype: bfloat16, float16 or float32), rounded once from float32.
-        A float16/bfloat16 q with e4m3 k and v (an FP8 KV cache) takes no q_descale, and o has q's
-        dtype by default.
+    q_descale, k_descale, v_descale : with ``float8_e4m3fn`` q, k, v: float32 factors, each input
+        standing for ``x8 * descale`` (cuflash.fp8.quantize makes both). Shape () or (1,) per
+        tensor, or per batch entry and head: the input's batch axes + (H,), for q also + (Hkv,)
+        (FlashAttention-3's form). None: 1.
+        NumPy arrays (ml_dtypes' float8_e4m3fn; descales NumPy float32, checked finite): the NumPy
+        backend, every option; packed sequences and paged caches take per-tensor factors. The
+        scores, softmax and o are computed from the dequantized float32 values; o is bfloat16
+        (out_dtype: bfloat16, float16 or float32), rounded once from float32. A float16/bfloat16
+        q with e4m3 k and v (an FP8 KV cache) takes no q_descale, and o has q's dtype by default.
+        GPU arrays: the e4m3 kernel on Hopper (sm_90; docs/fp8.md): CuPy holds e4m3 as uint8
+        bits, which a call marks as e4m3 by passing descales (arrays of the inputs' library and
+        device, values not read on the host; 1 for unscaled inputs); torch float8_e4m3fn tensors
+        need none. Dense q, k, v with no mask or a causal one (GQA, d <= 256, any strides); o
+        bfloat16 or float16 (out_dtype), lse float32; kv_lens, window, cu_seqlens_*,
+        block_table, softcap, alibi_slopes, sinks and out_dtype=float32 raise
+        NotImplementedError, other GPUs too. Its arithmetic is cuflash.fp8.emulate_attention's.
+        An FP8 KV cache on the GPU (a 16-bit q with e4m3 k and v, contiguous or paged; k_descale
+        and v_descale per tensor, or per sequence and K/V head for a contiguous cache) runs the
+        split-KV decode kernel in decode shapes (kv_lens, causal, windows; o in q's dtype); other
+        shapes and score modifiers raise NotImplementedError.
 
     Returns
     -------
@@ -144,18 +155,19 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
 
 
 def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
-    """attention of float8_e4m3fn inputs (core.fp8_inputs): dequantized to float32 by their descale
-    factors, the float32 path (float64 arithmetic on the NumPy backend, o rounded once to
-    float32), then o rounded once to the output dtype."""
+    """attention of float8_e4m3fn inputs (core.fp8_inputs). GPU arrays: the e4m3 kernel
+    (_attention_fp8_gpu). NumPy arrays: dequantized to float32 by their descale factors, the
+    float32 path (float64 arithmetic on the NumPy backend, o rounded once to float32), then o
+    rounded once to the output dtype."""
+    if fp8_inputs.on_gpu((q, k, v)):
+        q, k, v = (fp8_inputs.as_bits(a) for a in (q, k, v))
+        return _attention_fp8_gpu(q, k, v, *descales, out_dtype=out_dtype, out=out, return_lse=return_lse, **options)
     odt = fp8_inputs.check_call((q, k, v), descales, out_dtype)
     layout = options["layout"]
     _problem.check_layout(layout)
-    _problem.check_flag("validate", options["validate"])
     dense = options["cu_seqlens_q"] is None and options["cu_seqlens_k"] is None and options["block_table"] is None
     group = fp8_inputs.group_of(q, k, layout) if dense else 1
-    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense, options["validate"])
-    if array_namespace(q) is not np:  # (check_call: an e4m3 k and v with a 16-bit CuPy q)
-        return _fp8_cache_on_gpu(q, k, v, checked[1:], odt, out, return_lse, options)
+    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense)
     # (an FP8 KV cache's 16-bit q is widened exactly)
     wide = [widen_to_float32(a) if d is None else
             fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1)
@@ -171,20 +183,61 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     return (o, lse) if return_lse else o
 
 
-def _fp8_cache_on_gpu(q, k, v, descales, odt, out, return_lse, options):
-    """A 16-bit CuPy q with an e4m3 K/V cache (contiguous or paged): the split-KV decode kernel
-    reads the cache's bytes (attn_decode_kv8). The shapes are validated as a 16-bit call's, on
-    stand-ins of k and v in q's dtype that hold no memory."""
+@interop.accepts_foreign_arrays("q", "k", "v", "q_descale", "k_descale", "v_descale", outputs=("out",))
+def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, out, return_lse, causal, scale, layout,
+                       validate, kv_lens, window, cu_seqlens_q, cu_seqlens_k, block_table, softcap, alibi_slopes,
+                       sinks):
+    """float8_e4m3fn GPU inputs (CuPy uint8 bits; torch float8_e4m3fn tensors arrive as uint8 views)
+    on the e4m3 kernel: dense q, k, v with no mask or a causal one; other options raise
+    NotImplementedError naming themselves (core.fp8_inputs.GPU_OPTIONS)."""
+    options = dict(kv_lens=kv_lens, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if all(isinstance(a, np.ndarray) for a in (q, k, v)):  # torch CPU tensors: their bits as NumPy e4m3
+        q, k, v = (a.view(fp8_inputs.E4M3) if a.dtype == np.uint8 else a for a in (q, k, v))
+        return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
+                              dict(causal=causal, scale=scale, layout=layout, validate=validate, **options))
+    _problem.check_flag("return_lse", return_lse)
+    _problem.check_flag("validate", validate)
+    if fp8_inputs.kv_cache_only((q, k, v)):
+        return _fp8_cache_on_gpu(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
+                                 dict(causal=causal, scale=scale, layout=layout, validate=validate, **options))
+    fp8_inputs.refuse_gpu_options(options)
+    _problem.check_layout(layout)
+    _problem.same_library((("q", q), ("k", k), ("v", v)))
+    odt = fp8_inputs.check_gpu_call((q, k, v), out_dtype)
+    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, element=fp8_inputs.E4M3)
+    if p.dv != p.d:
+        raise NotImplementedError(f"v: a head dim ({p.dv}) other than q's ({p.d}) is not implemented for "
+                                  "float8_e4m3fn GPU inputs")
+    descales = fp8_inputs.checked_gpu_descales((q, k, v), (q_descale, k_descale, v_descale), layout, p.xp)
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    o, o4, direct, lse3 = _forward_outputs(p, out, odt)
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    cuda.forward_fp8(p, q4, k4, v4, o4, lse3, descales)
+    return _forward_result(p, o, o4, direct, lse3, return_lse)
+
+
+def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
+    """A 16-bit GPU q with an e4m3 K/V cache (contiguous or paged; e4m3 bits as uint8): the split-KV
+    decode kernel reads the cache's bytes (attn_decode_kv8). The shapes are validated as a 16-bit
+    call's, on stand-ins of k and v in q's dtype that hold no memory."""
     import cupy
 
+    if descales[0] is not None:
+        raise TypeError(f"q_descale: a {dtype_name(q.dtype)} q takes no descale (k and v are the FP8 cache)")
+    for name, a in (("k", k), ("v", v)):
+        if not fp8_inputs.holds_e4m3(a):
+            raise TypeError(f"{name}: expected the e4m3 bits of an FP8 KV cache (uint8, or float8_e4m3fn) like "
+                            f"{'v' if name == 'k' else 'k'}, got {dtype_name(a.dtype)}")
     unsupported = [n for n in ("cu_seqlens_q", "cu_seqlens_k", "softcap", "alibi_slopes", "sinks")
                    if options[n] is not None]
     if unsupported:
         raise NotImplementedError(f"{', '.join(unsupported)}: an FP8 KV cache on the GPU runs the split-KV decode "
                                   "kernel, which does not take them")
-    if odt != q.dtype:
+    if out_dtype is not None and np.dtype(out_dtype) != q.dtype:
         raise NotImplementedError(f"out_dtype: an FP8 KV cache on the GPU gives o in q's dtype "
-                                  f"({dtype_name(q.dtype)}), not {dtype_name(odt)}")
+                                  f"({dtype_name(q.dtype)}), not {out_dtype!r}")
+    odt = q.dtype
     stand_ins = [cupy.lib.stride_tricks.as_strided(cupy.zeros(1, q.dtype), a.shape, (0,) * a.ndim) for a in (k, v)]
     shape_opts = dict(causal=options["causal"], scale=options["scale"], layout=options["layout"],
                       window=options["window"])
@@ -195,6 +248,11 @@ def _fp8_cache_on_gpu(q, k, v, descales, odt, out, return_lse, options):
         p = _problem.validate_forward(q, *stand_ins, **shape_opts)
     if p.dv != p.d:
         raise NotImplementedError("v: an FP8 KV cache on the GPU takes v with k's head dim")
+    _, kd, vd = fp8_inputs.checked_gpu_descales((q, k, v), descales, options["layout"], cupy)
+    if block_table is not None:
+        for name, x in (("k_descale", kd), ("v_descale", vd)):
+            if x is not None and x.size != 1:
+                raise ValueError(f"{name}: a paged cache takes one factor per tensor, got shape {tuple(x.shape)}")
     _problem.check_out("out", out, p.o_shape(), odt, cupy, (("q", q), ("k", k), ("v", v)))
     lens_dev, lens_host = _problem.check_kv_lens(options["kv_lens"], p, validate)
     if block_table is not None:
@@ -212,11 +270,13 @@ def _fp8_cache_on_gpu(q, k, v, descales, odt, out, return_lse, options):
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4 = to_bhsd(q, p, p.hq, p.nq)
     if p.nq and p.batch and p.hq:
-        kd, vd = (cupy.asarray(x, dtype=FLOAT32) for x in descales)
-        if kd.ndim == 0:
-            kv_descales = (kd, vd, 0, 0)
-        else:  # (batch..., Hkv) -> (B, Hkv)
-            kd, vd = (cupy.ascontiguousarray(x.reshape(-1, p.hkv)) for x in (kd, vd))
+        one = cupy.ones((), dtype=FLOAT32)
+        kd, vd = (one if x is None else x for x in (kd, vd))
+        if kd.size == 1 and vd.size == 1:
+            kv_descales = (kd.reshape(()), vd.reshape(()), 0, 0)
+        else:  # (batch..., Hkv) -> (B, Hkv); one per tensor broadcast
+            kd, vd = (cupy.ascontiguousarray(cupy.broadcast_to(x.reshape(-1, p.hkv) if x.size > 1 else x.reshape(1, 1),
+                                                               (p.batch, p.hkv))) for x in (kd, vd))
             kv_descales = (kd, vd, p.hkv, 1)
         cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev, paged=paged, kv_descales=kv_descales)
     return _forward_result(p, o, o4, direct, lse3, return_lse)
@@ -320,7 +380,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
-        if cuda.decode_applies(p, k_cache, v_cache):
+        if cuda.decode_applies(p, k_cache, v_cache) and not p.modified:
             table = xp.ascontiguousarray(block_table)
             cuda.decode(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
@@ -345,7 +405,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
     if p.xp is not np:
-        if cuda.decode_applies(p, k4, v4) and p.dv == p.d:
+        if cuda.decode_applies(p, k4, v4) and not p.modified and p.dv == p.d:
             cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:

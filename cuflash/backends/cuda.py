@@ -16,7 +16,8 @@ from ..plan import dispatch
 from ..plan.forward import FP32_BAND, MODS_FP32, forward_spec
 from ..kernels import backward as backward_kernels
 from ..kernels import decode as decode_kernels
-from ..kernels import device, fp32, hopper
+from ..kernels import device, fp32, hopper, tma
+from ..kernels import fp8_forward as fp8_kernels
 from ..kernels import forward as forward_kernels
 from ..kernels import merge as merge_kernels
 from ..kernels.operands import describe, unit_d, vector_ok, vector_ok_bytes
@@ -168,6 +169,32 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     ops = dispatch.Operands(vec=vector_ok((q4, k4, v4, o4), p.d))
     plan = dispatch.band_forward_plan(p, device.current(), ops, tile=tile)
     forward_kernels.launch_band(plan, p, q4, k4, v4, o4, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
+
+
+def forward_fp8(p, q4, k4, v4, o4, lse3, descales, *, tile=None):
+    """float8_e4m3fn q4, k4, v4 (uint8 bits; p.dtype e4m3, dense, no mask or a causal one) into o4
+    (bfloat16 or float16) and lse3 on the e4m3 kernel (plan.dispatch.fp8_forward_plan): vt built
+    per call, q and k copied only where TMA cannot address them, o through a scratch array where
+    its rows are not whole 16-byte chunks. ``descales``: (q, k, v), each None or checked (core.fp8_inputs)."""
+    if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    plan = dispatch.fp8_forward_plan(p, device.current(), o4.dtype, tile=tile)
+    if p.nk == 0:  # no key: o = 0, lse = -inf (a map cannot describe an empty vt)
+        o4.view(_BITS[o4.itemsize]).fill(0)
+        lse3.fill(-np.inf)
+        return
+    if not tma.available():
+        raise NotImplementedError("float8_e4m3fn GPU inputs need cuda-bindings: the e4m3 kernel reads them through "
+                                  "tensor maps")
+    q4, k4, v4 = (a if a.dtype == np.uint8 else a.view(np.uint8) for a in (q4, k4, v4))  # (the bits TMA copies)
+    qu, ku = (fp8_kernels.tma_input(unit_d(a)) for a in (q4, k4))
+    _check_out(o4, p)
+    if vector_ok((o4,), p.d):
+        fp8_kernels.launch(plan, p, qu, ku, unit_d(v4), o4, lse3, descales)
+        return
+    ow = _to_width(o4, -(-p.d // 8) * 8, copy=True)  # the epilogue stores whole 16-byte chunks
+    fp8_kernels.launch(plan, p, qu, ku, unit_d(v4), ow, lse3, descales)
+    _from_width(o4, ow)
 
 
 def _launch_forward(plan, p, q4, k4, v4, o4, lse3):

@@ -204,13 +204,15 @@ def check_head_dim(d: int, name: str = "q"):
         raise ValueError(f"{name}: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
 
 
-def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
-    """Check q, k, v and the options; return the Problem or raise ValueError/TypeError."""
+def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, element=None) -> Problem:
+    """Check q, k, v and the options; return the Problem or raise ValueError/TypeError.
+    ``element``: the inputs' element type when the caller checked their dtypes itself (float8_e4m3fn
+    GPU inputs, held as uint8 bits: core.fp8_inputs)."""
     check_layout(layout)
     window = masks.normalize_window(window)
     named = (("q", q), ("k", k), ("v", v))
     xp = same_library(named)
-    dtype = check_dtype(named)
+    dtype = check_dtype(named) if element is None else np.dtype(element)
     causal = masks.normalize_causal(causal)
     for name, a in named:  # blame a 0-D/1-D input itself, not the others for differing from it
         if a.ndim < 2:

@@ -35,10 +35,11 @@ def encodable(ptr: int, strides_bytes) -> bool:
 
 
 def tiled_map(dtype, ptr: int, dims, strides_bytes, box):
-    """A 128-byte-swizzled tiled map of a rank-len(dims) 16-bit tensor.
+    """A 128-byte-swizzled tiled map of a rank-len(dims) tensor of 16-bit elements, or of bytes
+    (uint8: the e4m3 forward's inputs, whose bits TMA only copies).
 
     dims: extents, innermost (contiguous) first; strides_bytes: the byte strides of dims[1:];
-    box: the box extents (box[0] * 2 bytes must be <= 128). Out-of-range elements read as zero."""
+    box: the box extents (box[0] * itemsize must be <= 128). Out-of-range elements read as zero."""
     key = (np.dtype(dtype).str, ptr, tuple(dims), tuple(strides_bytes), tuple(box))
     hit = _CACHE.get(key)
     if hit is not None:
@@ -49,6 +50,7 @@ def tiled_map(dtype, ptr: int, dims, strides_bytes, box):
     kind = {
         np.dtype(FLOAT16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         np.dtype(BFLOAT16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        np.dtype(np.uint8): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }[np.dtype(dtype)]
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t
     err, tmap = cu.cuTensorMapEncodeTiled(
@@ -78,7 +80,7 @@ def bhsd_strides(a4):
 
 
 def bhsd_map(a4, box_rows: int):
-    """Rank-4 map (d, rows, heads, batch) of a (B, H, N, d) CuPy view with 64-column x box_rows
-    boxes: one box is one 64-column block of a cuda_src Sw128Tile."""
+    """Rank-4 map (d, rows, heads, batch) of a (B, H, N, d) CuPy view with 128-byte x box_rows
+    boxes (64 16-bit or 128 byte columns): one box is one column block of a cuda_src Sw128Tile."""
     b, h, n, d = a4.shape
-    return tiled_map(a4.dtype, a4.data.ptr, (d, n, h, b), bhsd_strides(a4), (64, box_rows, 1, 1))
+    return tiled_map(a4.dtype, a4.data.ptr, (d, n, h, b), bhsd_strides(a4), (128 // a4.itemsize, box_rows, 1, 1))

@@ -51,7 +51,7 @@ ALIGNED = Operands(vec=True, tma_q=True, tma_kv=True, kv_vec=True)  # contiguous
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod"
+    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod" | "wgmma_fp8"
     spec: KernelSpec
     tile: object  # schedule.TileConfig, schedule.HopperTile or plan.fp32.Fp32TileConfig
     splits: int = 0  # wgmma_split: key pieces per query tile
@@ -126,6 +126,20 @@ def forward_plan(p, target: Target, ops: Operands, *, tile=None, tuned: bool = T
         tile = tuning.pick_forward_tile(p, target, autotuner)
     spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, ops.vec, tile, target=target)
     return ForwardPlan("mma", spec, tile)
+
+
+FP8_NEEDS_SM90 = ("float8_e4m3fn GPU inputs run on Hopper (sm_90) only: the e4m3 kernel multiplies with FP8 wgmma "
+                  "(NumPy inputs run on the NumPy backend; other GPUs take 16-bit inputs)")
+
+
+def fp8_forward_plan(p, target: Target, out_dtype, *, tile=None) -> ForwardPlan:
+    """float8_e4m3fn q, k, v (the caller checked the options: dense, no mask or a causal one):
+    attn_fwd_wgmma_tma_fp8 on the table's tile (schedule.HOPPER_FP8_FORWARD_TILES) or ``tile``;
+    NotImplementedError off sm_90. Not subject to CUFLASH_KERNELS: no mma.sync kernel takes e4m3."""
+    if not target.hopper:
+        raise NotImplementedError(FP8_NEEDS_SM90)
+    spec, t = hopper.fp8_forward_spec(out_dtype, p.d, p.causal is not None, tile)
+    return ForwardPlan("wgmma_fp8", spec, t)
 
 
 def wgmma_forward_plan(p, target: Target, ops: Operands, *, tile=None, split=None) -> ForwardPlan:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from .backward import all_backward_specs
 from .decode import all_decode_specs
 from .forward import all_forward_specs
-from .hopper import all_hopper_backward_specs, all_hopper_forward_specs
+from .hopper import all_hopper_backward_specs, all_hopper_forward_specs, all_hopper_fp8_forward_specs
 from .merge import all_merge_specs
 
 FAMILIES = {
     "forward": all_forward_specs,  # mma.sync, band and float32 forwards
     "backward": all_backward_specs,  # mma.sync, band and float32 backwards
     "hopper_forward": all_hopper_forward_specs,
+    "hopper_fp8_forward": all_hopper_fp8_forward_specs,  # float8_e4m3fn q, k, v and its vt kernels
     "hopper_backward": all_hopper_backward_specs,
     "decode": all_decode_specs,
     "merge": all_merge_specs,  # merge_attention_states

@@ -83,13 +83,14 @@ class HopperTile:
     def threads(self) -> int:
         return 128 * (self.warpgroups + self.specialized)
 
-    def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + `stages` K and V tiles (+ the producer's mbarriers; persistent: + an O tile and
-        one more mbarrier), + 1 KiB to align the base to the 128-byte swizzle."""
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Q tile + `stages` K and V tiles of `itemsize`-byte elements (+ the producer's mbarriers;
+        persistent: + an O tile and one more mbarrier), + 1 KiB to align the base to the 128-byte
+        swizzle. (e4m3, itemsize 1: O's 16-bit staging tile fits in Q's and the K ring's bytes.)"""
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
         if self.persistent:  # + O's own staging tile and the "Q empty" barrier
-            return (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 8 + 1024
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + barriers + 1024
+            return (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize + barriers + 8 + 1024
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize + barriers + 1024
 
 
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: the TMA-fed wgmma kernel
@@ -105,6 +106,29 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
                     "since the late wgmma wait and the stale max (80 keys were +4-12% when first chosen)",
                     tma=True, wg_epilogue=True),
 }
+
+# Forward on Hopper with float8_e4m3fn q, k, v (attn_fwd_wgmma_tma_fp8, wgmma m64nNk32): keyed by
+# the e4m3 head-dim bucket (FP8_HEAD_DIMS: whole 128-byte rows of Q, K and vt). Not yet measured:
+# 128x128 tiles as FlashAttention-3's FP8 forward takes at d=256 (S 64 + P 16 regs next to O),
+# ping-pong at d=128, where the exp2s of 128 keys cost about as long as the tile's two GEMMs and
+# the other warpgroup's GEMMs should run under them.
+HOPPER_FP8_FORWARD_TILES: dict[int, HopperTile] = {
+    128: HopperTile(128, 2, 2, "128x128, S 64 + O 64 + P 16 regs; ping-pong: the softmax as long as the GEMMs (not measured)",
+                    tma=True, pingpong=True),
+    256: HopperTile(128, 2, 2, "128x128, O 128 + S 64 + P 16 regs, the d=256 kernel's late P V wait (not measured)",
+                    tma=True),
+}
+FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
+
+
+def fp8_head_dim(d: int) -> int:
+    """The e4m3 kernel's head-dim bucket: the smallest of FP8_HEAD_DIMS >= d (d <= 64 runs the
+    128 kernel on zero-filled columns)."""
+    for hd in FP8_HEAD_DIMS:
+        if d <= hd:
+            return hd
+    raise ValueError(f"q: head dim {d} is larger than the largest supported, {FP8_HEAD_DIMS[-1]}")
+
 
 @dataclass(frozen=True)
 class PersistentRule:

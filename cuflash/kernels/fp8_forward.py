@@ -1,0 +1,115 @@
+"""The e4m3 forward's launch (attn_fwd_wgmma_tma_fp8 in cuda_src/attn_fwd_wgmma.cu, sm_90a) of a
+plan.dispatch.ForwardPlan: vt, V transposed by fp8_pack_vt (cuda_src/fp8_vt.cu), the byte tensor
+maps of q, k and vt, and the descales' pointers and strides.
+
+The arrays are CuPy uint8 views of the e4m3 bits (core.fp8_inputs); the kernels only move and
+multiply the bits. vt (B, Hkv, d, Nk rounded up to 32) is built on every call, on the call's
+stream, and freed with it: a pass over V that every timing of the kernel includes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import hopper as plan_hopper
+from ..plan.device_limits import MAX_GRID_YZ
+from ..plan.dispatch import ForwardPlan
+from ..plan.schedule import fp8_head_dim
+from . import tma
+from .build import get_function
+from .operands import LOG2E, elem_strides, tma_ok
+
+# vt's key order within each group of 32 (cuda_src/fp8_keys.cuh's kFp8KeyOfPos): position p holds
+# key KEY_OF_POS[p]. The e4m3 P fragment takes keys in this order (hopper/fwd_fp8.cuh).
+KEY_OF_POS = tuple((p & 16) | (((p >> 2) & 3) << 1) | (p & 1) | (((p >> 1) & 1) << 3) for p in range(32))
+VT_GROUP = 32  # vt's keys are padded to a whole group
+_VT_KEYS, _VT_COLS = 128, 64  # fp8_pack_vt's block: keys x columns
+
+
+def vt_keys(nk: int) -> int:
+    """vt's key extent: nk rounded up to VT_GROUP (the padding is zeros)."""
+    return -(-nk // VT_GROUP) * VT_GROUP
+
+
+def _aligned16(a4) -> bool:
+    return a4.data.ptr % 16 == 0 and all(s % 16 == 0 for n, s in zip(a4.shape[:3], a4.strides[:3]) if n > 1)
+
+
+def pack_vt(v4):
+    """vt of a (B, H, Nk, d) uint8 view with unit-stride rows: (B, H, d, vt_keys(Nk)) uint8, each
+    row a column of V with its keys in KEY_OF_POS order, zeros past Nk."""
+    import cupy
+
+    b, h, nk, d = v4.shape
+    nk_pad = vt_keys(nk)
+    vt = cupy.empty((b, h, d, nk_pad), dtype=np.uint8)
+    if vt.size == 0:
+        return vt
+    fn = get_function(plan_hopper.fp8_vt_spec(d % 16 == 0 and _aligned16(v4)))
+    sb, sh, sn = (np.int64(s) for s in v4.strides[:3])  # (bytes = elements)
+    grid_xy = (-(-nk_pad // _VT_KEYS), -(-d // _VT_COLS))
+    for bh0 in range(0, b * h, MAX_GRID_YZ):
+        n = min(MAX_GRID_YZ, b * h - bh0)
+        fn(grid_xy + (n,), (plan_hopper.FP8_VT_THREADS,),
+           (v4, vt, sb, sh, sn, np.int32(h), np.int32(nk), np.int32(nk_pad), np.int32(d), np.int32(bh0)))
+    return vt
+
+
+def vt_map(vt4, head_dim: int):
+    """Rank-4 map (keys, d, heads, batch) of vt with 128-key x head_dim-row boxes (one column block
+    of the kernel's V slot; rows past d read as zero)."""
+    b, h, d, n = vt4.shape
+    return tma.tiled_map(np.uint8, vt4.data.ptr, (n, d, h, b), tma.bhsd_strides(vt4), (128, head_dim, 1, 1))
+
+
+def tma_input(a4):
+    """q or k as the kernel's tensor maps read it: a4 itself when TMA can address it, else a
+    contiguous copy with d padded to a multiple of 16 bytes (zero columns change no score)."""
+    if tma_ok(a4):
+        return a4
+    import cupy
+
+    d16 = -(-a4.shape[3] // 16) * 16
+    c = cupy.zeros(a4.shape[:3] + (d16,), dtype=np.uint8)
+    c[..., : a4.shape[3]] = a4
+    return c
+
+
+def scale_args(descale, batch: int, heads: int, q_heads: int | None = None):
+    """(pointer or null, batch stride, head stride[, K/V-head stride]) of one descale, in float32
+    elements (a per-tensor factor: strides 0; None: a null pointer, read as 1). q (``q_heads`` =
+    Hq): a per-K/V-head factor (FlashAttention-3's) is indexed by the K/V head instead."""
+    if descale is None or descale.ndim == 0 or descale.shape == (1,):
+        return (np.uint64(0) if descale is None else descale), 0, 0, 0
+    d2 = descale.reshape(batch, descale.shape[-1])
+    sb, sh = (int(s) // 4 for s in d2.strides)
+    sb = 0 if batch == 1 else sb
+    if q_heads is not None and d2.shape[1] != q_heads:
+        return d2, sb, 0, sh  # q per K/V head
+    return d2, sb, sh, 0
+
+
+def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales):
+    """One launch per chunk of at most MAX_GRID_YZ batch entries; grid (query tiles, heads, batch).
+    q4, k4: uint8 (B, H, N, d) views TMA can address (tma_input); v4: any uint8 view with unit-
+    stride rows; o4: 16-bit, rows 16-byte aligned with d % 8 == 0; descales: (q, k, v), each
+    None or a checked float32 array."""
+    t, spec = plan.tile, plan.spec
+    hd = fp8_head_dim(p.d)
+    vt = pack_vt(v4)
+    fn = get_function(spec)
+    off = p.causal_offset if p.causal is not None else 0
+    scale_log2 = np.float32(p.scale * LOG2E)
+    m_blocks = -(-p.nq // t.block_m)
+    dq, dk, dv = descales
+    qa = scale_args(dq, p.batch, p.hq, q_heads=p.hq)
+    ka, va = scale_args(dk, p.batch, p.hkv), scale_args(dv, p.batch, p.hkv)
+    for b0 in range(0, p.batch, MAX_GRID_YZ):
+        b1 = min(p.batch, b0 + MAX_GRID_YZ)
+        qs, ks, vts, os_, ls = q4[b0:b1], k4[b0:b1], vt[b0:b1], o4[b0:b1], lse3[b0:b1]
+        maps = (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), vt_map(vts, hd))
+        ptrs = [a[0] if a[1] == 0 or isinstance(a[0], np.uint64) else a[0][b0:] for a in (qa, ka, va)]
+        o_sb, o_sh, o_sn, _ = elem_strides(os_)
+        args = (*maps, os_, ls, np.int64(o_sb), np.int64(o_sh), np.int64(o_sn), np.int32(p.nq), np.int32(p.nk),
+                np.int32(p.d), np.int32(p.group), np.int32(off), scale_log2, *ptrs,
+                *(np.int32(x) for x in (qa[1], qa[2], qa[3], ka[1], ka[2], va[1], va[2])))
+        fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)

@@ -1,0 +1,253 @@
+"""float8_e4m3fn GPU inputs without a GPU: which calls take the e4m3 kernel's path, what it refuses
+(NotImplementedError naming the option), the errors naming the argument, the plan and the launch's
+arguments (stand-in CuPy arrays and a stubbed launch), and the vt key order against the register
+layouts it serves."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.api import functional
+from cuflash.backends import cuda
+from cuflash.core import fp8_inputs
+from cuflash.core.arrays import BFLOAT16, FLOAT16
+from cuflash.kernels import fp8_forward
+from cuflash.kernels.operands import LOG2E
+from cuflash.plan import dispatch, registry, schedule
+from cuflash.plan import hopper as plan_hopper
+
+from _targets import SM80, SM90
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeCupyArray:
+    """What the routing and the checks read of a CuPy array: module name, dtype, shape, device."""
+
+    __module__ = "cupy._core.core"
+
+    def __init__(self, shape, dtype=np.uint8, device=0):
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+        self.device = types.SimpleNamespace(id=device)
+        self.size = int(np.prod(shape))
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in cupy module: the routing enters cupy.cuda.Device(n) and nothing else."""
+    mod = types.ModuleType("cupy")
+    mod.cuda = types.SimpleNamespace(Device=lambda n: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    return mod
+
+
+class Reached(Exception):
+    pass
+
+
+def _qkv(b=2, hq=4, hkv=2, nq=40, nk=50, d=128, dtype=np.uint8):
+    return (FakeCupyArray((b, hq, nq, d), dtype), FakeCupyArray((b, hkv, nk, d), dtype),
+            FakeCupyArray((b, hkv, nk, d), dtype))
+
+
+def _f32(shape, device=0):
+    return FakeCupyArray(shape, np.float32, device)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("kv_lens", "x"), ("window", (8, 0)), ("cu_seqlens_q", "x"), ("cu_seqlens_k", "x"), ("block_table", "x"),
+    ("softcap", 5.0), ("alibi_slopes", "x"), ("sinks", "x")])
+def test_options_the_gpu_kernel_does_not_take_name_themselves(fake_cupy, option, value):
+    q, k, v = _qkv()
+    kw = {option: FakeCupyArray((2,), np.int32) if value == "x" else value}
+    with pytest.raises(NotImplementedError, match=f"^{option}: not implemented for float8_e4m3fn GPU inputs"):
+        cuflash.attention(q, k, v, k_descale=_f32(()), **kw)
+
+
+def test_dtypes_out_dtype_and_the_kv_cache_form(fake_cupy):
+    q, k, v = _qkv()
+    one = _f32(())
+    with pytest.raises(TypeError, match=r"^k: expected the e4m3 bits of a float8_e4m3fn GPU input .* got float16"):
+        cuflash.attention(q, FakeCupyArray(k.shape, np.float16), v, k_descale=one)
+    with pytest.raises(NotImplementedError, match="^k, v: an FP8 KV cache with a 16-bit q"):
+        cuflash.attention(FakeCupyArray(q.shape, BFLOAT16), k, v, k_descale=one)
+    with pytest.raises(NotImplementedError, match="^out_dtype: float32 is not implemented"):
+        cuflash.attention(q, k, v, k_descale=one, out_dtype=np.float32)
+    with pytest.raises(ValueError, match="^out_dtype: with float8_e4m3fn GPU inputs expected bfloat16 or float16"):
+        cuflash.attention(q, k, v, k_descale=one, out_dtype=np.int8)
+    with pytest.raises(TypeError, match="^return_lse:"):
+        cuflash.attention(q, k, v, k_descale=one, return_lse="yes")
+    with pytest.raises(NotImplementedError, match="^v: a head dim"):
+        cuflash.attention(q, k, FakeCupyArray(k.shape[:3] + (64,)), k_descale=one)
+
+
+def test_descales_are_checked_and_name_themselves(fake_cupy):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="^q_descale: is a NumPy array but q is a CuPy array"):
+        cuflash.attention(q, k, v, q_descale=np.ones((), np.float32))
+    with pytest.raises(TypeError, match="^k_descale: expected dtype float32, got float64"):
+        cuflash.attention(q, k, v, k_descale=FakeCupyArray((), np.float64))
+    with pytest.raises(ValueError, match=r"^v_descale: expected shape \(\) or \(2, 2\), got \(2, 4\)"):
+        cuflash.attention(q, k, v, v_descale=_f32((2, 4)))
+    with pytest.raises(ValueError, match="^k_descale: is on cuda:1 but q is on cuda:0"):
+        cuflash.attention(q, k, v, k_descale=_f32((), device=1))
+
+
+def test_a_call_reaches_the_kernel_with_its_problem_and_descales(fake_cupy, monkeypatch):
+    # q's descale per K/V head (FlashAttention-3's) and per query head are both shapes q takes;
+    # the backend gets the problem as the e4m3 kernel reads it.
+    seen = {}
+
+    def forward_fp8(p, q4, k4, v4, o4, lse3, descales):
+        seen.update(p=p, descales=descales, o=o4)
+        raise Reached
+
+    monkeypatch.setattr(functional, "_forward_outputs", lambda p, out, odt: ("o", ("o4", odt), True, "lse"))
+    monkeypatch.setattr(functional, "to_bhsd", lambda a, *args: a)
+    monkeypatch.setattr(cuda, "forward_fp8", forward_fp8)
+    q, k, v = _qkv(nq=40, nk=50, d=96)
+    for qd_shape in ((2, 2), (2, 4), (1,)):
+        qd, kd, vd = _f32(qd_shape), _f32((2, 2)), _f32(())
+        with pytest.raises(Reached):
+            cuflash.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal="top_left", out_dtype=np.float16)
+        p = seen["p"]
+        assert (p.dtype, p.hq, p.hkv, p.nq, p.nk, p.d, p.causal) == (fp8_inputs.E4M3, 4, 2, 40, 50, 96, "top_left")
+        assert seen["descales"] == [qd, kd, vd] and seen["o"] == ("o4", np.dtype(FLOAT16))
+    with pytest.raises(Reached):  # no descale but v's: the others None (read as 1)
+        cuflash.attention(q, k, v, v_descale=vd)
+    assert seen["descales"] == [None, None, vd] and seen["o"] == ("o4", BFLOAT16)
+
+
+def test_uint8_without_descales_is_not_taken_for_e4m3(fake_cupy, monkeypatch):
+    # A CuPy uint8 array alone is no FP8 call: it goes the 16-bit path, whose validation rejects it.
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(functional._problem, "validate_forward", reached)
+    with pytest.raises(Reached):
+        cuflash.attention(*_qkv())
+
+
+def test_the_plan_needs_sm90_and_names_the_instantiation():
+    p = types.SimpleNamespace(d=96, causal="bottom_right")
+    with pytest.raises(NotImplementedError, match="sm_90"):
+        dispatch.fp8_forward_plan(p, SM80, BFLOAT16)
+    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)
+    t = schedule.HOPPER_FP8_FORWARD_TILES[128]
+    assert plan.kernel == "wgmma_fp8" and plan.tile == t
+    assert plan.spec.expression == (f"attn_fwd_wgmma_tma_fp8<E4m3<Bf16>, 128, {t.block_n}, {t.warpgroups}, {t.stages}, "
+                                    f"true, {'true' if t.pingpong else 'false'}>")
+    # (d=200 runs the 256 kernel; its shared memory is the traits' byte count)
+    spec, t = plan_hopper.fp8_forward_spec(FLOAT16, 200, False)
+    assert spec.expression.startswith("attn_fwd_wgmma_tma_fp8<E4m3<Fp16>, 256, ")
+    assert spec.smem_bytes == (t.block_m + 2 * t.stages * t.block_n) * 256 + 8 * (1 + 4 * t.stages) + 1024
+    with pytest.raises(ValueError, match="^tile:"):
+        plan_hopper.fp8_forward_spec(BFLOAT16, 128, False, schedule.HopperTile(64, 2, 2, "", tma=True))
+    with pytest.raises(ValueError, match="head dim 300"):
+        schedule.fp8_head_dim(300)
+
+
+def test_every_instantiation_is_in_the_ci_compile_list():
+    names = {s.expression for s in registry.all_specs()}
+    for out in (BFLOAT16, FLOAT16):
+        for d in schedule.FP8_HEAD_DIMS:
+            for causal in (False, True):
+                assert plan_hopper.fp8_forward_spec(out, d, causal)[0].expression in names
+    assert {plan_hopper.fp8_vt_spec(True).expression, plan_hopper.fp8_vt_spec(False).expression} <= names
+
+
+def test_descale_pointers_and_strides():
+    null, *rest = fp8_forward.scale_args(None, 2, 4)
+    assert null == 0 and rest == [0, 0, 0]
+    one = np.ones((), np.float32)
+    assert fp8_forward.scale_args(one, 2, 4)[1:] == (0, 0, 0)
+    per_q = np.ones((2, 4), np.float32)
+    assert fp8_forward.scale_args(per_q, 2, 4, q_heads=4)[1:] == (4, 1, 0)
+    per_kv = np.ones((2, 2), np.float32)  # q's descale per K/V head: indexed by hk
+    assert fp8_forward.scale_args(per_kv, 2, 2, q_heads=4)[1:] == (2, 0, 1)
+    assert fp8_forward.scale_args(np.ones((3, 2, 2), np.float32), 6, 2)[1:] == (2, 1, 0)  # batch axes merged
+    assert fp8_forward.scale_args(np.ones((1, 2), np.float32), 1, 2)[1:] == (0, 1, 0)
+
+
+def _kernel_parameters():
+    """The parameter names of attn_fwd_wgmma_tma_fp8 in cuda_src/attn_fwd_wgmma.cu."""
+    text = (ROOT / "cuda_src" / "attn_fwd_wgmma.cu").read_text()
+    m = re.search(r"attn_fwd_wgmma_tma_fp8\(([^)]*)\)", text)
+    return [re.split(r"[\s*]+", part.strip())[-1] for part in m.group(1).split(",")]
+
+
+def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    # The launch's arguments in the kernel's order (checked by name against the source), grid
+    # (query tiles, heads, batch) and the descales' strides; vt, the maps and the launch stubbed.
+    launches = []
+    monkeypatch.setattr(fp8_forward, "get_function", lambda spec: lambda grid, block, args, shared_mem: launches.append(
+        (spec, grid, block, args, shared_mem)))
+    monkeypatch.setattr(fp8_forward, "pack_vt", lambda v4: ("vt", v4))
+    monkeypatch.setattr(fp8_forward.tma, "bhsd_map", lambda a, rows: ("map", a, rows))
+    monkeypatch.setattr(fp8_forward, "vt_map", lambda vt, hd: ("vtmap", hd))
+    p = types.SimpleNamespace(batch=2, hq=4, hkv=2, nq=300, nk=333, d=96, group=2, scale=0.1, causal="bottom_right",
+                              causal_offset=33)
+    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)
+    q4, k4 = np.zeros((2, 4, 300, 96), np.uint8), np.zeros((2, 2, 333, 96), np.uint8)
+    o4, lse3 = np.zeros((2, 4, 300, 96), np.uint16), np.zeros((2, 4, 300), np.float32)
+    qd, kd = np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)
+    fp8_forward.launch(plan, p, q4, k4, k4, o4, lse3, (qd, kd, None))
+    (spec, grid, block, args, smem), = launches
+    t = plan.tile
+    assert grid == (-(-300 // t.block_m), 4, 2) and block == (spec.threads,) and smem == spec.smem_bytes
+    names = _kernel_parameters()
+    assert len(args) == len(names) == 24
+    a = dict(zip(names, args))
+    def same(x, y):  # (the launch passes its batch chunk's views)
+        return x.shape == y.shape and x.__array_interface__["data"] == y.__array_interface__["data"]
+
+    assert a["tmap_q"][0] == "map" and same(a["tmap_q"][1], q4) and a["tmap_q"][2] == t.block_m
+    assert a["tmap_k"][0] == "map" and same(a["tmap_k"][1], k4) and a["tmap_k"][2] == t.block_n
+    assert a["tmap_vt"] == ("vtmap", 128) and same(a["o"], o4) and same(a["lse"], lse3)
+    assert (a["o_sb"], a["o_sh"], a["o_sn"]) == (4 * 300 * 96, 300 * 96, 96)
+    assert (a["nq"], a["nk"], a["d"], a["group"], a["causal_off"]) == (300, 333, 96, 2, 33)
+    assert a["scale_log2"] == np.float32(0.1 * LOG2E)
+    assert a["v_descale"] == 0  # null: 1
+    assert (a["qd_sb"], a["qd_sh"], a["qd_shk"], a["kd_sb"], a["kd_sh"], a["vd_sb"], a["vd_sh"]) == (2, 0, 1, 2, 1, 0, 0)
+
+
+def test_vt_key_order_turns_the_accumulator_into_the_a_fragment():
+    # The documented layouts (PTX ISA): the float32 accumulator gives lane 4 g + c of a warp the
+    # columns 8 j + 2 c + e (j < 4, e < 2) of rows g, g + 8 of each 32-key group; register r of
+    # the k32 e4m3 A fragment holds row g + 8 (r & 1) at k = 16 (r >> 1) + 4 c + i. The kernel
+    # packs byte i of register r from block KEY >> 3, element (KEY & 1) + 2 (r & 1), KEY =
+    # KEY_OF_POS[16 (r >> 1) + i] (hopper/fwd_fp8.cuh), and vt holds key KEY_OF_POS[p] at position
+    # p: then A[row, p] = P[row, KEY_OF_POS[p]], so A vt = P V.
+    key = fp8_forward.KEY_OF_POS
+    assert sorted(key) == list(range(32))
+    rng = np.random.default_rng(0)
+    P, V = rng.standard_normal((16, 32)), rng.standard_normal((32, 8))
+    A = np.full((16, 32), np.nan)
+    for g in range(8):
+        for c in range(4):
+            acc = {(8 * j + 2 * c + e, row): P[row, 8 * j + 2 * c + e]
+                   for j in range(4) for e in range(2) for row in (g, g + 8)}
+            for r in range(4):
+                row = g + 8 * (r & 1)
+                for i in range(4):
+                    kk = key[16 * (r >> 1) + i]
+                    col = 8 * (kk >> 3) + 2 * c + (kk & 1)  # the accumulator element the kernel reads
+                    A[row, 16 * (r >> 1) + 4 * c + i] = acc[(col, row)]
+    vt = V[list(key)]  # vt's rows (as B's K) in KEY_OF_POS order
+    np.testing.assert_allclose(A @ vt, P @ V, rtol=1e-12)
+    np.testing.assert_array_equal(A, P[:, list(key)])
+
+
+def test_the_vt_order_is_the_kernels():
+    # KEY_OF_POS spells cuda_src/fp8_keys.cuh's formula (the kernels' one source of it).
+    text = (ROOT / "cuda_src" / "fp8_keys.cuh").read_text()
+    expr = re.search(r"kFp8KeyOfPos\(int p\) \{\s*return (.*?);", text, re.S).group(1)
+    assert tuple(eval(expr, {"p": p}) for p in range(32)) == fp8_forward.KEY_OF_POS  # noqa: S307 - our own source
