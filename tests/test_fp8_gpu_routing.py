@@ -72,12 +72,17 @@ def test_options_the_gpu_kernel_does_not_take_name_themselves(fake_cupy, option,
         cuflash.attention(q, k, v, k_descale=_f32(()), **kw)
 
 
-def test_dtypes_out_dtype_and_the_kv_cache_form(fake_cupy):
+def test_dtypes_out_dtype_and_the_kv_cache_form(fake_cupy, monkeypatch):
     q, k, v = _qkv()
     one = _f32(())
     with pytest.raises(TypeError, match=r"^k: expected the e4m3 bits of a float8_e4m3fn GPU input .* got float16"):
         cuflash.attention(q, FakeCupyArray(k.shape, np.float16), v, k_descale=one)
-    with pytest.raises(NotImplementedError, match="^k, v: an FP8 KV cache with a 16-bit q"):
+
+    def cache_path(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(functional, "_fp8_cache_on_gpu", cache_path)
+    with pytest.raises(Reached):  # (a 16-bit q with e4m3 k and v: the FP8 KV cache's decode kernel)
         cuflash.attention(FakeCupyArray(q.shape, BFLOAT16), k, v, k_descale=one)
     with pytest.raises(NotImplementedError, match="^out_dtype: float32 is not implemented"):
         cuflash.attention(q, k, v, k_descale=one, out_dtype=np.float32)
