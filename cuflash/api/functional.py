@@ -380,7 +380,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     q4 = to_bhsd(q, p, p.hq, p.nq)
     done = False
     if xp is not np:
-        if cuda.decode_applies(p, k_cache, v_cache) and not p.modified:
+        if cuda.decode_applies(p, k_cache, v_cache):
             table = xp.ascontiguousarray(block_table)
             cuda.decode(p, q4, k_cache, v_cache, o4, lse3, kv_lens=lens_dev, paged=(table, bs))
             done = True
@@ -405,7 +405,7 @@ def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
     if p.xp is not np:
-        if cuda.decode_applies(p, k4, v4) and not p.modified and p.dv == p.d:
+        if cuda.decode_applies(p, k4, v4) and p.dv == p.d:
             cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
             return
         if lens_host is None:
