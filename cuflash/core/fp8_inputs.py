@@ -35,8 +35,7 @@ NAMES = ("q", "k", "v")
 def requested(arrays, descales) -> bool:
     """Whether a call has FP8 inputs (NumPy e4m3 arrays, torch float8_e4m3fn tensors; other arrays
     are not read before their own validation) or descale factors."""
-    return (any(((isinstance(a, np.ndarray) or is_cupy_array(a)) and a.dtype == E4M3) or is_torch_e4m3(a)
-                for a in arrays)
+    return (any((isinstance(a, np.ndarray) and a.dtype == E4M3) or is_torch_e4m3(a) for a in arrays)
             or any(x is not None for x in descales))
 
 
