@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
 from cuflash.plan import hopper as plan_hopper
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in cupy module (routing tests without a GPU): the routing enters cupy.cuda.Device(n) and nothing else."""
+    mod = types.ModuleType("cupy")
+    mod.cuda = types.SimpleNamespace(Device=lambda n: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    return mod
+
 
 _SEED_ENV = "CUFLASH_SEED"  # set to replay a failing test with the seed it printed
 

@@ -5,9 +5,7 @@ layouts it serves."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-import sys
 import types
 from pathlib import Path
 
@@ -38,15 +36,6 @@ class FakeCupyArray:
         self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
         self.device = types.SimpleNamespace(id=device)
         self.size = int(np.prod(shape))
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """A stand-in cupy module: the routing enters cupy.cuda.Device(n) and nothing else."""
-    mod = types.ModuleType("cupy")
-    mod.cuda = types.SimpleNamespace(Device=lambda n: contextlib.nullcontext())
-    monkeypatch.setitem(sys.modules, "cupy", mod)
-    return mod
 
 
 class Reached(Exception):

@@ -8,7 +8,6 @@ Accuracy is the rule of cuflash.testing (docs/testing.md): the same factor forwa
 Every test draws fresh inputs (the ``rng`` fixture reports its seed on failure).
 """
 
-import contextlib
 import sys
 import types
 
@@ -456,15 +455,6 @@ class StubCupyArray:
 
     def __getattr__(self, name):
         raise AssertionError(f"the routing must not read the array before validation (read .{name})")
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """A stand-in cupy module: the routing enters cupy.cuda.Device(n) and nothing else."""
-    mod = types.ModuleType("cupy")
-    mod.cuda = types.SimpleNamespace(Device=lambda n: contextlib.nullcontext())
-    monkeypatch.setitem(sys.modules, "cupy", mod)
-    return mod
 
 
 class ReachedValidation(Exception):
