@@ -1,7 +1,7 @@
-"""Score modifiers side by side: cuflash's forward and backward with softcap, ALiBi or sinks
-against cuflash without them (the plain kernels) and against FlexAttention with the same
-``score_mod`` (torch.compile'd; sinks have no score_mod form and no peer), in one process on the
-same inputs.
+"""Score modifiers side by side: cuflash's forward, backward and one-token decode with softcap,
+ALiBi or sinks against cuflash without them (the plain kernels) and, forward and backward, against
+FlexAttention with the same ``score_mod`` (torch.compile'd; sinks have no score_mod form and no
+peer), in one process on the same inputs.
 
     python benchmarks/options.py --out options.json            # on a GPU with torch and CuPy
     python benchmarks/options.py --dry-run                     # the plan, anywhere
@@ -24,11 +24,16 @@ from peers import DEVICE, Case, Timer, _torch_dtype, record, torch_stream_ptr
 OPTIONS = ("none", "softcap", "alibi", "sinks")
 SOFTCAP = 30.0  # Gemma-2's attention cap
 SHAPES = ((4, 16, 4096), (1, 16, 16384))  # (B, H, N): B * N = 16k tokens, H * d = 2048
+# Decode (one token, split-KV kernel): (B, Hq, Hkv, L), peers.py's GQA decode shapes.
+DECODE_SHAPES = ((8, 32, 8, 16384), (1, 32, 8, 131072))
 
 
-def plan(ns, causal, d=128, dtype="bfloat16"):
-    return [Case(op, dtype, d, b, h, h, n, n, c) for op in ("fwd", "bwd") for b, h, n in SHAPES if n in ns
-            for c in causal]
+def plan(ns, causal, d=128, dtype="bfloat16", decode=True):
+    cases = [Case(op, dtype, d, b, h, h, n, n, c) for op in ("fwd", "bwd") for b, h, n in SHAPES if n in ns
+             for c in causal]
+    if decode:
+        cases += [Case("decode", dtype, d, b, hq, hkv, 1, n, False) for b, hq, hkv, n in DECODE_SHAPES]
+    return cases
 
 
 def _alibi_slopes(h):
@@ -80,13 +85,14 @@ class Options:
         torch, cp = self.torch, self.cupy
         torch.manual_seed(0)
         dt = _torch_dtype(case.dtype)
-        q, k, v, do = (torch.randn(case.b, case.hq, case.nq, case.d, device=DEVICE, dtype=dt) for _ in range(4))
+        q, do = (torch.randn(case.b, case.hq, case.nq, case.d, device=DEVICE, dtype=dt) for _ in range(2))
+        k, v = (torch.randn(case.b, case.hkv, case.nk, case.d, device=DEVICE, dtype=dt) for _ in range(2))
         with self._stream():
             qc, kc, vc, doc = (cp.from_dlpack(t) for t in (q, k, v, do))
         mods = self.mods(option, case.hq)
         causal = "top_left" if case.causal else False
         with self._stream():
-            if case.op == "fwd":
+            if case.op in ("fwd", "decode"):
                 o_cf = self.cuflash.attention(qc, kc, vc, causal=causal, **mods)
                 fn = lambda: self.cuflash.attention(qc, kc, vc, causal=causal, **mods)  # noqa: E731
             else:
@@ -99,7 +105,7 @@ class Options:
         ms, _ = self.timer(timed)
         rows.append(record(case, "cuflash", "ok", ms, option=option))
         sm = self.score_mod(option, case.hq, case.nq, case.nk)
-        if option not in ("none", "softcap", "alibi") or not self.want_flex:
+        if option not in ("none", "softcap", "alibi") or not self.want_flex or case.op == "decode":
             return
         if self.flex is None:
             rows.append(record(case, "torch-flex", "unsupported", reason=self.flex_missing, option=option))
@@ -151,10 +157,10 @@ def main(argv=None):
                 rows.append(record(case, "cuflash", "error", reason=f"{type(exc).__name__}: {exc}"[:300], option=option))
             runner.cupy.get_default_memory_pool().free_all_blocks()
             runner.torch.cuda.empty_cache()
-        plain = {r["op"] + str(r["nq"]) + str(r["causal"]): r["ms"] for r in rows
-                 if r["impl"] == "cuflash" and r["option"] == "none" and r["ms"]}
+        cell = lambda r: (r["op"], r["b"], r["nq"], r["nk"], r["causal"])  # noqa: E731
+        plain = {cell(r): r["ms"] for r in rows if r["impl"] == "cuflash" and r["option"] == "none" and r["ms"]}
         for r in rows:
-            base = plain.get(r["op"] + str(r["nq"]) + str(r["causal"]))
+            base = plain.get(cell(r))
             r["vs_plain"] = base / r["ms"] if base and r["ms"] else None
         if args.out:
             with open(args.out, "w") as f:
@@ -163,7 +169,8 @@ def main(argv=None):
     for r in rows:
         ms = f"{r['ms']:.3f}" if r["ms"] else "-"
         vs = f"{r['vs_plain']:.3f}" if r.get("vs_plain") else "-"
-        print(f"{r['op']:4} {r['option']:8} {r['impl']:11} N={r['nq']:6} causal={r['causal']!s:5} ms={ms:>8} "
+        print(f"{r['op']:6} {r['option']:8} {r['impl']:11} B={r['b']:2} N={r['nq']:6} L={r['nk']:6} "
+              f"causal={r['causal']!s:5} ms={ms:>8} "
               f"vs_plain={vs} {r['status']} {r.get('reason', '')[:120]}")
     return 0
 
