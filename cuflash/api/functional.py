@@ -183,7 +183,8 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     return (o, lse) if return_lse else o
 
 
-@interop.accepts_foreign_arrays("q", "k", "v", "q_descale", "k_descale", "v_descale", outputs=("out",))
+@interop.accepts_foreign_arrays("q", "k", "v", "q_descale", "k_descale", "v_descale", "kv_lens", "block_table",
+                                "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", outputs=("out",))
 def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, out, return_lse, causal, scale, layout,
                        validate, kv_lens, window, cu_seqlens_q, cu_seqlens_k, block_table, softcap, alibi_slopes,
                        sinks):
