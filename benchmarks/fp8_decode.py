@@ -19,7 +19,7 @@ import datetime
 import json
 import sys
 
-from peers import DEVICE, Case, Timer, measure_ceilings, record, torch_stream_ptr
+from peers import DEVICE, Case, Timer, measure_ceilings, quantize_e4m3, record, torch_stream_ptr
 
 SHAPES = ((8, 32, 8, 16384), (8, 32, 8, 65536), (64, 32, 8, 16384), (8, 32, 32, 16384), (1, 32, 8, 131072))
 D = 128
@@ -37,8 +37,10 @@ class Fp8Decode:
 
         import cuflash
         from cuflash.api.interop import external_stream
+        from cuflash.core.arrays import widen_to_float32
 
         self.torch, self.cupy, self.cuflash, self.timer = torch, cupy, cuflash, timer
+        self.widen = widen_to_float32
         self._stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
 
     def cell(self, case, rows, bf16_out):
@@ -61,7 +63,7 @@ class Fp8Decode:
         if case.dtype == "bfloat16":
             bf16_out[key] = o
         elif key in bf16_out:
-            diff = cp.abs(_wide(cp, o) - _wide(cp, bf16_out[key])).max()
+            diff = cp.abs(self.widen(o) - self.widen(bf16_out[key])).max()
             extra["max_abs_diff_vs_bf16"] = float(diff)
 
         def timed():
@@ -86,20 +88,11 @@ class Fp8Decode:
                 rows.append(record(case, impl, "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
 
     def _quantized(self, t):
-        """t (B, H, L, d) bfloat16 as e4m3 with per-(sequence, head) descales, on the device:
-        scaled by amax / 448 and cast by torch (round to nearest; no value exceeds 448)."""
-        torch, cp = self.torch, self.cupy
-        amax = t.float().abs().amax(dim=(2, 3)).clamp_min(1e-30)
-        descale = (amax / 448.0).to(torch.float32)
-        x8 = (t.float() / descale[:, :, None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        """t (B, H, L, d) bfloat16 as e4m3 bits (CuPy uint8: the form CuPy holds; the descales mark
+        them) and its per-(sequence, head) descales, on the device (peers.quantize_e4m3)."""
+        x8, descale = quantize_e4m3(t)
         with self._stream():
-            # (the e4m3 bits as CuPy uint8: the form CuPy holds; the descales mark them)
-            return cp.from_dlpack(x8.view(torch.uint8)), cp.from_dlpack(descale.contiguous())
-
-
-def _wide(cp, a):
-    """float32 of a bfloat16 CuPy array (its bits widened)."""
-    return (a.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+            return self.cupy.from_dlpack(x8.view(self.torch.uint8)), self.cupy.from_dlpack(descale.contiguous())
 
 
 def main(argv=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..backends import cuda
@@ -218,6 +220,19 @@ def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, o
     return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_scalar(device, dtype, value):
+    """A one-element CuPy array of `value` on `device`, made once: a decode call's stand-ins and unit
+    descales cost no allocation and no fill launch per call (never written). (zeros first: CuPy
+    stores bfloat16 without casts, and a stand-in's value is 0.)"""
+    import cupy
+
+    a = cupy.zeros((1,), dtype=dtype)
+    if value:
+        a.fill(value)
+    return a
+
+
 def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
     """A 16-bit GPU q with an e4m3 K/V cache (contiguous or paged; e4m3 bits as uint8): the split-KV
     decode kernel reads the cache's bytes (attn_decode_kv8). The shapes are validated as a 16-bit
@@ -239,7 +254,8 @@ def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
         raise NotImplementedError(f"out_dtype: an FP8 KV cache on the GPU gives o in q's dtype "
                                   f"({dtype_name(q.dtype)}), not {out_dtype!r}")
     odt = q.dtype
-    stand_ins = [cupy.lib.stride_tricks.as_strided(cupy.zeros(1, q.dtype), a.shape, (0,) * a.ndim) for a in (k, v)]
+    stand_ins = [cupy.lib.stride_tricks.as_strided(_device_scalar(cupy.cuda.Device().id, q.dtype, 0), a.shape,
+                                                   (0,) * a.ndim) for a in (k, v)]
     shape_opts = dict(causal=options["causal"], scale=options["scale"], layout=options["layout"],
                       window=options["window"])
     block_table, validate = options["block_table"], options["validate"]
@@ -271,7 +287,7 @@ def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4 = to_bhsd(q, p, p.hq, p.nq)
     if p.nq and p.batch and p.hq:
-        one = cupy.ones((), dtype=FLOAT32)
+        one = _device_scalar(cupy.cuda.Device().id, FLOAT32, 1).reshape(())
         kd, vd = (one if x is None else x for x in (kd, vd))
         if kd.size == 1 and vd.size == 1:
             kv_descales = (kd.reshape(()), vd.reshape(()), 0, 0)
