@@ -123,6 +123,23 @@ def test_peers_fp8_cases_follow_their_bf16_twins(tmp_path):
     assert len(plan) == 24 + len(fp8) and f"{len(plan)} cases" in stdout  # (the default grid: + fp16 at d=128)
 
 
+def test_head_dim_v_bench_counts_each_gemm_at_its_own_width():
+    # Q K^T at d and P V at dv: 2 N^2 (d + dv) per head, which is peers' 4 N^2 d where dv = d.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        hdv = load(ROOT / "benchmarks" / "head_dim_v.py", "head_dim_v_under_test")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cases = hdv.plan()
+    assert {(c.d, dv) for c, dv in cases} == set(hdv.HEAD_DIMS)
+    assert {c.op for c, _ in cases} == {"fwd", "bwd"} and {c.causal for c, _ in cases} == {False, True}
+    for case, dv in cases:
+        same = peers.Case(case.op, case.dtype, case.d, case.b, case.hq, case.hkv, case.nq, case.nk, case.causal)
+        assert hdv.flops(case, case.d) == same.flops()
+        assert hdv.flops(case, dv) == same.flops() * (case.d + dv) / (2 * case.d)
+        assert hdv.logical_bytes(case, case.d) == same.logical_bytes()
+
+
 def test_peers_rejects_an_unknown_dtype(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, str(PEERS), "--dry-run", "--out", str(out), "--dtypes", "float32"],

@@ -24,6 +24,8 @@
 #   OPTIONS=1      also benchmark the score modifiers (benchmarks/options.py; OPTIONS_TIMEOUT, default 150)
 #   FP8_DECODE=1   also benchmark the e4m3 K/V cache against the bf16 one (benchmarks/fp8_decode.py;
 #                  FP8_DECODE_TIMEOUT, default 120)
+#   HEAD_DIM_V=1  also benchmark v's head dim unlike q's ((192, 128), (128, 64); benchmarks/head_dim_v.py;
+#                  HEAD_DIM_V_TIMEOUT, default 120)
 #   FP8=1          also benchmark the float8_e4m3fn forward beside bf16 at d = 128, 256, N = 8k, 16k, causal
 #                  and not (benchmarks/peers.py --fp8; FP8_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
@@ -111,6 +113,11 @@ fi
 if [ "${OPTIONS:-0}" = 1 ]; then
     timeout "${OPTIONS_TIMEOUT:-150}" python3 benchmarks/options.py --out "$tmp/options.json" > "$tmp/options.log" 2>&1
     r=$?; echo "options bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/options.log" >> "$OUT/bench.log"
+fi
+if [ "${HEAD_DIM_V:-0}" = 1 ]; then
+    timeout "${HEAD_DIM_V_TIMEOUT:-120}" python3 benchmarks/head_dim_v.py --out "$tmp/head_dim_v.json" > "$tmp/head_dim_v.log" 2>&1
+    r=$?; echo "head_dim_v bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/head_dim_v.log" >> "$OUT/bench.log"
+    tail -16 "$tmp/head_dim_v.log"
 fi
 if [ "${FP8_DECODE:-0}" = 1 ]; then
     timeout "${FP8_DECODE_TIMEOUT:-120}" python3 benchmarks/fp8_decode.py --out "$tmp/fp8_decode.json" > "$tmp/fp8_decode.log" 2>&1
