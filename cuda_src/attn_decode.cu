@@ -376,9 +376,15 @@ attn_decode(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_
 
 // attn_decode with an e4m3 K/V cache (kv_e4m3.cuh): k and v address the caches' bytes in pairs (their
 // strides in 16-bit words), k_descale / v_descale float32 at b * ds_sb + K/V head * ds_sh.
+// Its __launch_bounds__' blocks per SM (0: none given): fp16 q with 32-key tiles of d=128, left free,
+// ptxas held at 168 registers (3 blocks of 128 threads per SM) and spilled 32 bytes; bf16 fits there.
+template <typename T, int HEAD_DIM, int BLOCK_N>
+__host__ __device__ constexpr int decode_kv8_min_blocks() {
+    return !T::is_bf16 && HEAD_DIM == 128 && BLOCK_N == 32 ? 1 : 0;
+}
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
           bool WINDOW = false, int RING = 0>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, decode_kv8_min_blocks<T, HEAD_DIM, BLOCK_N>())
 attn_decode_kv8(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_done,
                 DECODE_TAIL_PARAMS, const float* __restrict__ k_descale, const float* __restrict__ v_descale,
                 i64 ds_sb, i64 ds_sh) {

@@ -561,13 +561,13 @@ def _forward_key_split(p, causal):
 def _decode_launch(dtype, d, causal, batch, hq, hkv, nq, nk, cluster=None, kv_e4m3=False):
     """The split-KV decode launch cuflash makes for this shape (contiguous inputs), or None.
     cluster=False: the launch whose splits merge through memory (plan.decode.launch_plan).
-    kv_e4m3: an e4m3 K/V cache (kernels.decode.forward's tile, schedule.DECODE_TILES_KV8)."""
+    kv_e4m3: an e4m3 K/V cache (plan.decode.e4m3_launch's tile and waves)."""
     p = SimpleNamespace(dtype=dtype, d=d, nq=nq, nk=nk, hq=hq, hkv=hkv, group=hq // hkv, batch=batch,
                         causal=masks.normalize_causal(causal), window=None)
     if not (dispatch.decode_applies_e4m3 if kv_e4m3 else dispatch.decode_applies)(p, True):
         return None
-    tile = schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(d)] if kv_e4m3 else None
-    lp = decode.launch_plan(p, H200_SM_COUNT, tile=tile, cluster=cluster)
+    tile, waves = decode.e4m3_launch(p, H200_SM_COUNT) if kv_e4m3 else (None, None)
+    lp = decode.launch_plan(p, H200_SM_COUNT, tile=tile, waves=waves, cluster=cluster)
     # (launch_plan's choice: the planner's own launch, wide-rows blocks included)
     row_blocks = decode.launch_problem(p, None if kv_e4m3 else H200_SM_COUNT, tile, cluster).hkv // hkv
     off = masks.causal_offset(p.causal, nq, nk)

@@ -21,8 +21,9 @@ def _problem(batch, hq, hkv, nq, nk, d, causal=None, dtype=BFLOAT16, window=None
 
 @pytest.mark.parametrize("hd", sorted(schedule.DECODE_TILES_KV8))
 def test_kv8_tiles_keep_the_16_bit_tiles_shared_memory(hd):
-    """Twice the stages of half the bytes: the same bytes in flight, the same shared memory (so the
-    same blocks per SM and merge buffer) as the 16-bit table's tile, and the same packed rows."""
+    """Half the bytes per key in twice the keys (twice the stages, or key tiles twice as long): the
+    same bytes in flight, the same shared memory (so the same blocks per SM and merge buffer) as the
+    16-bit table's tile, and the same packed rows."""
     t8, t16 = schedule.DECODE_TILES_KV8[hd], schedule.DECODE_TILES[hd]
     assert t8.kv_bytes == 1 and t16.kv_bytes == 2 and t8.ring <= 2
     assert t8.max_row_tiles == t16.max_row_tiles
@@ -55,11 +56,29 @@ def test_all_decode_specs_list_every_kv8_instantiation():
 def test_what_an_e4m3_cache_launches_is_compiled(shape, causal, cluster):
     p = _problem(*shape, causal=causal)
     assert dispatch.decode_applies_e4m3(p, True)
-    t = schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)]
-    lp = plan_decode.launch_plan(p, SMS, tile=t, cluster=cluster)  # (kernels.decode.forward's plan)
+    t, waves = plan_decode.e4m3_launch(p, SMS)
+    assert t is schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)]
+    lp = plan_decode.launch_plan(p, SMS, tile=t, waves=waves, cluster=cluster)  # (kernels.decode.forward's plan)
     spec = plan_decode.launch_spec(p.dtype, p.d, causal is not None, lp)
     assert "_kv8<" in spec.expression
     assert spec.short_name in {s.short_name for s in plan_decode.all_decode_specs()}
+
+
+def test_an_e4m3_cache_with_few_pairs_splits_for_one_wave():
+    share = plan_decode.E4M3_ONE_WAVE_SHARE
+    few = _problem(1, 32, 8, 1, 131072, 128)  # 8 pairs: one wave of 16 splits, not two waves' 33
+    t, waves = plan_decode.e4m3_launch(few, SMS)
+    assert 8 * share <= SMS and waves == 1
+    assert plan_decode.launch_plan(few, SMS, tile=t, waves=waves).splits == SMS // 8
+    assert plan_decode.launch_plan(few, SMS, tile=t).splits == -(-2 * SMS // 8)
+    many = _problem(8, 32, 8, 1, 16384, 128)  # 64 pairs: two waves (4 splits)
+    t, waves = plan_decode.e4m3_launch(many, SMS)
+    assert 64 * share > SMS and waves is None
+    assert plan_decode.launch_plan(many, SMS, tile=t, waves=waves).splits == 4
+    # A caller's tile or waves are kept as given.
+    mine = schedule.DECODE_TILES_KV8[64]
+    assert plan_decode.e4m3_launch(few, SMS, tile=mine) == (mine, None)
+    assert plan_decode.e4m3_launch(few, SMS, waves=3)[1] == 3
 
 
 def test_which_problems_the_e4m3_kernel_takes():

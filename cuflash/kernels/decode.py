@@ -12,9 +12,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.fp8_inputs import E4M3
-from ..plan import dispatch, schedule
+from ..plan import dispatch
 from ..plan.decode import (_COMBINE_THREADS, DecodePlan, _launch_problem_and_tile, _plan_launch, combine_grid,
-                           last_split_merges, launch_plan, launch_spec, combine_spec, tma_spec)
+                           e4m3_launch, last_split_merges, launch_plan, launch_spec, combine_spec, tma_spec)
 from ..plan.spec import KernelSpec
 from . import counters as stream_counters
 from . import device, pdl, tma
@@ -129,7 +129,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     last split of each pair), "kernel" (attn_decode_combine) or "auto"; None: MERGE.
     `kv_descales` = (k_descale, v_descale, batch stride, head stride): an e4m3 cache (k4 and v4
     float8_e4m3fn, or uint8 arrays of their bits) with its float32 device descales (strides 0, 0: one
-    per tensor); its tile comes from schedule.DECODE_TILES_KV8 unless `tile` (one of kv_bytes 1) is
+    per tensor); its tile and waves come from plan.decode.e4m3_launch unless `tile` (one of kv_bytes 1) is
     given. Score modifiers (p.softcap, p.alibi, p.sinks) run attn_decode_mod /
     attn_decode_cluster_mod, on 16-bit caches and the cp.async kernel only."""
     import cupy
@@ -146,7 +146,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     if kv8:
         if tma_tile is not None:
             raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
-        tile = tile or schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)]
+        tile, waves = e4m3_launch(p, device.sm_count(dev), tile, waves)
         if tile.kv_bytes != 1 or tile.ring > 2:
             raise ValueError(f"tile={tile}: an e4m3 cache takes a tile of kv_bytes 1 and ring 0-2")
     if tma_tile is not None:

@@ -108,14 +108,18 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
 }
 
 # Forward on Hopper with float8_e4m3fn q, k, v (attn_fwd_wgmma_tma_fp8, wgmma m64nNk32): keyed by
-# the e4m3 head-dim bucket (FP8_HEAD_DIMS: whole 128-byte rows of Q, K and vt). Not yet measured:
-# 128x128 tiles as FlashAttention-3's FP8 forward takes at d=256 (S 64 + P 16 regs next to O),
-# ping-pong at d=128, where the exp2s of 128 keys cost about as long as the tile's two GEMMs and
-# the other warpgroup's GEMMs should run under them.
+# the e4m3 head-dim bucket (FP8_HEAD_DIMS: whole 128-byte rows of Q, K and vt). Key tiles are whole
+# 128-key vt boxes; 256-key tiles spill (S 128 + O 64 + P 32 registers at d=128). H100, TFLOP/s at
+# N = 8k / 16k (B x H = 2 x 16 / 1 x 16 at d=128, 2 x 8 / 1 x 8 at d=256), one pass each of the 12
+# (d=128) and 4 (d=256) tiles of 128 keys, 2-4 stages, ping-pong or not:
+#   d=128: ping-pong 2 stages 763 / 787, causal 759 / 838; own pace 3 stages 837 / 867, causal 784 /
+#     855 (2 stages 821 / 863, 782 / 858). Where the other warpgroup's GEMMs would fill the
+#     softmax, the turns cost more than they hide, as at d=128 in 16 bits.
+#   d=256: own pace 2 stages 1225 / 1284, causal 1127 / 1227; 3 stages and ping-pong 0-2.2% below.
 HOPPER_FP8_FORWARD_TILES: dict[int, HopperTile] = {
-    128: HopperTile(128, 2, 2, "128x128, S 64 + O 64 + P 16 regs; ping-pong: the softmax as long as the GEMMs (not measured)",
-                    tma=True, pingpong=True),
-    256: HopperTile(128, 2, 2, "128x128, O 128 + S 64 + P 16 regs, the d=256 kernel's late P V wait (not measured)",
+    128: HopperTile(128, 2, 3, "128x128, 3 stages, each warpgroup at its own pace: 1.02-1.10x the ping-pong tile",
+                    tma=True),
+    256: HopperTile(128, 2, 2, "128x128, O 128 + S 64 + P 16 regs, own pace, 2 stages: the fastest of 4 tiles",
                     tma=True),
 }
 FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
@@ -579,13 +583,23 @@ DECODE_TILES_WIDE_ROWS_LONG: dict[int, DecodeTile] = {
 WIDE_LONG_MIN_CHUNK = 768  # (between the splits measured: 256-512 keys stay on ring 3, 1008-4096 take ring 4)
 
 
-# An e4m3 K/V cache (attn_decode_kv8, cuda_src/kv_e4m3.cuh): each table tile with twice the stages,
-# so that a warp keeps the same bytes in flight and a block the same shared memory (and blocks per
-# SM) as the 16-bit cache; a key tile is half the bytes, so twice the keys are in flight.
+# An e4m3 K/V cache (attn_decode_kv8, cuda_src/kv_e4m3.cuh). d=128: 32-key tiles in two stages,
+# the block copying each step's K and V together (ring 1), where a key tile is half the 16-bit
+# tile's bytes. H100, the cache read over the copy rate of the same run, one-token decode, Hq=32,
+# the 16-bit tile with doubled stages (16 x 4 warps, 4 stages, ring 0) -> this tile: B=8 Hkv=8
+# L=16k 0.889 -> 0.922, L=64k 0.973 -> 1.007, B=64 L=16k 0.786 -> 1.040, B=8 Hkv=32 L=16k 0.772 ->
+# 1.013, B=1 Hkv=8 L=128k 0.785 -> 0.890 (0.904 in one wave: plan.decode.E4M3_ONE_WAVE_SHARE).
+# Of ten tiles (16-64 keys, 4 or 8 warps, 2-8 stages, rings 0-2) it was first or within 0.3% of
+# the first in every cell; ring 2 (FA2's order) ties it at 16k-64k with Hkv=8 and loses 17-20%
+# with B=64 or Hkv=32. d=64 and d=256 (not measured): the 16-bit tile's bytes in flight, with
+# twice the stages.
 DECODE_TILES_KV8: dict[int, DecodeTile] = {
-    64: DecodeTile(32, 4, 4, 4, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
-    128: DecodeTile(16, 4, 4, 2, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
-    256: DecodeTile(16, 4, 4, 1, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages", kv_bytes=1),
+    64: DecodeTile(32, 4, 4, 4, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages (not measured)",
+                   kv_bytes=1),
+    128: DecodeTile(32, 4, 2, 2, "e4m3 cache: 32-key tiles, 2 stages, one block-wide K+V copy per step: "
+                    "0.89-1.04x the copy rate at L >= 16k (16x4 s4: 0.77-0.97x)", ring=1, kv_bytes=1),
+    256: DecodeTile(16, 4, 4, 1, "e4m3 cache: the 16-bit tile's bytes in flight with 4 stages (not measured)",
+                    kv_bytes=1),
 }
 
 
