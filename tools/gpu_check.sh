@@ -14,6 +14,7 @@
 #   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
 #   TEST_TIMEOUT   seconds for the test suite (default: no limit)
 #   BLAS_THREADS   threads of each worker's float64 references (default: the libraries' own)
+#   GRID=none      no forward, backward or decode grid (only the benchmarks switched on below)
 #   GRID=d128      forward and backward at d = 128, N = 4k, 16k (bf16)
 #   GRID=corners   forward and backward at d = 64, 128, 256, N = 4k, 16k (bf16)
 #   GRID=quick     forward and backward at d = 64, 128, 256, N = 1k, 4k, 16k (bf16; fp16 at d=128)
@@ -94,13 +95,15 @@ bench() {  # name timeout peers.py-arguments...
     cat "$tmp/$name.log" >> "$OUT/bench.log"
 }
 : > "$OUT/bench.log"
-bench fwd "$FWD_TIMEOUT" --ops fwd "${fwd_grid[@]}" --max-seconds "$(( FWD_TIMEOUT - 20 ))"
-bench bwd "$BWD_TIMEOUT" --ops bwd "${bwd_grid[@]}" --impls cuflash,torch-flash,torch-cudnn \
-    --max-seconds "$(( BWD_TIMEOUT - 15 ))"
-bench decode "${DECODE_TIMEOUT:-60}" --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
-    --max-seconds "$(( ${DECODE_TIMEOUT:-60} - 15 ))"
+if [ "${GRID:-}" != none ]; then
+    bench fwd "$FWD_TIMEOUT" --ops fwd "${fwd_grid[@]}" --max-seconds "$(( FWD_TIMEOUT - 20 ))"
+    bench bwd "$BWD_TIMEOUT" --ops bwd "${bwd_grid[@]}" --impls cuflash,torch-flash,torch-cudnn \
+        --max-seconds "$(( BWD_TIMEOUT - 15 ))"
+    bench decode "${DECODE_TIMEOUT:-60}" --ops decode --impls cuflash,torch-flash,torch-cudnn,torch-efficient \
+        --max-seconds "$(( ${DECODE_TIMEOUT:-60} - 15 ))"
+fi
 # Decode shapes with many query heads per K/V head (MQA), against the same peers.
-if [ "${MQA:-1}" = 1 ]; then
+if [ "${MQA:-1}" = 1 ] && [ "${GRID:-}" != none ]; then
     bench decode_mqa 50 --ops decode --impls cuflash,torch-flash,torch-cudnn --max-seconds 40 --seconds-per-impl 0.8 \
         --decode-shapes 8x64x1x32768,64x64x1x16384,16x128x1x8192,1x64x1x32768,2x48x1x32768,4x64x1x16384,16x64x1x16384x64,64x48x1x16384x64,64x128x1x16384x64
 fi
