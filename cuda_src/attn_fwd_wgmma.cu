@@ -65,9 +65,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // e4m3 inputs: one query tile per block, the block-wide epilogue (O outgrows Q's rows).
     static_assert(!Tr::kFp8 || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE),
                   "e4m3: the per-tile TMA kernel");
-    // A V head dim of its own: no mask or a causal one, one tile per block; O (narrower than Q,
-    // or outgrowing its rows into the K ring) staged where a per-warpgroup store still finds only
-    // its own rows.
+    // A V head dim of its own: the per-tile TMA kernel (no mask or a causal one). A per-warpgroup
+    // epilogue stages O in the warpgroup's own rows of Q, which must hold them (dv <= d).
     constexpr bool kOwnDimV = HEAD_DIM_V != HEAD_DIM;
     static_assert(!kOwnDimV || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !Tr::kFp8),
                   "dv != d: the per-tile TMA kernel (attn_fwd_wgmma_tma_dv)");

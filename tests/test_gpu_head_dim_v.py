@@ -40,13 +40,14 @@ def test_long_rows_and_window(rng, d, dv):
 
 
 @pytest.fixture
-def hopper_with_tma():
+def hopper_with_tma(monkeypatch):
     from cuflash.kernels import tma
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("not a Hopper GPU: the dv kernel needs sm_90")
     if not tma.available():
         pytest.skip("cuda-bindings is not installed: tensor maps cannot be encoded")
+    monkeypatch.setenv("CUFLASH_KERNELS", "auto")
 
 
 @pytest.fixture

@@ -33,6 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLE = schedule.HOPPER_FORWARD_DV_TILES
 
 
+@pytest.fixture(autouse=True)
+def _hopper_kernels_on(monkeypatch):
+    monkeypatch.setenv(config.KERNELS, "auto")  # (whatever the environment says: the plans are for sm_90)
+
+
 def problem(d, dv, *, causal=None, nq=300, nk=333, hq=4, hkv=2, dtype=BFLOAT16, **extra):
     return Problem(xp=np, layout="bhsd", batch_shape=(2,), hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=np.dtype(dtype),
                    causal=causal, scale=1 / math.sqrt(d), head_dim_v=None if dv == d else dv, **extra)

@@ -90,7 +90,8 @@ struct HopperFwdTraits {
     using TileK = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, BLOCK_N>;  // K's ring slots
     // V's ring slots: V's own (keys, HEAD_DIM_V) tile, or (e4m3) vt's (d, keys) tile of K's bytes.
     using TileV = typename FwdPick<kFp8, Sw128Tile<BLOCK_N / 2, HEAD_DIM>, Sw128Tile<HEAD_DIM_V, BLOCK_N>>::type;
-    // O (16-bit) staged for the store: in Q's rows, which the e4m3 O outgrows into the K ring.
+    // O (16-bit) staged for the store: in Q's rows, which a wider O (e4m3 inputs, or HEAD_DIM_V >
+    // HEAD_DIM) outgrows into the K ring.
     using TileO = Sw128Tile<HEAD_DIM_V, kBlockM>;
     static constexpr int kQkSteps = HEAD_DIM / ELEM::kK;  // wgmma k-steps of Q K^T
     static constexpr int kPvSteps = BLOCK_N / ELEM::kK;   // of P V: P's A fragments
