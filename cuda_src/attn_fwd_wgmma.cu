@@ -34,9 +34,11 @@
 #include "hopper/fwd_fp8.cuh"
 #include "score_mod.cuh"
 
+// HEAD_DIM_V (attn_fwd_wgmma_tma_dv): V's and O's head dim where it is not HEAD_DIM, and `dv` its
+// true width (O's stored columns); else O's columns are d.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PRODUCER, bool BAND,
           bool TMA = false, bool PINGPONG = false, bool PERSISTENT = false, bool WG_EPILOGUE = false, bool SPLIT = false,
-          bool MOD = false>
+          bool MOD = false, int HEAD_DIM_V = HEAD_DIM>
 __device__ __forceinline__ void
 attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse,
@@ -45,7 +47,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     int nq, int nk, int d, int group, int causal_off, float scale_log2, FwdBand band,
                     FwdMaps maps = FwdMaps{nullptr, nullptr, nullptr}, int n_heads = 0, int n_batch = 0,
                     FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr},
-                    const ScoreModArgs& mods = ScoreModArgs{}, const FwdFp8Scales& fp8 = FwdFp8Scales{}) {
+                    const ScoreModArgs& mods = ScoreModArgs{}, const FwdFp8Scales& fp8 = FwdFp8Scales{}, int dv = 0) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
     static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
@@ -59,12 +61,19 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     // is staged in Q's rows: a warpgroup's own rows, which only its own wgmma read.
     static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
-    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA, FwdElem<T>>;
+    using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA, FwdElem<T>, HEAD_DIM_V>;
     // e4m3 inputs: one query tile per block, the block-wide epilogue (O outgrows Q's rows).
     static_assert(!Tr::kFp8 || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE),
                   "e4m3: the per-tile TMA kernel");
+    // A V head dim of its own: the per-tile TMA kernel (no mask or a causal one). A per-warpgroup
+    // epilogue stages O in the warpgroup's own rows of Q, which must hold them (dv <= d).
+    constexpr bool kOwnDimV = HEAD_DIM_V != HEAD_DIM;
+    static_assert(!kOwnDimV || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !Tr::kFp8),
+                  "dv != d: the per-tile TMA kernel (attn_fwd_wgmma_tma_dv)");
+    static_assert(!WG_EPILOGUE || PERSISTENT || Tr::TileO::kBytes <= Tr::TileQ::kBytes,
+                  "the per-warpgroup epilogue stages O in its own rows of Q");
     constexpr int kBM = Tr::kBlockM, kMath = Tr::kMathThreads;
-    constexpr int kNO = HEAD_DIM / 8;
+    constexpr int kNO = HEAD_DIM_V / 8;  // O's accumulator blocks
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const FwdSmem<Tr, PERSISTENT> sm(smem_raw);
 
@@ -203,7 +212,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
             if (split_merge<kNO, kMath, kBM>(split, piece, split_tile, tid, lane, c.row0, acc_o, row_lse)) return;
         }
 
-        const FwdOut out{o, lse, o_sb, o_sh, o_sn, nq, PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y, d};
+        const FwdOut out{o, lse, o_sb, o_sh, o_sn, nq, PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y, kOwnDimV ? dv : d};
         fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
                                                            rows_valid, c.row0, wg, tid, lane);
     };
@@ -301,6 +310,18 @@ attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_in, float cap_out, float inv_sc
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE,
                         false, true>(FWD_TMA_ARGS, 0, 0, FwdSplit{1, nullptr, nullptr, nullptr},
                                      ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+}
+// v (and o) with a head dim dv unlike q's and k's d (DeepSeek MLA's prefill: 192 / 128): the per-tile
+// TMA kernel with HEAD_DIM_V-wide V slots, O accumulators and P V wgmmas (HopperFwdTraits), so
+// neither side is zero-padded to the other; no mask or a causal one. v's map has dv columns (its
+// boxes zero-fill up to HEAD_DIM_V), and `dv` bounds O's stored columns as `d` does Q's and K's.
+template <typename T, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL,
+          bool PINGPONG = false, bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_dv(FWD_TMA_PARAMS, int dv) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE,
+                        false, false, HEAD_DIM_V>(FWD_TMA_ARGS, 0, 0, FwdSplit{1, nullptr, nullptr, nullptr},
+                                                  ScoreModArgs{}, FwdFp8Scales{}, dv);
 }
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS

@@ -365,7 +365,7 @@ class MemoryReport:
     def table(self) -> str:
         s = self.shape
         head = (f"memory [{self.method}, {self.pass_}] B={s['batch']} Hq={s['hq']} Hkv={s['hkv']} "
-                f"Nq={s['nq']} Nk={s['nk']} d={s['d']} {self.dtype}")
+                f"Nq={s['nq']} Nk={s['nk']} d={s['d']}" + (f" dv={s['dv']}" if "dv" in s else "") + f" {self.dtype}")
         show_phase = self.pass_ == "fwd+bwd"
         rows = [(e.category, e.name + (f" ({e.phase} phase)" if show_phase and e.phase != "all" else ""),
                  f"{e.bytes:,}", _mib(e.bytes), e.note) for e in self.entries]
@@ -436,30 +436,48 @@ _QK_WIDE = ("Q", "K", "dQ", "dK")
 _V_WIDE = ("V", "O", "dO", "dV")
 
 
-def _narrowed(wide: MemoryReport, d: int, dv: int, tiled: bool) -> MemoryReport:
+def _narrowed(wide: MemoryReport, d: int, dv: int, tiled: bool, native=None, registers=None) -> MemoryReport:
     """A report of the problem at width w = max(d, dv) for both head dims, as the one with v's head
     dim dv: Q, K, dQ, dK at d and V, O, dO, dV at dv; the GPU (``tiled``) also holds a zero-padded
-    w-wide copy of each narrower one while a pass runs (cuflash.backends.cuda: the kernels take one
-    head dim)."""
+    w-wide copy of each narrower one while a pass runs that takes one head dim
+    (cuflash.backends.cuda._one_width). ``native``: the forward's launch where the dv kernel runs it
+    (forward_launch with dv): no copies in the forward, its shared memory and threads, no key split."""
     w = max(d, dv)
     entries = []
     for e in wide.entries:
+        if native is not None and e.phase == "fwd" and e.name.endswith("(key split)"):
+            continue  # the dv kernel runs one piece per query tile
+        if native is not None and e.name == "shared memory / block (fwd)":
+            e = dataclasses.replace(e, bytes=native.smem, note=f"{native.block_m} query rows x {native.block_n}-key "
+                                    f"tiles, head dims {native.hd} (q, k) and {native.hd_v} (v, o); {native.source}")
+        if native is not None and e.name == "registers / block (fwd)":
+            e = dataclasses.replace(e, bytes=registers * 4 * native.threads,
+                                    note=f"{registers} registers/thread x {native.threads} threads x 4 B")
         true = d if e.name in _QK_WIDE else dv if e.name in _V_WIDE else w
         if true == w:
             entries.append(e)
             continue
         entries.append(dataclasses.replace(e, bytes=e.bytes // w * true, note=e.note.replace("*d", f"*{true}")))
         if tiled:
-            phase = "fwd" if e.name in ("Q", "K", "V", "O") and wide.pass_ != "bwd" else "bwd"
-            entries.append(MemoryEntry(f"{e.name} (zero-padded copy)", WORKSPACE, e.bytes,
-                                       f"{e.name} at head dim {w} for the kernels", phase=phase))
+            fwd_copy = e.name in ("Q", "K", "V", "O") and wide.pass_ != "bwd"
+            if not (fwd_copy and native is not None):
+                entries.append(MemoryEntry(f"{e.name} (zero-padded copy)", WORKSPACE, e.bytes,
+                                           f"{e.name} at head dim {w} for the kernels", phase="fwd" if fwd_copy else "bwd"))
             if e.name in ("Q", "K", "V", "O") and wide.pass_ == "fwd+bwd":
+                again = "for the backward's kernels" if native is not None else "padded again by the backward"
                 entries.append(MemoryEntry(f"{e.name} (zero-padded copy, bwd)", WORKSPACE, e.bytes,
-                                           f"{e.name} at head dim {w}, padded again by the backward", phase="bwd"))
+                                           f"{e.name} at head dim {w}, {again}", phase="bwd"))
     shape = dict(wide.shape, d=d, dv=dv)
-    note = (f"v's head dim {dv} unlike q's {d}: " + (f"the kernels run at {w} on zero-padded copies" if tiled
-                                                      else "no padding"))
-    return MemoryReport(wide.method, wide.pass_, wide.dtype, shape, tuple(entries), wide.notes + (note,))
+    notes = tuple(n for n in wide.notes if native is None or not n.startswith("the key split"))
+    if not tiled:
+        note = "no padding"
+    elif native is None:
+        note = f"the kernels run at {w} on zero-padded copies"
+    else:
+        note = (f"the forward's dv kernel reads and writes them as they are (no copy; P V over {dv} columns)"
+                + (f"; the backward runs at {w} on zero-padded copies" if wide.pass_ != "fwd" else ""))
+    return MemoryReport(wide.method, wide.pass_, wide.dtype, shape, tuple(entries),
+                        notes + (f"v's head dim {dv} unlike q's {d}: " + note,))
 
 
 def _check_head_dim(d, shape_name):
@@ -480,12 +498,12 @@ MODEL = H200
 H200_SM_COUNT = MODEL.sm_count
 
 
-def _model_problem(dtype, d, causal, nq=None, nk=None, batch=None, hq=None, hkv=None):
+def _model_problem(dtype, d, causal, nq=None, nk=None, batch=None, hq=None, hkv=None, dv=None):
     """The few problem fields the dispatch reads (lengths None: the tables' tiles)."""
     kind = masks.normalize_causal(causal)
     hkv = hkv or hq
-    return SimpleNamespace(dtype=np.dtype(dtype), d=d, causal=kind, nq=nq, nk=nk, batch=batch, hq=hq, hkv=hkv,
-                           group=(hq // hkv) if hq and hkv else 1, window=None)
+    return SimpleNamespace(dtype=np.dtype(dtype), d=d, dv=d if dv is None else dv, causal=kind, nq=nq, nk=nk,
+                           batch=batch, hq=hq, hkv=hkv, group=(hq // hkv) if hq and hkv else 1, window=None)
 
 
 def _backward_plan(dtype, d, causal, deterministic):
@@ -521,14 +539,23 @@ def model_forward_plan(dtype, d, causal=False, nq=None, nk=None, batch=None, hq=
                                  tuned=False)
 
 
-def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=None, hq=None):
+def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=None, hq=None, dv=None, hkv=None):
     """Tile, shared memory and threads of the forward kernel cuflash launches (contiguous arrays) on
     the modelled GPU, the H200: plan.dispatch.forward_plan's (the wgmma kernel where it applies;
     CUFLASH_KERNELS=mma_sync: the mma.sync kernel). With the sequence lengths (nq, nk) and the grid
     (batch, hq), the tile and key split the dispatch picks for them, else the table's.
 
+    ``dv``: v's head dim where it differs from d: the dv kernel's launch where
+    plan.dispatch.head_dim_v_plan takes the problem (``hd_v``: v's head-dim bucket), else the
+    padded problem's, at max(d, dv) (``hkv``: the K/V heads, for the split-KV decode rule).
+
     A ``config`` replaces the table's TileConfig (its smem_bytes is then trusted)."""
     dtype = _check_dtype("dtype", dtype)
+    if dv is not None and dv != d:
+        native = _forward_dv_launch(dtype, d, dv, causal, nq, nk, batch, hq, hkv) if config is None else None
+        if native is not None:
+            return native
+        d = max(d, dv)
     hd = schedule.head_dim_bucket(d)
     if config is not None:
         _check_config(config)
@@ -543,6 +570,19 @@ def forward_launch(dtype, d, causal=False, config=None, nq=None, nk=None, batch=
     t, spec = plan.tile, plan.spec
     return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=hd, threads=spec.threads,
                            smem=spec.smem_bytes, source=spec.short_name)
+
+
+def _forward_dv_launch(dtype, d, dv, causal, nq=None, nk=None, batch=None, hq=None, hkv=None):
+    """forward_launch's answer for the dv kernel where plan.dispatch.head_dim_v_plan runs v's head
+    dim dv unlike d on the modelled H200 (contiguous arrays), else None (the GPU pads)."""
+    plan = dispatch.head_dim_v_plan(_model_problem(dtype, d, causal, nq, nk, batch, hq, hkv, dv=dv), MODEL,
+                                    dispatch.ALIGNED)
+    if plan is None:
+        return None
+    t, spec = plan.tile, plan.spec
+    return SimpleNamespace(block_m=t.block_m, block_n=t.block_n, hd=schedule.head_dim_bucket(d),
+                           hd_v=schedule.head_dim_bucket(dv), threads=spec.threads, smem=spec.smem_bytes,
+                           source=spec.short_name)
 
 
 def _forward_key_split(p, causal):
@@ -647,7 +687,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
         wide = memory_report(*(s[:-1] + (w,) for s in shapes), method=method, pass_=pass_, dtype=p.dtype,
                              causal=causal, config=config, layout=layout, splits=splits, registers=registers,
                              deterministic=deterministic, alibi_slopes=alibi_slopes, sinks=sinks)
-        return _narrowed(wide, p.d, p.dv, method == "tiled")
+        # The forward on the dv kernel (no score modifiers, no forced tile or split count): no copies.
+        native = (_forward_dv_launch(p.dtype, p.d, p.dv, causal, p.nq, p.nk, p.batch, p.hq, p.hkv)
+                  if method == "tiled" and pass_ != "bwd" and config is None and splits is None
+                  and alibi_slopes is None and sinks is None else None)
+        return _narrowed(wide, p.d, p.dv, method == "tiled", native, registers)
     if check_out_dtype(out_dtype) and p.dtype != FLOAT32:
         if method != "tiled" or pass_ != "fwd" or alibi_slopes is not None or sinks is not None:
             raise ValueError("out_dtype: float32 output is modelled for method='tiled', pass_='fwd' and no "

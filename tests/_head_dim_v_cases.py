@@ -30,7 +30,7 @@ def shapes(layout, b, hq, hkv, nq, nk, d, dv):
     return (b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, dv)
 
 
-def _poisoned(xp, shape, dtype):
+def poisoned(xp, shape, dtype):
     a = xp.empty(shape, dtype=dtype)
     bits = {2: np.uint16, 4: np.uint32}[np.dtype(dtype).itemsize]
     a.view(bits).fill({2: 0x7FFF, 4: 0x7FFFFFFF}[np.dtype(dtype).itemsize])  # NaN in every float dtype
@@ -44,18 +44,26 @@ def to_xp(xp, a):
     return xp.asarray(np.ascontiguousarray(a).view(bits)).view(a.dtype)
 
 
-def check_forward_backward(rng, xp, dtype, layout, causal, d, dv, *, hq=4, hkv=2, nq=70, nk=90, **opts):
-    sq, sk, sv = shapes(layout, 2, hq, hkv, nq, nk, d, dv)
+def check_forward(rng, xp, dtype, layout, causal, d, dv, *, batch=2, hq=4, hkv=2, nq=70, nk=90, **opts):
+    """The forward of fresh random inputs into a poisoned ``out`` against the float64 reference;
+    returns the NumPy inputs, their ``xp`` copies and the outputs (o, lse) for the backward."""
+    sq, sk, sv = shapes(layout, batch, hq, hkv, nq, nk, d, dv)
     q, k, v = (random_array(rng, s, dtype) for s in (sq, sk, sv))
+    qx, kx, vx = (to_xp(xp, a) for a in (q, k, v))
     o_shape = sq[:-1] + (dv,)
-    do = random_array(rng, o_shape, dtype)
-    qx, kx, vx, dox = (to_xp(xp, a) for a in (q, k, v, do))
-    out = _poisoned(xp, o_shape, dtype)
+    out = poisoned(xp, o_shape, dtype)
     o, lse = cuflash.attention(qx, kx, vx, causal=causal, layout=layout, return_lse=True, out=out, **opts)
     assert o is out and tuple(o.shape) == o_shape
-    o_np, lse_np = to_numpy(o), to_numpy(lse)
-    assert_forward_accurate(o_np, lse_np, q, k, v, causal=causal, layout=layout, **opts)
-    grads = tuple(_poisoned(xp, s, dtype) for s in (sq, sk, sv))
+    assert_forward_accurate(to_numpy(o), to_numpy(lse), q, k, v, causal=causal, layout=layout, **opts)
+    return (q, k, v), (qx, kx, vx), (o, lse)
+
+
+def check_forward_backward(rng, xp, dtype, layout, causal, d, dv, *, hq=4, hkv=2, nq=70, nk=90, **opts):
+    (q, k, v), (qx, kx, vx), (o, lse) = check_forward(rng, xp, dtype, layout, causal, d, dv, hq=hq, hkv=hkv, nq=nq,
+                                                      nk=nk, **opts)
+    do = random_array(rng, tuple(o.shape), dtype)
+    dox = to_xp(xp, do)
+    grads = tuple(poisoned(xp, a.shape, dtype) for a in (q, k, v))
     got = cuflash.attention_backward(dox, qx, kx, vx, o, lse, causal=causal, layout=layout, out=grads, **opts)
     assert all(g is w for g, w in zip(got, grads))
     assert_backward_accurate([to_numpy(g) for g in grads], do, q, k, v, causal=causal, layout=layout, **opts)

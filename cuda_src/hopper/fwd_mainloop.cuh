@@ -15,15 +15,15 @@ __device__ __forceinline__ void fwd_issue_qk(float (&acc_s)[kNS][4], u32 q_rows,
     for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
         const u32 step = (kk & 3) * 32;  // 32 bytes into the swizzle atom
         const auto da = sw128_desc(q_rows + (kk >> 2) * Tr::TileQ::kBlockBytes + step, 16, 1024);
-        const auto db = sw128_desc(k_tile + (kk >> 2) * Tr::TileKV::kBlockBytes + step, 16, 1024);
+        const auto db = sw128_desc(k_tile + (kk >> 2) * Tr::TileK::kBlockBytes + step, 16, 1024);
         if constexpr (Tr::kFp8) WgmmaE4m3<Tr::kBlockN>::ss(acc_s, da, db, kk > 0);
         else Wgmma<T, Tr::kBlockN>::ss(acc_s, da, db, kk > 0);
     }
 }
 
 // O += P V_j. 16-bit: BLOCK_N/16 k-steps down V's rows (N-major operand: 64-column blocks apart
-// by one block of the tile, 8-row groups 1024 bytes apart). e4m3: BLOCK_N/32 k-steps along vt's
-// 128-byte rows (K-major, as K in Q K^T), a 128-key column block per 4.
+// by one block of the tile, 8-row groups 1024 bytes apart), N = V's head dim. e4m3: BLOCK_N/32
+// k-steps along vt's 128-byte rows (K-major, as K in Q K^T), a 128-key column block per 4.
 template <typename T, typename Tr, int kNO, int kKSteps>
 __device__ __forceinline__ void fwd_issue_pv(float (&acc_o)[kNO][4], const u32 (&p_frag)[kKSteps][4], u32 v_tile) {
 #pragma unroll
@@ -32,7 +32,7 @@ __device__ __forceinline__ void fwd_issue_pv(float (&acc_o)[kNO][4], const u32 (
             const u32 at = v_tile + (kk >> 2) * Tr::TileV::kBlockBytes + (kk & 3) * 32;
             WgmmaE4m3<Tr::kHeadDim>::rs(acc_o, p_frag[kk], sw128_desc(at, 16, 1024), 1);
         } else {
-            Wgmma<T, Tr::kHeadDim>::rs(acc_o, p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, Tr::TileKV::kBlockBytes, 1024), 1);
+            Wgmma<T, Tr::kHeadDimV>::rs(acc_o, p_frag[kk], sw128_desc(v_tile + kk * 16 * 128, Tr::TileV::kBlockBytes, 1024), 1);
         }
     }
 }

@@ -5,12 +5,13 @@
 #include "hopper/fwd_smem.cuh"
 #include "hopper/fwd_fp8.cuh"
 
-// Key tile j of K or V into its ring slot by cp.async; ltid: this thread's index among the
-// loading threads (all of them, or the producer's, whose loops stay rolled to fit its registers).
+// Key tile j of K or V into its ring slot by cp.async (one head dim: K's and V's slots are alike);
+// ltid: this thread's index among the loading threads (all of them, or the producer's, whose
+// loops stay rolled to fit its registers).
 template <typename Tr, bool PRODUCER>
 __device__ __forceinline__ void fwd_load_kv(u32 ring, const u16* g, i64 sn, int nk_b, int d, int j, int ltid) {
     const int n0 = j * Tr::kBlockN;
-    load_sw128<Tr::kHeadDim, Tr::kBlockN, Tr::kLoadThreads, !PRODUCER>(ring + (j % Tr::kStages) * Tr::TileKV::kBytes,
+    load_sw128<Tr::kHeadDim, Tr::kBlockN, Tr::kLoadThreads, !PRODUCER>(ring + (j % Tr::kStages) * Tr::TileK::kBytes,
                                                                        g + n0 * sn, sn, nk_b - n0, d, ltid);
 }
 
@@ -46,7 +47,7 @@ __device__ __forceinline__ void fwd_tma_issue(u32 dst, const TmaDesc* map, int r
 }
 
 // The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j (e4m3: vt's tile
-// j). kv0: the ring's count before this tile, q_phase: the tile's parity (persistent), k0: the
+// j; V's columns are its own head dim's, Tr::kHeadDimV). kv0: the ring's count before this tile, q_phase: the tile's parity (persistent), k0: the
 // first key (key split).
 template <typename Tr, bool PERSISTENT, typename Smem>
 __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps& maps, int m0, int h, int hk, int b,
@@ -71,7 +72,7 @@ __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps
         const int g = kv0 + j, s = g % kStages;
         mbar_wait(sm.empty_v(s), ((g / kStages) & 1) ^ 1);
         if constexpr (Tr::kFp8) fwd_tma_issue_vt<Tr>(sm.v_slot(s), maps.v, k0 + j * kBN, hk, b, sm.full_v(s));
-        else fwd_tma_issue<Tr::kHeadDim>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
+        else fwd_tma_issue<Tr::kHeadDimV>(sm.v_slot(s), maps.v, kBN, k0 + j * kBN, hk, b, sm.full_v(s));
     }
 }
 

@@ -10,14 +10,14 @@ struct FwdSmem {
     __device__ __forceinline__ explicit FwdSmem(const unsigned char* smem_raw) {
         sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
         sK = sQ + Tr::TileQ::kBytes;
-        sV = sK + kStages * Tr::TileKV::kBytes;
+        sV = sK + kStages * Tr::TileK::kBytes;
         // PERSISTENT: O is staged in its own tile, so that the next tile's Q can land during the epilogue.
-        sO = PERSISTENT ? sV + kStages * Tr::TileKV::kBytes : sQ;
-        sBar = sV + kStages * Tr::TileKV::kBytes + (PERSISTENT ? Tr::TileQ::kBytes : 0);
+        sO = PERSISTENT ? sV + kStages * Tr::TileV::kBytes : sQ;
+        sBar = sV + kStages * Tr::TileV::kBytes + (PERSISTENT ? Tr::TileO::kBytes : 0);
     }
-    // Ring slot s of K and V.
-    __device__ __forceinline__ u32 k_slot(int s) const { return sK + s * Tr::TileKV::kBytes; }
-    __device__ __forceinline__ u32 v_slot(int s) const { return sV + s * Tr::TileKV::kBytes; }
+    // Ring slot s of K and V (V's slots are narrower where its head dim is: Tr::kHeadDimV).
+    __device__ __forceinline__ u32 k_slot(int s) const { return sK + s * Tr::TileK::kBytes; }
+    __device__ __forceinline__ u32 v_slot(int s) const { return sV + s * Tr::TileV::kBytes; }
     // mbarriers (PRODUCER): Q full, then K full, V full, K empty, V empty per stage, (PERSISTENT) Q empty.
     __device__ __forceinline__ u32 full_q() const { return sBar; }
     __device__ __forceinline__ u32 full_k(int s) const { return sBar + 8 * (1 + s); }

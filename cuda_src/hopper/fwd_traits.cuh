@@ -60,10 +60,14 @@ struct FwdPick<false, A, B> {
     using type = B;
 };
 
+// HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's (DeepSeek MLA's prefill,
+// d = 192 / dv = 128): V's ring slots, O's accumulators and P V's wgmma are HEAD_DIM_V wide, so
+// nothing is padded to the wider one (16-bit inputs, the per-tile TMA kernel attn_fwd_wgmma_tma_dv).
 template <int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PRODUCER, bool TMA = false,
-          typename ELEM = FwdElem<Bf16>>
+          typename ELEM = FwdElem<Bf16>, int HEAD_DIM_V = HEAD_DIM>
 struct HopperFwdTraits {
-    static constexpr int kHeadDim = HEAD_DIM;     // padded head dim on chip (64 .. 256)
+    static constexpr int kHeadDim = HEAD_DIM;     // Q's and K's padded head dim on chip (64 .. 256)
+    static constexpr int kHeadDimV = HEAD_DIM_V;  // V's and O's
     static constexpr int kBlockN = BLOCK_N;       // keys per K/V tile
     static constexpr int kWarpgroups = WARPGROUPS;  // math warpgroups
     static constexpr int kMathThreads = 128 * WARPGROUPS;
@@ -83,22 +87,26 @@ struct HopperFwdTraits {
     static constexpr int kElemBytes = ELEM::kBytes;
     // Sw128Tile counts 16-bit columns: an e4m3 row of HEAD_DIM bytes is HEAD_DIM / 2 of them.
     using TileQ = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, kBlockM>;
-    using TileKV = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, BLOCK_N>;
-    // V's ring slots: V's own (keys, d) tile, or (e4m3) vt's (d, keys) tile of the same bytes.
-    using TileV = typename FwdPick<kFp8, Sw128Tile<BLOCK_N / 2, HEAD_DIM>, TileKV>::type;
-    // O (16-bit) staged for the store: in Q's rows, which the e4m3 O outgrows into the K ring.
-    using TileO = Sw128Tile<HEAD_DIM, kBlockM>;
+    using TileK = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, BLOCK_N>;  // K's ring slots
+    // V's ring slots: V's own (keys, HEAD_DIM_V) tile, or (e4m3) vt's (d, keys) tile of K's bytes.
+    using TileV = typename FwdPick<kFp8, Sw128Tile<BLOCK_N / 2, HEAD_DIM>, Sw128Tile<HEAD_DIM_V, BLOCK_N>>::type;
+    // O (16-bit) staged for the store: in Q's rows, which a wider O (e4m3 inputs, or HEAD_DIM_V >
+    // HEAD_DIM) outgrows into the K ring.
+    using TileO = Sw128Tile<HEAD_DIM_V, kBlockM>;
     static constexpr int kQkSteps = HEAD_DIM / ELEM::kK;  // wgmma k-steps of Q K^T
     static constexpr int kPvSteps = BLOCK_N / ELEM::kK;   // of P V: P's A fragments
     // mbarriers (PRODUCER): Q full, then K full, V full, K empty, V empty per stage.
     static constexpr int kBarriers = PRODUCER ? 1 + 4 * STAGES : 0;
     // + 1024: the dynamic shared-memory base is rounded up to the swizzle pattern's period.
-    static constexpr int kSmemBytes = TileQ::kBytes + 2 * STAGES * TileKV::kBytes + 8 * kBarriers + 1024;
+    static constexpr int kSmemBytes = TileQ::kBytes + STAGES * (TileK::kBytes + TileV::kBytes) + 8 * kBarriers + 1024;
     static_assert(STAGES >= 2, "a K (and a V) tile in use while the next one loads");
     static_assert(!TMA || PRODUCER, "TMA copies are issued by a producer warpgroup");
-    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0,
+                  "whole wgmma k-steps and swizzle atoms");
     static_assert(!kFp8 || (TMA && HEAD_DIM % 128 == 0 && BLOCK_N % 128 == 0),
                   "e4m3: TMA-fed, whole 128-byte swizzle rows of Q, K and vt");
-    static_assert(TileV::kBytes == TileKV::kBytes, "K and V slots of one size");
-    static_assert(TileO::kBytes <= TileQ::kBytes + STAGES * TileKV::kBytes, "O staged over Q and the K ring");
+    // (the cp.async loaders fill both rings with K's tile; e4m3's vt is built at one head dim)
+    static_assert(HEAD_DIM_V == HEAD_DIM || (TMA && !kFp8), "a V head dim of its own: 16-bit inputs, TMA-fed");
+    static_assert(!kFp8 || TileV::kBytes == TileK::kBytes, "e4m3: K and vt slots of one size");
+    static_assert(TileO::kBytes <= TileQ::kBytes + STAGES * TileK::kBytes, "O staged over Q and the K ring");
 };

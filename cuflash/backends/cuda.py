@@ -60,12 +60,13 @@ def _padded_copies(p, arrays):
 
 
 def _one_width(p):
-    """dv != d (v and o narrower or wider than q and k): the problem at w = max(d, dv) for both,
-    the narrower side zero-padded by the callers. Zero columns of q and k change no score (the
-    scale stays the one of the true d), zero columns of v give zero columns of o, and zero columns
-    of o and do change no D = rowsum(do * o): the kept columns are exact. The kernels take one head
-    dim; the padding costs a copy of the narrower operands and the padded columns' FLOPs."""
-    return dataclasses.replace(p, d=max(p.d, p.dv), head_dim_v=None)
+    """dv != d (v and o narrower or wider than q and k) where no kernel takes dv natively (the
+    backward; the forward outside plan.dispatch.head_dim_v_plan): the problem at w = max(d, dv) for
+    both, the narrower side zero-padded by the callers. Zero columns of q and k change no score
+    (the scale stays the one of the true d), zero columns of v give zero columns of o, and zero
+    columns of o and do change no D = rowsum(do * o): the kept columns are exact. The padding costs
+    a copy of the narrower operands and the padded columns' FLOPs."""
+    return dispatch.one_width(p)
 
 
 def decode_applies(p, k4, v4) -> bool:
@@ -90,6 +91,8 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     if p.dv != p.d:
+        if tile is None and _forward_dv(p, q4, k4, v4, o4, lse3):
+            return
         pw = _one_width(p)
         ow = _to_width(o4, pw.d)
         forward(pw, *(_to_width(a, pw.d) for a in (q4, k4, v4)), ow, lse3, tile=tile)
@@ -113,6 +116,21 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     _launch_forward(plan, p, qu, ku, vu, o4, lse3)
 
 
+def _forward_dv(p, q4, k4, v4, o4, lse3, *, tile=None) -> bool:
+    """dv != d on the dv kernel (plan.dispatch.head_dim_v_plan), q and k d wide and v and o dv wide
+    as they are: True once launched, False (nothing launched) where the dispatch pads instead."""
+    if p.nk == 0 or o4.strides[-1] != o4.itemsize:
+        return False  # (no key: a map cannot describe empty k, v; the padded path writes o = 0)
+    target = device.current()
+    qu, ku, vu = unit_d(q4), unit_d(k4), unit_d(v4)
+    ops = describe(p.d, qu, ku, vu, o4, maps=target.hopper)
+    plan = dispatch.head_dim_v_plan(p, target, ops, tile=tile)
+    if plan is None:
+        return False
+    hopper.launch(plan, p, qu, ku, vu, o4, lse3)
+    return True
+
+
 def forward_o32(p, q4, k4, v4, o4, lse3) -> bool:
     """out_dtype=float32 of 16-bit inputs: the mma.sync kernel with a float32 epilogue
     (attn_fwd_o32) writes o4 (float32). False, launching nothing, where it does not apply
@@ -132,10 +150,16 @@ def forward_o32(p, q4, k4, v4, o4, lse3) -> bool:
 
 def forward_wgmma(p, q4, k4, v4, o4, lse3, *, tile=None, persistent_blocks=None, split=None):
     """The wgmma forward on a forced tile and/or key split (plan.dispatch.wgmma_forward_plan; the
-    caller checked plan.hopper.applies)."""
+    caller checked plan.hopper.applies). dv != d: the dv kernel on ``tile`` (or its table's;
+    ValueError where plan.dispatch.head_dim_v_plan does not take the problem)."""
     if p.modified:
         raise NotImplementedError("softcap=, alibi_slopes=, sinks=: the wgmma forward does not take score "
                                   "modifiers yet (cuflash.attention runs them on the mma.sync band kernel)")
+    if p.dv != p.d:
+        if persistent_blocks is not None or split is not None or not _forward_dv(p, q4, k4, v4, o4, lse3, tile=tile):
+            raise ValueError(f"v's head dim {p.dv} unlike q's {p.d}: the dv kernel (no persistent_blocks or split) "
+                             "does not run this problem here")
+        return
     target = device.current()
     ops = describe(p.d, q4, k4, v4, o4, maps=True)
     plan = dispatch.wgmma_forward_plan(p, target, ops, tile=tile, split=split)

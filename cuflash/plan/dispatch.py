@@ -17,16 +17,20 @@ Order of the forward's choice:
   sm_90, 16-bit, 16-byte-aligned rows, a head dim of the Hopper tables -> the wgmma forward, on a
   tile that depends on the shape (persistent, long rows, a key split of short full-attention grids);
   everything else -> the portable mma.sync kernel (float32: the float64 kernels).
+v's head dim unlike q's (dv != d) is decided before all of this by head_dim_v_plan: the dv kernel
+(attn_fwd_wgmma_tma_dv) where it applies, else the problem at max(d, dv) on zero-padded copies
+(the choices above).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
-from ..core.arrays import FLOAT32
+from ..core.arrays import FLOAT32, KERNEL_TYPE
 from . import decode, hopper, schedule, tuning
 from .backward import backward_specs, dq_convert_spec
 from .device_limits import MAX_GRID_YZ
@@ -51,7 +55,7 @@ ALIGNED = Operands(vec=True, tma_q=True, tma_kv=True, kv_vec=True)  # contiguous
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod" | "wgmma_fp8"
+    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod" | "wgmma_fp8" | "wgmma_dv"
     spec: KernelSpec
     tile: object  # schedule.TileConfig, schedule.HopperTile or plan.fp32.Fp32TileConfig
     splits: int = 0  # wgmma_split: key pieces per query tile
@@ -126,6 +130,40 @@ def forward_plan(p, target: Target, ops: Operands, *, tile=None, tuned: bool = T
         tile = tuning.pick_forward_tile(p, target, autotuner)
     spec, tile = forward_spec(p.dtype, p.d, p.causal is not None, ops.vec, tile, target=target)
     return ForwardPlan("mma", spec, tile)
+
+
+def one_width(p):
+    """p at w = max(d, dv) for both head dims: the problem the padded path runs (the narrower side
+    zero-padded; cuflash.backends.cuda._one_width)."""
+    w = max(p.d, p.dv)
+    if dataclasses.is_dataclass(p):
+        return dataclasses.replace(p, d=w, head_dim_v=None)
+    return SimpleNamespace(**{**vars(p), "d": w, "dv": w})  # (the accounting's shape)
+
+
+def head_dim_v_plan(p, target: Target, ops: Operands, *, tile=None) -> ForwardPlan | None:
+    """v's (and o's) head dim dv unlike q's and k's d: the dv kernel's plan (attn_fwd_wgmma_tma_dv on
+    the (d, dv) buckets' tile of schedule.HOPPER_FORWARD_DV_TILES, or ``tile``), or None, where the
+    caller runs one_width(p) on zero-padded copies. The dv kernel takes sm_90 with the Hopper
+    kernels on, 16-bit inputs, d and dv multiples of 8 with rows TMA can address (``ops``: q, k, v
+    and o), no mask or a causal one (no window, packed sequences or score modifiers), outside
+    split-KV decode shapes (those pad and run the decode kernel). A ``tile`` where it does not
+    apply is a ValueError."""
+    buckets = hopper.dv_buckets(p.d, p.dv) if p.d != p.dv and max(p.d, p.dv) <= schedule.HEAD_DIM_BUCKETS[-1] else None
+    native = (buckets in schedule.HOPPER_FORWARD_DV_TILES
+              and target.hopper and hopper.enabled() and np.dtype(p.dtype) in KERNEL_TYPE
+              and p.d % 8 == 0 and p.dv % 8 == 0 and ops.vec and ops.tma_q and ops.tma_kv  # 16-byte rows, tensor maps
+              and getattr(p, "window", None) is None and not getattr(p, "modified", False)
+              and not (_known(p, "nq", "nk", "hq", "hkv") and decode_applies(one_width(p), True)))
+    if not native:
+        if tile is not None:
+            raise ValueError(f"tile: the dv kernel does not run this problem here (d={p.d}, dv={p.dv}: it needs sm_90, "
+                             "float16/bfloat16, (d, dv) buckets of HOPPER_FORWARD_DV_TILES "
+                             f"{tuple(schedule.HOPPER_FORWARD_DV_TILES)}, rows TMA can address, no window, "
+                             f"packed sequences or score modifiers, not a decode shape, and {hopper.ENV}=auto)")
+        return None
+    spec, t = hopper.dv_spec(p.dtype, p.d, p.dv, p.causal is not None, tile)
+    return ForwardPlan("wgmma_dv", spec, t)
 
 
 FP8_NEEDS_SM90 = ("float8_e4m3fn GPU inputs run on Hopper (sm_90) only: the e4m3 kernel multiplies with FP8 wgmma "

@@ -6,7 +6,9 @@ They cover 16-bit inputs with 16-byte-aligned rows (the same condition as the mm
 vector path) and head dims whose padded size has a HOPPER_FORWARD_TILES / HOPPER_BACKWARD_TILES
 entry; everything else, and every other GPU, runs the portable kernels (plan.forward,
 plan.backward). Sliding windows and packed sequences run the forward's band instantiation
-(attn_fwd_wgmma_band) here too; their backward stays on the mma.sync band kernels.
+(attn_fwd_wgmma_band) here too; their backward stays on the mma.sync band kernels. v's head dim
+unlike q's runs the forward's dv kernel (attn_fwd_wgmma_tma_dv) for the (d, dv) buckets of
+HOPPER_FORWARD_DV_TILES (plan.dispatch.head_dim_v_plan), else one head dim on zero-padded copies.
 ``CUFLASH_KERNELS=mma_sync`` (core.config) turns the Hopper kernels off.
 """
 
@@ -152,6 +154,36 @@ def split_partials(p, t: schedule.HopperTile, splits: int) -> tuple[int, int, in
     return tiles * (splits - 1), t.block_m, schedule.head_dim_bucket(p.d)
 
 
+def dv_buckets(d: int, dv: int) -> tuple[int, int]:
+    """The key of schedule.HOPPER_FORWARD_DV_TILES for q's (and k's) head dim d and v's dv."""
+    return schedule.head_dim_bucket(d), schedule.head_dim_bucket(dv)
+
+
+def dv_spec(dtype, d: int, dv: int, causal: bool, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_dv: v's (and o's) head dim dv unlike q's and
+    k's d, each at its own bucket, no mask or a causal one, on the table's tile
+    (schedule.HOPPER_FORWARD_DV_TILES) or ``tile``; v's width follows the plain kernel's arguments."""
+    hd, hv = dv_buckets(d, dv)
+    t = tile or schedule.HOPPER_FORWARD_DV_TILES[(hd, hv)]
+    if not t.tma or t.persistent:
+        raise ValueError("tile: the dv kernel runs the per-tile TMA kernel (tma=True, persistent=False)")
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    params = (f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {hv}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(causal)}, "
+              f"{b(t.pingpong)}, {b(t.wg_epilogue)}")
+    return (KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_dv<{params}>", t.threads,
+                       t.smem_bytes(hd, head_dim_v=hv)), t)
+
+
+def all_hopper_dv_forward_specs():
+    """Every attn_fwd_wgmma_tma_dv instantiation: the dv table's tiles and their ping-pong / own-pace
+    twins (for measuring), both 16-bit dtypes, both masks."""
+    return [dv_spec(dtype, hd, hv, causal, tile)[0]
+            for dtype in (FLOAT16, BFLOAT16)
+            for (hd, hv), t in schedule.HOPPER_FORWARD_DV_TILES.items()
+            for causal in (False, True)
+            for tile in (t, dataclasses.replace(t, pingpong=not t.pingpong, reason=""))]
+
+
 def forward_band_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_band: sliding window and/or packed sequences,
     the arguments of cuflash.kernels.forward's attn_fwd_band (bounds and cu_seqlens at run time)."""
@@ -191,7 +223,7 @@ def persistent_variants(t: schedule.HopperTile, head_dim: int) -> list[schedule.
 def all_hopper_forward_specs():
     """Every wgmma forward instantiation the package can launch: what CI compiles for sm_90a (the
     TMA table's tiles, their ping-pong and persistent variants, the cp.async tiles and their
-    warp-specialized variants, and the band instantiations)."""
+    warp-specialized variants, the band instantiations, and the dv kernel's)."""
     plain = [
         forward_spec(dtype, hd, causal, tile)[0]
         for dtype in (FLOAT16, BFLOAT16)
@@ -214,7 +246,7 @@ def all_hopper_forward_specs():
             for tile in dict.fromkeys((t, *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile]
                                             if hd in schedule.HOPPER_FORWARD_LONG_ROWS else [])))
             if not tile.persistent]
-    return plain + band + split + list(dict.fromkeys(mods))
+    return plain + band + split + list(dict.fromkeys(mods)) + all_hopper_dv_forward_specs()
 
 
 FP8_VT_THREADS = 256  # fp8_pack_vt's block (cuda_src/fp8_vt.cu)

@@ -83,14 +83,18 @@ class HopperTile:
     def threads(self) -> int:
         return 128 * (self.warpgroups + self.specialized)
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, head_dim_v: int | None = None) -> int:
         """Q tile + `stages` K and V tiles of `itemsize`-byte elements (+ the producer's mbarriers;
         persistent: + an O tile and one more mbarrier), + 1 KiB to align the base to the 128-byte
-        swizzle. (e4m3, itemsize 1: O's 16-bit staging tile fits in Q's and the K ring's bytes.)"""
+        swizzle. ``head_dim_v``: V's (and O's) head dim where it is not Q's and K's
+        (attn_fwd_wgmma_tma_dv). (e4m3, itemsize 1: O's 16-bit staging tile fits in Q's and the K
+        ring's bytes.)"""
+        hv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
+        ring = self.stages * self.block_n * (head_dim + hv)  # K's and V's slots
         if self.persistent:  # + O's own staging tile and the "Q empty" barrier
-            return (2 * self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize + barriers + 8 + 1024
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize + barriers + 1024
+            return (self.block_m * (head_dim + hv) + ring) * itemsize + barriers + 8 + 1024
+        return (self.block_m * head_dim + ring) * itemsize + barriers + 1024
 
 
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: the TMA-fed wgmma kernel
@@ -106,6 +110,21 @@ HOPPER_FORWARD_TILES: dict[int, HopperTile] = {
                     "since the late wgmma wait and the stale max (80 keys were +4-12% when first chosen)",
                     tma=True, wg_epilogue=True),
 }
+
+# Forward on Hopper with v's (and o's) head dim dv unlike q's and k's d (attn_fwd_wgmma_tma_dv, the
+# per-tile TMA kernel with dv-wide V slots, O and P V): keyed by (d's bucket, dv's bucket). Other
+# pairs, windows, packed sequences and score modifiers pad the narrower side to max(d, dv)
+# (plan.dispatch.head_dim_v_plan). Register counts per math thread of the 240 that setmaxnreg
+# gives two math warpgroups. Not yet measured on the GPU.
+HOPPER_FORWARD_DV_TILES: dict[tuple[int, int], HopperTile] = {
+    (192, 128): HopperTile(128, 2, 2, "128x128 (MLA prefill): O is 64 regs instead of the padded kernel's 96, so "
+                           "128-key tiles fit (S 64 + O 64 + P 32 regs, as d=128's table tile); 2 stages = 209 KiB "
+                           "(Q 48 + K 2x48 + V 2x32 KiB); ping-pong as d=192's table tile (not yet measured on the GPU)",
+                           tma=True, pingpong=True),
+    (128, 64): HopperTile(128, 2, 2, "128x128, S 64 + O 32 + P 32 regs; 2 stages = 129 KiB; own pace as d=128's "
+                          "table tile (not yet measured on the GPU)", tma=True),
+}
+
 
 # Forward on Hopper with float8_e4m3fn q, k, v (attn_fwd_wgmma_tma_fp8, wgmma m64nNk32): keyed by
 # the e4m3 head-dim bucket (FP8_HEAD_DIMS: whole 128-byte rows of Q, K and vt). Key tiles are whole
