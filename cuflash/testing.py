@@ -10,7 +10,8 @@ reference computed from the *same* low-precision inputs.
 
   The yardstick (:func:`faithful_attention`, :func:`faithful_attention_backward`) is the
   arithmetic a correct kernel promises, materialized: scores, the softmax and every accumulation
-  in float32 (float64 for float32 inputs, which the kernels compute in float64), the unnormalized
+  in float32 (float64 for float32 inputs, which the kernels compute in float64; exponentials
+  below the smallest normal float32 are zero, as the GPU's exp2 gives them), the unnormalized
   P and dS rounded to the input dtype before their products (as the tensor cores take them),
   D = rowsum(dO * O) from the rounded O, and each output rounded once. Its error is measured, not
   assumed, so the bound tracks the inputs. A kernel that rounds the scores to the input dtype
@@ -236,6 +237,15 @@ def _acc(dtype):
     return _F64 if np.dtype(dtype) == _F32 else _F32
 
 
+def _exp(x, acc):
+    """exp in the yardstick's arithmetic: in float32, results below the smallest normal float32 are
+    zero, as the kernels' exp2 (ex2.approx.ftz) gives them; float64 keeps its subnormals."""
+    e = np.exp(x)
+    if acc == _F32:
+        e = np.where(e < np.finfo(_F32).tiny, acc.type(0), e)
+    return e
+
+
 def _rnd(x, dtype):
     """x rounded to the input dtype, kept in x's dtype."""
     return x.astype(dtype).astype(x.dtype)
@@ -271,10 +281,10 @@ def _faithful_forward4(c, realization=0):
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m, sink = _sink_parts(c, m, acc)
     shift = np.where(m == -np.inf, acc.type(0), m)
-    e = np.exp(s - shift)  # unnormalized P in acc; rounded to the input dtype for P V only
+    e = _exp(s - shift, acc)  # unnormalized P in acc; rounded to the input dtype for P V only
     l = e.sum(axis=-1, keepdims=True)
     if sink is not None:
-        l = l + np.exp(sink - shift)
+        l = l + _exp(sink - shift, acc)
     seen = l > 0
     o4 = np.matmul(_rnd_at(e, p.dtype, _row_scales(c, realization, acc, 1)), va) / np.where(seen, l, acc.type(1))
     lse3 = np.where(seen, shift + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))[..., 0]
@@ -312,7 +322,7 @@ def _faithful_backward(c, realization=0):
     do4 = c.q_side[0].astype(acc)
     ka, va, qa = (a.astype(acc) for a in (c.k4, c.v4, c.q4))
     lse_safe = np.where(lse3 == -np.inf, acc.type(np.inf), lse3)[..., None]
-    probs = np.exp(s - lse_safe)
+    probs = _exp(s - lse_safe, acc)
     dv4 = np.matmul(_rnd_at(probs, p.dtype, _row_scales(c, realization, acc, 2)).swapaxes(-1, -2), do4)
     dprobs = np.matmul(do4, va.swapaxes(-1, -2))
     row_dot = (do4 * o4).sum(axis=-1, keepdims=True)
@@ -327,7 +337,7 @@ def _faithful_backward(c, realization=0):
              c.out_kv(c.group_sum(dv4).astype(acc).astype(p.dtype)))
     if c.sinks is None:
         return grads
-    p_sink = np.exp(c.sinks.astype(acc) - lse_safe)
+    p_sink = _exp(c.sinks.astype(acc) - lse_safe, acc)
     return grads + ((-(p_sink * row_dot).sum(axis=(0, 2, 3))).astype(_F32),)
 
 
