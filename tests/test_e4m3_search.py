@@ -1,0 +1,39 @@
+"""tools/e4m3_search.py without a GPU: its dry run, and that its candidates are the kernels the
+planner can launch, the table's own among them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from cuflash.plan import decode as plan_decode
+from cuflash.plan import schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import e4m3_search  # noqa: E402
+
+
+def test_dry_run_lists_the_candidates_without_torch_or_cupy():
+    code = ("import sys, runpy; sys.modules['torch'] = None; sys.modules['cupy'] = None; "
+            f"sys.argv = ['e4m3_search.py', '--dry-run']; runpy.run_path({str(ROOT / 'tools' / 'e4m3_search.py')!r}, "
+            "run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fwd d=128: table 128x128 s3" in proc.stdout and "decode d=128: table 32x4w s2 r1" in proc.stdout
+    assert f"{len(e4m3_search.candidate_specs())} instantiations" in proc.stdout
+
+
+def test_candidates_hold_the_tables_tiles_and_fit():
+    for hd, table in schedule.HOPPER_FP8_FORWARD_TILES.items():
+        cands = e4m3_search.fwd_candidates(hd)
+        assert any(e4m3_search.same_tile(t, table) for t in cands)
+        assert all(t.smem_bytes(hd, 1) <= e4m3_search.SMEM_LIMIT for t in cands)
+    decode = e4m3_search.decode_candidates()
+    assert any(e4m3_search.same_tile(t, schedule.DECODE_TILES_KV8[128]) for t in decode)
+    assert all(t.kv_bytes == 1 and t.ring <= 2 for t in decode)
+    names = [s.expression for s in e4m3_search.candidate_specs()]
+    assert len(names) == len(set(names))
+    assert all(n.startswith(("attn_decode_kv8<", "attn_decode_cluster_kv8<", "attn_fwd_wgmma_tma_fp8<")) for n in names)
+    # every explicit split count runs where the planner would launch it (cluster sizes are instantiated)
+    for splits in e4m3_search.SPLITS.values():
+        assert all(not cluster or n in plan_decode.CLUSTER_SIZES for n, cluster in splits)

@@ -1,0 +1,275 @@
+"""The e4m3 tile search on one Hopper GPU, one process: the e4m3 forward's tiles
+(attn_fwd_wgmma_tma_fp8) and the e4m3 KV cache's decode tiles and split counts (attn_decode_kv8),
+each candidate timed next to the table's own in the same process on the same inputs.
+
+    PYTHONPATH=. python3 tools/e4m3_search.py --out DIR             # on an sm_90 GPU, ~3 minutes
+    PYTHONPATH=. python3 tools/e4m3_search.py --ops decode --out DIR
+    PYTHONPATH=. python3 tools/e4m3_search.py --dry-run             # anywhere: the candidates
+
+forward: d = 128 and 256 at N = 8k and 16k (B x H = 2 x 16 and 1 x 16 at d = 128, 2 x 8 and 1 x 8
+at d = 256), causal and not, bf16 out, per-(batch, head) descales; TFLOP/s by the 4 N^2 d
+convention (halved when causal), the pass that builds vt included. decode: one bf16 query token
+per sequence, Hq = 32, d = 128, e4m3 caches of SHAPES; each tile with the planner's split count
+(plan.decode.e4m3_launch's waves where the tile is the table's) and the SPLITS of its shape;
+"x_copy" is the cache read rate over the copy rate measured in the same run.
+
+Every candidate's output is compared with the table tile's (max_abs_diff); timings are CUDA events
+with L2 flushed between repeats (benchmarks/peers.py's Timer). Writes e4m3_search.json and
+e4m3_search.log to --out and prints the three fastest candidates per cell.
+Importable without a GPU: CuPy and torch are imported inside the device path only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cuflash.core.arrays import BFLOAT16  # noqa: E402
+from cuflash.plan import decode as plan_decode  # noqa: E402
+from cuflash.plan import hopper as plan_hopper  # noqa: E402
+from cuflash.plan import schedule  # noqa: E402
+from cuflash.plan.schedule import DecodeTile, HopperTile  # noqa: E402
+
+OPS = ("fwd", "decode")
+FWD_SHAPES = {128: ((2, 16, 8192), (1, 16, 16384)), 256: ((2, 8, 8192), (1, 8, 16384))}  # (B, H, N)
+SHAPES = ((8, 8, 16384), (8, 8, 65536), (64, 8, 16384), (8, 32, 16384), (1, 8, 131072))  # (B, Hkv, L), Hq = 32
+# Explicit (splits, cluster) per (B, Hkv) besides the planner's count.
+SPLITS = {(8, 8): ((4, False), (8, True), (8, False), (16, False)), (64, 8): ((2, False), (2, True)),
+          (8, 32): ((2, False), (2, True)), (1, 8): ((16, False), (64, False))}
+SMEM_LIMIT = 232448 - 1024  # an sm_90 block's opt-in shared memory, less the swizzle alignment
+
+
+def fwd_candidates(hd: int) -> list[HopperTile]:
+    """128- and 256-key tiles (whole vt boxes), 2-4 stages, ping-pong or not, that fit shared memory."""
+    out = []
+    for block_n in (128, 256):
+        for stages in (2, 3, 4):
+            for pingpong in (False, True):
+                t = HopperTile(block_n, 2, stages, "search", tma=True, pingpong=pingpong)
+                if t.smem_bytes(hd, 1) <= SMEM_LIMIT:
+                    out.append(t)
+    return out
+
+
+def decode_candidates() -> list[DecodeTile]:
+    """d = 128 e4m3 tiles: 16-64 keys, 4 or 8 warps, 2-8 stages, rings 0-2 (the block copies)."""
+    shapes = {0: ((16, 4, 4), (16, 4, 8), (32, 4, 2), (32, 4, 4), (16, 8, 4), (64, 4, 2)),
+              1: ((16, 4, 4), (32, 4, 2)), 2: ((16, 4, 4), (32, 4, 2), (32, 4, 4))}
+    return [DecodeTile(bn, warps, stages, 2, "search", ring=ring, kv_bytes=1)
+            for ring, tiles in shapes.items() for bn, warps, stages in tiles]
+
+
+def candidate_specs():
+    """Every instantiation the search launches (bf16), for the parallel compile."""
+    specs = [plan_decode._kernel_spec(BFLOAT16, 128, 1, t, False, True, cluster)
+             for t in decode_candidates() for cluster in (0, *plan_decode.CLUSTER_SIZES)]
+    specs += [plan_hopper.fp8_forward_spec(BFLOAT16, hd, causal, t)[0]
+              for hd in FWD_SHAPES for t in fwd_candidates(hd) for causal in (False, True)]
+    return list(dict.fromkeys(specs))
+
+
+def same_tile(a, b) -> bool:
+    """a and b launch the same kernel and geometry (their reasons aside)."""
+    return dataclasses.replace(a, reason="") == dataclasses.replace(b, reason="")
+
+
+def label(t) -> str:
+    if isinstance(t, HopperTile):
+        return f"{t.block_m}x{t.block_n} s{t.stages}{' pp' if t.pingpong else ''}"
+    return f"{t.block_n}x{t.warps}w s{t.stages} r{t.ring}"
+
+
+def dry_run() -> int:
+    for hd in FWD_SHAPES:
+        table = schedule.HOPPER_FP8_FORWARD_TILES[hd]
+        others = [label(t) for t in fwd_candidates(hd) if not same_tile(t, table)]
+        print(f"fwd d={hd}: table {label(table)}; others", ", ".join(others))
+    table = schedule.DECODE_TILES_KV8[128]
+    others = [label(t) for t in decode_candidates() if not same_tile(t, table)]
+    print(f"decode d=128: table {label(table)}; others", ", ".join(others))
+    for (b, hkv), splits in SPLITS.items():
+        print(f"  B={b} Hkv={hkv}: splits " + ", ".join(f"{n} ({'cluster' if c else 'memory'})" for n, c in splits))
+    print(f"{len(candidate_specs())} instantiations")
+    return 0
+
+
+class Search:
+    def __init__(self, out: Path, budget_s: float):
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import cupy
+        import torch
+        from peers import Timer, measure_ceilings, quantize_e4m3, torch_stream_ptr
+
+        import cuflash
+        from cuflash.api.interop import external_stream
+
+        self.cupy, self.torch, self.cuflash, self.quantize = cupy, torch, cuflash, quantize_e4m3
+        self.stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
+        self.timer = Timer(2, 20, 0.15)
+        self.start, self.budget = time.monotonic(), budget_s
+        self.log_file = open(out / "e4m3_search.log", "w")
+        self.ceilings = measure_ceilings(self.timer)
+        self.log(f"ceilings {self.ceilings}")
+
+    def log(self, msg):
+        line = f"[{time.monotonic() - self.start:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+
+    def spent(self, share=1.0) -> bool:
+        return time.monotonic() - self.start > self.budget * share
+
+    def as_cupy(self, t):
+        with self.stream():
+            return self.cupy.from_dlpack(t)
+
+    def time_candidate(self, fn, ref):
+        """(ms, max |out - ref|, out as float32) of fn, or an exception."""
+        def run():
+            with self.stream():
+                return fn()
+        out = run().astype(self.cupy.float32)
+        diff = 0.0 if ref is None else float(self.cupy.abs(out - ref).max())
+        ms, _ = self.timer(run)
+        return ms, diff, out
+
+    def forward(self, rows):
+        for hd, shapes in FWD_SHAPES.items():
+            for b, h, n in shapes:
+                self.forward_shape(rows, hd, b, h, n)
+                self.free()
+
+    def forward_shape(self, rows, hd, b, h, n):
+        torch = self.torch
+        table = schedule.HOPPER_FP8_FORWARD_TILES[hd]
+        torch.manual_seed(0)
+        quantized = [self.quantize(torch.randn(b, h, n, hd, device="cuda", dtype=torch.bfloat16)) for _ in "qkv"]
+        args = [self.as_cupy(x8.view(torch.uint8)) for x8, _ in quantized]
+        descales = {name: self.as_cupy(ds) for name, (_, ds) in zip(("q_descale", "k_descale", "v_descale"), quantized)}
+        for causal in (False, True):
+            ref = None
+            for t in [table] + [c for c in fwd_candidates(hd) if not same_tile(c, table)]:
+                if self.spent(0.45):
+                    return
+                schedule.HOPPER_FP8_FORWARD_TILES[hd] = t
+                try:
+                    ms, diff, out = self.time_candidate(
+                        lambda: self.cuflash.attention(*args, causal=causal, **descales), ref)
+                except Exception as exc:  # noqa: BLE001 - a failing candidate is a log line
+                    self.log(f"fwd d={hd} N={n} {label(t)}: {exc!r}"[:300])
+                    continue
+                finally:
+                    schedule.HOPPER_FP8_FORWARD_TILES[hd] = table
+                ref = out if ref is None else ref
+                flops = 4 * b * h * n * n * hd / (2 if causal else 1)
+                rows.append(dict(op="fwd", d=hd, b=b, h=h, n=n, causal=causal, tile=label(t), table=t is table,
+                                 ms=ms, tflops=flops / ms / 1e9, max_abs_diff=diff))
+
+    def decode(self, rows):
+        for b, hkv, n in SHAPES:
+            self.decode_shape(rows, b, hkv, n)
+            self.free()
+
+    def decode_shape(self, rows, b, hkv, n):
+        torch, cuda_backend = self.torch, sys.modules["cuflash.backends.cuda"]
+        table = schedule.DECODE_TILES_KV8[128]
+        plain = cuda_backend.decode
+        torch.manual_seed(0)
+        q = self.as_cupy(torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16))
+        (k8, kd), (v8, vd) = (self.quantize(torch.randn(b, hkv, n, 128, device="cuda", dtype=torch.bfloat16))
+                              for _ in "kv")
+        k, v = self.as_cupy(k8.view(torch.uint8)), self.as_cupy(v8.view(torch.uint8))
+        kd, vd = self.as_cupy(kd.contiguous()), self.as_cupy(vd.contiguous())
+        cache_bytes = 2 * b * hkv * n * 128 + 2 * 2 * b * 32 * 128
+        others = [t for t in decode_candidates() if not same_tile(t, table)]
+        configs = ([(None, None, None)] + [(table, s, c) for s, c in SPLITS[(b, hkv)]]
+                   + [(t, s, c) for t in others for s, c in ((None, None),) + SPLITS[(b, hkv)]])
+        ref = None
+        for t, splits, cluster in configs:
+            if self.spent():
+                return
+            forced = {key: x for key, x in (("tile", t), ("splits", splits), ("cluster", cluster)) if x is not None}
+            cuda_backend.decode = lambda *a, **kw: plain(*a, **{**kw, **forced})
+            try:
+                ms, diff, out = self.time_candidate(lambda: self.cuflash.attention(q, k, v, k_descale=kd, v_descale=vd),
+                                                    ref)
+            except Exception as exc:  # noqa: BLE001
+                self.log(f"decode B={b} Hkv={hkv} L={n} {label(t or table)} splits={splits}: {exc!r}"[:300])
+                continue
+            finally:
+                cuda_backend.decode = plain
+            ref = out if ref is None else ref
+            tbps = cache_bytes / ms / 1e9
+            rows.append(dict(op="decode", b=b, hq=32, hkv=hkv, n=n, tile=label(t or table),
+                             table=t is None or same_tile(t, table), splits=splits, cluster=cluster, ms=ms, tbps=tbps,
+                             x_copy=tbps / self.ceilings["copy_tbps"], max_abs_diff=diff))
+
+    def free(self):
+        self.cupy.get_default_memory_pool().free_all_blocks()
+        self.torch.cuda.empty_cache()
+
+
+def split_label(row) -> str:
+    if row.get("splits") is None:
+        return ""
+    return f" splits={row['splits']} ({'cluster' if row['cluster'] else 'memory'})"
+
+
+def best_lines(rows):
+    """The three fastest candidates per cell, as ratios to the table tile's time."""
+    cells = {}
+    for r in rows:
+        key = (r["op"], r.get("d", r.get("b")), r.get("hkv"), r["n"], r.get("causal"))
+        cells.setdefault(key, []).append(r)
+    lines = []
+    for key, rs in cells.items():
+        base = next((r for r in rs if r["table"] and r.get("splits") is None), rs[0])
+        top = sorted(rs, key=lambda r: r["ms"])[:3]
+        lines.append(f"{key}: table {base['ms']:.4f} ms; " + "; ".join(
+            f"{r['tile']}{split_label(r)} x{base['ms'] / r['ms']:.3f}" for r in top))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="output directory (device run)")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new candidates after this")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run()
+    if not args.out:
+        ap.error("--out is required for a device run")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "tools"))
+    from schedule_search import _precompile
+
+    search = Search(out, args.budget_s)
+    _precompile(candidate_specs(), args.workers, search.log)
+    rows = []
+    try:
+        ops = args.ops.split(",")
+        if "fwd" in ops:
+            search.forward(rows)
+        if "decode" in ops:
+            search.decode(rows)
+    finally:
+        (out / "e4m3_search.json").write_text(json.dumps({"ceilings": search.ceilings, "rows": rows}, indent=1))
+        for line in best_lines(rows):
+            search.log(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
