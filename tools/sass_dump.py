@@ -45,7 +45,7 @@ def main():
             out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         # instruction lines only, addresses and encodings dropped
         ins = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in out.splitlines()
-               if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+               if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
         print("##", e, len(ins))
         print("\n".join(ins))
 
