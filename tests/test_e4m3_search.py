@@ -19,7 +19,9 @@ def test_dry_run_lists_the_candidates_without_torch_or_cupy():
             "run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "fwd d=128: table 128x128 s3" in proc.stdout and "decode d=128: table 32x4w s2 r1" in proc.stdout
+    fwd_table = e4m3_search.label(schedule.HOPPER_FP8_FORWARD_TILES[128])
+    decode_table = e4m3_search.label(schedule.DECODE_TILES_KV8[128])
+    assert f"fwd d=128: table {fwd_table};" in proc.stdout and f"decode d=128: table {decode_table};" in proc.stdout
     assert f"{len(e4m3_search.candidate_specs())} instantiations" in proc.stdout
 
 
