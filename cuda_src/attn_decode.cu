@@ -19,6 +19,7 @@
 #include "softmax.cuh"
 #include "tile_load.cuh"
 #include "decode_common.cuh"
+#include "decode_loads.cuh"
 
 // KV: KvSame or KvE4m3 (kv_e4m3.cuh): K/V rows of kKvCols 16-bit words (an e4m3 row's bytes in pairs).
 template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, typename KV = KvSame>
@@ -111,64 +112,11 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
     u16* ringK = sQ + kRows * HEAD_DIM;  // (RING > 0)
     u16* ringV = ringK + STAGES * kStepTile;
-    // Paged cache: k_sb / v_sb step pages, k_sn / v_sn keys within a page. Pages hold a power of
-    // two >= 16 keys, so each 16-key group lies in one page; groups at or past s1 are zero-filled
-    // without looking their page up. One warp copies the group of keys n .. n + 15.
-    auto load_page_group = [&](u16* dk, u16* dv, int n, bool do_k, bool do_v) {
-        const i64 page = n < s1 ? block_table[b * bt_sb + (n >> page_shift)] : 0;
-        const int in_page = n & ((1 << page_shift) - 1);
-        if (do_k)
-            load_tile_rows<kKvCols, 16, 32, VEC, 0>(
-                dk, k + page * k_sb + hkv_head * k_sh + in_page * k_sn, k_sn, s1 - n, kv_d, lane);
-        if (do_v)
-            load_tile_rows<kKvCols, 16, 32, VEC, 0>(
-                dv, v + page * v_sb + hkv_head * v_sh + in_page * v_sn, v_sn, s1 - n, kv_d, lane);
-    };
-    // RING > 0: step t's K and / or V into slot `slot` (paged: each warp its own groups).
-    auto load_step = [&](int t, int slot, bool do_k, bool do_v) {
-        const int n0 = s0 + t * kStepN;
-        u16* dk = ringK + slot * kStepTile;
-        u16* dv = ringV + slot * kStepTile;
-        if (block_table == nullptr) {
-            // (a step wholly inside the split's keys, rows of exactly HEAD_DIM: the predicate-free copy)
-            if constexpr (VEC && tile_rows_full_fits<kKvCols, kStepN, Tr::kThreads>()) {
-                if (n0 + kStepN <= s1 && kv_d == kKvCols) {
-                    if (do_k)
-                        load_tile_rows_full<kKvCols, kStepN, Tr::kThreads, 0>(
-                            dk, gK + n0 * k_sn, k_sn, threadIdx.x);
-                    if (do_v)
-                        load_tile_rows_full<kKvCols, kStepN, Tr::kThreads, 0>(
-                            dv, gV + n0 * v_sn, v_sn, threadIdx.x);
-                    return;
-                }
-            }
-            if (do_k)
-                load_tile_rows<kKvCols, kStepN, Tr::kThreads, VEC, 0>(
-                    dk, gK + n0 * k_sn, k_sn, s1 - n0, kv_d, threadIdx.x);
-            if (do_v)
-                load_tile_rows<kKvCols, kStepN, Tr::kThreads, VEC, 0>(
-                    dv, gV + n0 * v_sn, v_sn, s1 - n0, kv_d, threadIdx.x);
-        } else {
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 16; ++i) {
-                const int row = warp * BLOCK_N + 16 * i;
-                load_page_group(dk + row * kKvCols, dv + row * kKvCols, n0 + row, do_k, do_v);
-            }
-        }
-    };
-    // RING 0: this warp's tile t into its ring's slot `slot`.
-    auto load = [&](int t, int slot) {
-        const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-        u16* dk = ring + slot * Tr::kTileKV;
-        u16* dv = ring + (STAGES + slot) * Tr::kTileKV;
-        if (block_table == nullptr) {
-            load_tile_rows<kKvCols, BLOCK_N, 32, VEC, 0>(dk, gK + n0 * k_sn, k_sn, s1 - n0, kv_d, lane);
-            load_tile_rows<kKvCols, BLOCK_N, 32, VEC, 0>(dv, gV + n0 * v_sn, v_sn, s1 - n0, kv_d, lane);
-        } else {
-#pragma unroll
-            for (int g = 0; g < BLOCK_N / 16; ++g) load_page_group(dk + 16 * g * kKvCols, dv + 16 * g * kKvCols, n0 + 16 * g, true, true);
-        }
-    };
+    // The K/V copies (decode_loads.cuh): RING > 0 the block ring's steps (kv_load.step), RING 0 this
+    // warp's tiles (kv_load.warp_tile); a block table pages the cache.
+    const DecodeKvLoader<kKvCols, BLOCK_N, WARPS, STAGES, VEC> kv_load{
+        k, v, block_table, bt_sb, page_shift, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, b, hkv_head, s0, s1, kv_d, warp,
+        lane, gK, gV, ring, ringK, ringV};
     // Q rows, packed and zero-padded, then into registers (reused for every key tile). With one row
     // tile and at most two 8-column pieces of Q per thread (d <= 128), Q's loads go out first and
     // the first K/V copies right behind them, so Q is in place when K_0 lands (block trace, H200:
@@ -186,22 +134,22 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     if constexpr (RING == 4) {
-        if (n_steps > 0) load_step(0, 0, true, false);  // K_0 (V_0 at step 0's start)
+        if (n_steps > 0) kv_load.step(0, 0, true, false);  // K_0 (V_0 at step 0's start)
         cp_async_commit();
     } else if constexpr (RING > 0) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_steps) load_step(s, s, true, RING != 2);
+            if (s < n_steps) kv_load.step(s, s, true, RING != 2);
             cp_async_commit();
             if constexpr (RING == 2) {
-                if (s < n_steps) load_step(s, s, false, true);
+                if (s < n_steps) kv_load.step(s, s, false, true);
                 cp_async_commit();
             }
         }
     } else {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < my_tiles) load(s, s);
+            if (s < my_tiles) kv_load.warp_tile(s, s);
             cp_async_commit();
         }
     }
@@ -231,12 +179,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int t = 0; t < n_steps; ++t) {
             cp_async_wait<0>();
             __syncthreads();  // K_t visible; every warp is past P V_{t-1}: V's buffer refills
-            load_step(t, 0, false, true);
+            kv_load.step(t, 0, false, true);
             cp_async_commit();
             auto k_ahead = [&]() {
                 cp_async_wait<0>();
                 __syncthreads();  // V_t visible; every warp is past Q K_t^T: K's buffer refills
-                if (t + 1 < n_steps) load_step(t + 1, 0, true, false);
+                if (t + 1 < n_steps) kv_load.step(t + 1, 0, true, false);
                 cp_async_commit();
             };
             if (warp < ROW_TILES)
@@ -259,13 +207,13 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             cp_async_wait<kAfter>();
             __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
             const int next = t + STAGES - 1, next_slot = next % STAGES;
-            if (next < n_steps) load_step(next, next_slot, true, RING != 2);
+            if (next < n_steps) kv_load.step(next, next_slot, true, RING != 2);
             cp_async_commit();
             auto v_ahead = [&]() {
                 if constexpr (RING == 2) {
                     cp_async_wait<kAfter>();
                     __syncthreads();  // V_t visible
-                    if (next < n_steps) load_step(next, next_slot, false, true);
+                    if (next < n_steps) kv_load.step(next, next_slot, false, true);
                     cp_async_commit();
                 }
             };
@@ -293,7 +241,7 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int t = 0; t < my_tiles; ++t) {
             cp_async_wait<STAGES - 2>();
             __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
-            if (t + STAGES - 1 < my_tiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+            if (t + STAGES - 1 < my_tiles) kv_load.warp_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
             cp_async_commit();
             const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
             const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
