@@ -263,12 +263,13 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 if constexpr (MOD) {
                     if (mod.capped()) {
                         const float d0 = mod.col_dist0(m0 + 64 * hv, n0 + key_row, lane);
+                        const float tanh_per_log2 = mod.cap_in / scale_log2;
 #pragma unroll
                         for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
                             for (int e = 0; e < 4; ++e)
                                 dp[ni][e] *= mod.grad_from_prob(s[ni][e], tL[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)],
-                                                                scale_log2, d0 + ScoreMod::col_dist(ni, e));
+                                                                tanh_per_log2, d0 + ScoreMod::col_dist(ni, e));
                     }
                 }
 #pragma unroll
