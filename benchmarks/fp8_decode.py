@@ -14,11 +14,9 @@ the bfloat16 cache's (the cache's quantization error, per-(sequence, head) scale
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 
+from bench_main import bench_arguments, dash, failure_reason, ratio_column, run_cases
 from peers import DEVICE, Case, Timer, measure_ceilings, quantize_e4m3, record, torch_stream_ptr
 
 SHAPES = ((8, 32, 8, 16384), (8, 32, 8, 65536), (64, 32, 8, 16384), (8, 32, 32, 16384), (1, 32, 8, 131072))
@@ -85,7 +83,7 @@ class Fp8Decode:
                 ms, _ = self.timer(run)
                 rows.append(record(case, impl, "ok", ms))
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a crash
-                rows.append(record(case, impl, "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
+                rows.append(record(case, impl, "error", reason=failure_reason(exc)))
 
     def _quantized(self, t):
         """t (B, H, L, d) bfloat16 as e4m3 bits (CuPy uint8: the form CuPy holds; the descales mark
@@ -95,51 +93,43 @@ class Fp8Decode:
             return self.cupy.from_dlpack(x8.view(self.torch.uint8)), self.cupy.from_dlpack(descale.contiguous())
 
 
+def add_ratios(rows, copy_tbps):
+    """vs_copy: the row's rate over the copy rate; vs_bf16 (cuflash rows): cuflash's time on the
+    bfloat16 cache of the same shape over the row's."""
+    for r in rows:
+        r["vs_copy"] = r["tbps"] / copy_tbps if r.get("tbps") else None
+    ratio_column(rows, "vs_bf16", lambda r: (r["b"], r["hq"], r["hkv"], r["nk"]),
+                 lambda r: r["impl"] == "cuflash" and r["dtype"] == "bfloat16",
+                 applies=lambda r: r["impl"] == "cuflash")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out")
-    ap.add_argument("--seconds-per-impl", type=float, default=0.5)
-    ap.add_argument("--dry-run", action="store_true")
-    args = ap.parse_args(argv)
+    args = bench_arguments(__doc__, seconds_per_impl=0.5).parse_args(argv)
     cases = plan()
     if args.dry_run:
         for c in cases:
             print(c.label)
         return 0
     timer = Timer(3, 30, args.seconds_per_impl)
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "ceilings": measure_ceilings(timer), "bench": [], "complete": False}
+    ceilings = measure_ceilings(timer)
     runner = Fp8Decode(timer)
-    bf16_out = {}
-    for i, case in enumerate(cases):
+    bf16_out = {}  # the bfloat16 cell's output, for the e4m3 cell of the same shape that follows it
+
+    def run_case(case, rows):
         try:
-            runner.cell(case, doc["bench"], bf16_out)
-        except Exception as exc:  # noqa: BLE001
-            doc["bench"].append(record(case, "cuflash", "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
-        if case.dtype != "bfloat16":
-            bf16_out.clear()
-        runner.cupy.get_default_memory_pool().free_all_blocks()
-        runner.torch.cuda.empty_cache()
-        copy = doc["ceilings"]["copy_tbps"]
-        base = {(r["b"], r["hq"], r["hkv"], r["nk"]): r["ms"] for r in doc["bench"]
-                if r["impl"] == "cuflash" and r["dtype"] == "bfloat16" and r["ms"]}
-        for r in doc["bench"]:
-            r["vs_copy"] = r["tbps"] / copy if r.get("tbps") else None
-            b = base.get((r["b"], r["hq"], r["hkv"], r["nk"]))
-            r["vs_bf16"] = b / r["ms"] if b and r["ms"] and r["impl"] == "cuflash" else None
-        doc["complete"] = i + 1 == len(cases)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(doc, f, indent=1)
-    c = doc["ceilings"]
-    print(f"copy {c['copy_tbps']:.2f} TB/s, read {c['read_tbps']:.2f} TB/s")
+            runner.cell(case, rows, bf16_out)
+        finally:
+            if case.dtype != "bfloat16":
+                bf16_out.clear()
+
+    doc = run_cases(cases, run_case, error_row=lambda case, reason: record(case, "cuflash", "error", reason=reason),
+                    out=args.out, header={"ceilings": ceilings},
+                    derive=lambda rows: add_ratios(rows, ceilings["copy_tbps"]))
+    print(f"copy {ceilings['copy_tbps']:.2f} TB/s, read {ceilings['read_tbps']:.2f} TB/s")
     for r in doc["bench"]:
-        ms = f"{r['ms']:.4f}" if r["ms"] else "-"
-        tb = f"{r['tbps']:.2f}" if r.get("tbps") else "-"
-        vc = f"{r['vs_copy']:.2f}" if r.get("vs_copy") else "-"
-        vb = f"{r['vs_bf16']:.2f}" if r.get("vs_bf16") else "-"
-        print(f"{r['impl']:11} {r['dtype']:13} B={r['b']:3} Hq={r['hq']} Hkv={r['hkv']:2} L={r['nk']:6} ms={ms:>8} "
-              f"TB/s={tb} vs_copy={vc} vs_bf16={vb} diff={r.get('max_abs_diff_vs_bf16', '-')} {r['status']} "
+        print(f"{r['impl']:11} {r['dtype']:13} B={r['b']:3} Hq={r['hq']} Hkv={r['hkv']:2} L={r['nk']:6} "
+              f"ms={dash(r['ms'], '.4f'):>8} TB/s={dash(r.get('tbps'), '.2f')} vs_copy={dash(r.get('vs_copy'), '.2f')} "
+              f"vs_bf16={dash(r.get('vs_bf16'), '.2f')} diff={r.get('max_abs_diff_vs_bf16', '-')} {r['status']} "
               f"{r.get('reason', '')[:150]}")
     return 0
 

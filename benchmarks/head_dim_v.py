@@ -14,11 +14,9 @@ dv (backward) from cuDNN's, where cuDNN ran.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 
+from bench_main import bench_arguments, dash, failure_reason, ratio_column, run_cases
 from peers import BACKWARD_FLOP_FACTOR, DEVICE, Case, Timer, _torch_dtype, record, torch_stream_ptr
 
 HEAD_DIMS = ((192, 128), (128, 64))
@@ -115,7 +113,7 @@ class HeadDimV:
                     peer_fn = lambda: torch.autograd.grad(o, leaves, do, retain_graph=True)  # noqa: E731
                 ms, _ = self.timer(peer_fn)
             except Exception as exc:  # noqa: BLE001 - a backend that refuses the shape is a row
-                rows.append(row(case, dv, impl, "unsupported", reason=f"{type(exc).__name__}: {exc}"[:300]))
+                rows.append(row(case, dv, impl, "unsupported", reason=failure_reason(exc)))
                 continue
             rows.append(row(case, dv, impl, "ok", ms))
             if impl == "torch-cudnn":
@@ -123,41 +121,27 @@ class HeadDimV:
                                                            for a, b in zip(ours_t, theirs))
 
 
+def add_vs_cudnn(rows):
+    """vs_cudnn: cuDNN's time at the same shape, head dims and mask over the row's."""
+    ratio_column(rows, "vs_cudnn", lambda r: (r["op"], r["d"], r["dv"], r["b"], r["nq"], r["causal"]),
+                 lambda r: r["impl"] == "torch-cudnn")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out")
-    ap.add_argument("--seconds-per-impl", type=float, default=0.4)
-    ap.add_argument("--dry-run", action="store_true")
-    args = ap.parse_args(argv)
+    args = bench_arguments(__doc__, seconds_per_impl=0.4).parse_args(argv)
     cases = plan()
     if args.dry_run:
         for c, dv in cases:
             print(c.label, f"dv={dv}")
         return 0
     runner = HeadDimV(Timer(3, 20, args.seconds_per_impl))
-    rows = []
-    for i, (case, dv) in enumerate(cases):
-        try:
-            runner.cell(case, dv, rows)
-        except Exception as exc:  # noqa: BLE001
-            rows.append(row(case, dv, "cuflash", "error", reason=f"{type(exc).__name__}: {exc}"[:300]))
-        runner.cupy.get_default_memory_pool().free_all_blocks()
-        runner.torch.cuda.empty_cache()
-        cell = lambda r: (r["op"], r["d"], r["dv"], r["b"], r["nq"], r["causal"])  # noqa: E731
-        cudnn = {cell(r): r["ms"] for r in rows if r["impl"] == "torch-cudnn" and r["ms"]}
-        for r in rows:
-            base = cudnn.get(cell(r))
-            r["vs_cudnn"] = base / r["ms"] if base and r["ms"] else None
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "complete": i + 1 == len(cases), "bench": rows}, f, indent=1)
-    for r in rows:
-        ms = f"{r['ms']:.3f}" if r["ms"] else "-"
-        vs = f"{r['vs_cudnn']:.3f}" if r.get("vs_cudnn") else "-"
-        tf = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
+    doc = run_cases(cases, run_case=lambda case_dv, rows: runner.cell(*case_dv, rows),
+                    error_row=lambda case_dv, reason: row(*case_dv, "cuflash", "error", reason=reason),
+                    out=args.out, derive=add_vs_cudnn)
+    for r in doc["bench"]:
         print(f"{r['op']:4} d={r['d']}/{r['dv']} {r['impl']:15} B={r['b']} N={r['nq']:6} causal={r['causal']!s:5} "
-              f"ms={ms:>8} TFLOP/s={tf:>5} x_cudnn={vs} {r['status']} {r.get('reason', '')[:120]}")
+              f"ms={dash(r['ms'], '.3f'):>8} TFLOP/s={dash(r.get('tflops'), '.0f'):>5} "
+              f"x_cudnn={dash(r.get('vs_cudnn'), '.3f')} {r['status']} {r.get('reason', '')[:120]}")
     return 0
 
 

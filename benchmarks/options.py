@@ -14,11 +14,9 @@ output's largest difference from cuflash's ("max_abs_diff_vs_cuflash", forward o
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 
+from bench_main import bench_arguments, dash, failure_reason, ratio_column, run_cases
 from peers import DEVICE, Case, Timer, _torch_dtype, record, torch_stream_ptr
 
 OPTIONS = ("none", "softcap", "alibi", "sinks")
@@ -128,18 +126,21 @@ class Options:
             ms, _ = self.timer(flex_fn)
             rows.append(record(case, "torch-flex", "ok", ms, option=option, **extra))
         except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a crash
-            rows.append(record(case, "torch-flex", "error", reason=f"{type(exc).__name__}: {exc}"[:300], option=option))
+            rows.append(record(case, "torch-flex", "error", reason=failure_reason(exc), option=option))
+
+
+def add_vs_plain(rows):
+    """vs_plain: plain cuflash's time at the same shape and mask over the row's."""
+    ratio_column(rows, "vs_plain", lambda r: (r["op"], r["b"], r["nq"], r["nk"], r["causal"]),
+                 lambda r: r["impl"] == "cuflash" and r["option"] == "none")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out")
+    ap = bench_arguments(__doc__, seconds_per_impl=0.8)
     ap.add_argument("--n", default="4096,16384", help="comma list of sequence lengths")
     ap.add_argument("--causal", default="1", help="comma list of 0/1")
     ap.add_argument("--options", default=",".join(OPTIONS))
-    ap.add_argument("--seconds-per-impl", type=float, default=0.8)
     ap.add_argument("--no-flex", action="store_true", help="cuflash only (no FlexAttention rows)")
-    ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     cases = plan([int(x) for x in args.n.split(",")], [c == "1" for c in args.causal.split(",")])
     options = args.options.split(",")
@@ -148,30 +149,15 @@ def main(argv=None):
             print(c.label, options)
         return 0
     runner = Options(Timer(3, 20, args.seconds_per_impl), flex=not args.no_flex)
-    rows = []
-    for i, case in enumerate(cases):
-        for option in options:
-            try:
-                runner.cell(case, option, rows)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(record(case, "cuflash", "error", reason=f"{type(exc).__name__}: {exc}"[:300], option=option))
-            runner.cupy.get_default_memory_pool().free_all_blocks()
-            runner.torch.cuda.empty_cache()
-        cell = lambda r: (r["op"], r["b"], r["nq"], r["nk"], r["causal"])  # noqa: E731
-        plain = {cell(r): r["ms"] for r in rows if r["impl"] == "cuflash" and r["option"] == "none" and r["ms"]}
-        for r in rows:
-            base = plain.get(cell(r))
-            r["vs_plain"] = base / r["ms"] if base and r["ms"] else None
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "complete": i + 1 == len(cases), "bench": rows}, f, indent=1)
-    for r in rows:
-        ms = f"{r['ms']:.3f}" if r["ms"] else "-"
-        vs = f"{r['vs_plain']:.3f}" if r.get("vs_plain") else "-"
+    doc = run_cases([(case, option) for case in cases for option in options],
+                    run_case=lambda case_option, rows: runner.cell(*case_option, rows),
+                    error_row=lambda case_option, reason: record(case_option[0], "cuflash", "error", reason=reason,
+                                                                 option=case_option[1]),
+                    out=args.out, derive=add_vs_plain)
+    for r in doc["bench"]:
         print(f"{r['op']:6} {r['option']:8} {r['impl']:11} B={r['b']:2} N={r['nq']:6} L={r['nk']:6} "
-              f"causal={r['causal']!s:5} ms={ms:>8} "
-              f"vs_plain={vs} {r['status']} {r.get('reason', '')[:120]}")
+              f"causal={r['causal']!s:5} ms={dash(r['ms'], '.3f'):>8} "
+              f"vs_plain={dash(r.get('vs_plain'), '.3f')} {r['status']} {r.get('reason', '')[:120]}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""The benchmark harness without a GPU: peers.py's plan and verdicts, the asv suites' skip, and
-tools/asv_regressions.py on asv 0.6 result files written here."""
+"""The benchmark harness without a GPU: peers.py's plan and verdicts, the benchmark scripts' shared main
+loop (benchmarks/bench_main.py), the asv suites' skip, and tools/asv_regressions.py on asv 0.6
+result files written here."""
 
 import importlib.util
 import json
@@ -123,13 +124,19 @@ def test_peers_fp8_cases_follow_their_bf16_twins(tmp_path):
     assert len(plan) == 24 + len(fp8) and f"{len(plan)} cases" in stdout  # (the default grid: + fp16 at d=128)
 
 
-def test_head_dim_v_bench_counts_each_gemm_at_its_own_width():
-    # Q K^T at d and P V at dv: 2 N^2 (d + dv) per head, which is peers' 4 N^2 d where dv = d.
+def load_benchmark(name, module_name=None):
+    """A benchmarks/ file as a module, its `from peers import` / `from bench_main import` resolved
+    as when it runs as a script."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        hdv = load(ROOT / "benchmarks" / "head_dim_v.py", "head_dim_v_under_test")
+        return load(ROOT / "benchmarks" / f"{name}.py", module_name or f"{name}_under_test")
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_head_dim_v_bench_counts_each_gemm_at_its_own_width():
+    # Q K^T at d and P V at dv: 2 N^2 (d + dv) per head, which is peers' 4 N^2 d where dv = d.
+    hdv = load_benchmark("head_dim_v")
     cases = hdv.plan()
     assert {(c.d, dv) for c, dv in cases} == set(hdv.HEAD_DIMS)
     assert {c.op for c, _ in cases} == {"fwd", "bwd"} and {c.causal for c, _ in cases} == {False, True}
@@ -194,6 +201,97 @@ def test_peers_judge_accepts_a_correct_result_and_flags_a_wrong_one():
     poisoned = good.copy()
     poisoned[3, 5] = np.nan  # an element the kernel never wrote
     assert verdict(poisoned) == "mismatch"
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/bench_main.py: the main loop of options.py, head_dim_v.py and fp8_decode.py
+
+# The scripts import it as "bench_main": loading it under that name lets the tests below replace
+# its device-memory release in the module the scripts use.
+bench_main = load_benchmark("bench_main", "bench_main")
+
+
+def test_run_cases_keeps_going_past_a_failing_case_and_rewrites_the_json(tmp_path):
+    out = tmp_path / "bench.json"
+    seen, freed = [], []
+
+    def run_case(case, rows):
+        if seen:  # the previous case's document is on disk before this case starts
+            partial = json.loads(out.read_text())
+            assert partial["complete"] is False and partial["bench"] == rows and partial["ceilings"] == {"copy": 3.0}
+        seen.append(case)
+        rows.append({"impl": "base" if case == "a" else "cand", "cell": 1, "ms": {"a": 2.0, "b": 1.0}.get(case)})
+        if case == "c":
+            raise RuntimeError("x" * 400)
+
+    doc = bench_main.run_cases(["a", "b", "c"], run_case,
+                               error_row=lambda case, reason: {"impl": "cand", "cell": case, "ms": None,
+                                                               "reason": reason},
+                               out=str(out), header={"ceilings": {"copy": 3.0}}, free=lambda: freed.append(1),
+                               derive=lambda rows: bench_main.ratio_column(
+                                   rows, "vs_base", lambda r: r["cell"], lambda r: r["impl"] == "base"))
+    assert seen == ["a", "b", "c"] and len(freed) == 3
+    assert [r["impl"] for r in doc["bench"]] == ["base", "cand", "cand", "cand"]  # c's own row stays
+    assert doc["bench"][-1]["reason"] == ("RuntimeError: " + "x" * 400)[:300]
+    assert [r["vs_base"] for r in doc["bench"]] == [1.0, 2.0, None, None]
+    assert doc["complete"] is True and list(doc) == ["date", "ceilings", "bench", "complete"]
+    assert json.loads(out.read_text()) == doc
+
+
+def test_ratio_column_pairs_rows_of_one_cell_with_its_baseline():
+    rows = [{"cell": 1, "impl": "cf", "ms": 4.0}, {"cell": 1, "impl": "peer", "ms": 2.0},
+            {"cell": 2, "impl": "cf", "ms": 1.0}, {"cell": 2, "impl": "peer", "ms": None},
+            {"cell": 3, "impl": "cf", "ms": None}, {"cell": 3, "impl": "peer", "ms": 1.0}]
+    bench_main.ratio_column(rows, "vs_peer", lambda r: r["cell"], lambda r: r["impl"] == "peer")
+    assert [r["vs_peer"] for r in rows] == [0.5, 1.0, None, None, None, 1.0]  # a baseline later in the list counts
+    bench_main.ratio_column(rows, "vs_peer", lambda r: r["cell"], lambda r: r["impl"] == "peer",
+                            applies=lambda r: r["impl"] == "cf")
+    assert [r["vs_peer"] for r in rows] == [0.5, None, None, None, None, None]
+    assert bench_main.dash(None, ".3f") == "-" and bench_main.dash(0.0, ".3f") == "-"
+    assert bench_main.dash(1.23456, ".3f") == "1.235"
+
+
+@pytest.mark.parametrize("script, runner, own_fields, ratio", [
+    ("head_dim_v", "HeadDimV", ("dv",), "vs_cudnn"),
+    ("options", "Options", ("option",), "vs_plain"),
+    ("fp8_decode", "Fp8Decode", (), "vs_bf16"),
+])
+def test_benchmark_scripts_run_their_cases_through_bench_main(tmp_path, monkeypatch, capsys, script, runner,
+                                                              own_fields, ratio):
+    """Each script's main with a stand-in runner (no torch, no GPU): every case runs, the second
+    one's failure is a cuflash "error" row with the script's own fields, and the JSON and the
+    table hold every row."""
+    mod = load_benchmark(script)
+    cells = []
+
+    class StandIn:
+        def __init__(self, timer, flex=True):
+            pass
+
+        def cell(self, case, *args):
+            rows = next(a for a in args if isinstance(a, list))
+            cells.append((case, *args[:len(own_fields)]))
+            if len(cells) == 2:
+                raise RuntimeError("no kernel")
+            rows.append(mod.record(case, "cuflash", "ok", 1.0, **dict(zip(own_fields, args))))
+
+    monkeypatch.setattr(mod, "Timer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mod, runner, StandIn)
+    monkeypatch.setattr(mod, "measure_ceilings", lambda timer: {"copy_tbps": 3.0, "read_tbps": 4.0}, raising=False)
+    monkeypatch.setattr(bench_main, "free_device_memory", lambda: None)
+    out = tmp_path / f"{script}.json"
+    assert mod.main(["--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["bench"]
+    assert doc["complete"] is True and len(rows) == len(cells) > 2
+    failed = rows[1]
+    assert (failed["impl"], failed["status"], failed["reason"], failed["ms"]) == (
+        "cuflash", "error", "RuntimeError: no kernel", None)
+    assert tuple(failed[f] for f in own_fields) == cells[1][1:]
+    assert all(ratio in r for r in rows)
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == len(rows) + (script == "fp8_decode")  # (+ the copy and read rates)
+    assert "error RuntimeError: no kernel" in table[-len(rows) + 1]
 
 
 # ---------------------------------------------------------------------------------------------
