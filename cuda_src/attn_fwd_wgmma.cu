@@ -15,6 +15,9 @@
 // TMA = true (attn_fwd_wgmma_tma): the producer is one thread issuing bulk tensor copies (64-column
 // boxes that land in exactly the Sw128Tile layout) completing on the "full" mbarriers; rows and
 // columns past the tensor are zero-filled by the copy engine, keys past nk masked as always.
+// TMA with BAND (e4m3 only, attn_fwd_wgmma_tma_fp8_band): packed sequences share one tensor, so a
+// box may read rows of the neighbouring sequences (as FlashAttention-3's varlen does): their keys
+// are masked (P = 0) and their query rows never stored.
 // PINGPONG (two or three math warpgroups): the warpgroups take turns, round robin, issuing their
 // GEMMs (named barriers 2 .. 1 + WARPGROUPS), so one's softmax runs while another's Q K^T and P V
 // keep the tensor cores busy (FlashAttention-3's inter-warpgroup schedule).
@@ -49,7 +52,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     FwdSplit split = FwdSplit{1, nullptr, nullptr, nullptr},
                     const ScoreModArgs& mods = ScoreModArgs{}, const FwdFp8Scales& fp8 = FwdFp8Scales{}, int dv = 0) {
     constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
-    static_assert(!(TMA && BAND), "packed sequences share rows in one tensor: a box would read the next one's");
+    static_assert(!(TMA && BAND) || FwdElem<T>::kFp8, "16-bit bands: the cp.async kernel (attn_fwd_wgmma_band)");
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
     static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the key split: full attention, per-tile TMA kernel");
@@ -63,8 +66,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA, FwdElem<T>, HEAD_DIM_V>;
     // e4m3 inputs: one query tile per block, the block-wide epilogue (O outgrows Q's rows).
-    static_assert(!Tr::kFp8 || (TMA && !BAND && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE),
-                  "e4m3: the per-tile TMA kernel");
+    static_assert(!Tr::kFp8 || (TMA && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE), "e4m3: the per-tile TMA kernel");
     // A V head dim of its own: the per-tile TMA kernel (no mask or a causal one). A per-warpgroup
     // epilogue stages O in the warpgroup's own rows of Q, which must hold them (dv <= d).
     constexpr bool kOwnDimV = HEAD_DIM_V != HEAD_DIM;
@@ -117,6 +119,19 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     }
     int nq_b = seq.nq_b, nk_b = seq.nk_b, hi = seq.hi, lo = seq.lo;
     int q_row0 = seq.q_row0, k_row0 = seq.k_row0;
+    // (TMA band: e4m3) Keys count from the start of vt's 32-key group that holds the sequence's
+    // first key, k_first keys before it: P V pairs the tile's keys with vt's positions group by
+    // group (hopper/fwd_fp8.cuh), so a tile starts on a group, and vt is built for the packed
+    // keys as one sequence - no copy padded per sequence, no offsets. The keys before k_first (the
+    // previous sequence's) are masked in every row.
+    int k_first = 0;
+    if constexpr (TMA && BAND) {
+        k_first = k_row0 % kFp8KeyGroup;
+        k_row0 -= k_first;
+        nk_b += k_first;
+        hi += k_first;
+        lo += k_first;
+    }
     int rows_valid = min(kBM, nq_b - m0);
     const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
@@ -128,7 +143,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     if constexpr (kHi) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
     int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
     if constexpr (BAND) {
-        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
+        const int n_begin = max(k_first, m0 + lo);  // the first row's lowest visible key
         const int j0 = n_begin / BLOCK_N;
         n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
         // From here on keys count from key tile j0 and rows from m0 (the K/V pointers, the key
@@ -139,6 +154,8 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         nk_b -= kb;
         hi += m0 - kb;
         lo += m0 - kb;
+        k_first -= kb;
+        if constexpr (TMA) k_row0 += kb;  // the key coordinate of the first tile
     }
 
     // SPLIT: a piece's key tiles, [piece, piece + 1) * n_tiles / splits; keys count from its first
@@ -191,7 +208,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
         const FwdKvSource src{gK, gV, k_sn, v_sn, d, tid};
         Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane,
-                   nk_b, hi, lo, n_tiles, scale_log2, mod);
+                   nk_b, hi, lo, n_tiles, scale_log2, mod, k_first);
         c.prologue();  // S_0 and its probabilities
         // K/V tile j: P_j V_j with S_{j+1} = Q K_{j+1}^T in flight, then the softmax of tile j+1.
         for (int j = 0; j + 1 < c.n_mine; ++j) c.step(j, true);
@@ -230,8 +247,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
                         kv0 += n_tiles;
                         q_phase ^= 1;
                     });
-                } else {
-                    fwd_tma_tile_loads<Tr, PERSISTENT>(sm, maps, m0, h, hk, b, n_tiles, kv0, q_phase, piece_k0);
+                } else {  // (packed sequences: rows and keys from the sequence's own)
+                    fwd_tma_tile_loads<Tr, PERSISTENT>(sm, maps, q_row0 + m0, h, hk, b, n_tiles, kv0, q_phase,
+                                                       k_row0 + piece_k0);
                 }
             }
         } else if (!TMA && wg == WARPGROUPS) {  // the cp.async producer
@@ -342,6 +360,27 @@ attn_fwd_wgmma_tma_fp8(const __grid_constant__ TmaDesc tmap_q, const __grid_cons
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
         nullptr, nullptr, nullptr, o, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0, o_sb, o_sh, o_sn, nq, nk, d, group, causal_off,
         scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_vt}, 0, 0,
+        FwdSplit{1, nullptr, nullptr, nullptr}, ScoreModArgs{},
+        FwdFp8Scales{q_descale, k_descale, v_descale, qd_sb, qd_sh, qd_shk, kd_sb, kd_sh, vd_sb, vd_sh});
+}
+
+// e4m3 with a sliding window and/or packed sequences: attn_fwd_wgmma_tma_fp8's maps and descales
+// with attn_fwd_wgmma_band's bounds (hi_off, lo_off, align) and offsets (cu_q, cu_k: null for an
+// ordinary batch). Packed: the maps are the (1, H, total, d) arrays' (vt: (1, Hkv, d, total_k
+// rounded up to 32)), batch entry 0 for every sequence; the descales per tensor.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool PINGPONG = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_fp8_band(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
+                            const __grid_constant__ TmaDesc tmap_vt, u16* __restrict__ o, float* __restrict__ lse,
+                            i64 o_sb, i64 o_sh, i64 o_sn, int nq, int nk, int d, int group, int hi_off,
+                            float scale_log2, int lo_off, int align, const int* __restrict__ cu_q,
+                            const int* __restrict__ cu_k, const float* __restrict__ q_descale,
+                            const float* __restrict__ k_descale, const float* __restrict__ v_descale, int qd_sb,
+                            int qd_sh, int qd_shk, int kd_sb, int kd_sh, int vd_sb, int vd_sh) {
+    static_assert(FwdElem<T>::kFp8, "T: E4m3<Bf16> or E4m3<Fp16>");
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, true, true, true, true, PINGPONG>(
+        nullptr, nullptr, nullptr, o, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0, o_sb, o_sh, o_sn, nq, nk, d, group, hi_off,
+        scale_log2, FwdBand{lo_off, align, cu_q, cu_k}, FwdMaps{&tmap_q, &tmap_k, &tmap_vt}, 0, 0,
         FwdSplit{1, nullptr, nullptr, nullptr}, ScoreModArgs{},
         FwdFp8Scales{q_descale, k_descale, v_descale, qd_sb, qd_sh, qd_shk, kd_sb, kd_sh, vd_sb, vd_sh});
 }

@@ -3,6 +3,8 @@
 // fwd_p_to_e4m3 packs P in it; cuflash.kernels.fp8_forward.KEY_OF_POS is the same table.
 #pragma once
 
+constexpr int kFp8KeyGroup = 32;  // vt's keys are permuted (and padded) in groups of this many
+
 // p = 4 c + i (c, i in 0..3) -> 2 c + (i & 1) + 8 (i >> 1); + 16 for p >= 16.
 __host__ __device__ constexpr int kFp8KeyOfPos(int p) {
     return (p & 16) | (((p >> 2) & 3) << 1) | (p & 1) | (((p >> 1) & 1) << 3);

@@ -34,7 +34,8 @@ struct FwdConsumer {
     static constexpr int WARPGROUPS = Tr::kWarpgroups;
     static constexpr int kNS = BLOCK_N / 8, kNO = Tr::kHeadDimV / 8;  // S's and O's accumulator blocks
     static constexpr bool kHi = CAUSAL || BAND;  // an upper bound j <= i + hi exists
-    // Each math warpgroup stops at its own rows' last key tile (n_mine): causal only.
+    // Each math warpgroup stops at its own rows' last key tile (n_mine): causal only (a TMA band
+    // kernel's CAUSAL is its upper limit).
     // Against cuDNN (H200): causal d=64 N=4k (192-row tiles) 0.966 -> 1.008x, d=256 N=1k/2k/4k 0.956/1.042/1.174 -> 0.987/1.060/1.190, d=192 N=1k
     // 0.89 -> 0.91, d=128 unchanged; without a mask (where only a ragged last tile's warpgroups
     // gain) d=64 / d=128 lost 1-3.5% to the loop's extra register moves.
@@ -58,6 +59,8 @@ struct FwdConsumer {
     // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
     // the early wait: the late one spills in the d=256 band kernel.)
     static constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
+    // (the TMA band kernel) Keys count from vt's 32-key group of the sequence's first key, k_first.
+    static constexpr bool kKeyFloor = TMA && BAND;
 
     // The warpgroup's registers (the caller's).
     float (&acc_o)[1][kNO][4];
@@ -70,7 +73,7 @@ struct FwdConsumer {
     // The block's values, read where they are used (as the kernel's lambdas did).
     const FwdSmem<Tr, PERSISTENT>& sm;
     const FwdKvSource& src;
-    const int &kv0, &m0, &wg, &warp, &lane, &nk_b, &hi, &lo, &n_tiles;
+    const int &kv0, &m0, &wg, &warp, &lane, &nk_b, &hi, &lo, &n_tiles, &k_first;
     const u32& q_phase;
     const float& scale_log2;
     const ScoreMod& mod;  // (MOD) softcap and ALiBi of this (batch entry, head)
@@ -80,17 +83,18 @@ struct FwdConsumer {
     int n_mine;  // the key tiles this warpgroup computes (the rest: kWgExtent)
 
     // kv0: the ring's count of this tile's first key tile (across a persistent block's tiles),
-    // q_phase: Q's parity.
+    // q_phase: Q's parity; k_first: (kKeyFloor) the first key of the sequence.
     __device__ __forceinline__ FwdConsumer(float (&acc_o_)[1][kNO][4], float (&acc_s_)[1][kNS][4],
                                            u32 (&p_frag_)[Tr::kPvSteps][4], OnlineSoftmax<2>& softmax_,
                                            float (&alpha_)[2], bool& moved_, const FwdSmem<Tr, PERSISTENT>& sm_,
                                            const FwdKvSource& src_, const int& kv0_, const u32& q_phase_,
                                            const int& m0_, const int& rows_valid, const int& wg_, const int& warp_,
                                            const int& lane_, const int& nk_b_, const int& hi_, const int& lo_,
-                                           const int& n_tiles_, const float& scale_log2_, const ScoreMod& mod_)
+                                           const int& n_tiles_, const float& scale_log2_, const ScoreMod& mod_,
+                                           const int& k_first_)
         : acc_o(acc_o_), acc_s(acc_s_), p_frag(p_frag_), softmax(softmax_), alpha(alpha_), moved(moved_), sm(sm_),
           src(src_), kv0(kv0_), m0(m0_), wg(wg_), warp(warp_), lane(lane_), nk_b(nk_b_), hi(hi_), lo(lo_),
-          n_tiles(n_tiles_), q_phase(q_phase_), scale_log2(scale_log2_), mod(mod_), turns{wg_} {
+          n_tiles(n_tiles_), k_first(k_first_), q_phase(q_phase_), scale_log2(scale_log2_), mod(mod_), turns{wg_} {
         row0 = 64 * wg + 16 * warp + (lane >> 2);
         q_rows = sm.sQ + 64 * wg * 128;
         if constexpr (PINGPONG) turns.open(n_tiles);
@@ -104,7 +108,7 @@ struct FwdConsumer {
         if constexpr (kWgExtent) {
             const int wg_rows = min(64, rows_valid - 64 * wg);
             int wg_end = nk_b;
-            if constexpr (kHi) wg_end = max(0, min(nk_b, m0 + 64 * wg + wg_rows + hi));
+            if constexpr (kHi) wg_end = max(0, min(nk_b, (BAND ? 0 : m0) + 64 * wg + wg_rows + hi));
             n_mine = wg_rows > 0 ? min(n_tiles, (wg_end + BLOCK_N - 1) / BLOCK_N) : 0;
             // A warp-uniform loop bound for ptxas: derived from threadIdx, it kept the ring's
             // counters and barrier addresses in per-thread registers and every forward 5-10% slower
@@ -126,7 +130,8 @@ struct FwdConsumer {
     // (MOD) the modifiers first: softcap before the mask, so a masked key stays -inf.
     __device__ __forceinline__ void mask(int j) {
         if constexpr (MOD) mod.template apply_rows<kNS>(acc_s[0], m0 + row0, j * BLOCK_N, lane);
-        fwd_mask_tile<BLOCK_N, kHi, BAND>(acc_s[0], j * BLOCK_N, BAND ? 0 : m0, wg, warp, row0, nk_b, hi, lo, lane);
+        fwd_mask_tile<BLOCK_N, kHi, BAND, kKeyFloor>(acc_s[0], j * BLOCK_N, BAND ? 0 : m0, wg, warp, row0, nk_b, hi, lo,
+                                                     lane, k_first);
     }
     __device__ __forceinline__ void to_p() { fwd_to_p<T, Tr>(p_frag, acc_s[0]); }
     __device__ __forceinline__ void retire_pv() {

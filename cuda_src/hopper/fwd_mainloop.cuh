@@ -51,16 +51,23 @@ __device__ __forceinline__ void fwd_to_p(u32 (&p_frag)[kKSteps][4], const float 
 // Keys past the end and, under causality, after each row's diagonal (and, under a band, before
 // its lower limit) get -inf. Only tiles that straddle a boundary for this warp's rows pay for it.
 // m_base: the tile's first row as the bounds count rows (under a band, rows and keys count from m0
-// and key tile j0); row0: this thread's first row within the tile.
-template <int BLOCK_N, bool kHi, bool BAND, int kNS>
+// and key tile j0); row0: this thread's first row within the tile. KEY_FLOOR (the TMA band kernel):
+// keys before k_first belong to the previous packed sequence, masked in every row as well.
+template <int BLOCK_N, bool kHi, bool BAND, bool KEY_FLOOR = false, int kNS>
 __device__ __forceinline__ void fwd_mask_tile(float (&acc_s)[kNS][4], int n0, int m_base, int wg, int warp, int row0,
-                                              int nk_b, int hi, int lo, int lane) {
+                                              int nk_b, int hi, int lo, int lane, int k_first = 0) {
+    static_assert(!KEY_FLOOR || BAND, "the key floor is a band's lower limit");
     const int warp_first = m_base + 64 * wg + 16 * warp;
     bool need_mask = (n0 + BLOCK_N > nk_b) || (kHi && n0 + BLOCK_N - 1 > warp_first + hi);
     if constexpr (BAND) need_mask = need_mask || n0 < warp_first + 15 + lo;
+    if constexpr (KEY_FLOOR) need_mask = need_mask || n0 < k_first;
     if (need_mask) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) mask_score_row<kHi, BAND>(acc_s, hf, m_base + row0 + 8 * hf, n0, nk_b, hi, lo, lane);
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = m_base + row0 + 8 * hf;
+            // (the row's lower limit row + lo raised to k_first)
+            mask_score_row<kHi, BAND>(acc_s, hf, row, n0, nk_b, hi, KEY_FLOOR ? max(lo, k_first - row) : lo, lane);
+        }
     }
 }
 

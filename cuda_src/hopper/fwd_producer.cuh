@@ -47,8 +47,10 @@ __device__ __forceinline__ void fwd_tma_issue(u32 dst, const TmaDesc* map, int r
 }
 
 // The TMA producer's copies for one query tile: Q, then K_0, K_{j+1} before V_j (e4m3: vt's tile
-// j; V's columns are its own head dim's, Tr::kHeadDimV). kv0: the ring's count before this tile, q_phase: the tile's parity (persistent), k0: the
-// first key (key split).
+// j; V's columns are its own head dim's, Tr::kHeadDimV). m0: the tile's first row, k0: its first
+// key tile's first key (a key split's piece, a band's first visible tile; packed sequences: both
+// counted in the packed rows); kv0: the ring's count before this tile, q_phase: the tile's parity
+// (persistent).
 template <typename Tr, bool PERSISTENT, typename Smem>
 __device__ __forceinline__ void fwd_tma_tile_loads(const Smem& sm, const FwdMaps& maps, int m0, int h, int hk, int b,
                                                    int n_tiles, int kv0, u32 q_phase, int k0) {

@@ -252,19 +252,36 @@ def all_hopper_forward_specs():
 FP8_VT_THREADS = 256  # fp8_pack_vt's block (cuda_src/fp8_vt.cu)
 
 
-def fp8_forward_spec(out_dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_fp8: float8_e4m3fn q, k, v (bytes), o in
-    ``out_dtype`` (bfloat16 or float16), no mask or a causal one; the table's tile by default
-    (schedule.HOPPER_FP8_FORWARD_TILES), ping-pong or not."""
+def _fp8_tile(d: int, tile: schedule.HopperTile | None):
+    """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's."""
     hd = schedule.fp8_head_dim(d)
     t = tile or schedule.HOPPER_FP8_FORWARD_TILES[hd]
     if not t.tma or t.persistent or t.wg_epilogue or t.block_n % 128 or t.warpgroups > 2:
         raise ValueError("tile: the e4m3 kernel runs a per-tile TMA tile of 1 or 2 math warpgroups and whole "
                          "128-key blocks (tma=True, persistent=False, wg_epilogue=False, block_n % 128 == 0)")
+    return hd, t
+
+
+def fp8_forward_spec(out_dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_fp8: float8_e4m3fn q, k, v (bytes), o in
+    ``out_dtype`` (bfloat16 or float16), no mask or a causal one; the table's tile by default
+    (schedule.HOPPER_FP8_FORWARD_TILES), ping-pong or not."""
+    hd, t = _fp8_tile(d, tile)
     b = lambda x: "true" if x else "false"  # noqa: E731
     params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
               f"{b(causal)}, {b(t.pingpong)}")
     return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8<{params}>", t.threads, t.smem_bytes(hd, 1)), t
+
+
+def fp8_forward_band_spec(out_dtype, d: int, tile: schedule.HopperTile | None = None):
+    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_fp8_band: the e4m3 kernel with a sliding
+    window and/or packed sequences (bounds and cu_seqlens at run time, as attn_fwd_wgmma_band's),
+    on the plain kernel's tiles."""
+    hd, t = _fp8_tile(d, tile)
+    params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
+              f"{'true' if t.pingpong else 'false'}")
+    return (KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8_band<{params}>", t.threads, t.smem_bytes(hd, 1)),
+            t)
 
 
 def fp8_vt_spec(vec: bool) -> KernelSpec:
@@ -274,13 +291,15 @@ def fp8_vt_spec(vec: bool) -> KernelSpec:
 
 def all_hopper_fp8_forward_specs():
     """Every e4m3 forward instantiation (both output dtypes, both masks, the table's tiles and their
-    ping-pong / own-pace twins) and the vt kernels: what CI compiles for sm_90a."""
+    ping-pong / own-pace twins; the band kernel on the table's tiles) and the vt kernels: what CI
+    compiles for sm_90a."""
     specs = [fp8_forward_spec(out, hd, causal, tile)[0]
              for out in (BFLOAT16, FLOAT16)
              for hd, t in schedule.HOPPER_FP8_FORWARD_TILES.items()
              for causal in (False, True)
              for tile in (t, dataclasses.replace(t, pingpong=not t.pingpong, reason=""))]
-    return specs + [fp8_vt_spec(True), fp8_vt_spec(False)]
+    band = [fp8_forward_band_spec(out, hd)[0] for out in (BFLOAT16, FLOAT16) for hd in schedule.FP8_HEAD_DIMS]
+    return specs + band + [fp8_vt_spec(True), fp8_vt_spec(False)]
 
 
 def backward_kv_spec(dtype, d: int, causal: bool, deterministic: bool, tile: schedule.HopperBwdTile | None = None):
