@@ -130,7 +130,7 @@ def _round_to(x, dtype):
 
 
 def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, scale=None, layout="bhsd",
-                      out_dtype=BFLOAT16, p_dtype=E4M3, block_n=None):
+                      out_dtype=BFLOAT16, p_dtype=E4M3, block_n=None, window=None, mask=None):
     """(o, lse) of an FP8 forward kernel's arithmetic on e4m3 q8, k8, v8 (4-D, GQA allowed) and
     their descales (shape () or (B, H) of that tensor's heads, as :func:`quantize` gives). 16-bit
     inputs with descales 1 and ``p_dtype`` = their dtype give the 16-bit kernels' arithmetic.
@@ -140,7 +140,9 @@ def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=Fal
     S = fl32(q8 k8^T) * fl32(scale * q_descale * k_descale); m = rowmax S; P = fl32(exp(S - m));
     l = fl32(sum P); P8 = P rounded to ``p_dtype`` (e4m3: the P V operands; bfloat16 for a
     16-bit P V); o = fl(fl32(P8 v8) * v_descale / l) in ``out_dtype``; lse = m + log l.
-    ``causal``: False, True / "bottom_right" or "top_left" (cuflash.attention's meanings).
+    ``causal``: False, True / "bottom_right" or "top_left", ``window``: (left, right) (cuflash.attention's
+    meanings); ``mask``: a boolean (Nq, Nk) visibility in their place (e.g. one packed sequence's
+    keys after others that a kernel's first key tile also reads).
 
     ``block_n``: P rounded where an online softmax over key tiles of ``block_n`` keys rounds it
     (the GPU kernel's tile): tile t's P = fl32(exp(S - m_t)) against the running max m_t of the
@@ -175,7 +177,13 @@ def emulate_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=Fal
     k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
     s = _round_to(q @ np.swapaxes(k, -1, -2), np.float32)
     s = _round_to(s * _round_to(scale * dq * dk, np.float32)[..., None, None], np.float32)
-    vis = masks.mask_matrix(np, masks.normalize_causal(causal), nq, nk)
+    if mask is None:
+        vis = masks.mask_matrix(np, masks.normalize_causal(causal), nq, nk, masks.normalize_window(window))
+    else:
+        vis = np.asarray(mask, dtype=bool)
+        if vis.shape != (nq, nk) or causal not in (False, None) or window is not None:
+            raise ValueError(f"mask: expected a ({nq}, {nk}) boolean array without causal= or window=, got shape "
+                             f"{vis.shape}")
     s = np.where(vis, s, -np.inf)
     if block_n is None:
         m = s.max(axis=-1, keepdims=True)

@@ -19,7 +19,7 @@ from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16
 from cuflash.plan import decode as plan_decode
 
-from _brute_mask import brute_visible
+from _brute_mask import block_diagonal_mask, brute_visible
 
 CAUSALS = (False, True, "bottom_right", "top_left")
 
@@ -116,6 +116,19 @@ def test_flops_varlen_is_a_per_sequence_sum(causal, window):
     g = cuflash.flops((cq[-1], h, d), (ck[-1], hkv, d), causal=causal, window=window,
                       cu_seqlens_q=cq, cu_seqlens_k=ck, kv_lens=lens)
     assert g.pairs == h * sum(brute_pairs(causal, window, cq[i + 1] - cq[i], lens[i]) for i in range(4))
+
+
+@pytest.mark.parametrize("window", [None, (3, 0), (50, -1)])
+def test_flops_of_packed_sequences_count_the_block_diagonal_pairs(window):
+    # What any dtype's packed call computes (float8_e4m3fn GPU inputs' band kernel too: flops reads
+    # shapes only): the pairs of the block-diagonal mask, empty sequences and all.
+    nqs, nks = [1, 0, 2, 7, 16, 0, 300], [9, 4, 0, 3, 40, 0, 290]
+    cq, ck = np.concatenate([[0], np.cumsum(nqs)]), np.concatenate([[0], np.cumsum(nks)])
+    h, d = 4, 128
+    f = cuflash.flops((int(cq[-1]), h, d), (int(ck[-1]), 2, d), causal=True, window=window, cu_seqlens_q=cq,
+                      cu_seqlens_k=ck)
+    assert f.pairs == h * int(block_diagonal_mask(True, window, cq, ck).sum())
+    assert f.flops == 4 * f.pairs * d
 
 
 def test_flops_layouts_and_single_head_agree():

@@ -6,7 +6,7 @@ import pytest
 
 from cuflash import fp8
 from cuflash.core.arrays import BFLOAT16
-from cuflash.testing import reference64
+from cuflash.testing import reference64, visibility
 
 
 def test_quantize_per_tensor_scale_error_and_saturation(rng):
@@ -89,6 +89,31 @@ def test_emulation_without_p_rounding_is_the_reference_of_the_dequantized_inputs
     # float32 scores, softmax and accumulation: a few float32 roundings of values of size max|o|
     assert np.abs(o - ref).max() <= 64 * 2.0**-24 * np.abs(ref).max() + 1e-30
     assert np.abs(lse - ref_lse).max() <= 64 * 2.0**-24 * (np.abs(ref_lse).max() + 1)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (5, 3)), ("bottom_right", (0, 0)), ("top_left", (-1, 2)),
+                                            (False, (40, -1))])
+def test_emulation_with_a_window_or_a_mask(rng, causal, window):
+    # window= is cuflash.attention's; mask= the same visibility given explicitly (rows that see no
+    # key: o = 0, lse = -inf), at the kernel's rounding points too.
+    (q8, dq), (k8, dk), (v8, dv) = _quantized_problem(rng)
+    o, lse = fp8.emulate_attention(q8, k8, v8, dq, dk, dv, causal=causal, window=window, out_dtype=np.float32,
+                                   p_dtype=np.float32)
+    deq = [fp8.dequantize(x, d) for x, d in ((q8, dq), (k8, dk), (v8, dv))]
+    ref, ref_lse = reference64(*deq, causal=causal, window=window)
+    seen = np.isfinite(ref_lse)
+    assert np.abs(o - ref).max() <= 64 * 2.0**-24 * np.abs(ref).max() + 1e-30
+    assert np.abs(lse[seen] - ref_lse[seen]).max() <= 64 * 2.0**-24 * (np.abs(ref_lse[seen]).max() + 1)
+    assert np.array_equal(lse[~seen], ref_lse[~seen])
+    vis = visibility(causal, 33, 47, window)
+    for block_n in (None, 16):
+        a = fp8.emulate_attention(q8, k8, v8, dq, dk, dv, causal=causal, window=window, block_n=block_n)
+        b = fp8.emulate_attention(q8, k8, v8, dq, dk, dv, mask=vis, block_n=block_n)
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match=r"^mask: expected a \(33, 47\) boolean array"):
+        fp8.emulate_attention(q8, k8, v8, dq, dk, dv, mask=vis[:, :5])
+    with pytest.raises(ValueError, match="^mask: expected"):
+        fp8.emulate_attention(q8, k8, v8, dq, dk, dv, mask=vis, causal=True)
 
 
 def test_emulation_rounds_p_to_e4m3_within_its_bound(rng):

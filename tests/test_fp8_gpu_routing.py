@@ -1,7 +1,7 @@
-"""float8_e4m3fn GPU inputs without a GPU: which calls take the e4m3 kernel's path, what it refuses
-(NotImplementedError naming the option), the errors naming the argument, the plan and the launch's
-arguments (stand-in CuPy arrays and a stubbed launch), and the vt key order against the register
-layouts it serves."""
+"""float8_e4m3fn GPU inputs without a GPU: which calls take the e4m3 kernel's path (windows, packed
+sequences and kv_lens included), what it refuses (NotImplementedError naming the option), the
+errors naming the argument, the plans and the launches' arguments (stand-in CuPy arrays and a
+stubbed launch), and the vt key order against the register layouts it serves."""
 
 from __future__ import annotations
 
@@ -51,9 +51,8 @@ def _f32(shape, device=0):
     return FakeCupyArray(shape, np.float32, device)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("kv_lens", "x"), ("window", (8, 0)), ("cu_seqlens_q", "x"), ("cu_seqlens_k", "x"), ("block_table", "x"),
-    ("softcap", 5.0), ("alibi_slopes", "x"), ("sinks", "x")])
+@pytest.mark.parametrize("option, value", [("block_table", "x"), ("softcap", 5.0), ("alibi_slopes", "x"),
+                                           ("sinks", "x")])
 def test_options_the_gpu_kernel_does_not_take_name_themselves(fake_cupy, option, value):
     q, k, v = _qkv()
     kw = {option: FakeCupyArray((2,), np.int32) if value == "x" else value}
@@ -120,6 +119,111 @@ def test_a_call_reaches_the_kernel_with_its_problem_and_descales(fake_cupy, monk
     assert seen["descales"] == [None, None, vd] and seen["o"] == ("o4", BFLOAT16)
 
 
+class FakeValues(FakeCupyArray):
+    """A stand-in CuPy array with values (kv_lens, offsets, descales): get(), reshape, slices."""
+
+    __module__ = "cupy._core.core"
+
+    def __init__(self, values):
+        self.values = np.asarray(values)
+        super().__init__(self.values.shape, self.values.dtype)
+
+    def get(self):
+        return self.values
+
+    def reshape(self, *shape):
+        return FakeValues(self.values.reshape(*shape))
+
+    def __getitem__(self, key):
+        return FakeValues(self.values[key])
+
+
+def _stub_kernel_side(monkeypatch, fake_cupy):
+    """forward_fp8 recording its calls (the problem, the arrays' shapes, the descales, the packed
+    arguments); NumPy arrays for the outputs and the (B, H, N, d) views."""
+    calls = []
+
+    def forward_fp8(p, q4, k4, v4, o4, lse3, descales, **packed):
+        calls.append(dict(p=p, shapes=(q4.shape, k4.shape, v4.shape, o4.shape, lse3.shape), descales=descales,
+                          **packed))
+
+    def outputs(p, out, odt):
+        return "o", np.zeros((p.batch, p.hq, p.nq, p.d), np.uint16), True, np.zeros((p.batch, p.hq, p.nq), np.float32)
+
+    def views(a, p, h, n, d=None):
+        return np.zeros((p.batch, h, n, p.d if d is None else d), np.uint8)
+
+    fake_cupy.ascontiguousarray = lambda a: a
+    fake_cupy.empty = lambda shape, dtype: np.zeros(shape, dtype)
+    monkeypatch.setattr(functional, "_forward_outputs", outputs)
+    monkeypatch.setattr(functional, "_forward_result", lambda p, o, o4, direct, lse3, return_lse: "result")
+    monkeypatch.setattr(functional, "to_bhsd", views)
+    monkeypatch.setattr(functional, "_packed_offsets",
+                        lambda p, cq, ck, spans: (("cu_q", "cu_k"), (max(q1 - q0 for q0, q1, _, _ in spans),
+                                                                     max(k1 - k0 for _, _, k0, k1 in spans))))
+    monkeypatch.setattr(functional, "_packed_outputs", lambda p, arrays, rows: ([views(None, p, p.hq, p.nq)], [True]))
+    monkeypatch.setattr(cuda, "forward_fp8", forward_fp8)
+    return calls
+
+
+def test_a_window_reaches_the_kernel_with_the_problems_window(fake_cupy, monkeypatch):
+    calls = _stub_kernel_side(monkeypatch, fake_cupy)
+    q, k, v = _qkv()
+    cuflash.attention(q, k, v, k_descale=_f32(()), window=(8, 0), causal="top_left")
+    cuflash.attention(q, k, v, k_descale=_f32(()), window=(-1, -1))  # (no window)
+    assert [c["p"].window for c in calls] == [(8, 0), None]
+    assert calls[0]["p"].causal == "top_left" and "cu_seqlens" not in calls[0]
+    with pytest.raises(ValueError, match=r"^window: expected values >= -1"):
+        cuflash.attention(q, k, v, k_descale=_f32(()), window=(-2, 0))
+
+
+def test_kv_lens_runs_each_batch_entry_over_its_keys(fake_cupy, monkeypatch):
+    # As the 16-bit prefill fallback: entry b alone over its first kv_lens[b] keys, its row of a
+    # per-(batch, head) descale; a per-tensor one as it is.
+    calls = _stub_kernel_side(monkeypatch, fake_cupy)
+    q, k, v = _qkv(b=2, hq=4, hkv=2, nq=40, nk=50)
+    qd, kd = FakeValues(np.ones((2, 2), np.float32)), _f32(())
+    assert cuflash.attention(q, k, v, q_descale=qd, k_descale=kd, kv_lens=FakeValues(np.int32([7, 50])),
+                             window=(3, 3)) == "result"
+    assert [c["p"].nk for c in calls] == [7, 50] and all(c["p"].window == (3, 3) for c in calls)
+    assert [c["shapes"][1] for c in calls] == [(1, 2, 7, 128), (1, 2, 50, 128)]
+    assert [c["shapes"][0] for c in calls] == [(1, 4, 40, 128)] * 2
+    for b, c in enumerate(calls):
+        cqd, ckd, cvd = c["descales"]
+        assert cqd.shape == (1, 2) and np.array_equal(cqd.values, qd.values[b:b + 1]) and ckd is kd and cvd is None
+    with pytest.raises(ValueError, match=r"^kv_lens: values must lie in \[0, Nk=50\]"):
+        cuflash.attention(q, k, v, k_descale=kd, kv_lens=FakeValues(np.int32([7, 51])))
+    with pytest.raises(TypeError, match="^kv_lens: expected dtype int32"):
+        cuflash.attention(q, k, v, k_descale=kd, kv_lens=FakeValues(np.int64([7, 5])))
+
+
+def test_packed_sequences_reach_the_kernel_in_one_call(fake_cupy, monkeypatch):
+    calls = _stub_kernel_side(monkeypatch, fake_cupy)
+    cq, ck = FakeValues(np.int32([0, 3, 3, 40])), FakeValues(np.int32([0, 30, 31, 90]))
+    q, k, v = (FakeCupyArray((40, 4, 128)), FakeCupyArray((90, 2, 128)), FakeCupyArray((90, 2, 128)))
+    one = _f32(())
+    o, lse = cuflash.attention(q, k, v, k_descale=one, v_descale=_f32((1,)), cu_seqlens_q=cq, cu_seqlens_k=ck,
+                               causal=True, window=(5, 0), return_lse=True)
+    (c,) = calls
+    p = c["p"]
+    assert (p.batch, p.hq, p.hkv, p.nq, p.nk, p.causal, p.window) == (1, 4, 2, 40, 90, "bottom_right", (5, 0))
+    assert c["cu_seqlens"] == ("cu_q", "cu_k") and c["max_seqlen_q"] == 37
+    assert c["shapes"][4] == (1, 4, 40) and c["descales"][1] is one and lse.shape == (4, 40)
+    for bad in ((2,), (1, 2)):  # one factor per tensor, as on the NumPy backend
+        with pytest.raises(ValueError, match=r"^k_descale: expected shape \(\) \(packed sequences take one factor "
+                                             r"per tensor\), got"):
+            cuflash.attention(q, k, v, k_descale=_f32(bad), cu_seqlens_q=cq, cu_seqlens_k=ck)
+    with pytest.raises(ValueError, match="^kv_lens: cannot be combined with cu_seqlens"):
+        cuflash.attention(q, k, v, k_descale=one, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                          kv_lens=FakeValues(np.int32([1, 1, 1])))
+    with pytest.raises(ValueError, match="^cu_seqlens_k: packed sequences need both"):
+        cuflash.attention(q, k, v, k_descale=one, cu_seqlens_q=cq)
+    with pytest.raises(ValueError, match="^cu_seqlens_k: offsets must be non-decreasing"):
+        cuflash.attention(q, k, v, k_descale=one, cu_seqlens_q=cq, cu_seqlens_k=FakeValues(np.int32([0, 30, 29, 90])))
+    with pytest.raises(ValueError, match=r"^q: with cu_seqlens_q/cu_seqlens_k expected a packed"):
+        cuflash.attention(*_qkv(), k_descale=one, cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
 def test_uint8_without_descales_is_not_taken_for_e4m3(fake_cupy, monkeypatch):
     # A CuPy uint8 array alone is no FP8 call: it goes the 16-bit path, whose validation rejects it.
     def reached(*a, **k):
@@ -149,10 +253,31 @@ def test_the_plan_needs_sm90_and_names_the_instantiation():
         schedule.fp8_head_dim(300)
 
 
+def test_windows_and_packed_sequences_plan_the_band_kernel():
+    t = schedule.HOPPER_FP8_FORWARD_TILES[128]
+    pp = "true" if t.pingpong else "false"
+    for window, packed in (((8, 0), False), (None, True), ((3, 3), True)):
+        p = types.SimpleNamespace(d=96, causal="bottom_right", window=window)
+        plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16, packed=packed)
+        assert plan.kernel == "wgmma_fp8_band" and plan.tile == t
+        assert plan.spec.expression == (f"attn_fwd_wgmma_tma_fp8_band<E4m3<Bf16>, 128, {t.block_n}, {t.warpgroups}, "
+                                        f"{t.stages}, {pp}>")
+    p = types.SimpleNamespace(d=96, causal=None, window=None)
+    assert dispatch.fp8_forward_plan(p, SM90, FLOAT16).kernel == "wgmma_fp8"
+    with pytest.raises(NotImplementedError, match="sm_90"):
+        dispatch.fp8_forward_plan(p, SM80, BFLOAT16, packed=True)
+    spec, t = plan_hopper.fp8_forward_band_spec(FLOAT16, 200)
+    assert spec.expression.startswith("attn_fwd_wgmma_tma_fp8_band<E4m3<Fp16>, 256, ")
+    assert spec.smem_bytes == plan_hopper.fp8_forward_spec(FLOAT16, 200, True)[0].smem_bytes
+    with pytest.raises(ValueError, match="^tile:"):
+        plan_hopper.fp8_forward_band_spec(BFLOAT16, 128, schedule.HopperTile(64, 2, 2, "", tma=True))
+
+
 def test_every_instantiation_is_in_the_ci_compile_list():
     names = {s.expression for s in registry.all_specs()}
     for out in (BFLOAT16, FLOAT16):
         for d in schedule.FP8_HEAD_DIMS:
+            assert plan_hopper.fp8_forward_band_spec(out, d)[0].expression in names
             for causal in (False, True):
                 assert plan_hopper.fp8_forward_spec(out, d, causal)[0].expression in names
     assert {plan_hopper.fp8_vt_spec(True).expression, plan_hopper.fp8_vt_spec(False).expression} <= names
@@ -171,10 +296,10 @@ def test_descale_pointers_and_strides():
     assert fp8_forward.scale_args(np.ones((1, 2), np.float32), 1, 2)[1:] == (0, 1, 0)
 
 
-def _kernel_parameters():
-    """The parameter names of attn_fwd_wgmma_tma_fp8 in cuda_src/attn_fwd_wgmma.cu."""
+def _kernel_parameters(kernel="attn_fwd_wgmma_tma_fp8"):
+    """The parameter names of a kernel in cuda_src/attn_fwd_wgmma.cu."""
     text = (ROOT / "cuda_src" / "attn_fwd_wgmma.cu").read_text()
-    m = re.search(r"attn_fwd_wgmma_tma_fp8\(([^)]*)\)", text)
+    m = re.search(kernel + r"\(([^)]*)\)", text)
     return [re.split(r"[\s*]+", part.strip())[-1] for part in m.group(1).split(",")]
 
 
@@ -211,6 +336,60 @@ def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
     assert a["scale_log2"] == np.float32(0.1 * LOG2E)
     assert a["v_descale"] == 0  # null: 1
     assert (a["qd_sb"], a["qd_sh"], a["qd_shk"], a["kd_sb"], a["kd_sh"], a["vd_sb"], a["vd_sh"]) == (2, 0, 1, 2, 1, 0, 0)
+
+
+def _stub_launches(monkeypatch):
+    launches = []
+    monkeypatch.setattr(fp8_forward, "get_function", lambda spec: lambda grid, block, args, shared_mem: launches.append(
+        (spec, grid, block, args, shared_mem)))
+    monkeypatch.setattr(fp8_forward, "pack_vt", lambda v4: v4)
+    monkeypatch.setattr(fp8_forward.tma, "bhsd_map", lambda a, rows: ("map", a, rows))
+    monkeypatch.setattr(fp8_forward, "vt_map", lambda vt, hd: ("vtmap", vt, hd))
+    return launches
+
+
+def test_band_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    # A window on a batch: the plain kernel's arguments with the band's bounds (hi, lo, align:
+    # operands.band_offsets) and null offsets; grid (query tiles, heads, batch).
+    launches = _stub_launches(monkeypatch)
+    p = types.SimpleNamespace(batch=2, hq=4, hkv=2, nq=300, nk=333, d=128, group=2, scale=0.1, causal="top_left",
+                              window=(20, 5))
+    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)
+    q4, k4 = np.zeros((2, 4, 300, 128), np.uint8), np.zeros((2, 2, 333, 128), np.uint8)
+    o4, lse3 = np.zeros((2, 4, 300, 128), np.uint16), np.zeros((2, 4, 300), np.float32)
+    kd = np.ones((2, 2), np.float32)
+    fp8_forward.launch(plan, p, q4, k4, k4, o4, lse3, (None, kd, None))
+    (spec, grid, block, args, smem), = launches
+    t = plan.tile
+    assert spec is plan.spec and grid == (-(-300 // t.block_m), 4, 2) and smem == spec.smem_bytes
+    names = _kernel_parameters("attn_fwd_wgmma_tma_fp8_band")
+    assert len(args) == len(names) == 28
+    a = dict(zip(names, args))
+    assert (a["nq"], a["nk"], a["d"], a["group"]) == (300, 333, 128, 2)
+    assert (a["hi_off"], a["lo_off"], a["align"]) == (0, -20, 0)  # top-left: j <= i, j >= i - 20
+    assert a["scale_log2"] == np.float32(0.1 * LOG2E) and a["cu_q"] == 0 and a["cu_k"] == 0
+    assert a["q_descale"] == 0 and np.shares_memory(a["k_descale"], kd) and (a["kd_sb"], a["kd_sh"]) == (2, 1)
+    # Packed: the whole (1, H, total, d) arrays' maps, lse (1, Hq, total_q), grid z the sequences
+    # (in chunks of 65535, each with its offsets from its first sequence on), per-tensor descales.
+    launches.clear()
+    p = types.SimpleNamespace(batch=1, hq=4, hkv=2, nq=70, nk=90, d=128, group=2, scale=0.1, causal=None,
+                              window=None)
+    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16, packed=True)
+    q4, k4 = np.zeros((1, 4, 70, 128), np.uint8), np.zeros((1, 2, 90, 128), np.uint8)
+    o4, lse3 = np.zeros((1, 4, 70, 128), np.uint16), np.zeros((1, 4, 70), np.float32)
+    n_seq = 70000
+    cu_q, cu_k = np.zeros(n_seq + 1, np.int32), np.zeros(n_seq + 1, np.int32)
+    one = np.ones((), np.float32)
+    fp8_forward.launch(plan, p, q4, k4, k4, o4, lse3, (one, one, None), cu_seqlens=(cu_q, cu_k), max_seqlen_q=129)
+    assert [g for _, g, _, _, _ in launches] == [(2, 4, 65535), (2, 4, n_seq - 65535)]
+    for (_, _, _, args, _), s0 in zip(launches, (0, 65535)):
+        a = dict(zip(names, args))
+        assert a["tmap_q"][1] is q4 and a["tmap_k"][1] is k4 and a["tmap_vt"][1] is k4 and a["lse"] is lse3
+        assert a["cu_q"].shape == (n_seq + 1 - s0,) and a["cu_k"].shape == (n_seq + 1 - s0,)
+        assert (a["hi_off"], a["lo_off"], a["align"]) == (2**31 - 1, -(2**31 - 1), 1)
+        assert a["q_descale"] is one and (a["qd_sb"], a["qd_sh"], a["qd_shk"]) == (0, 0, 0)
+    with pytest.raises(ValueError, match="^cu_seqlens:"):
+        fp8_forward.launch(plan, p, q4, k4, k4, o4, lse3, (None,) * 3, cu_seqlens=(cu_q, cu_k))
 
 
 def test_vt_key_order_turns_the_accumulator_into_the_a_fragment():

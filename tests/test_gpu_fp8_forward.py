@@ -169,8 +169,8 @@ def test_gpu_refusals_name_the_option(rng):
     case = make_case(rng, 1, 2, 2, 16, 16, 128, granularity="tensor")
     q, k, v = (_bits(case[n + "8"]) for n in "qkv")
     one = cupy.ones((), dtype=np.float32)
-    with pytest.raises(NotImplementedError, match="^window:"):
-        cuflash.attention(q, k, v, k_descale=one, window=(4, 0))
+    with pytest.raises(NotImplementedError, match="^softcap:"):
+        cuflash.attention(q, k, v, k_descale=one, softcap=5.0)
     with pytest.raises(NotImplementedError, match="^out_dtype:"):
         cuflash.attention(q, k, v, k_descale=one, out_dtype=np.float32)
     with pytest.raises(TypeError, match="^k_descale: is a NumPy array but q is a CuPy array"):

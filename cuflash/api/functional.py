@@ -73,7 +73,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         validate=False. On the GPU, cu_seqlens_* and windows (but in decode shapes, which the
         split-KV kernel runs with its band mask) run the band kernels (float16/bfloat16:
         the forward on wgmma on sm_90 where it applies, else mma.sync; the backward on mma.sync;
-        float32 GPU inputs raise NotImplementedError).
+        float8_e4m3fn: the e4m3 band kernel on sm_90; float32 GPU inputs raise
+        NotImplementedError).
     block_table : optional int32 (B, max_blocks): k and v are then a paged KV cache, each
         (num_blocks, block_size, Hkv, d) with block_size a power of two >= 16, and sequence b's
         key j is row j % block_size of page block_table[b, j // block_size]; Nk = max_blocks *
@@ -118,10 +119,13 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         GPU arrays: the e4m3 kernel on Hopper (sm_90; docs/fp8.md): CuPy holds e4m3 as uint8
         bits, which a call marks as e4m3 by passing descales (arrays of the inputs' library and
         device, values not read on the host; 1 for unscaled inputs); torch float8_e4m3fn tensors
-        need none. Dense q, k, v with no mask or a causal one (GQA, d <= 256, any strides); o
-        bfloat16 or float16 (out_dtype), lse float32; kv_lens, window, cu_seqlens_*,
-        block_table, softcap, alibi_slopes, sinks and out_dtype=float32 raise
-        NotImplementedError, other GPUs too. Its arithmetic is cuflash.fp8.emulate_attention's.
+        need none. Causal masks, windows and packed sequences (cu_seqlens_*, one launch; one
+        descale per tensor) as for 16-bit inputs, and kv_lens (each batch entry over its first
+        kv_lens[b] keys, one launch per entry: kv_lens is read on the host, as by the 16-bit
+        prefill path); GQA, d <= 256, any strides; o bfloat16 or float16 (out_dtype), lse
+        float32; block_table, softcap, alibi_slopes, sinks and out_dtype=float32 raise
+        NotImplementedError, other GPUs too. Its arithmetic is cuflash.fp8.emulate_attention's
+        (window= and a packed sequence's keys as its mask).
         An FP8 KV cache on the GPU (a 16-bit q with e4m3 k and v, contiguous or paged; k_descale
         and v_descale per tensor, or per sequence and K/V head for a contiguous cache) runs the
         split-KV decode kernel in decode shapes (kv_lens, causal, windows; o in q's dtype); other
@@ -191,8 +195,9 @@ def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, o
                        validate, kv_lens, window, cu_seqlens_q, cu_seqlens_k, block_table, softcap, alibi_slopes,
                        sinks):
     """float8_e4m3fn GPU inputs (CuPy uint8 bits; torch float8_e4m3fn tensors arrive as uint8 views)
-    on the e4m3 kernel: dense q, k, v with no mask or a causal one; other options raise
-    NotImplementedError naming themselves (core.fp8_inputs.GPU_OPTIONS)."""
+    on the e4m3 kernels: causal masks, windows, packed sequences (_fp8_varlen_on_gpu) and kv_lens
+    (each batch entry over its first kv_lens[b] keys, as the 16-bit prefill fallback); other options
+    raise NotImplementedError naming themselves (core.fp8_inputs.GPU_OPTIONS)."""
     options = dict(kv_lens=kv_lens, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if all(isinstance(a, np.ndarray) for a in (q, k, v)):  # torch CPU tensors: their bits as NumPy e4m3
@@ -208,16 +213,55 @@ def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, o
     _problem.check_layout(layout)
     _problem.same_library((("q", q), ("k", k), ("v", v)))
     odt = fp8_inputs.check_gpu_call((q, k, v), out_dtype)
-    p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, element=fp8_inputs.E4M3)
-    if p.dv != p.d:
-        raise NotImplementedError(f"v: a head dim ({p.dv}) other than q's ({p.d}) is not implemented for "
-                                  "float8_e4m3fn GPU inputs")
-    descales = fp8_inputs.checked_gpu_descales((q, k, v), (q_descale, k_descale, v_descale), layout, p.xp)
+    descales = (q_descale, k_descale, v_descale)
+    shape_opts = dict(causal=causal, scale=scale, layout=layout, window=window, element=fp8_inputs.E4M3)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, return_lse, kv_lens,
+                                  shape_opts)
+    p = _problem.validate_forward(q, k, v, **shape_opts)
+    _fp8_same_head_dims(p)
+    descales = fp8_inputs.checked_gpu_descales((q, k, v), descales, layout, p.xp)
     _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    cuda.forward_fp8(p, q4, k4, v4, o4, lse3, descales)
+    lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
+    if lens_dev is None:
+        cuda.forward_fp8(p, q4, k4, v4, o4, lse3, descales)
+        return _forward_result(p, o, o4, direct, lse3, return_lse)
+    if lens_host is None:
+        lens_host = _problem.to_host(lens_dev, "kv_lens", "each sequence runs as its own problem sized on the "
+                                     "host, which cannot be captured").astype(np.int64)
+    for b, n in enumerate(np.clip(lens_host, 0, p.nk).tolist()):
+        pb = p.sequence(b, batch_shape=(1,), nk=n, single_head=False)
+        sl = slice(b, b + 1)
+        cuda.forward_fp8(pb, q4[sl], k4[sl, :, :n], v4[sl, :, :n], o4[sl], lse3[sl],
+                         fp8_inputs.batch_entry_descales(descales, b))
     return _forward_result(p, o, o4, direct, lse3, return_lse)
+
+
+def _fp8_same_head_dims(p):
+    if p.dv != p.d:
+        raise NotImplementedError(f"v: a head dim ({p.dv}) other than q's ({p.d}) is not implemented for "
+                                  "float8_e4m3fn GPU inputs")
+
+
+def _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, return_lse, kv_lens, shape_opts):
+    """Packed e4m3 sequences on the GPU: one launch of the e4m3 band kernel over all of them, as
+    _attention_varlen's 16-bit GPU path (o (total_q, Hq, d), lse (Hq, total_q)); one descale per
+    tensor."""
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **shape_opts)
+    _fp8_same_head_dims(p)
+    descales = fp8_inputs.checked_gpu_descales((q, k, v), descales, "bshd", p.xp, dense=False)
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
+    o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
+    lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
+    cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+    (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    cuda.forward_fp8(p, q4, k4, v4, o4, lse[None], descales, cu_seqlens=cu, max_seqlen_q=longest[0])
+    if not direct[0]:
+        o[...] = from_bhsd(o4, p, p.hq, p.nq)
+    return (o, lse) if return_lse else o
 
 
 @functools.lru_cache(maxsize=None)

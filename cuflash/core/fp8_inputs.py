@@ -13,8 +13,8 @@ values as their bits, dtype uint8 (or float8_e4m3fn, should CuPy store it); a ca
 arrays is an FP8 call when it passes a descale factor (1 for unscaled values: a uint8 array alone
 is not taken for e4m3) or has torch ``float8_e4m3fn`` tensors. The descales are then float32
 arrays of the inputs' library and device, their values not read on the host. The GPU takes
-dense q, k, v with no mask or a causal one: the other options raise NotImplementedError naming
-themselves (:data:`GPU_OPTIONS`).
+causal masks, sliding windows, packed sequences (per-tensor descales) and kv_lens; the other
+options raise NotImplementedError naming themselves (:data:`GPU_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from . import masks
 from .arrays import BFLOAT16, FLOAT16, FLOAT32, array_namespace, dtype_name, is_cupy_array
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -62,23 +61,19 @@ def on_gpu(arrays) -> bool:
     return any(not isinstance(a, np.ndarray) for a in arrays)
 
 
-# The options the e4m3 GPU kernel does not take (the NumPy backend takes them all).
-GPU_OPTIONS = ("kv_lens", "window", "cu_seqlens_q", "cu_seqlens_k", "block_table", "softcap", "alibi_slopes",
-               "sinks")
+# The options the e4m3 GPU kernels do not take (the NumPy backend takes them all).
+GPU_OPTIONS = ("block_table", "softcap", "alibi_slopes", "sinks")
 _GPU_BITS = (np.dtype(np.uint8), E4M3)
 
 
 def refuse_gpu_options(options):
-    """NotImplementedError naming the first option of GPU_OPTIONS that is set (a window of (-1, -1)
-    is none)."""
+    """NotImplementedError naming the first option of GPU_OPTIONS that is set."""
     for name in GPU_OPTIONS:
-        value = options.get(name)
-        if name == "window" and value is not None and masks.normalize_window(value) is None:
-            continue
-        if value is not None:
+        if options.get(name) is not None:
             raise NotImplementedError(
-                f"{name}: not implemented for float8_e4m3fn GPU inputs (the e4m3 kernel takes dense q, k, v "
-                "with no mask or a causal one); NumPy inputs run it on the NumPy backend")
+                f"{name}: not implemented for float8_e4m3fn GPU inputs (the e4m3 kernels take causal masks, "
+                "windows, packed sequences and kv_lens; no paged cache or score modifiers); NumPy inputs run it "
+                "on the NumPy backend")
 
 
 def check_gpu_call(arrays, out_dtype):
@@ -105,12 +100,12 @@ def check_gpu_call(arrays, out_dtype):
     return odt
 
 
-def checked_gpu_descales(arrays, descales, layout, xp):
+def checked_gpu_descales(arrays, descales, layout, xp, dense=True):
     """The three descales of a GPU call, each None (1) or a float32 array of ``xp`` (on q's device:
-    cuflash.api.interop checks that) of shape () / (1,) or a per-head shape (per_head_shapes; q
-    also per K/V head where the heads divide); values not read. TypeError / ValueError naming the
-    argument."""
-    hkv = kv_heads_of(arrays[1], layout) if group_of(arrays[0], arrays[1], layout) > 1 else None
+    cuflash.api.interop checks that) of shape () / (1,) or (``dense``; packed sequences take one
+    factor per tensor, as on the NumPy backend) a per-head shape (per_head_shapes; q also per K/V
+    head where the heads divide); values not read. TypeError / ValueError naming the argument."""
+    hkv = kv_heads_of(arrays[1], layout) if dense and group_of(arrays[0], arrays[1], layout) > 1 else None
     out = []
     for name, a, descale in zip(NAMES, arrays, descales):
         name = f"{name}_descale"
@@ -122,13 +117,21 @@ def checked_gpu_descales(arrays, descales, layout, xp):
                             f"{type(descale).__module__}.{type(descale).__name__}")
         if descale.dtype != FLOAT32:
             raise TypeError(f"{name}: expected dtype float32, got {dtype_name(descale.dtype)}")
-        shapes = per_head_shapes(a, layout, hkv if name == "q_descale" else None)
+        shapes = per_head_shapes(a, layout, hkv if name == "q_descale" else None) if dense else ()
         shape = tuple(descale.shape)
         if shape not in ((), (1,)) + tuple(shapes):
             wants = " or ".join(str(s) for s in ((), *shapes))
-            raise ValueError(f"{name}: expected shape {wants}, got {shape}")
+            why = "" if dense else " (packed sequences take one factor per tensor)"
+            raise ValueError(f"{name}: expected shape {wants}{why}, got {shape}")
         out.append(descale)
     return out
+
+
+def batch_entry_descales(descales, b):
+    """Checked GPU descales (checked_gpu_descales) of batch entry b alone: a per-head factor's row b
+    as a (1, H) view, a per-tensor one (or None) as it is (kv_lens runs each entry on its own)."""
+    return [d if d is None or d.ndim == 0 or d.shape == (1,) else d.reshape(-1, d.shape[-1])[b:b + 1]
+            for d in descales]
 
 
 def holds_e4m3(a) -> bool:

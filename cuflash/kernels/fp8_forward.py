@@ -1,10 +1,14 @@
-"""The e4m3 forward's launch (attn_fwd_wgmma_tma_fp8 in cuda_src/attn_fwd_wgmma.cu, sm_90a) of a
-plan.dispatch.ForwardPlan: vt, V transposed by fp8_pack_vt (cuda_src/fp8_vt.cu), the byte tensor
-maps of q, k and vt, and the descales' pointers and strides.
+"""The e4m3 forward's launch (attn_fwd_wgmma_tma_fp8 and, for windows and packed sequences,
+attn_fwd_wgmma_tma_fp8_band in cuda_src/attn_fwd_wgmma.cu, sm_90a) of a plan.dispatch.ForwardPlan:
+vt, V transposed by fp8_pack_vt (cuda_src/fp8_vt.cu), the byte tensor maps of q, k and vt, and the
+descales' pointers and strides.
 
 The arrays are CuPy uint8 views of the e4m3 bits (core.fp8_inputs); the kernels only move and
 multiply the bits. vt (B, Hkv, d, Nk rounded up to 32) is built on every call, on the call's
-stream, and freed with it: a pass over V that every timing of the kernel includes."""
+stream, and freed with it: a pass over V that every timing of the kernel includes. Packed
+sequences' vt is that of the (1, Hkv, total_k, d) array, one sequence of total_k keys: the band
+kernel starts each sequence's key tiles at the 32-key group of its first key and masks the keys
+before it (no per-sequence padding or offsets)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from ..plan.dispatch import ForwardPlan
 from ..plan.schedule import fp8_head_dim
 from . import tma
 from .build import get_function
-from .operands import LOG2E, elem_strides, tma_ok
+from .operands import LOG2E, band_offsets, elem_strides, tma_ok
 
 # vt's key order within each group of 32 (cuda_src/fp8_keys.cuh's kFp8KeyOfPos): position p holds
 # key KEY_OF_POS[p]. The e4m3 P fragment takes keys in this order (hopper/fwd_fp8.cuh).
@@ -88,28 +92,49 @@ def scale_args(descale, batch: int, heads: int, q_heads: int | None = None):
     return d2, sb, sh, 0
 
 
-def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales):
+def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqlen_q=None):
     """One launch per chunk of at most MAX_GRID_YZ batch entries; grid (query tiles, heads, batch).
     q4, k4: uint8 (B, H, N, d) views TMA can address (tma_input); v4: any uint8 view with unit-
     stride rows; o4: 16-bit, rows 16-byte aligned with d % 8 == 0; descales: (q, k, v), each
-    None or a checked float32 array."""
+    None or a checked float32 array. A "wgmma_fp8_band" plan takes the window's bounds (p.window,
+    p.causal) and, packed (``cu_seqlens=(cu_q, cu_k)``, device int32 offsets of B + 1 entries),
+    (1, H, total, d) views with lse3 (1, Hq, total_q), per-tensor descales and ``max_seqlen_q``
+    (a host int: the grid covers the longest sequence); one launch per chunk of sequences."""
     t, spec = plan.tile, plan.spec
+    band = plan.kernel == "wgmma_fp8_band"
+    if cu_seqlens is not None and (not band or max_seqlen_q is None):
+        raise ValueError("cu_seqlens: packed sequences need the band plan and max_seqlen_q")
     hd = fp8_head_dim(p.d)
     vt = pack_vt(v4)
     fn = get_function(spec)
-    off = p.causal_offset if p.causal is not None else 0
     scale_log2 = np.float32(p.scale * LOG2E)
-    m_blocks = -(-p.nq // t.block_m)
     dq, dk, dv = descales
     qa = scale_args(dq, p.batch, p.hq, q_heads=p.hq)
     ka, va = scale_args(dk, p.batch, p.hkv), scale_args(dv, p.batch, p.hkv)
-    for b0 in range(0, p.batch, MAX_GRID_YZ):
-        b1 = min(p.batch, b0 + MAX_GRID_YZ)
-        qs, ks, vts, os_, ls = q4[b0:b1], k4[b0:b1], vt[b0:b1], o4[b0:b1], lse3[b0:b1]
+    strides = tuple(np.int32(x) for x in (qa[1], qa[2], qa[3], ka[1], ka[2], va[1], va[2]))
+    if band:  # (the kernel's parameters after group: hi, scale_log2, lo, align, cu_q, cu_k)
+        hi, lo, align = band_offsets(p)
+        bounds = (np.int32(hi), scale_log2, np.int32(lo), np.int32(align))
+    else:
+        bounds = (np.int32(p.causal_offset if p.causal is not None else 0), scale_log2)
+
+    def run(grid, qs, ks, vts, os_, ls, b0, offsets):
         maps = (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), vt_map(vts, hd))
         ptrs = [a[0] if a[1] == 0 or isinstance(a[0], np.uint64) else a[0][b0:] for a in (qa, ka, va)]
         o_sb, o_sh, o_sn, _ = elem_strides(os_)
         args = (*maps, os_, ls, np.int64(o_sb), np.int64(o_sh), np.int64(o_sn), np.int32(p.nq), np.int32(p.nk),
-                np.int32(p.d), np.int32(p.group), np.int32(off), scale_log2, *ptrs,
-                *(np.int32(x) for x in (qa[1], qa[2], qa[3], ka[1], ka[2], va[1], va[2])))
-        fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
+                np.int32(p.d), np.int32(p.group), *bounds, *offsets, *ptrs, *strides)
+        fn(grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
+
+    if cu_seqlens is not None:  # every sequence in the packed arrays: grid z counts sequences
+        cu_q, cu_k = cu_seqlens
+        m_blocks, n_seq = -(-int(max_seqlen_q) // t.block_m), cu_q.shape[0] - 1
+        for s0 in range(0, n_seq if m_blocks else 0, MAX_GRID_YZ):
+            s1 = min(n_seq, s0 + MAX_GRID_YZ)
+            run((m_blocks, p.hq, s1 - s0), q4, k4, vt, o4, lse3, 0, (cu_q[s0:], cu_k[s0:]))
+        return
+    m_blocks = -(-p.nq // t.block_m)
+    null = (np.uint64(0), np.uint64(0)) if band else ()
+    for b0 in range(0, p.batch, MAX_GRID_YZ):
+        b1 = min(p.batch, b0 + MAX_GRID_YZ)
+        run((m_blocks, p.hq, b1 - b0), q4[b0:b1], k4[b0:b1], vt[b0:b1], o4[b0:b1], lse3[b0:b1], b0, null)

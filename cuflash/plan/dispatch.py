@@ -19,7 +19,8 @@ Order of the forward's choice:
   everything else -> the portable mma.sync kernel (float32: the float64 kernels).
 v's head dim unlike q's (dv != d) is decided before all of this by head_dim_v_plan: the dv kernel
 (attn_fwd_wgmma_tma_dv) where it applies, else the problem at max(d, dv) on zero-padded copies
-(the choices above).
+(the choices above). float8_e4m3fn q, k, v take fp8_forward_plan: the e4m3 TMA kernel on sm_90,
+its band instantiation for windows and packed sequences.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ ALIGNED = Operands(vec=True, tma_q=True, tma_kv=True, kv_vec=True)  # contiguous
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod" | "wgmma_fp8" | "wgmma_dv"
+    kernel: str  # "mma" | "band" | "wgmma" | "wgmma_band" | "wgmma_split" | "wgmma_mod" | "wgmma_fp8" |
+    #              "wgmma_fp8_band" | "wgmma_dv"
     spec: KernelSpec
     tile: object  # schedule.TileConfig, schedule.HopperTile or plan.fp32.Fp32TileConfig
     splits: int = 0  # wgmma_split: key pieces per query tile
@@ -170,12 +172,17 @@ FP8_NEEDS_SM90 = ("float8_e4m3fn GPU inputs run on Hopper (sm_90) only: the e4m3
                   "(NumPy inputs run on the NumPy backend; other GPUs take 16-bit inputs)")
 
 
-def fp8_forward_plan(p, target: Target, out_dtype, *, tile=None) -> ForwardPlan:
-    """float8_e4m3fn q, k, v (the caller checked the options: dense, no mask or a causal one):
-    attn_fwd_wgmma_tma_fp8 on the table's tile (schedule.HOPPER_FP8_FORWARD_TILES) or ``tile``;
-    NotImplementedError off sm_90. Not subject to CUFLASH_KERNELS: no mma.sync kernel takes e4m3."""
+def fp8_forward_plan(p, target: Target, out_dtype, *, packed: bool = False, tile=None) -> ForwardPlan:
+    """float8_e4m3fn q, k, v (the caller checked the options): no mask or a causal one ->
+    attn_fwd_wgmma_tma_fp8; a window (p.window) or packed sequences (``packed``) -> its band
+    instantiation attn_fwd_wgmma_tma_fp8_band (any causal mask too); on the table's tile
+    (schedule.HOPPER_FP8_FORWARD_TILES) or ``tile``. NotImplementedError off sm_90. Not subject to
+    CUFLASH_KERNELS: no mma.sync kernel takes e4m3."""
     if not target.hopper:
         raise NotImplementedError(FP8_NEEDS_SM90)
+    if packed or getattr(p, "window", None) is not None:
+        spec, t = hopper.fp8_forward_band_spec(out_dtype, p.d, tile)
+        return ForwardPlan("wgmma_fp8_band", spec, t)
     spec, t = hopper.fp8_forward_spec(out_dtype, p.d, p.causal is not None, tile)
     return ForwardPlan("wgmma_fp8", spec, t)
 
