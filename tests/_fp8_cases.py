@@ -107,20 +107,22 @@ def dequantized(case):
     return tuple(out)
 
 
-def yardstick(case, *, causal, block_n, out_dtype, descales=None, scale=None):
+def yardstick(case, *, causal, block_n, out_dtype, descales=None, scale=None, window=None):
     """The realizations of module docstring (i): emulate_attention at the kernel's rounding points
     (block_n), then at the row max and at running maxima over block_n / 2 and
-    block_n / 4 keys. ``descales``: (qd, kd, vd) to emulate with instead of the case's (per q head)."""
+    block_n / 4 keys. ``descales``: (qd, kd, vd) to emulate with instead of the case's (per q head).
+    ``window``: a sliding window (the band kernel's key tiles start on multiples of block_n too)."""
     qd, kd, vd = descales if descales is not None else (q_descale_per_q_head(case), case["kd"], case["vd"])
-    kw = dict(causal=causal, layout=case["layout"], out_dtype=out_dtype, scale=scale)
+    kw = dict(causal=causal, layout=case["layout"], out_dtype=out_dtype, scale=scale, window=window)
     args = (case["q8"], case["k8"], case["v8"], qd, kd, vd)
     first = fp8.emulate_attention(*args, block_n=block_n, **kw)
     others = [fp8.emulate_attention(*args, block_n=bn, **kw) for bn in (None, block_n // 2, block_n // 4)]
     return [first] + others
 
 
-def score_error_bound(q, k, *, causal, layout, steps, scale=None):
-    """Per row (lse's shape): steps * FP8_STEP_LOSS * A_i (module docstring), 0 where a row sees no key."""
+def score_error_bound(q, k, *, causal, layout, steps, scale=None, mask=None):
+    """Per row (lse's shape): steps * FP8_STEP_LOSS * A_i (module docstring), 0 where a row sees no key.
+    ``mask``: the (Nq, Nk) visibility in place of causal's."""
     qa, ka = (np.swapaxes(x, 1, 2) if layout == "bshd" else x for x in (q, k))
     qa, ka = np.abs(qa.astype(np.float64)), np.abs(ka.astype(np.float64))
     group = qa.shape[1] // ka.shape[1]
@@ -128,22 +130,79 @@ def score_error_bound(q, k, *, causal, layout, steps, scale=None):
     d = qa.shape[-1]
     sc = 1.0 / np.sqrt(d) if scale is None else scale
     a = sc * (qa @ np.swapaxes(ka, -1, -2))
-    vis = visibility(causal, qa.shape[2], ka.shape[2])
+    vis = visibility(causal, qa.shape[2], ka.shape[2]) if mask is None else mask
     a = np.where(vis, a, 0.0).max(axis=-1, initial=0.0)
     return steps * FP8_STEP_LOSS * a
 
 
-def assert_fp8_forward(o, lse, case, *, causal, block_n, steps, out_dtype, scale=None, descales=None):
+def assert_fp8_forward(o, lse, case, *, causal, block_n, steps, out_dtype, scale=None, descales=None, window=None,
+                       mask=None, yards=None):
     """The module docstring's check of a forward result (o in out_dtype, lse float32 or None).
-    ``steps``: the kernel's k-steps of S (HEAD_DIM / 32). Returns (o's error, its bound)."""
+    ``steps``: the kernel's k-steps of S (HEAD_DIM / 32). ``mask``: the reference's (Nq, Nk)
+    visibility (a window's or packed sequences', built by tests/_brute_mask.py; causal then
+    False); ``window``: the yardstick's window; ``yards``: its realizations given (packed_yardstick).
+    Returns (o's error, its bound)."""
     layout = case["layout"]
     wide = dequantized(case)
-    ref_o, ref_lse = reference64(*wide, causal=causal, layout=layout, scale=scale)
-    yards = yardstick(case, causal=causal, block_n=block_n, out_dtype=out_dtype, descales=descales, scale=scale)
+    ref_o, ref_lse = reference64(*wide, causal=causal, layout=layout, scale=scale, mask=mask)
+    if yards is None:
+        yards = yardstick(case, causal=causal, block_n=block_n, out_dtype=out_dtype, descales=descales, scale=scale,
+                          window=window)
     err = assert_within_rule("o", o, ref_o, [y[0] for y in yards], out_dtype, FACTOR)
     if lse is not None:
-        bound = lse_bound(*wide, causal=causal, layout=layout, scale=scale)
-        bound = bound + score_error_bound(wide[0], wide[1], causal=causal, layout=layout, steps=steps, scale=scale)
+        bound = lse_bound(*wide, causal=causal, layout=layout, scale=scale, mask=mask)
+        bound = bound + score_error_bound(wide[0], wide[1], causal=causal, layout=layout, steps=steps, scale=scale,
+                                          mask=mask)
         assert_lse_within_bound("lse", lse, ref_lse, bound)
     return err
+
+
+def packed_case(rng, nqs, nks, hq, hkv, d):
+    """make_case of one batch entry of sum(nqs) queries and sum(nks) keys ("bshd", per-tensor
+    descales: what packed sequences take) and the int32 offsets of sequences of nqs[b] queries and
+    nks[b] keys; the packed arrays are its q8[0], k8[0], v8[0]."""
+    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(nks)]).astype(np.int32)
+    case = make_case(rng, 1, hq, hkv, int(cq[-1]), int(ck[-1]), d, granularity="tensor", layout="bshd")
+    return case, cq, ck
+
+
+def packed_yardstick(case, cq, ck, *, causal, window, block_n, out_dtype, key_group=32):
+    """yardstick's realizations of a packed_case, sequence by sequence. The band kernel's key tiles
+    of sequence b start at the key group of its first key (ck[b] rounded down to ``key_group``, the
+    e4m3 kernel's vt groups), so its rounding points are emulated over the keys from there, the
+    earlier ones masked; the other realizations over the sequence's own keys."""
+    hq, d = case["q8"].shape[2], case["q8"].shape[3]
+    nq_total = case["q8"].shape[1]
+    outs = [(np.zeros((1, nq_total, hq, d), dtype=out_dtype), np.full((1, hq, nq_total), -np.inf, np.float32))
+            for _ in range(4)]
+    descales = (case["qd"], case["kd"], case["vd"])
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cq[b], cq[b + 1], ck[b], ck[b + 1]))
+        if q1 == q0 or k1 == k0:  # (no query, or no key: o = 0, lse = -inf)
+            continue
+        q8 = case["q8"][:, q0:q1]
+        start = k0 - k0 % key_group
+        vis = visibility(causal, q1 - q0, k1 - k0, window)
+        vis_from_group = np.concatenate([np.zeros((q1 - q0, k0 - start), dtype=bool), vis], axis=1)
+        realizations = [fp8.emulate_attention(q8, case["k8"][:, start:k1], case["v8"][:, start:k1], *descales,
+                                              layout="bshd", out_dtype=out_dtype, block_n=block_n, mask=vis_from_group)]
+        for bn in (None, block_n // 2, block_n // 4):
+            realizations.append(fp8.emulate_attention(q8, case["k8"][:, k0:k1], case["v8"][:, k0:k1], *descales,
+                                                      causal=causal, window=window, layout="bshd",
+                                                      out_dtype=out_dtype, block_n=bn))
+        for (o, lse), (ob, lb) in zip(outs, realizations):
+            o[:, q0:q1] = ob
+            lse[:, :, q0:q1] = lb
+    return outs
+
+
+def batch_entry_case(case, b, nk):
+    """The case of batch entry b over its first nk keys (kv_lens), its descales' row b."""
+    ax = _heads_axis(case["layout"])
+    keys = (slice(b, b + 1), slice(None), slice(0, nk)) if ax == 1 else (slice(b, b + 1), slice(0, nk))
+    out = dict(case, q8=case["q8"][b:b + 1], k8=case["k8"][keys], v8=case["v8"][keys])
+    for name in ("qd", "kd", "vd"):
+        out[name] = case[name] if case[name].ndim == 0 else case[name][b:b + 1]
+    return out
 
