@@ -605,10 +605,8 @@ attn_bwd_dq_band(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 }
 
 // The band dQ kernel with score modifiers (softcap, ALiBi: score_mod.cuh).
-// (d = 192: ptxas's own register target, 168, spills 12 bytes with the softcap's tanh; one block's
-// bound gives it 179 registers and no spill.)
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DQ_SPLIT, bool VEC>
-__global__ void __launch_bounds__(WARPS * 32, HEAD_DIM == 192 ? 1 : 0)
+__global__ void __launch_bounds__(WARPS * 32)
 attn_bwd_dq_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                      const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      float* __restrict__ dq_acc,
