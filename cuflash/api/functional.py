@@ -228,14 +228,8 @@ def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, o
     if lens_dev is None:
         cuda.forward_fp8(p, q4, k4, v4, o4, lse3, descales)
         return _forward_result(p, o, o4, direct, lse3, return_lse)
-    if lens_host is None:
-        lens_host = _problem.to_host(lens_dev, "kv_lens", "each sequence runs as its own problem sized on the "
-                                     "host, which cannot be captured").astype(np.int64)
-    for b, n in enumerate(np.clip(lens_host, 0, p.nk).tolist()):
-        pb = p.sequence(b, batch_shape=(1,), nk=n, single_head=False)
-        sl = slice(b, b + 1)
-        cuda.forward_fp8(pb, q4[sl], k4[sl, :, :n], v4[sl, :, :n], o4[sl], lse3[sl],
-                         fp8_inputs.batch_entry_descales(descales, b))
+    _each_sequence_over_its_keys(p, q4, k4, v4, o4, lse3, lens_dev, lens_host, lambda pb, b, *views:
+                                 cuda.forward_fp8(pb, *views, fp8_inputs.batch_entry_descales(descales, b)))
     return _forward_result(p, o, o4, direct, lse3, return_lse)
 
 
@@ -255,12 +249,8 @@ def _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, 
     _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
-    cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
-    (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
-    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-    cuda.forward_fp8(p, q4, k4, v4, o4, lse[None], descales, cu_seqlens=cu, max_seqlen_q=longest[0])
-    if not direct[0]:
-        o[...] = from_bhsd(o4, p, p.hq, p.nq)
+    _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans,
+                   lambda *views, **packed: cuda.forward_fp8(*views, descales, **packed))
     return (o, lse) if return_lse else o
 
 
@@ -465,18 +455,25 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
 def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
-    if p.xp is not np:
-        if cuda.decode_applies(p, k4, v4) and p.dv == p.d:
-            cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
-            return
-        if lens_host is None:
-            lens_host = _problem.to_host(lens_dev, "kv_lens", "outside decode shapes each sequence runs as its own "
-                                         "problem sized on the host, which cannot be captured").astype(np.int64)
+    if p.xp is not np and cuda.decode_applies(p, k4, v4) and p.dv == p.d:
+        cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
+        return
     backend = _backend(p)
-    for b, n in enumerate(np.minimum(lens_host, p.nk)):
+    _each_sequence_over_its_keys(p, q4, k4, v4, o4, lse3, lens_dev, lens_host,
+                                 lambda pb, b, *views: backend.forward(pb, *views))
+
+
+def _each_sequence_over_its_keys(p, q4, k4, v4, o4, lse3, lens_dev, lens_host, run):
+    """Each batch entry b as its own problem over its first kv_lens[b] keys: run(pb, b, q, k, v, o,
+    lse) with that entry's views. kv_lens is read on the host where only the device holds it (one
+    copy, not capturable in a CUDA graph)."""
+    if lens_host is None:
+        lens_host = _problem.to_host(lens_dev, "kv_lens", "outside decode shapes each sequence runs as its own "
+                                     "problem sized on the host, which cannot be captured").astype(np.int64)
+    for b, n in enumerate(np.clip(lens_host, 0, p.nk).tolist()):
         pb = p.sequence(b, batch_shape=(1,), nk=int(n), single_head=False)
         sl = slice(b, b + 1)
-        backend.forward(pb, q4[sl], k4[sl, :, : int(n)], v4[sl, :, : int(n)], o4[sl], lse3[sl])
+        run(pb, b, q4[sl], k4[sl, :, :n], v4[sl, :, :n], o4[sl], lse3[sl])
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, out_dtype, **options):
@@ -489,18 +486,24 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_ls
     o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
-        cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
-        (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
-        q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
-        cuda.forward_band(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
-        if not direct[0]:
-            o[...] = from_bhsd(o4, p, p.hq, p.nq)
+        _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, cuda.forward_band)
         return (o, lse) if return_lse else o
     for pb, qs, ks in _problem.sequences(p, spans):
         q4, o4 = _sequence_views(pb, qs, "q", q, o)
         k4, v4 = _sequence_views(pb, ks, "k", k, v)
         _backend(p).forward(pb, q4, k4, v4, o4, lse[None, :, qs])
     return (o, lse) if return_lse else o
+
+
+def _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, forward):
+    """One launch over all packed sequences: forward(p, q4, k4, v4, o4, lse3, cu_seqlens=,
+    max_seqlen_q=) on (1, H, total, d) views, o copied in where out='s strides allow no view."""
+    cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+    (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
+    q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
+    forward(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
+    if not direct[0]:
+        o[...] = from_bhsd(o4, p, p.hq, p.nq)
 
 
 def _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans):
