@@ -24,6 +24,7 @@ from cuflash.kernels import device
 from cuflash.plan import decode as plan_decode
 
 from _kvlens_check import check_per_sequence
+from _launches import record_launches
 
 H200_SMS = 132
 
@@ -321,10 +322,7 @@ def _launch(monkeypatch):
     from cuflash.api import plan_cache
 
     monkeypatch.setattr(plan_cache, "enabled", False)
-    launched = []
-    real = decode_kernels.get_function
-    monkeypatch.setattr(decode_kernels, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
-    return launched
+    return record_launches(monkeypatch, decode_kernels)
 
 
 def _check_kernels(launched, merge, splits):

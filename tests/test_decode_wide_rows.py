@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 from _kvlens_check import check_per_sequence
+from _launches import record_launches
 
 
 from cuflash.plan import schedule
@@ -64,10 +65,7 @@ def _launch(monkeypatch):
     from cuflash.api import plan_cache
 
     monkeypatch.setattr(plan_cache, "enabled", False)
-    launched = []
-    real = decode_kernels.get_function
-    monkeypatch.setattr(decode_kernels, "get_function", lambda spec: launched.append(spec.expression) or real(spec))
-    return launched
+    return record_launches(monkeypatch, decode_kernels)
 
 
 def _poisoned(shape, dtype):

@@ -27,6 +27,8 @@ from cuflash.backends import cuda
 from cuflash.kernels import forward as forward_kernels
 from cuflash.plan import hopper as plan_hopper
 
+from _launches import record_launches
+
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
@@ -295,14 +297,7 @@ def test_hopper_runs_the_wgmma_kernel(rng, monkeypatch, dtype, d):
     # test the fallback twice).
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("not a Hopper GPU: the wgmma kernel does not apply")
-    launched = []
-    real = forward_kernels.get_function
-
-    def recording(spec):
-        launched.append(spec.expression)
-        return real(spec)
-
-    monkeypatch.setattr(forward_kernels, "get_function", recording)
+    launched = record_launches(monkeypatch, forward_kernels)
     # A short key range runs the persistent kernel where HOPPER_FORWARD_PERSISTENT has a rule
     # (d = 64, 128; d=64 without a mask at any length), a long one the table's tile: both are what
     # plan_hopper.default_tile names.

@@ -25,6 +25,7 @@ from cuflash.plan import schedule
 from cuflash.testing import poison, poisoned_allocations, to_numpy
 
 from _brute_mask import block_diagonal_mask, brute_visible
+from _launches import record_launches
 from _fp8_cases import assert_fp8_forward, batch_entry_case, make_case, packed_case, packed_yardstick, yardstick
 
 cupy = pytest.importorskip("cupy")
@@ -141,20 +142,8 @@ def test_window_per_tensor_descales_and_scale(rng):
                        scale=0.05, mask=brute_visible(False, (20, 20), 140, 100), yards=yards)
 
 
-def _record_launches(monkeypatch):
-    launched = []
-    real = fp8_forward.get_function
-
-    def recording(spec):
-        launched.append(spec.expression)
-        return real(spec)
-
-    monkeypatch.setattr(fp8_forward, "get_function", recording)
-    return launched
-
-
 def test_window_runs_the_band_kernel_and_no_window_the_plain_one(rng, monkeypatch):
-    launched = _record_launches(monkeypatch)
+    launched = record_launches(monkeypatch, fp8_forward)
     window_check(rng, 1, 2, 2, 64, 64, 128, True, (16, 0))
     window_check(rng, 1, 2, 2, 64, 64, 128, True, (-1, -1))  # (no window)
     kernels = [e for e in launched if e.startswith("attn_fwd")]
@@ -208,7 +197,7 @@ def test_varlen_head_dims_and_groups(rng, d, hq, hkv):
 
 
 def test_varlen_is_one_launch(rng, monkeypatch):
-    launched = _record_launches(monkeypatch)
+    launched = record_launches(monkeypatch, fp8_forward)
     varlen_check(rng, [1, 2, 7, 16, 130], [5, 2, 20, 16, 140], "bottom_right", None)
     kernels = [e for e in launched if e.startswith("attn_fwd")]
     assert len(kernels) == 1 and kernels[0].startswith("attn_fwd_wgmma_tma_fp8_band<"), launched
