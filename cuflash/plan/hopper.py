@@ -267,7 +267,10 @@ def fp8_forward_spec(out_dtype, d: int, causal: bool, tile: schedule.HopperTile 
     ``out_dtype`` (bfloat16 or float16), no mask or a causal one; the table's tile by default
     (schedule.HOPPER_FP8_FORWARD_TILES), ping-pong or not."""
     hd, t = _fp8_tile(d, tile)
-    return _fp8_spec("attn_fwd_wgmma_tma_fp8", out_dtype, hd, t, causal), t
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
+              f"{b(causal)}, {b(t.pingpong)}")
+    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8<{params}>", t.threads, t.smem_bytes(hd, 1)), t
 
 
 def fp8_forward_band_spec(out_dtype, d: int, tile: schedule.HopperTile | None = None):
@@ -275,17 +278,10 @@ def fp8_forward_band_spec(out_dtype, d: int, tile: schedule.HopperTile | None = 
     window and/or packed sequences (bounds and cu_seqlens at run time, as attn_fwd_wgmma_band's),
     on the plain kernel's tiles."""
     hd, t = _fp8_tile(d, tile)
-    return _fp8_spec("attn_fwd_wgmma_tma_fp8_band", out_dtype, hd, t), t
-
-
-def _fp8_spec(kernel, out_dtype, hd, t, causal=None):
-    """The KernelSpec of an e4m3 kernel on tile t: (E4m3<out>, head dim, keys, warpgroups, stages,
-    [causal: the plain kernel's flag; the band kernel's bounds are run-time], ping-pong)."""
-    b = lambda x: "true" if x else "false"  # noqa: E731
-    flags = (b(t.pingpong),) if causal is None else (b(causal), b(t.pingpong))
-    params = ", ".join((f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>", str(hd), str(t.block_n), str(t.warpgroups),
-                        str(t.stages), *flags))
-    return KernelSpec("attn_fwd_wgmma.cu", f"{kernel}<{params}>", t.threads, t.smem_bytes(hd, 1))
+    params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
+              f"{'true' if t.pingpong else 'false'}")
+    return (KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8_band<{params}>", t.threads, t.smem_bytes(hd, 1)),
+            t)
 
 
 def fp8_vt_spec(vec: bool) -> KernelSpec:
