@@ -48,7 +48,9 @@ _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
 FACTOR = 2.0  # o, dq, dk, dv: at most FACTOR x the yardstick's error + one rounding (docs/testing.md)
-REALIZATIONS = 4  # the yardstick's error is the largest of this many rounding realizations (docs/testing.md)
+REALIZATIONS = 4  # the yardstick's error is the largest of at least this many rounding realizations
+SAMPLES = 128  # ... and of enough of them that rows x realizations reaches this (docs/testing.md)
+MAX_REALIZATIONS = 32
 U32 = 2.0**-24
 
 
@@ -269,8 +271,18 @@ def _rnd_at(x, dtype, scales):
     return _rnd(x * scales, dtype) / scales
 
 
+def realizations(p) -> int:
+    """How many yardstick realizations a problem's bound takes the largest error of: REALIZATIONS,
+    more for a problem of few rows (B Hq Nq), so that rows x realizations reaches SAMPLES (at most
+    MAX_REALIZATIONS). With few rows the largest error over them is a small sample of a
+    heavy-tailed error (docs/testing.md)."""
+    rows = max(p.batch * p.hq * p.nq, 1)
+    return int(min(MAX_REALIZATIONS, max(REALIZATIONS, -(-SAMPLES // rows))))
+
+
 def _faithful_forward4(c, realization=0):
-    """(o4 rounded to the input dtype, lse3, scores s) in the yardstick's arithmetic (acc dtype)."""
+    """(o4 before its rounding to the input dtype, lse3, scores s) in the yardstick's arithmetic
+    (acc dtype)."""
     p = c.p
     acc = _acc(p.dtype)
     qa, ka, va = (a.astype(acc) for a in (c.q4, c.k4, c.v4))
@@ -288,7 +300,7 @@ def _faithful_forward4(c, realization=0):
     seen = l > 0
     o4 = np.matmul(_rnd_at(e, p.dtype, _row_scales(c, realization, acc, 1)), va) / np.where(seen, l, acc.type(1))
     lse3 = np.where(seen, shift + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))[..., 0]
-    return _rnd(o4.astype(acc), p.dtype), lse3.astype(acc), s
+    return o4.astype(acc), lse3.astype(acc), s
 
 
 def faithful_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
@@ -300,6 +312,14 @@ def faithful_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", mask
 def _faithful_forward(c, realization=0):
     o4, lse3, _ = _faithful_forward4(c, realization)
     return c.out_q(o4.astype(c.p.dtype)), lse3.astype(_F32).reshape(c.p.lse_shape())
+
+
+def _forward_yardsticks(c):
+    """o of each of the problem's realizations, rounded to the input dtype and before that rounding
+    (assert_within_rule's ``yard``: the final rounding may land one on the reference's own nearest
+    value and hide its arithmetic's error; docs/testing.md)."""
+    raws = [_faithful_forward4(c, r)[0] for r in range(realizations(c.p))]
+    return [c.out_q(o4.astype(c.p.dtype)) for o4 in raws] + [c.out_q(o4) for o4 in raws]
 
 
 def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None,
@@ -315,10 +335,13 @@ def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout
     return _faithful_backward(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods))
 
 
-def _faithful_backward(c, realization=0):
+def _faithful_backward(c, realization=0, final_rounding=True):
+    """The yardstick backward of one realization; its gradients before their final rounding when
+    ``final_rounding`` is False (dsinks is float32 either way)."""
     p = c.p
     acc = _acc(p.dtype)
     o4, lse3, s = _faithful_forward4(c, realization)
+    o4 = _rnd(o4, p.dtype)
     do4 = c.q_side[0].astype(acc)
     ka, va, qa = (a.astype(acc) for a in (c.k4, c.v4, c.q4))
     lse_safe = np.where(lse3 == -np.inf, acc.type(np.inf), lse3)[..., None]
@@ -333,8 +356,9 @@ def _faithful_backward(c, realization=0):
     sc = acc.type(c.scale)
     dq4 = np.matmul(ds, ka) * sc
     dk4 = np.matmul(ds.swapaxes(-1, -2), qa) * sc
-    grads = (c.out_q(dq4.astype(p.dtype)), c.out_kv(c.group_sum(dk4).astype(acc).astype(p.dtype)),
-             c.out_kv(c.group_sum(dv4).astype(acc).astype(p.dtype)))
+    out = p.dtype if final_rounding else acc
+    grads = (c.out_q(dq4.astype(out)), c.out_kv(c.group_sum(dk4).astype(acc).astype(out)),
+             c.out_kv(c.group_sum(dv4).astype(acc).astype(out)))
     if c.sinks is None:
         return grads
     p_sink = _exp(c.sinks.astype(acc) - lse_safe, acc)
@@ -464,7 +488,7 @@ def assert_forward_accurate(o, lse, q, k, v, *, causal=False, scale=None, layout
     kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window, **mods)
     ref_o, ref_lse = reference64(q, k, v, **kw)
     c = _Case(q, k, v, causal, scale, layout, mask, window, mods=mods)
-    yard_o = [_faithful_forward(c, r)[0] for r in range(REALIZATIONS)]
+    yard_o = _forward_yardsticks(c)
     assert to_numpy(o).dtype == dtype, f"o: dtype {dtype_name(to_numpy(o).dtype)}, want {dtype_name(dtype)}"
     assert_within_rule("o", o, ref_o, yard_o, dtype, factor)
     if lse is not None:
@@ -497,7 +521,7 @@ def assert_backward_accurate(grads, do, q, k, v, *, causal=False, scale=None, la
     kw = dict(causal=causal, scale=scale, layout=layout, mask=mask, window=window)
     refs = reference64_backward(do, q, k, v, **kw, **mods)
     c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods)
-    yards = [list(g) for g in zip(*(_faithful_backward(c, r) for r in range(REALIZATIONS)))]
+    yards = _backward_yardsticks(c)
     single = _one_key_rows(c, _probabilities(c)) and all(m is None for m in mods.values())
     names = ("dq", "dk", "dv", "dsinks")
     assert len(grads) == len(refs), f"{len(grads)} gradients, want {len(refs)} ({', '.join(names[:len(refs)])})"
@@ -577,16 +601,22 @@ def assert_single_key_gradients(grads, do, q, k, v, *, causal=False, scale=None,
     assert np.all(np.abs(dk4) <= dk_bound), f"dk: {max_abs(dk4):.3e} exceeds the summation bound"
 
 
+def _backward_yardsticks(c):
+    """[[each realization's dq, rounded and before], [dk ...], [dv ...] (, [dsinks ...])]."""
+    runs = [_faithful_backward(c, r, final) for r in range(realizations(c.p)) for final in (True, False)]
+    return [list(g) for g in zip(*runs)]
+
+
 def faithful_realizations(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
-    """[o of each of the REALIZATIONS yardstick realizations] (for assert_within_rule's ``yard``)."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window)
-    return [_faithful_forward(c, r)[0] for r in range(REALIZATIONS)]
+    """[o of each yardstick realization, rounded and before its rounding] (for assert_within_rule's
+    ``yard``)."""
+    return _forward_yardsticks(_Case(q, k, v, causal, scale, layout, mask, window))
 
 
 def faithful_backward_realizations(do, q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None):
-    """([dq realizations], [dk realizations], [dv realizations]) of the yardstick backward."""
-    c = _Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))
-    return tuple(list(g) for g in zip(*(_faithful_backward(c, r) for r in range(REALIZATIONS))))
+    """([dq realizations], [dk realizations], [dv realizations]) of the yardstick backward, each
+    rounded and before its rounding."""
+    return tuple(_backward_yardsticks(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,))))
 
 
 def poison(a):
