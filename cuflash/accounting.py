@@ -26,9 +26,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from .core import masks, sequence_split
-from .core.arrays import BFLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
+from .core.arrays import BFLOAT16, FLOAT16, FLOAT32, SUPPORTED_DTYPES, dtype_name
 from .core.fp8_inputs import E4M3
 from .core.problem import check_offset_values, check_out_dtype
+from .kernels.fp8_forward import VT_GROUP, vt_keys
 from .plan import decode, dispatch, schedule
 from .plan import forward as plan_forward
 from .plan.hopper import split_partials
@@ -70,15 +71,23 @@ def _check_choice(name, x, choices):
     return x
 
 
-def _check_dtype(name, dtype):
+def _check_dtype(name, dtype, e4m3=False):
+    """A float16 / bfloat16 / float32 dtype (``e4m3``: float8_e4m3fn too), else TypeError naming it."""
     if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
         return BFLOAT16
+    if isinstance(dtype, str) and dtype.lower() in ("float8_e4m3fn", "e4m3"):
+        dtype = E4M3
     try:
         dt = np.dtype(dtype)
     except TypeError as e:
         raise TypeError(f"{name}: not a dtype: {dtype!r}") from e
+    if e4m3 and dt == E4M3:
+        return dt
     if dt not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name}: dtype {dtype_name(dt)} is not supported; expected float16, bfloat16 or float32")
+        also = ("" if e4m3 else "; float8_e4m3fn is modelled by memory_report and io_model (the e4m3 forward)"
+                if dt == E4M3 else "")
+        wants = "float16, bfloat16, float32 or float8_e4m3fn" if e4m3 else "float16, bfloat16 or float32"
+        raise TypeError(f"{name}: dtype {dtype_name(dt)} is not supported; expected {wants}{also}")
     return dt
 
 
@@ -264,6 +273,9 @@ def flops(q_shape, k_shape, *, causal=False, window=None, kv_lens=None, cu_seqle
     2 * pairs * (d + dv), backward 2 * pairs * (3 d + 2 dv), "fwd+bwd" 2 * pairs * (4 d + 3 dv).
     The dense equivalent then counts (d + dv) / 2 for d.
 
+    The counts depend on no dtype: float8_e4m3fn q, k, v (the e4m3 forward, pass_="fwd") multiply
+    the same products over the same visible pairs, 4 * pairs * d.
+
     Score modifiers (any value but None turns one on; only whether it is given matters) change no
     product: ``elementwise`` counts their work per visible pair apart - the softcap 1 tanh forward,
     2 backward (the tanh recomputed and the derivative 1 - tanh^2 applied to dS), ALiBi 1 fused
@@ -394,26 +406,37 @@ def _as_shape_and_dtype(name, x):
     return _check_shape(name, x), None
 
 
-def _problem_dims(q, k, v, layout, dtype):
+def _input_dtype(named, dtype, bits=False):
+    """The inputs' one dtype: ``dtype`` (the arrays' must equal it), else the arrays', else bfloat16.
+    A uint8 array holds float8_e4m3fn bits (as CuPy holds e4m3, core.fp8_inputs) where ``dtype``
+    is float8_e4m3fn or ``bits`` (a descale was given: cuflash.attention's rule)."""
+    want = None if dtype is None else _check_dtype("dtype", dtype, e4m3=True)
+    dtypes = {}
+    for name, x in named:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            adt = np.dtype(x.dtype)
+            if adt == np.uint8 and (want == E4M3 or bits):
+                adt = E4M3
+            dtypes[name] = _check_dtype(name, adt, e4m3=True)
+    if want is not None:
+        for name, adt in dtypes.items():
+            if adt != want:
+                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from dtype={dtype_name(want)}")
+        return want
+    if dtypes:
+        want = next(iter(dtypes.values()))
+        for name, adt in dtypes.items():
+            if adt != want:
+                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from the other inputs' {dtype_name(want)}")
+        return want
+    return BFLOAT16  # shapes only and no dtype: the common training dtype (stated in the report)
+
+
+def _problem_dims(q, k, v, layout, dtype, bits=False):
     _check_choice("layout", layout, LAYOUTS)
     named = [("q", q), ("k", k), ("v", k if v is None else v)]
-    shapes, dtypes = {}, {}
-    for name, x in named:
-        shapes[name], dt = _as_shape_and_dtype(name, x)
-        if dt is not None:
-            dtypes[name] = _check_dtype(name, dt)
-    if dtype is not None:
-        dt = _check_dtype("dtype", dtype)
-        for name, adt in dtypes.items():
-            if adt != dt:
-                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from dtype={dtype_name(dt)}")
-    elif dtypes:
-        dt = next(iter(dtypes.values()))
-        for name, adt in dtypes.items():
-            if adt != dt:
-                raise TypeError(f"{name}: dtype {dtype_name(adt)} differs from the other inputs' {dtype_name(dt)}")
-    else:
-        dt = BFLOAT16  # shapes only and no dtype: the common training dtype (stated in the report)
+    shapes = {name: _as_shape_and_dtype(name, x)[0] for name, x in named}
+    dt = _input_dtype(named, dtype, bits)
     qb, hq, nq, d = _split_heads("q", shapes["q"], layout)
     kb, hkv, nk, dk = _split_heads("k", shapes["k"], layout)
     vb, hv, nv, dv = _split_heads("v", shapes["v"], layout)
@@ -646,9 +669,179 @@ def backward_launch(dtype, d, causal=False, deterministic=False):
                            dq_threads=dq.threads if dq else None, dq_smem=dq.smem_bytes if dq else None, fp64=False)
 
 
+# --------------------------------------------------------------------------- e4m3 forward
+
+# fp8_pack_vt's static shared memory per block (cuda_src/fp8_vt.cu: 128 keys x (64 + 4) bytes; its
+# KernelSpec lists no dynamic shared memory).
+FP8_VT_SMEM_BYTES = 128 * (64 + 4)
+E4M3_OUT_DTYPES = (BFLOAT16, FLOAT16)  # what the e4m3 kernel stores (core.fp8_inputs.check_gpu_call)
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _e4m3_view(shape, layout, packed):
+    """(B, H, N, d) extents and (B, H, N) byte strides of the view the e4m3 launch takes of a
+    contiguous e4m3 input of ``shape`` (core.layout.to_bhsd; packed (total, H, d): (1, H, total, d))."""
+    if packed:
+        n, h, d = shape
+        return (1, h, n, d), (n * h * d, d, h * d)
+    if len(shape) == 2:
+        n, d = shape
+        return (1, 1, n, d), (n * d, n * d, d)
+    b = math.prod(shape[:-3])
+    if layout == "bhsd":
+        h, n, d = shape[-3:]
+        return (b, h, n, d), (h * n * d, n * d, d)
+    n, h, d = shape[-3:]
+    return (b, h, n, d), (n * h * d, d, h * d)
+
+
+def _e4m3_tma_copy(extents, strides) -> bool:
+    """Whether kernels.fp8_forward.tma_input copies this view (d zero-padded to a multiple of 16):
+    a byte stride of an axis of extent > 1 is no multiple of 16 (kernels.tma.bhsd_strides gives an
+    axis of extent 1 a nominal one; the pool's arrays are 16-byte aligned)."""
+    return any(n > 1 and s % 16 for n, s in zip(extents[:3], strides))
+
+
+def _e4m3_out_dtype(out_dtype, method):
+    """o's dtype of an e4m3 forward: the kernel's bfloat16 (default) or float16; the reference's
+    bfloat16 (cuflash.backends.reference.attention). ValueError naming out_dtype otherwise."""
+    if out_dtype is None:
+        return BFLOAT16
+    try:
+        odt = _check_dtype("out_dtype", out_dtype)
+    except TypeError:
+        odt = None
+    allowed = E4M3_OUT_DTYPES if method == "tiled" else (BFLOAT16,)
+    if odt not in allowed:
+        why = ("the e4m3 kernel stores bfloat16 or float16 (float32 is not implemented for float8_e4m3fn GPU "
+               "inputs)" if method == "tiled" else "the reference gives float8_e4m3fn inputs' o in bfloat16")
+        raise ValueError(f"out_dtype: {why}; got {out_dtype!r}")
+    return odt
+
+
+def _e4m3_descales(descales, shapes, layout, hq, hkv, packed):
+    """An input entry per given descale (an array or its shape), checked as cuflash.attention checks
+    them (core.fp8_inputs): float32, shape () or (1,) or - dense inputs - the input's batch axes
+    + (H,) (q also + (Hkv,) where Hkv < Hq; (1, 1) for a 2-D input). TypeError / ValueError naming it."""
+    entries = []
+    for name, x, shape in zip(DESCALES, descales, shapes):
+        if x is None:
+            continue
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            if np.dtype(x.dtype) != FLOAT32:
+                raise TypeError(f"{name}: expected dtype float32, got {dtype_name(np.dtype(x.dtype))}")
+            ds = tuple(int(n) for n in x.shape)
+        else:
+            ds = _check_shape(name, x)
+        wants = [(), (1,)]
+        if not packed:
+            if len(shape) == 2:
+                wants.append((1, 1))
+            else:
+                heads = shape[-3] if layout == "bhsd" else shape[-2]
+                wants.append(shape[:-3] + (heads,))
+                if name == "q_descale" and hkv < hq:
+                    wants.append(shape[:-3] + (hkv,))
+        if ds not in wants:
+            why = " (packed sequences take one factor per tensor)" if packed else ""
+            raise ValueError(f"{name}: expected shape {' or '.join(str(w) for w in wants)}{why}, got {ds}")
+        what = "per tensor" if math.prod(ds) == 1 and len(ds) < 2 else "per batch entry and head"
+        entries.append(MemoryEntry(name, INPUT, math.prod(ds) * 4, f"float32 {ds}, {what}"))
+    return entries
+
+
+def _e4m3_memory_report(q, k, v, *, method, pass_, causal, window, layout, out_dtype, descales, cu_seqlens_q,
+                        cu_seqlens_k, registers, refused) -> MemoryReport:
+    """memory_report of float8_e4m3fn q, k, v: the e4m3 forward (kernels.fp8_forward) or the
+    reference's dequantized formula (backends.reference.attention)."""
+    if pass_ != "fwd":
+        raise ValueError(f"pass_: float8_e4m3fn inputs have a forward only (no e4m3 backward), got {pass_!r}")
+    for name, value in refused.items():
+        if value is not None:
+            raise ValueError(f"{name}: not taken by the float8_e4m3fn forward (cuflash.attention refuses it "
+                             "or has no such launch)")
+    odt = _e4m3_out_dtype(out_dtype, method)
+    window = masks.normalize_window(window)
+    named = [("q", q), ("k", k), ("v", k if v is None else v)]
+    shapes = [_as_shape_and_dtype(n, x)[0] for n, x in named]
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    notes = []
+    if packed:
+        if method != "tiled":
+            raise ValueError("cu_seqlens_q: packed sequences are modelled for method='tiled' (the e4m3 band kernel)")
+        n_seq, hq, hkv, d, _ = _sequence_lengths(shapes[0], shapes[1], "bshd", None, cu_seqlens_q, cu_seqlens_k)
+        if len(shapes[2]) != 3 or shapes[2][:2] != shapes[1][:2]:
+            raise ValueError(f"v: expected packed ({shapes[1][0]}, {hkv}, dv) like k, got {shapes[2]}")
+        batch, nq, nk, dv = 1, shapes[0][0], shapes[1][0], shapes[2][2]
+        offsets = len(_int_list("cu_seqlens_q", cu_seqlens_q))
+        notes.append(f"packed: {n_seq} sequences, Nq and Nk are the totals; one launch of the band kernel over "
+                     "(1, H, total, d) views")
+    else:
+        p = _problem_dims(q, k, v, layout, E4M3, bits=True)
+        batch, hq, hkv, nq, nk, d, dv = p.batch, p.hq, p.hkv, p.nq, p.nk, p.d, p.dv
+    if method == "tiled" and dv != d:
+        raise ValueError(f"v: head dim {dv} unlike q's {d}: the e4m3 kernel takes one head dim")
+    q_elems, k_elems, v_elems = batch * hq * nq * d, batch * hkv * nk * d, batch * hkv * nk * dv
+    rows, o_elems = batch * hq * nq, batch * hq * nq * dv
+    E = [MemoryEntry("Q", INPUT, q_elems, "e4m3, 1 byte: B*Hq*Nq*d"),
+         MemoryEntry("K", INPUT, k_elems, "e4m3, 1 byte: B*Hkv*Nk*d"),
+         MemoryEntry("V", INPUT, v_elems, "e4m3, 1 byte: B*Hkv*Nk*" + ("d" if dv == d else "dv"))]
+    E += _e4m3_descales(descales, shapes, layout, hq, hkv, packed)
+    if packed:
+        E += [MemoryEntry(name, INPUT, offsets * 4, f"int32, {offsets} offsets")
+              for name in ("cu_seqlens_q", "cu_seqlens_k")]
+    E += [MemoryEntry("O", OUTPUT, o_elems * odt.itemsize, f"{dtype_name(odt)} B*Hq*Nq*" + ("d" if dv == d else "dv")),
+          MemoryEntry("LSE", SAVED, rows * LSE_ITEMSIZE, "float32 log-sum-exp, B*Hq*Nq*4: written by the forward")]
+    shape = dict(batch=batch, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d)
+    if dv != d:
+        shape["dv"] = dv
+    if method == "reference":
+        nn = batch * hq * nq * nk
+        E += [MemoryEntry("Q (dequantized)", WORKSPACE, q_elems * 4, "float32 q8 * q_descale", phase="fwd"),
+              MemoryEntry("K (dequantized)", WORKSPACE, k_elems * 4, "float32 k8 * k_descale", phase="fwd"),
+              MemoryEntry("V (dequantized)", WORKSPACE, v_elems * 4, "float32 v8 * v_descale", phase="fwd"),
+              MemoryEntry("O (float32)", WORKSPACE, o_elems * 4, "the float32 formula's o, rounded once to bfloat16",
+                          phase="fwd"),
+              MemoryEntry("S", INTERMEDIATE, nn * 4, "float32 scores B*Hq*Nq*Nk (all pairs; masked after)", phase="fwd"),
+              MemoryEntry("P", INTERMEDIATE, nn * 4, "float32 probabilities B*Hq*Nq*Nk", phase="fwd", reuses="S")]
+        notes.append("reference, float8_e4m3fn: NumPy arrays only (host memory); q, k, v dequantized to float32 "
+                     "(through one float64 temporary pair per input, freed at once: not counted), then the float32 "
+                     "formula (its own widening copies not counted, as for 16-bit inputs)")
+        return MemoryReport(method, pass_, dtype_name(E4M3), shape, tuple(E), tuple(notes))
+    hd = schedule.fp8_head_dim(d)
+    plan = dispatch.fp8_forward_plan(SimpleNamespace(d=d, causal=causal, window=window), MODEL, odt, packed=packed)
+    t, spec = plan.tile, plan.spec
+    if nq and batch and hq and nk:  # (kernels run; backends.cuda.forward_fp8 allocates nothing otherwise)
+        E.append(MemoryEntry("vt", WORKSPACE, batch * hkv * d * vt_keys(nk),
+                             f"uint8 (B, Hkv, d, Nk rounded up to {VT_GROUP} = {vt_keys(nk)}): V transposed by "
+                             "fp8_pack_vt, built every call", phase="fwd"))
+        d16 = -(-d // 16) * 16
+        for name, heads, n, shp in (("Q", hq, nq, shapes[0]), ("K", hkv, nk, shapes[1])):
+            if _e4m3_tma_copy(*_e4m3_view(shp, layout, packed)):
+                E.append(MemoryEntry(f"{name} (zero-padded copy)", WORKSPACE, batch * heads * n * d16,
+                                     f"uint8 (B, H, N, {d16}): rows TMA cannot address (byte strides no multiple "
+                                     "of 16) copied with d zero-padded to a multiple of 16", phase="fwd"))
+        if d % 8:
+            d8 = -(-d // 8) * 8
+            E.append(MemoryEntry("O (scratch)", WORKSPACE, rows * d8 * odt.itemsize,
+                                 f"{dtype_name(odt)} (B, Hq, Nq, {d8}): the epilogue stores whole 16-byte chunks; "
+                                 "copied into o", phase="fwd"))
+    E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
+                         f"{t.block_m} query rows x {t.block_n}-key tiles, head dim padded to {hd}; {spec.short_name}"))
+    E.append(MemoryEntry("shared memory / block (vt)", ON_CHIP, FP8_VT_SMEM_BYTES,
+                         "fp8_pack_vt: 128 keys x 64 columns (+4 bytes a row), static"))
+    if registers is not None:
+        registers = _check_int("registers", registers, minimum=1)
+        E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * spec.threads,
+                             f"{registers} registers/thread x {spec.threads} threads x 4 B"))
+    notes.append("float8_e4m3fn: contiguous inputs; descales are read where they are (no copy)")
+    return MemoryReport(method, pass_, dtype_name(E4M3), shape, tuple(E), tuple(notes))
+
+
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
                   layout="bhsd", splits=None, registers=None, deterministic=False, alibi_slopes=None,
-                  sinks=None, out_dtype=None) -> MemoryReport:
+                  sinks=None, out_dtype=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, q_descale=None,
+                  k_descale=None, v_descale=None) -> MemoryReport:
     """Every device buffer of one attention pass, exact bytes, by category.
 
     q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
@@ -674,10 +867,39 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     out_dtype=float32)`` on the GPU: for d a multiple of 8 the mma.sync kernel with a float32
     epilogue (a float32 O, nothing else); otherwise the inputs are widened to float32 copies
     (workspace) and the float32 kernels run.
+
+    float8_e4m3fn q, k, v (``dtype="float8_e4m3fn"``, e4m3 arrays, or uint8 arrays of their bits
+    with ``dtype`` or a descale given, as cuflash.attention takes them): the forward only
+    (``pass_="fwd"``; there is no e4m3 backward). Tiled: the e4m3 kernel's call
+    (backends.cuda.forward_fp8, contiguous inputs): inputs Q, K, V at 1 byte per element, the
+    float32 ``q_descale`` / ``k_descale`` / ``v_descale`` given (arrays or shapes: () or (1,), or
+    dense inputs' batch axes + (H,), q's also + (Hkv,)), with ``cu_seqlens_q`` / ``cu_seqlens_k``
+    (packed (total, H, d) inputs, the band kernel) the int32 offsets; outputs O in ``out_dtype``
+    (bfloat16 by default, or float16) and the float32 LSE; workspace vt, uint8
+    B*Hkv*d*vt_keys(Nk) (Nk rounded up to 32, built every call), a zero-padded copy of Q and of K
+    (B*H*N*ceil(d/16)*16 bytes) where their byte strides are no multiples of 16 (d % 16 != 0), and
+    for d % 8 != 0 an O scratch of ceil(d/8)*8 columns; on chip the kernel's shared memory
+    (``window``: the band kernel) and fp8_pack_vt's. Reference: the dequantized float32 Q, K, V,
+    the float32 o rounded to bfloat16, and S, P (NumPy arrays only: host memory).
     """
     _check_choice("method", method, METHODS)
     _check_choice("pass_", pass_, PASSES)
     causal = masks.normalize_causal(causal)
+    descales = (q_descale, k_descale, v_descale)
+    dt = _input_dtype([("q", q), ("k", k), ("v", k if v is None else v)], dtype,
+                      bits=any(x is not None for x in descales))
+    if dt == E4M3:
+        return _e4m3_memory_report(q, k, v, method=method, pass_=pass_, causal=causal, window=window, layout=layout,
+                                   out_dtype=out_dtype, descales=descales, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, registers=registers,
+                                   refused=dict(config=config, splits=splits, alibi_slopes=alibi_slopes, sinks=sinks))
+    for name, x in zip(DESCALES, descales):
+        if x is not None:
+            raise TypeError(f"{name}: a descale goes with float8_e4m3fn inputs, not {dtype_name(dt)}")
+    for name, x in (("window", window), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x is not None:
+            raise ValueError(f"{name}: modelled for float8_e4m3fn inputs only (the {dtype_name(dt)} report covers "
+                             "dense inputs without a window)")
     p = _problem_dims(q, k, v, layout, dtype)
     if p.dv != p.d:  # v's head dim unlike q's: the report at one width, narrowed
         if check_out_dtype(out_dtype):
@@ -1000,8 +1222,93 @@ def _check_kv_dtype(kv_dtype, dt, pass_, config) -> bool:
     return True
 
 
+def _visible_key_tiles(causal, nq, nk, row0, row1, bn):
+    """K/V tiles (of bn keys) that query rows [row0, row1) see: a prefix of the row's tiles."""
+    n_tiles = -(-nk // bn)
+    return _bisect_first(0, n_tiles, lambda t: not masks.tile_is_visible(causal, nq, nk, row0, row1, t * bn))
+
+
+def _e4m3_io_model(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, out_dtype, sram_bytes) -> IOModel:
+    """io_model of float8_e4m3fn q, k, v: the e4m3 forward's call on contiguous (B, H, N, d) inputs
+    (backends.cuda.forward_fp8): vt's build, the kernel's tiles, and the copies it makes."""
+    if pass_ != "fwd":
+        raise ValueError(f"pass_: float8_e4m3fn inputs have a forward only (no e4m3 backward), got {pass_!r}")
+    if config is not None:
+        raise ValueError("config: the e4m3 forward runs its table's tile (schedule.HOPPER_FP8_FORWARD_TILES)")
+    if kv_dtype is not None:
+        raise ValueError("kv_dtype: with dtype float8_e4m3fn q, k and v are all e4m3 (kv_dtype is for a 16-bit q "
+                         "over an e4m3 cache)")
+    odt = _e4m3_out_dtype(out_dtype, "tiled")
+    os_ = odt.itemsize
+    plan = dispatch.fp8_forward_plan(SimpleNamespace(d=d, causal=causal, window=None), MODEL, odt)
+    t, spec = plan.tile, plan.spec
+    bm, bn = t.block_m, t.block_n
+    bh, bhkv = batch * hq, batch * hkv
+    qe, kve, rows = bh * nq * d, bhkv * nk * d, bh * nq
+    nk_pad = vt_keys(nk)
+    k_keys = vt_cols = computed = 0  # keys of K and of vt each query tile loads (summed over one head's tiles)
+    for row0 in range(0, nq, bm):
+        row1 = min(nq, row0 + bm)
+        end = _visible_key_tiles(causal, nq, nk, row0, row1, bn) * bn
+        k_keys += min(nk, end)
+        vt_cols += min(nk_pad, end)
+        computed += (row1 - row0) * min(nk, end)
+    runs = bool(nq and batch and hq and nk)  # backends.cuda.forward_fp8 launches nothing otherwise
+    d16, d8 = -(-d // 16) * 16, -(-d // 8) * 8
+    entries, assumptions = [], []
+    widths = {}
+    for name, heads, n in (("Q", hq, nq), ("K", hkv, nk)):
+        copy = runs and _e4m3_tma_copy(*_e4m3_view((batch, heads, n, d), "bhsd", False))
+        widths[name] = d16 if copy else d
+        if copy:
+            entries.append(IOEntry(f"{name} (zero-padded copy)", batch * heads * n * d, batch * heads * n * (d16 + d), 1,
+                                   f"zeroed at {d16} columns, then its {d} columns copied in (rows TMA cannot address)"))
+    if runs:
+        entries += [
+            IOEntry("Q", bh * nq * widths["Q"], 0, 1, "e4m3, read once" + (" (the copy)" if widths["Q"] != d else "")),
+            IOEntry("K", bh * k_keys * widths["K"], 0, 1, f"e4m3, once per query tile ({bm} rows) per query head"
+                    + (" (the copy)" if widths["K"] != d else "")),
+            IOEntry("V (vt build)", kve, 0, 1, "e4m3, read once by fp8_pack_vt"),
+            IOEntry("vt (build)", 0, bhkv * d * nk_pad, 1, f"written once: d rows of Nk rounded up to {VT_GROUP} "
+                    f"= {nk_pad} keys (zeros past Nk)"),
+            IOEntry("vt", bh * vt_cols * d, 0, 1, f"read instead of V: once per query tile per query head, keys up to "
+                    f"{nk_pad}"),
+        ]
+    if runs and d % 8:
+        entries += [IOEntry("O (scratch)", qe, 2 * bh * nq * d8, os_, f"zeroed and written by the kernel at {d8} "
+                            "columns (whole 16-byte chunks), its d columns read to copy into o"),
+                    IOEntry("O", 0, qe, os_, f"{dtype_name(odt)}, written once (the copy)")]
+    elif runs:
+        entries.append(IOEntry("O", 0, qe, os_, f"{dtype_name(odt)}, written once"))
+    else:  # no key: o filled with zeros (and the LSE with -inf), no kernel
+        entries.append(IOEntry("O", 0, qe, os_, f"{dtype_name(odt)}, zeros written once (no key)"))
+    entries.append(IOEntry("LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"))
+    computed *= bh
+    sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else _check_int("sram_bytes", sram_bytes, minimum=1)
+    M = sram  # elements of one byte
+    assumptions.append(f"e4m3 forward tile {bm}x{bn} from {spec.short_name}; every query head rereads its K and vt "
+                       "tiles (GQA heads share no loads)")
+    assumptions.append("vt (V transposed, keys in groups of 32) is built by fp8_pack_vt on every call; the descales' "
+                       "float32 factors (a few per block) are not counted; contiguous (B, H, N, d) inputs")
+    if causal is not None:
+        assumptions.append("causal: only K/V tiles with masks.tile_is_visible are loaded")
+    reference = bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
+    paper = bh * nq * nk * d * d / M
+    standard = bh * ((nq + nk) * d + nq * nk)
+    if paper < bh * (nq + nk) * d:
+        assumptions.append("the paper's count leaves out reading the inputs once, Theta((Nq+Nk) d), "
+                           "which dominates at this shape (e.g. decoding)")
+    if M > nk * d:
+        assumptions.append(f"M = {M} > Nk*d = {nk * d}: the paper's bound assumes d <= M <= N d")
+    assumptions.append(f"M = {sram:,} bytes of on-chip storage / 1 B per element"
+                       + (" (H200 shared memory per SM, 228 KiB)" if sram_bytes is None else ""))
+    compulsory = qe + 2 * kve + qe * os_ + rows * LSE_ITEMSIZE
+    return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(E4M3), causal, bm, bn, 0, 0, tuple(entries),
+                   sram, M, paper, standard, reference, computed, 0, compulsory, tuple(assumptions))
+
+
 def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd", sram_bytes=None,
-             nk=None, hkv=None, deterministic=False, kv_dtype=None) -> IOModel:
+             nk=None, hkv=None, deterministic=False, kv_dtype=None, out_dtype=None) -> IOModel:
     """Logical HBM traffic, in elements and bytes, of the tile schedule for ``shape = (B, H, N, d)``.
 
     ``nk`` sets a different key length (decoding: N new queries over a cache of nk keys); ``hkv``
@@ -1009,6 +1316,14 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     :func:`backward_launch`); ``config`` (a TileConfig) replaces them in both passes.
     ``kv_dtype="float8_e4m3fn"``: an e4m3 K/V cache with a 16-bit q (decode shapes, the forward):
     K and V read at one byte per element by the e4m3 decode kernel's launch.
+    ``dtype="float8_e4m3fn"``: q, k, v all e4m3, the e4m3 forward (pass_="fwd" only; no config or
+    kv_dtype) on its table's tile (attn_fwd_wgmma_tma_fp8, 128 x 128), o in ``out_dtype`` (bfloat16
+    by default, or float16): Q read once and K once per visible tile per query tile at one byte per
+    element; vt built every call (V read once, vt written once: d rows of Nk rounded up to 32
+    keys) and read by the kernel in V's place, up to that rounded key count; O and the float32 LSE
+    written once. d % 16 != 0 adds the zero-padded copies of Q and K the kernel then reads (zeroed
+    at ceil(d/16)*16 columns, d copied in), d % 8 != 0 an O scratch of ceil(d/8)*8 columns
+    (zeroed, written by the kernel, copied into o).
 
     Forward: Q read once; each query tile (block_m rows) of each query head reads the K and V
     tiles it sees (every tile, or with ``causal`` only those for which cuflash.core.masks.tile_is_visible
@@ -1037,9 +1352,13 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     nk = nq if nk is None else _check_int("nk", nk)
     hkv = hq if hkv is None else _check_int("hkv", hkv)
     _check_heads(hq, hkv, "hkv")
-    dt = _check_dtype("dtype", dtype)
+    dt = _check_dtype("dtype", dtype, e4m3=True)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    if dt == E4M3:
+        return _e4m3_io_model(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, out_dtype, sram_bytes)
+    if out_dtype is not None:
+        raise ValueError(f"out_dtype: taken with dtype float8_e4m3fn only ({dtype_name(dt)} o has q's dtype here)")
     s = dt.itemsize
     kv_e4m3 = _check_kv_dtype(kv_dtype, dt, pass_, config)
     fl = forward_launch(dt, d, causal, config, nq, nk, batch, hq)

@@ -13,6 +13,7 @@ import cuflash
 from cuflash.kernels import device
 from cuflash import accounting
 from cuflash.core.arrays import BFLOAT16
+from cuflash.core.fp8_inputs import E4M3
 from cuflash.core.problem import validate_forward
 from cuflash.testing import random_inputs, recorded_allocations
 from cuflash.plan import decode as plan_decode
@@ -83,3 +84,45 @@ def test_decode_bytes():
     rep = cuflash.memory_report(q, k, v, method="tiled", pass_="fwd", causal=True, splits=splits)
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, splits, rep.table())
     assert plan_decode.workspace_bytes(p, splits) == sum(sizes) - 2 * (4 * 32 * 128) - 4 * 32 * 4
+
+
+# float8_e4m3fn q, k, v (CuPy uint8 bits with descales; sm_90): o, lse, vt and, where d % 16 != 0,
+# the zero-padded copies of q and k (d % 8 != 0: the O scratch too); packed sequences: one band launch.
+@pytest.mark.parametrize("q_shape, k_shape, layout, out_dtype, causal", [
+    ((2, 8, 1000, 128), (2, 8, 1000, 128), "bhsd", None, False),
+    ((2, 8, 300, 64), (2, 2, 999, 64), "bhsd", np.float16, True),
+    ((1, 700, 4, 256), (1, 333, 1, 256), "bshd", None, True),
+    ((2, 4, 257, 72), (2, 2, 130, 72), "bhsd", None, False),
+    ((2, 100, 4, 100), (2, 77, 4, 100), "bshd", np.float16, False),
+])
+def test_e4m3_forward_bytes(q_shape, k_shape, layout, out_dtype, causal):
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the e4m3 forward kernel runs on sm_90 (Hopper)")
+    rng = np.random.default_rng(6)
+    q, k, v = (cupy.asarray(rng.standard_normal(s).astype(E4M3).view(np.uint8)) for s in (q_shape, k_shape, k_shape))
+    heads_k = k_shape[-3] if layout == "bhsd" else k_shape[-2]
+    qd, kd, vd = cupy.ones((), np.float32), cupy.full(k_shape[:-3] + (heads_k,), 0.5, np.float32), None
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
+                                                layout=layout, out_dtype=out_dtype, return_lse=True))
+    rep = cuflash.memory_report(q, k, v, q_descale=qd, k_descale=kd, causal=causal, layout=layout,
+                                out_dtype=out_dtype)
+    assert rep.dtype == "float8_e4m3fn" and any(e.name == "vt" for e in rep.entries)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
+
+
+@pytest.mark.parametrize("d", [128, 100])
+def test_e4m3_packed_forward_bytes(d):
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the e4m3 forward kernel runs on sm_90 (Hopper)")
+    rng = np.random.default_rng(7)
+    nqs, nks = [100, 1, 257], [300, 33, 7]
+    cq = cupy.asarray(np.cumsum([0] + nqs), dtype=np.int32)
+    ck = cupy.asarray(np.cumsum([0] + nks), dtype=np.int32)
+    q = cupy.asarray(rng.standard_normal((sum(nqs), 8, d)).astype(E4M3).view(np.uint8))
+    k, v = (cupy.asarray(rng.standard_normal((sum(nks), 2, d)).astype(E4M3).view(np.uint8)) for _ in range(2))
+    one = cupy.ones((), np.float32)
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, q_descale=one, k_descale=one, v_descale=one, causal=True,
+                                                cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True))
+    rep = cuflash.memory_report(q, k, v, q_descale=one, k_descale=one, v_descale=one, causal=True,
+                                cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
