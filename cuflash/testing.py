@@ -335,9 +335,13 @@ def faithful_attention_backward(do, q, k, v, *, causal=False, scale=None, layout
     return _faithful_backward(_Case(q, k, v, causal, scale, layout, mask, window, q_side=(do,), mods=mods))
 
 
-def _faithful_backward(c, realization=0, final_rounding=True):
-    """The yardstick backward of one realization; its gradients before their final rounding when
-    ``final_rounding`` is False (dsinks is float32 either way)."""
+def _faithful_backward(c, realization=0):
+    return _faithful_backward_both(c, realization)[0]
+
+
+def _faithful_backward_both(c, realization=0):
+    """(gradients, the same before their final rounding) of one realization of the yardstick
+    backward (dsinks is float32 in both)."""
     p = c.p
     acc = _acc(p.dtype)
     o4, lse3, s = _faithful_forward4(c, realization)
@@ -356,13 +360,13 @@ def _faithful_backward(c, realization=0, final_rounding=True):
     sc = acc.type(c.scale)
     dq4 = np.matmul(ds, ka) * sc
     dk4 = np.matmul(ds.swapaxes(-1, -2), qa) * sc
-    out = p.dtype if final_rounding else acc
-    grads = (c.out_q(dq4.astype(out)), c.out_kv(c.group_sum(dk4).astype(acc).astype(out)),
-             c.out_kv(c.group_sum(dv4).astype(acc).astype(out)))
+    raw = (c.out_q(dq4), c.out_kv(c.group_sum(dk4).astype(acc)), c.out_kv(c.group_sum(dv4).astype(acc)))
+    grads = tuple(g.astype(p.dtype) for g in raw)
     if c.sinks is None:
-        return grads
+        return grads, raw
     p_sink = _exp(c.sinks.astype(acc) - lse_safe, acc)
-    return grads + ((-(p_sink * row_dot).sum(axis=(0, 2, 3))).astype(_F32),)
+    dsinks = ((-(p_sink * row_dot).sum(axis=(0, 2, 3))).astype(_F32),)
+    return grads + dsinks, raw + dsinks
 
 
 def lse_bound(q, k, v, *, causal=False, scale=None, layout="bhsd", mask=None, window=None, **mods):
@@ -603,7 +607,7 @@ def assert_single_key_gradients(grads, do, q, k, v, *, causal=False, scale=None,
 
 def _backward_yardsticks(c):
     """[[each realization's dq, rounded and before], [dk ...], [dv ...] (, [dsinks ...])]."""
-    runs = [_faithful_backward(c, r, final) for r in range(realizations(c.p)) for final in (True, False)]
+    runs = [run for r in range(realizations(c.p)) for run in _faithful_backward_both(c, r)]
     return [list(g) for g in zip(*runs)]
 
 
