@@ -1,4 +1,4 @@
-"""The main loop that options.py, head_dim_v.py and fp8_decode.py share: their command line's
+"""The main loop that options.py, head_dim_v.py, fp8_decode.py and fp8_band.py share: their command line's
 common flags, one case after another with a failing case kept as an "error" row, a ratio column
 against a baseline row, and the JSON rewritten after every case.
 

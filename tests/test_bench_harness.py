@@ -204,7 +204,7 @@ def test_peers_judge_accepts_a_correct_result_and_flags_a_wrong_one():
 
 
 # ---------------------------------------------------------------------------------------------
-# benchmarks/bench_main.py: the main loop of options.py, head_dim_v.py and fp8_decode.py
+# benchmarks/bench_main.py: the main loop of options.py, head_dim_v.py, fp8_decode.py and fp8_band.py
 
 # The scripts import it as "bench_main": loading it under that name lets the tests below replace
 # its device-memory release in the module the scripts use.
@@ -255,6 +255,7 @@ def test_ratio_column_pairs_rows_of_one_cell_with_its_baseline():
     ("head_dim_v", "HeadDimV", ("dv",), "vs_cudnn"),
     ("options", "Options", ("option",), "vs_plain"),
     ("fp8_decode", "Fp8Decode", (), "vs_bf16"),
+    ("fp8_band", "Fp8Band", (), "vs_dense"),
 ])
 def test_benchmark_scripts_run_their_cases_through_bench_main(tmp_path, monkeypatch, capsys, script, runner,
                                                               own_fields, ratio):
@@ -666,3 +667,26 @@ def test_probe_rounds_alternate_the_order_and_report_x_the_faster_peer(capsys):
     assert rounds == [{"cudnn": 20.0, "flash": 10.0, "a": 5.0, "b": "wrong 0.5"}] * 3
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "B1 pass 1: cudnn 20.0 flash 10.0 us | a [4x1024] 2.000, b wrong 0.5"
+
+
+def test_fp8_band_compares_rates_of_the_same_head_dim_and_mask():
+    band = load_benchmark("fp8_band")
+    rows = [{"d": 128, "causal": False, "shape": "dense", "tflops_exact": 800.0},
+            {"d": 128, "causal": False, "shape": "window (1024, 0)", "tflops_exact": 600.0},
+            {"d": 128, "causal": True, "shape": "packed 8 x 2048", "tflops_exact": 500.0},
+            {"d": 128, "causal": True, "shape": "dense", "tflops_exact": 1000.0},
+            {"d": 256, "causal": False, "shape": "packed 8 x 2048", "tflops_exact": 900.0},
+            {"d": 128, "causal": False, "shape": "packed 32 x 512", "tflops_exact": None}]
+    band.add_ratios(rows)
+    assert [r["vs_dense"] for r in rows] == [1.0, 0.75, 0.5, 1.0, None, None]
+    # every case's exact count: 4 * visible pairs * d, the packing's and the window's own
+    cases = {c.what + (" causal" if c.causal else ""): c for c in band.plan(ds=(64,))}
+    n, h = band.TOKENS, band.HEADS
+    assert band.exact_flops(cases["dense"]) == 4 * h * n * n * 64
+    assert band.exact_flops(cases["dense causal"]) == 4 * h * (n * (n + 1) // 2) * 64
+    s = 8
+    cu = list(range(0, n + 1, n // s))
+    assert band.exact_flops(cases["packed 8 x 2048"], cu) == 4 * h * s * (n // s) ** 2 * 64
+    w = 1024
+    pairs = sum(min(i, w) + 1 for i in range(n))
+    assert band.exact_flops(cases["window (1024, 0)"]) == 4 * h * pairs * 64

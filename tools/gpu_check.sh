@@ -29,6 +29,8 @@
 #                  HEAD_DIM_V_TIMEOUT, default 120)
 #   FP8=1          also benchmark the float8_e4m3fn forward beside bf16 at d = 128, 256, N = 8k, 16k, causal
 #                  and not (benchmarks/peers.py --fp8; FP8_TIMEOUT, default 120)
+#   FP8_BAND=1     also benchmark the float8_e4m3fn band kernel (windows, packed sequences) against its
+#                  dense kernel (benchmarks/fp8_band.py; FP8_BAND_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
@@ -126,6 +128,11 @@ if [ "${FP8_DECODE:-0}" = 1 ]; then
     timeout "${FP8_DECODE_TIMEOUT:-120}" python3 benchmarks/fp8_decode.py --out "$tmp/fp8_decode.json" > "$tmp/fp8_decode.log" 2>&1
     r=$?; echo "fp8 decode bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/fp8_decode.log" >> "$OUT/bench.log"
     tail -12 "$tmp/fp8_decode.log"
+fi
+if [ "${FP8_BAND:-0}" = 1 ]; then
+    timeout "${FP8_BAND_TIMEOUT:-120}" python3 benchmarks/fp8_band.py --out "$tmp/fp8_band.json" > "$tmp/fp8_band.log" 2>&1
+    r=$?; echo "fp8 band bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/fp8_band.log" >> "$OUT/bench.log"
+    tail -16 "$tmp/fp8_band.log"
 fi
 if [ "${PAGED:-1}" = 1 ]; then
     timeout "${PAGED_TIMEOUT:-70}" python3 tools/paged_bench.py "$OUT/paged.json" > "$OUT/paged.log" 2>&1
