@@ -167,6 +167,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     cp_async_commit();
                 }
             } else {
+                bwd_dq_staged_read<Tr>(tid);  // (staged dQ) step - 1's reduce-adds read buffer buf ^ 1, refilled here
                 __syncthreads();
                 if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
                 cp_async_commit();
@@ -303,7 +304,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             wgmma_fence();
             if constexpr (ATOMIC_DQ) bwd_issue_dq<T, Tr>(acc_q, dq, tds, sm.sK);
             issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
-            if constexpr (ATOMIC_DQ) {
+            if constexpr (ATOMIC_DQ && Tr::kDqStagedInQdO) {
+                wgmma_wait<0>();  // dQ and this warpgroup's dV and dK: its columns of Q and dO are read
+                fence_regs(acc_q);
+                bwd_add_dq_staged<Tr>(acc_q, tq, tdo, dq_acc, b, h, hq, nq, m0, wg, tid);
+            } else if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
                 fence_regs(acc_q);
                 bwd_store_dq<Tr, WS>(acc_q, dq, sm, dq_acc, b, h, hq, nq, m0, wg, tid, warp, lane);
@@ -329,8 +334,12 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // spills at d=128, store from registers, below.) PERSISTENT: in K and V's own tiles, since
             // the producer may already be filling the Q/dO ring with the next unit's tiles.
             const u32 stage_k = PERSISTENT ? sm.sK : sm.sQ, stage_v = PERSISTENT ? sm.sV : sm.sdO;
-            if constexpr (WS) named_barrier(1, kMathThreads);
-            else __syncthreads();
+            if constexpr (WS) {
+                named_barrier(1, kMathThreads);
+            } else {
+                bwd_dq_staged_read<Tr>(tid);  // (staged dQ) the last step's tiles read
+                __syncthreads();
+            }
             // (WS: the thread index read afresh, so that the compiler cannot compute the staging
             // addresses before the step loop and keep them live through it: they spilled.)
             const int etid = WS ? thread_index_volatile() : tid;
@@ -379,6 +388,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         g += n_steps;
     }  // units
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
+    if constexpr (Tr::kDqStagedInQdO && ATOMIC_DQ) {
+        if ((tid & 127) == 0) bulk_wait<0>();  // the staged dQ's reduce-adds complete before the block ends
+    }
 }
 
 // The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides

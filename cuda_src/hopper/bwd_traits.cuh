@@ -48,6 +48,11 @@ struct HopperBwdTraits {
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
+    // (split head dim, TMA, atomic dQ) each warpgroup's 64 x HEAD_DIM / 2 float32 dQ is staged in
+    // the step's Q and dO tiles' columns that only its own dK and dV still read (the 16 KiB of Q's
+    // and of dO's 64-column blocks 2 wg, 2 wg + 1), in fragment order, and added by two bulk
+    // reduce-adds instead of one red.global.add.v2 per element pair (no room for separate dQ tiles).
+    static constexpr bool kDqStagedInQdO = kSplitD && TMA;
     // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
     // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
     static constexpr int kDqTileBytes = 64 * 64 * 4;

@@ -293,6 +293,12 @@ class HopperBwdTile:
     def block_n(self) -> int:
         return 64 if self.split_d else 64 * self.warpgroups
 
+    def frag_dq(self, deterministic: bool) -> bool:
+        """Whether the kernel adds dQ by bulk reduce-adds of 64 x 64 fragment-order chunks (its
+        accumulator then in that order, attn_bwd_dq_convert<..., true>): the warp-specialized
+        kernel's dQ tiles, or a split head dim's dQ staged in the step's Q/dO tiles (TMA)."""
+        return not deterministic and (self.ws or (self.split_d and self.tma))
+
     @property
     def threads(self) -> int:
         return 128 * (self.warpgroups + self.ws)
