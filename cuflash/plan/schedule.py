@@ -309,7 +309,9 @@ class HopperBwdTile:
         # (ws) + 2 mbarriers, alignment, the dQ tiles, (dQ by rows) dS^T's second buffer
         ds2 = self.block_n * self.block_m * 2 if self.block_m == 64 * self.warpgroups else 0
         ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + ds2 if self.ws else 0
-        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
+        # (split_d) + P^T's tile (HopperBwdTraits::kSplitS)
+        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + (1 + self.split_d) * self.block_n * self.block_m * 2
+                + 16 * self.block_m
                 + 16 * self.tma + ws + 1024)
 
 
