@@ -73,6 +73,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
+    // (split S) this warpgroup's S^T and dP^T columns: 32 of the half's 64 queries, from q_sub
+    constexpr int kSN = Tr::kSplitS ? 4 : 8;  // 8-query blocks of S^T per warpgroup and half
+    const int q_sub = Tr::kSplitS ? 32 * wg : 0;
     // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
     // offset of their first 64-column block in a Q or dO tile.
     const int dkv_nb0 = Tr::kSplitD ? wg * kND : 0;
@@ -167,6 +170,7 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     cp_async_commit();
                 }
             } else {
+                bwd_dq_staged_read<Tr>(tid);  // (staged dQ) step - 1's reduce-adds read buffer buf ^ 1, refilled here
                 __syncthreads();
                 if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
                 cp_async_commit();
@@ -175,6 +179,15 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
             const u32 tq = sm.sQ + buf * TileQ::kBytes, tdo = sm.sdO + buf * TileQ::kBytes;
             const u32 tds = sm.sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
+            // (split S) P^T and dS^T of both warpgroups' query halves, in shared memory
+            auto store_t = [&](u32 tile, const float(&acc)[kSN][4]) {
+#pragma unroll
+                for (int ni = 0; ni < kSN; ++ni)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tile + TileS::offset(key_row + 8 * hf, q_sub / 8 + ni) + 4 * (lane & 3)),
+                                     "r"(pack2<T>(acc[ni][2 * hf], acc[ni][2 * hf + 1])));
+            };
             const float* tL = sm.sL + buf * BLOCK_M;
             const float* tD = sm.sD + buf * BLOCK_M;
 
@@ -197,13 +210,14 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 const u32 q_half = 64 * hv * 128;  // the half's first query row in the Q and dO tiles
                 // S^T = K Q^T and dP^T = V dO^T, two commit groups: acc = (this warpgroup's rows of
                 // K or V) x (this half's rows of Q or dO)^T, over the head dim.
-                float s[8][4], dp[8][4];
-                auto issue_t = [&](float(&acc)[8][4], u32 kv_rows, u32 q_tile) {
+                // (split S: this warpgroup's 32 queries of the half)
+                float s[kSN][4], dp[kSN][4];
+                auto issue_t = [&](float(&acc)[kSN][4], u32 kv_rows, u32 q_tile) {
 #pragma unroll
                     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                         const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                        const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half;
-                        Wgmma<T, 64>::ss(acc, sw128_desc(kv_rows + off, 16, 1024), sw128_desc(q_tile + offq, 16, 1024), kk > 0);
+                        const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half + q_sub * 128;
+                        Wgmma<T, 8 * kSN>::ss(acc, sw128_desc(kv_rows + off, 16, 1024), sw128_desc(q_tile + offq, 16, 1024), kk > 0);
                     }
                     wgmma_commit();
                 };
@@ -219,10 +233,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-                    for (int ni = 0; ni < 8; ++ni)
+                    for (int ni = 0; ni < kSN; ++ni)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            const int qc = 64 * hv + ni * 8 + 2 * (lane & 3) + e;  // query within the step
+                            const int qc = 64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + e;  // query within the step
                             s[ni][2 * hf + e] = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
                         }
                 // The mask in a loop of its own behind one branch: tested inside the loop above, ptxas
@@ -233,31 +247,35 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     for (int hf = 0; hf < 2; ++hf) {
                         const int key = n0 + key_row + 8 * hf;
 #pragma unroll
-                        for (int ni = 0; ni < 8; ++ni)
+                        for (int ni = 0; ni < kSN; ++ni)
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
-                                const int qi = m0 + 64 * hv + ni * 8 + 2 * (lane & 3) + e;
+                                const int qi = m0 + 64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + e;
                                 const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
                                 s[ni][2 * hf + e] = vis ? s[ni][2 * hf + e] : 0.f;
                             }
                     }
                 }
+                if constexpr (Tr::kSplitS) {
+                    store_t(sm.sPt, s);  // dV reads P^T from shared memory once both halves are in
+                } else {
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
-                // dV += P^T dO (dO read N-major: rows are the k steps).
-                wgmma_fence();
+                    for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
+                    // dV += P^T dO (dO read N-major: rows are the k steps).
+                    wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, Tr::kDkvCols>::rs(acc_dv, pf[kk], sw128_desc(tdo + dkv_cb + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
-                wgmma_commit();
+                    for (int kk = 0; kk < 4; ++kk)
+                        Wgmma<T, Tr::kDkvCols>::rs(acc_dv, pf[kk], sw128_desc(tdo + dkv_cb + q_half + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                    wgmma_commit();
+                }
 
                 // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
-                wgmma_wait<1>();
+                wgmma_wait<Tr::kSplitS ? 0 : 1>();
                 fence_regs(dp);
 #pragma unroll
-                for (int ni = 0; ni < 8; ++ni)
+                for (int ni = 0; ni < kSN; ++ni)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)]);
+                    for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + (e & 1)]);
                 // (MOD) the softcap's factor 1 - tanh^2, its tanh recovered from P and the lse: kept
                 // from the scores above, 32 more registers per thread spill 76 words at d = 128.
                 if constexpr (MOD) {
@@ -272,9 +290,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                                                                 tanh_per_log2, d0 + ScoreMod::col_dist(ni, e));
                     }
                 }
+                if constexpr (Tr::kSplitS) store_t(tds, dp);  // for dK and dQ, once both halves are in
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(sf[kk], dp, kk);
-                if (ATOMIC_DQ && (!Tr::kSplitD || wg == 0)) {  // (split head dim: every warpgroup holds all of dS^T)
+                for (int kk = 0; kk < 4; ++kk) if constexpr (!Tr::kSplitS) acc_to_a<T>(sf[kk], dp, kk);
+                if (ATOMIC_DQ && !Tr::kSplitS) {
                     // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk)
@@ -294,16 +313,35 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                     fence_regs(sf);
                 }
             }
-            if constexpr (ATOMIC_DQ) bwd_dq_sync<Tr, WS>(wg);
+            if constexpr (ATOMIC_DQ || Tr::kSplitS) bwd_dq_sync<Tr, WS>(wg);
             // dQ (if atomic) then the last half's dK, two groups: dQ's atomics run while dK is on the
             // tensor cores, and nothing is in flight across iterations (a wgmma in flight over the
             // loop's back edge makes ptxas serialize them all).
             const BwdDqSplit<Tr> dq(wg);
             float acc_q[ATOMIC_DQ ? Tr::kDqCols / 8 : 1][4];  // unused without ATOMIC_DQ
             wgmma_fence();
+            if constexpr (Tr::kSplitS) {  // dV += P^T dO and dK += dS^T Q, both from shared memory
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, Tr::kDkvCols>::template ss<0, 1>(acc_dv, sw128_desc(sm.sPt + kk * 32, 16, 1024),
+                                                              sw128_desc(tdo + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                wgmma_commit();
+            }
             if constexpr (ATOMIC_DQ) bwd_issue_dq<T, Tr>(acc_q, dq, tds, sm.sK);
-            issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
-            if constexpr (ATOMIC_DQ) {
+            if constexpr (Tr::kSplitS) {
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, Tr::kDkvCols>::template ss<0, 1>(acc_dk, sw128_desc(tds + kk * 32, 16, 1024),
+                                                              sw128_desc(tq + dkv_cb + kk * 16 * 128, TileQ::kBlockBytes, 1024), 1);
+                wgmma_commit();
+            } else {
+                issue_dk(64 * (Tr::kHalves - 1) * 128);  // the last half's
+            }
+            if constexpr (ATOMIC_DQ && Tr::kDqStagedInQdO) {
+                wgmma_wait<0>();  // dQ and this warpgroup's dV and dK: its columns of Q and dO are read
+                fence_regs(acc_q);
+                bwd_add_dq_staged<Tr>(acc_q, tq, tdo, dq_acc, b, h, hq, nq, m0, wg, tid);
+            } else if constexpr (ATOMIC_DQ) {
                 wgmma_wait<1>();  // dV and dQ done; dK in flight
                 fence_regs(acc_q);
                 bwd_store_dq<Tr, WS>(acc_q, dq, sm, dq_acc, b, h, hq, nq, m0, wg, tid, warp, lane);
@@ -311,8 +349,10 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             wgmma_wait<0>();
             fence_regs(acc_dv);
             fence_regs(acc_dk);
-            fence_regs(pf);
-            fence_regs(sf);
+            if constexpr (!Tr::kSplitS) {
+                fence_regs(pf);
+                fence_regs(sf);
+            }
             if constexpr (WS) mbar_arrive(sm.sEmpty + 8 * buf);  // this thread's reads of Q/dO buffer buf are done
         }
         cp_async_wait<0>();
@@ -329,8 +369,12 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             // spills at d=128, store from registers, below.) PERSISTENT: in K and V's own tiles, since
             // the producer may already be filling the Q/dO ring with the next unit's tiles.
             const u32 stage_k = PERSISTENT ? sm.sK : sm.sQ, stage_v = PERSISTENT ? sm.sV : sm.sdO;
-            if constexpr (WS) named_barrier(1, kMathThreads);
-            else __syncthreads();
+            if constexpr (WS) {
+                named_barrier(1, kMathThreads);
+            } else {
+                bwd_dq_staged_read<Tr>(tid);  // (staged dQ) the last step's tiles read
+                __syncthreads();
+            }
             // (WS: the thread index read afresh, so that the compiler cannot compute the staging
             // addresses before the step loop and keep them live through it: they spilled.)
             const int etid = WS ? thread_index_volatile() : tid;
@@ -379,6 +423,9 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         g += n_steps;
     }  // units
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)
+    if constexpr (Tr::kDqStagedInQdO && ATOMIC_DQ) {
+        if ((tid & 127) == 0) bulk_wait<0>();  // the staged dQ's reduce-adds complete before the block ends
+    }
 }
 
 // The kernels' arguments after the tensor maps (the TMA kernel's Q and dO pointers and strides

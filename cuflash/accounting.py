@@ -545,8 +545,8 @@ def _dq_accumulator_width(dtype, hd, deterministic, causal=False) -> int:
 
 
 def _backward_frag_dq(dtype, hd, causal, deterministic) -> bool:
-    """Whether the modelled GPU's backward runs the warp-specialized wgmma kernel (whose dQ
-    accumulator is in fragment order)."""
+    """Whether the modelled GPU's backward adds dQ in fragment-order chunks (the warp-specialized
+    wgmma kernel, or the split-head-dim one with dQ staged in its Q/dO tiles)."""
     plan = _backward_plan(dtype, hd, causal, deterministic)
     return plan is not None and plan.frag_dq
 
@@ -1027,8 +1027,8 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
             frag = _backward_frag_dq(p.dtype, hd, causal, deterministic)
             width = _dq_accumulator_width(p.dtype, hd, deterministic)
             dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag)
-            how = (f"float32 B*Hq*ceil(Nq/64)*64*{width} (the warp-specialized wgmma kernel's 64 x 64 fragment-order "
-                   "chunks)" if frag else f"float32 B*Hq*Nq*{width} (rows padded to the head-dim bucket"
+            how = (f"float32 B*Hq*ceil(Nq/64)*64*{width} (the wgmma kernel's 64 x 64 fragment-order "
+                   "chunks, added by bulk reduce-adds)" if frag else f"float32 B*Hq*Nq*{width} (rows padded to the head-dim bucket"
                    + (f", {width} for the wgmma kernel that runs it)" if width != hd else ")"))
             E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
                               phase="bwd"),
@@ -1489,10 +1489,12 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
         ]
         if not deterministic and config is None and _backward_frag_dq(dt, hd, causal, deterministic):
             # bulk reduce-adds of whole 64 x 64 chunks: every column of the bucket, rows to a multiple of 64
+            # (the kernel's HEAD_DIM columns: 192 runs the 256 kernel)
             pad = -(-nq // 64) * 64 - nq
-            added = bh * (q_rows + visited * pad) * hd
-            entries.append(IOEntry(p + "dQ accumulator", added + qe, schedule.dq_accumulator_floats(batch, hq, nq, hd, True)
-                                   + added, ACC_ITEMSIZE, f"float32, fragment order: zeroed (Nq padded to 64, {hd} "
+            width = _dq_accumulator_width(dt, hd, deterministic, causal)
+            added = bh * (q_rows + visited * pad) * width
+            entries.append(IOEntry(p + "dQ accumulator", added + qe, schedule.dq_accumulator_floats(batch, hq, nq, width, True)
+                                   + added, ACC_ITEMSIZE, f"float32, fragment order: zeroed (Nq padded to 64, {width} "
                                    "columns), read+written per visible tile (64 x 64 bulk reduce-adds), read once to convert"))
         elif not deterministic:
             # the wgmma K/V kernel adds every column of its HEAD_DIM (192: 256), the mma.sync one d

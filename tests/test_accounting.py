@@ -252,14 +252,16 @@ def test_memory_dq_accumulator_is_padded_to_the_head_dim_bucket():
         r = cuflash.memory_report(*shapes, pass_="bwd", dtype="bfloat16", deterministic=deterministic)
         by = {e.name: e for e in r.entries}
         assert by["dQ accumulator"].bytes == 2 * 3 * rows * 128 * 4
-    # d=256 runs the split-head-dim wgmma kernel, which is not warp-specialized (atomic dQ in rows):
-    # rows as they are; d=160 and 192 run that same kernel, so their rows are 256 floats too
-    # (deterministic: the mma.sync dQ kernel's, the bucket's 192)
+    # d=256 runs the split-head-dim wgmma kernel, which adds dQ in 64 x 64 fragment-order chunks
+    # too (staged in its Q/dO tiles): rows padded to 128; d=160 and 192 run that same kernel, so
+    # their rows are 256 floats too (deterministic: the mma.sync dQ kernel's, 100 rows of the
+    # bucket's 192)
     assert schedule.hopper_backward_head_dim(192) == 256 and not schedule.HOPPER_BACKWARD_TILES[192].ws
-    for d, det, width in ((256, False, 256), (192, False, 256), (160, False, 256), (192, True, 192), (160, True, 192)):
+    for d, det, rows, width in ((256, False, 128, 256), (192, False, 128, 256), (160, False, 128, 256),
+                                (192, True, 100, 192), (160, True, 100, 192)):
         by = {e.name: e for e in cuflash.memory_report((2, 3, 100, d), (2, 3, 100, d), pass_="bwd",
                                                        deterministic=det).entries}
-        assert by["dQ accumulator"].bytes == 2 * 3 * 100 * width * 4, (d, det)
+        assert by["dQ accumulator"].bytes == 2 * 3 * rows * width * 4, (d, det)
 
 
 def test_memory_reference_forward_and_in_place_variant():

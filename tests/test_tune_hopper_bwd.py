@@ -321,7 +321,8 @@ def test_backward_at_d256_runs_the_split_head_dim_tile_or_mma_sync(launches, mon
         assert t.split_d and t.block_n == 64 and not t.ws
         assert expr == "attn_bwd_kv_wgmma_tma<Bf16, 256, 64, 2, true, true>"
         assert grid == (-(-1000 // 64), 16, 2) and threads == 256 and smem == t.smem_bytes(256) <= H200.smem_per_block_optin
-        assert any("attn_bwd_dq_convert<Bf16, 256>" == m[0] for m in launches)  # dQ in rows, not fragment order
+        # dQ staged in the Q/dO tiles and added in 64 x 64 fragment-order chunks
+        assert any("attn_bwd_dq_convert<Bf16, 256, true>" == m[0] for m in launches)
     else:
         assert expr.startswith("attn_bwd_kv<") and "wgmma" not in expr
 
@@ -354,11 +355,16 @@ def test_backward_at_d192_runs_the_d256_kernel(launches, monkeypatch, tma, deter
         assert smem == schedule.HOPPER_BACKWARD_TILES[192].smem_bytes(256) <= H200.smem_per_block_optin
     else:
         assert expr.startswith("attn_bwd_kv<Bf16, 192,") and "wgmma" not in expr
-    width = 256 if tma and not deterministic else 192
-    assert (2, 16, 1000, width) in allocated
-    assert f"attn_bwd_dq_convert<Bf16, {width}>" in names
+    staged = tma and not deterministic  # dQ staged in the Q/dO tiles: 64 x 64 fragment-order chunks, 256 wide
+    if staged:
+        assert (2, 16 * 1024 * 256) in allocated  # each head's 1000 rows padded to 1024
+        assert "attn_bwd_dq_convert<Bf16, 256, true>" in names
+        assert plan_backward.workspace_bytes(p, True, True) == (2 * 16 * 1024 * 256 + 2 * 16 * 1000) * 4
+    else:
+        assert (2, 16, 1000, 192) in allocated
+        assert "attn_bwd_dq_convert<Bf16, 192>" in names
+        assert plan_backward.workspace_bytes(p, False, False) == (2 * 16 * 1000 * 192 + 2 * 16 * 1000) * 4
     assert any(n.startswith("attn_bwd_dq<Bf16, 192,") for n in names) == deterministic
-    assert plan_backward.workspace_bytes(p, False, tma and not deterministic) == (2 * 16 * 1000 * width + 2 * 16 * 1000) * 4
 
 
 @pytest.mark.parametrize("env", [None, "1"])

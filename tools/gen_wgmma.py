@@ -8,7 +8,7 @@ hand without mistakes; this script spells them out. Run it after editing the sha
 
 from pathlib import Path
 
-SHAPES = (64, 80, 96, 128, 160, 176, 192, 256)  # accumulator widths: key tiles (schedule search space) and head dims
+SHAPES = (32, 64, 80, 96, 128, 160, 176, 192, 256)  # accumulator widths: the split-S backward's S^T (32), key tiles (schedule search space), head dims
 E4M3_SHAPES = (128, 256)  # the e4m3 forward's key tiles and head dims (whole 128-byte swizzle rows)
 
 HEADER = """\

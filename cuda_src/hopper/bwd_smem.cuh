@@ -1,5 +1,5 @@
 // The Hopper backward's shared memory: the block's K and V tiles, two buffers each of Q and dO,
-// dS^T (one or two buffers), two buffers of the step's row statistics (lse, D), the mbarriers of
+// dS^T (one or two buffers), (split S) P^T, two buffers of the step's row statistics (lse, D), the mbarriers of
 // the TMA kernels and (WS) each math warpgroup's dQ staging tile.
 #pragma once
 #include "hopper/bwd_traits.cuh"
@@ -10,7 +10,8 @@ struct BwdSmem {
     using TileKV = typename Tr::TileKV;
     using TileS = typename Tr::TileS;
     static constexpr int kDsBytes = Tr::kDsBuffers * TileS::kBytes;
-    u32 sK, sV, sQ, sdO, sdS;
+    static constexpr int kPtBytes = Tr::kSplitS ? TileS::kBytes : 0;
+    u32 sK, sV, sQ, sdO, sdS, sPt;
     float *sL, *sD;
     u32 sBar, sEmpty, sKvFull, sDq;
     __device__ __forceinline__ explicit BwdSmem(unsigned char* smem_raw) {
@@ -19,9 +20,10 @@ struct BwdSmem {
         sQ = sV + TileKV::kBytes;       // 2 buffers
         sdO = sQ + 2 * TileQ::kBytes;   // 2 buffers
         sdS = sdO + 2 * TileQ::kBytes;  // Tr::kDsBuffers buffers
-        sL = reinterpret_cast<float*>(smem_raw + (sdS + kDsBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
+        sPt = sdS + kDsBytes;           // (split S) P^T
+        sL = reinterpret_cast<float*>(smem_raw + (sPt + kPtBytes - smem_addr(smem_raw)));  // 2 x BLOCK_M
         sD = sL + 2 * Tr::kBlockM;                                                        // 2 x BLOCK_M
-        sBar = sdS + kDsBytes + 4 * Tr::kBlockM * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
+        sBar = sPt + kPtBytes + 4 * Tr::kBlockM * 4;  // (TMA) buffer b's tiles landed: sBar + 8 b
         sEmpty = sBar + 16;                           // (WS) buffer b free again: sEmpty + 8 b
         sKvFull = sBar + 32;                          // (PERSISTENT) the unit's K and V landed
         sDq = (sBar + 40 + 127u) & ~127u;             // (WS) warpgroup w's dQ tile: + w kDqTileBytes

@@ -48,6 +48,15 @@ struct HopperBwdTraits {
     static constexpr bool kDqBlockSync = kDqByRows || kDqByColumns;  // reads other warpgroups' dS^T
     static constexpr int kDqCols = kDqByColumns ? HEAD_DIM / WARPGROUPS : HEAD_DIM;
     static constexpr int kDqKeys = kDqBlockSync ? kBlockN : 64;
+    // (split head dim, TMA, atomic dQ) each warpgroup's 64 x HEAD_DIM / 2 float32 dQ is staged in
+    // the step's Q and dO tiles' columns that only its own dK and dV still read (the 16 KiB of Q's
+    // and of dO's 64-column blocks 2 wg, 2 wg + 1), in fragment order, and added by two bulk
+    // reduce-adds instead of one red.global.add.v2 per element pair (no room for separate dQ tiles).
+    static constexpr bool kDqStagedInQdO = kSplitD && TMA;
+    // (split head dim) split S: each warpgroup computes S^T and dP^T for 32 of the step's 64 queries
+    // only (not all 64 twice), stores P^T and dS^T to shared memory, and after one block barrier
+    // takes dV += P^T dO and dK += dS^T Q with both operands from shared memory.
+    static constexpr bool kSplitS = kSplitD;
     // (TMA) + 16: two "tile landed" mbarriers, one per Q/dO buffer; (WS) + 16: two "buffer free"
     // mbarriers, then each math warpgroup's 16 KiB dQ staging tile (128-byte aligned).
     static constexpr int kDqTileBytes = 64 * 64 * 4;
@@ -56,7 +65,7 @@ struct HopperBwdTraits {
     // twice: +1-3.5% at d=64 (H200), but 2.5-5% slower at d=128, N=16k (dQ by
     // columns), where the second meeting stays.
     static constexpr int kDsBuffers = WS && kDqByRows ? 2 : 1;
-    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + kDsBuffers * TileS::kBytes + 4 * BLOCK_M * 4 +
+    static constexpr int kSmemBytes = 2 * TileKV::kBytes + 4 * TileQ::kBytes + (kDsBuffers + kSplitS) * TileS::kBytes + 4 * BLOCK_M * 4 +
                                       (TMA ? 16 : 0) + (WS ? 16 + 96 + WARPGROUPS * kDqTileBytes : 0) + 1024;
     static_assert(HEAD_DIM % 64 == 0 && BLOCK_M % 64 == 0, "128-byte swizzle atoms");
     static_assert(BLOCK_M == 64 || kDqByRows, "dQ = dS K takes one 64-row wgmma tile per warpgroup");

@@ -59,7 +59,7 @@ def launch(plan: BackwardPlan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, d
     lse3 = cupy.ascontiguousarray(lse3)
 
     dsum = cupy.empty((p.batch, p.hq, p.nq), dtype=np.float32)
-    if frag_dq:  # the warp-specialized wgmma kernel's fragment-order accumulator, its own convert
+    if frag_dq:  # a fragment-order accumulator (dQ added by bulk reduce-adds), its own convert
         dq_acc = cupy.zeros((p.batch, schedule.dq_accumulator_floats(1, p.hq, p.nq, acc_hd, True)), dtype=np.float32)
     else:
         dq_acc = (cupy.empty if deterministic else cupy.zeros)((p.batch, p.hq, p.nq, acc_hd), dtype=np.float32)

@@ -75,7 +75,7 @@ class BackwardPlan:
     tile: object  # schedule.BackwardTile (the prep / dq / convert kernels') or plan.fp32.Fp32BackwardTile
     hopper: schedule.HopperBwdTile | None = None  # the wgmma K/V kernel's tile
     kv_block_n: int = 0  # keys per block of the K/V kernel that runs
-    frag_dq: bool = False  # the warp-specialized K/V kernel: a fragment-order dQ accumulator
+    frag_dq: bool = False  # dQ added in fragment-order chunks (HopperBwdTile.frag_dq)
     acc_head_dim: int = 0  # floats per row of the float32 dQ accumulator
 
 
@@ -279,7 +279,7 @@ def backward_plan(p, target: Target, ops: Operands, *, deterministic: bool = Fal
         tile = tuning.pick_backward_tile(p, target, deterministic, autotuner)
     specs, hd, t = backward_specs(p.dtype, p.d, causal, ops.vec, deterministic, tile, band=band, mods=mods and band)
     kv_block_n = t.block_n
-    frag_dq = kv is not None and kv[1].ws
+    frag_dq = kv is not None and kv[1].frag_dq(deterministic)
     # Rows of the accumulator: the wgmma K/V kernel adds dQ rows of its own HEAD_DIM (192: 256).
     acc_hd = schedule.dq_accumulator_width(hd, kv is not None and not deterministic)
     if kv is not None:

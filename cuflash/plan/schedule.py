@@ -293,6 +293,12 @@ class HopperBwdTile:
     def block_n(self) -> int:
         return 64 if self.split_d else 64 * self.warpgroups
 
+    def frag_dq(self, deterministic: bool) -> bool:
+        """Whether the kernel adds dQ by bulk reduce-adds of 64 x 64 fragment-order chunks (its
+        accumulator then in that order, attn_bwd_dq_convert<..., true>): the warp-specialized
+        kernel's dQ tiles, or a split head dim's dQ staged in the step's Q/dO tiles (TMA)."""
+        return not deterministic and (self.ws or (self.split_d and self.tma))
+
     @property
     def threads(self) -> int:
         return 128 * (self.warpgroups + self.ws)
@@ -303,7 +309,9 @@ class HopperBwdTile:
         # (ws) + 2 mbarriers, alignment, the dQ tiles, (dQ by rows) dS^T's second buffer
         ds2 = self.block_n * self.block_m * 2 if self.block_m == 64 * self.warpgroups else 0
         ws = 16 + 96 + 64 * 64 * 4 * self.warpgroups + ds2 if self.ws else 0
-        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + self.block_n * self.block_m * 2 + 16 * self.block_m
+        # (split_d) + P^T's tile (HopperBwdTraits::kSplitS)
+        return ((2 * self.block_n + 4 * self.block_m) * head_dim * 2 + (1 + self.split_d) * self.block_n * self.block_m * 2
+                + 16 * self.block_m
                 + 16 * self.tma + ws + 1024)
 
 
@@ -314,7 +322,7 @@ HOPPER_BACKWARD_TILES: dict[int, HopperBwdTile] = {
     64: HopperBwdTile(128, 2, "128 queries per step in two 64-query halves: dQ split by query rows (one atomic per element; with 64-query steps the split is by keys, two atomics per element, and atomics were ~45% of the kernel); Q/dO by TMA: 3-6% faster than cp.async (H200)", tma=True),
     128: HopperBwdTile(64, 2, "dK+dV 128 regs + S^T/dP^T 64 fit ~240 at 256 threads; dQ split by 64-column blocks, one per warpgroup; Q/dO by TMA: 5-9% faster than cp.async (H200)", tma=True),
     192: HopperBwdTile(64, 2, "the d=256 tile's kernel (HOPPER_BACKWARD_KERNEL_HD): 4/3 of the tensor work, against the mma.sync kernels at about a third of its speed", tma=True, split_d=True),
-    256: HopperBwdTile(64, 2, "64 keys, each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and the whole S^T/dP^T (computed twice); dQ by 128-column halves; 201 KiB, no warp specialization (no room for the dQ tiles)", tma=True, split_d=True),
+    256: HopperBwdTile(64, 2, "64 keys; each warpgroup 128 of dK/dV's columns (128 regs, as at d=128) and S^T/dP^T of 32 of the step's 64 queries, P^T and dS^T through shared memory (not all 64 computed twice); dQ by 128-column halves, staged in the step's Q/dO tiles and added by bulk reduce-adds (not one atomic per element pair); 215 KiB, no warp specialization (no room for a producer's ring); docs/decisions.md has the A/B", tma=True, split_d=True),
 }
 
 # Buckets whose Hopper backward runs a kernel for a wider head dim: splitting dK/dV's columns

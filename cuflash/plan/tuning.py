@@ -346,7 +346,8 @@ def hopper_dq_columns(hd: int, t: HopperBwdTile) -> int:
 
 def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
     """HopperBwdTraits' static_asserts (attn_bwd_wgmma.cu) and the wgmma wrappers it instantiates:
-    Wgmma<T, 64> for S^T and dP^T, Wgmma<T, head dim> (split_d: its share) for dV and dK, Wgmma<T, kDqCols> for dQ."""
+    Wgmma<T, 64> for S^T and dP^T (split_d: Wgmma<T, 32>, each warpgroup's 32 queries), Wgmma<T, head dim>
+    (split_d: its share) for dV and dK, Wgmma<T, kDqCols> for dQ."""
     v = []
     shapes = wgmma_shapes()
     if hd % 64:
@@ -363,6 +364,7 @@ def hopper_backward_violations(hd: int, t: HopperBwdTile) -> list[str]:
         v.append(f"split head dim: 64-query steps, 2+ warpgroups (dQ by columns) and whole 64-column blocks per "
                  f"warpgroup (block_m {t.block_m}, {hd} columns over {t.warpgroups} warpgroups)")
     wrappers = sorted({dkv_cols, hopper_dq_columns(hd, t)}) if hd % 64 == 0 and dkv_cols % 8 == 0 else []
+    wrappers += [32] if t.split_d else []  # split S: each warpgroup's S^T over 32 queries
     for n in wrappers:
         if n not in shapes:
             v.append(f"no wgmma wrapper m64n{n}k16 (tools/gen_wgmma.py SHAPES {shapes})")
