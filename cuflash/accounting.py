@@ -1228,6 +1228,22 @@ def _visible_key_tiles(causal, nq, nk, row0, row1, bn):
     return _bisect_first(0, n_tiles, lambda t: not masks.tile_is_visible(causal, nq, nk, row0, row1, t * bn))
 
 
+def _paper_bound(assumptions, passes_bh, nq, nk, d, M, sram, itemsize, default_sram):
+    """(paper, standard) element counts of FlashAttention's Theorem 2 bound Theta(Nq Nk d^2 / M) and
+    of the standard implementation, over ``passes_bh`` (passes x batch x query heads) problems with
+    M elements (``sram`` bytes of ``itemsize``) on chip; appends where the bound's premises do not hold."""
+    paper = passes_bh * nq * nk * d * d / M
+    standard = passes_bh * ((nq + nk) * d + nq * nk)
+    if paper < passes_bh * (nq + nk) * d:
+        assumptions.append("the paper's count leaves out reading the inputs once, Theta((Nq+Nk) d), "
+                           "which dominates at this shape (e.g. decoding)")
+    if M > nk * d:
+        assumptions.append(f"M = {M} > Nk*d = {nk * d}: the paper's bound assumes d <= M <= N d")
+    assumptions.append(f"M = {sram:,} bytes of on-chip storage / {itemsize} B per element"
+                       + (" (H200 shared memory per SM, 228 KiB)" if default_sram else ""))
+    return paper, standard
+
+
 def _e4m3_io_model(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, out_dtype, sram_bytes) -> IOModel:
     """io_model of float8_e4m3fn q, k, v: the e4m3 forward's call on contiguous (B, H, N, d) inputs
     (backends.cuda.forward_fp8): vt's build, the kernel's tiles, and the copies it makes."""
@@ -1293,15 +1309,7 @@ def _e4m3_io_model(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, o
     if causal is not None:
         assumptions.append("causal: only K/V tiles with masks.tile_is_visible are loaded")
     reference = bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
-    paper = bh * nq * nk * d * d / M
-    standard = bh * ((nq + nk) * d + nq * nk)
-    if paper < bh * (nq + nk) * d:
-        assumptions.append("the paper's count leaves out reading the inputs once, Theta((Nq+Nk) d), "
-                           "which dominates at this shape (e.g. decoding)")
-    if M > nk * d:
-        assumptions.append(f"M = {M} > Nk*d = {nk * d}: the paper's bound assumes d <= M <= N d")
-    assumptions.append(f"M = {sram:,} bytes of on-chip storage / 1 B per element"
-                       + (" (H200 shared memory per SM, 228 KiB)" if sram_bytes is None else ""))
+    paper, standard = _paper_bound(assumptions, bh, nq, nk, d, M, sram, 1, sram_bytes is None)
     compulsory = qe + 2 * kve + qe * os_ + rows * LSE_ITEMSIZE
     return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(E4M3), causal, bm, bn, 0, 0, tuple(entries),
                    sram, M, paper, standard, reference, computed, 0, compulsory, tuple(assumptions))
@@ -1535,16 +1543,7 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
         reference += bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
     if bwd:
         reference += bh * (10 * nq * nk + 7 * nq * d + 5 * nk * d + 3 * nq)
-    n_passes = int(fwd) + int(bwd)
-    paper = n_passes * bh * nq * nk * d * d / M
-    standard = n_passes * bh * ((nq + nk) * d + nq * nk)
-    if paper < n_passes * bh * (nq + nk) * d:
-        assumptions.append("the paper's count leaves out reading the inputs once, Theta((Nq+Nk) d), "
-                           "which dominates at this shape (e.g. decoding)")
-    if M > nk * d:
-        assumptions.append(f"M = {M} > Nk*d = {nk * d}: the paper's bound assumes d <= M <= N d")
-    assumptions.append(f"M = {sram:,} bytes of on-chip storage / {s} B per element"
-                       + (" (H200 shared memory per SM, 228 KiB)" if sram_bytes is None else ""))
+    paper, standard = _paper_bound(assumptions, (int(fwd) + int(bwd)) * bh, nq, nk, d, M, sram, s, sram_bytes is None)
     compulsory = (qe + 2 * kve) * s + qe * s + rows * LSE_ITEMSIZE
     return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(dt), causal, bm, bn, bbm, bbn, tuple(entries),
                    sram, M, paper, standard, reference, computed, bwd_computed, compulsory,
