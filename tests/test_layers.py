@@ -51,6 +51,19 @@ def test_lower_layers_do_not_import_upper_ones():
                 assert order.index(t_parts[1]) <= order.index(parts[1]), f"{mod} imports {t}"
 
 
+def test_accounting_models_and_nothing_that_runs_attention_imports_it():
+    """accounting reads what plan.dispatch launches (and the e4m3 launcher's vt geometry); it runs
+    nothing (no backend, no api), and the backends and the api do not import it."""
+    top, _ = _tool().imports()
+    layer = {m: m.split(".")[1] for m in top if m.count(".") >= 1}
+    assert any(layer.get(m) == "accounting" for m in top)  # it read the package
+    for mod, targets in top.items():
+        for t in targets:
+            pair = (layer.get(mod), layer.get(t))
+            assert pair not in {("accounting", "backends"), ("accounting", "api"), ("backends", "accounting"),
+                                ("api", "accounting")}, f"{mod} imports {t}"
+
+
 def _undefined_names(paths):
     """pyflakes' undefined-name findings under paths, as 'file:line: message' strings."""
     # The test extra brings pyflakes (.ci/run fails without it); a GPU image may lack it.
