@@ -42,15 +42,6 @@ from .plan.tuning import (FORWARD_OPS, HOPPER_OPS, TUNED_DTYPES, Candidate, Comp
 FLUSH_BYTES = 256 * 2**20  # more than 4x the H200's 60 MiB L2
 
 
-# --------------------------------------------------------------------------- candidates
-
-
-# --------------------------------------------------------------------------- legality (static)
-
-
-# --------------------------------------------------------------------------- register estimate
-
-
 # --------------------------------------------------------------------------- compile reports
 
 
@@ -272,12 +263,6 @@ def logical_bytes(cand: Candidate, shape, *, dtype="bfloat16", causal=False, nk=
     reads = sum(e.bytes for e in m.entries if "(dQ kernel)" in e.name)
     acc = next(e for e in m.entries if e.name.endswith("dQ accumulator"))
     return t.dq_split * reads + acc.writes * acc.itemsize
-
-
-# --------------------------------------------------------------------------- keys and the cache
-
-
-# --------------------------------------------------------------------------- the planner hook
 
 
 # --------------------------------------------------------------------------- GPU tuner
