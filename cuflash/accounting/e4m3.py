@@ -16,7 +16,8 @@ from ..plan import dispatch, schedule
 from .arguments import as_shape_and_dtype, check_dtype, check_int, check_shape, int_list, problem_dims
 from .launches import H200_SMEM_PER_SM_BYTES, MODEL
 from .pairs import sequence_lengths
-from .reports import INPUT, LSE_ITEMSIZE, ON_CHIP, OUTPUT, SAVED, WORKSPACE, INTERMEDIATE, IOEntry, IOModel, MemoryEntry, MemoryReport
+from .reports import (INPUT, INTERMEDIATE, LSE_ITEMSIZE, ON_CHIP, OUTPUT, SAVED, WORKSPACE, IOEntry, IOModel, MemoryEntry,
+                      MemoryReport)
 from .tile_walk import paper_bound, visible_key_tiles
 
 

@@ -18,11 +18,8 @@ def _bisect_first(lo, hi, pred):
 
 
 def _visible_key_columns(causal, nq, nk, row0, row1, bn):
-    """Keys in the visible K/V tiles of query rows [row0, row1): tiles are a prefix of the row."""
-    n_tiles = -(-nk // bn)
-    # tile_is_visible is true for a prefix of the K/V tiles: find the first invisible one.
-    first_hidden = _bisect_first(0, n_tiles, lambda t: not masks.tile_is_visible(causal, nq, nk, row0, row1, t * bn))
-    return min(nk, first_hidden * bn)
+    """Keys in the visible K/V tiles of query rows [row0, row1)."""
+    return min(nk, visible_key_tiles(causal, nq, nk, row0, row1, bn) * bn)
 
 
 def visible_query_rows(causal, nq, nk, col0, bm):
@@ -44,7 +41,8 @@ def kv_tile_reads(causal, nq, nk, bm, bn):
 
 
 def visible_key_tiles(causal, nq, nk, row0, row1, bn):
-    """K/V tiles (of bn keys) that query rows [row0, row1) see: a prefix of the row's tiles."""
+    """K/V tiles (of bn keys) that query rows [row0, row1) see: masks.tile_is_visible holds for a
+    prefix of the row's tiles, so bisect for the first invisible one."""
     n_tiles = -(-nk // bn)
     return _bisect_first(0, n_tiles, lambda t: not masks.tile_is_visible(causal, nq, nk, row0, row1, t * bn))
 
