@@ -132,54 +132,12 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
             raise ValueError(f"{name}: modelled for float8_e4m3fn inputs only (the {dtype_name(dt)} report covers "
                              "dense inputs without a window)")
     p = problem_dims(q, k, v, layout, dtype)
-    if p.dv != p.d:  # v's head dim unlike q's: the report at one width, narrowed
-        if check_out_dtype(out_dtype):
-            raise ValueError("out_dtype: float32 output is not modelled with v's head dim unlike q's")
-        w = max(p.d, p.dv)
-        shapes = [as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", v))]
-        wide = memory_report(*(s[:-1] + (w,) for s in shapes), method=method, pass_=pass_, dtype=p.dtype,
-                             causal=causal, config=config, layout=layout, splits=splits, registers=registers,
-                             deterministic=deterministic, alibi_slopes=alibi_slopes, sinks=sinks)
-        # The forward on the dv kernel (no score modifiers, no forced tile or split count): no copies.
-        native = (forward_dv_launch(p.dtype, p.d, p.dv, causal, p.nq, p.nk, p.batch, p.hq, p.hkv)
-                  if method == "tiled" and pass_ != "bwd" and config is None and splits is None
-                  and alibi_slopes is None and sinks is None else None)
-        return _narrowed(wide, p.d, p.dv, method == "tiled", native, registers)
+    run = dict(method=method, pass_=pass_, causal=causal, config=config, layout=layout, splits=splits,
+               registers=registers, deterministic=deterministic)
+    if p.dv != p.d:
+        return _report_head_dim_v(p, q, k, v, out_dtype, alibi_slopes, sinks, **run)
     if check_out_dtype(out_dtype) and p.dtype != FLOAT32:
-        if method != "tiled" or pass_ != "fwd" or alibi_slopes is not None or sinks is not None:
-            raise ValueError("out_dtype: float32 output is modelled for method='tiled', pass_='fwd' and no "
-                             "score modifiers only")
-        if p.d % 8 == 0 and config is None:  # attn_fwd_o32: the mma.sync kernel storing float32 o
-            spec, t = plan_forward.forward_spec(p.dtype, p.d, causal is not None, True, o32=True)
-            s16, q_elems = p.dtype.itemsize, p.batch * p.hq * p.nq * p.d
-            kv_elems = p.batch * p.hkv * p.nk * p.d
-            E = [MemoryEntry("Q", INPUT, q_elems * s16, "B*Hq*Nq*d"),
-                 MemoryEntry("K", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
-                 MemoryEntry("V", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
-                 MemoryEntry("O", OUTPUT, q_elems * 4, "float32 B*Hq*Nq*d (out_dtype=float32)"),
-                 MemoryEntry("LSE", SAVED, p.batch * p.hq * p.nq * LSE_ITEMSIZE,
-                             "float32 log-sum-exp, B*Hq*Nq*4: written by the forward"),
-                 MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
-                             f"{t.block_m} query rows x {t.block_n}-key tiles; {spec.short_name}")]
-            shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
-            return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E),
-                                ("out_dtype=float32: the mma.sync kernel with a float32 epilogue (aligned arrays "
-                                 "assumed; unaligned ones, kv_lens, paged caches, windows and packed sequences "
-                                 "widen the inputs: d not a multiple of 8 is modelled so)",))
-        shapes = [as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", k if v is None else v))]
-        wide = memory_report(*shapes, method=method, pass_=pass_, dtype=FLOAT32, causal=causal, config=config,
-                             layout=layout, splits=splits, registers=registers, deterministic=deterministic)
-        s16 = p.dtype.itemsize
-        entries = []
-        for e in wide.entries:
-            if e.category == INPUT:  # the caller's 16-bit array, and its float32 copy
-                entries.append(dataclasses.replace(e, bytes=e.bytes // 4 * s16))
-                entries.append(MemoryEntry(f"{e.name} (float32 copy)", WORKSPACE, e.bytes,
-                                           "widened exactly for the float32 kernels (out_dtype=float32)", phase="fwd"))
-            else:
-                entries.append(e)
-        notes = wide.notes + (f"out_dtype=float32: {dtype_name(p.dtype)} inputs widened, the float32 kernels run",)
-        return MemoryReport(method, pass_, dtype_name(p.dtype), wide.shape, tuple(entries), notes)
+        return _report_float32_out(p, q, k, v, alibi_slopes, sinks, **run)
     if method == "tiled":
         check_head_dim(p.d, "q")
         if config is not None:
@@ -197,14 +155,83 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     splits = check_int("splits", splits, minimum=1)
     if registers is not None:
         registers = check_int("registers", registers, minimum=1)
+    notes = []
+    E = _pass_buffers(p, pass_, alibi_slopes, sinks)
+    if method == "tiled":
+        E += _tiled_buffers(p, pass_, causal, config, splits, registers, deterministic, dec, notes)
+    else:
+        E += _reference_buffers(p, pass_, notes)
+    shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
+    if dtype is None and not any(hasattr(x, "dtype") for x in (q, k, v)):
+        notes.append("no arrays and no dtype given: bfloat16 assumed")
+    return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E), tuple(notes))
+
+
+def _report_head_dim_v(p, q, k, v, out_dtype, alibi_slopes, sinks, *, method, pass_, causal, config, layout,
+                       splits, registers, deterministic):
+    """v's head dim unlike q's: the report at one width, narrowed."""
+    if check_out_dtype(out_dtype):
+        raise ValueError("out_dtype: float32 output is not modelled with v's head dim unlike q's")
+    w = max(p.d, p.dv)
+    shapes = [as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", v))]
+    wide = memory_report(*(s[:-1] + (w,) for s in shapes), method=method, pass_=pass_, dtype=p.dtype,
+                         causal=causal, config=config, layout=layout, splits=splits, registers=registers,
+                         deterministic=deterministic, alibi_slopes=alibi_slopes, sinks=sinks)
+    # The forward on the dv kernel (no score modifiers, no forced tile or split count): no copies.
+    native = (forward_dv_launch(p.dtype, p.d, p.dv, causal, p.nq, p.nk, p.batch, p.hq, p.hkv)
+              if method == "tiled" and pass_ != "bwd" and config is None and splits is None
+              and alibi_slopes is None and sinks is None else None)
+    return _narrowed(wide, p.d, p.dv, method == "tiled", native, registers)
+
+
+def _report_float32_out(p, q, k, v, alibi_slopes, sinks, *, method, pass_, causal, config, layout, splits,
+                        registers, deterministic):
+    """out_dtype=float32 with 16-bit inputs: the mma.sync kernel's float32 epilogue, or the inputs
+    widened for the float32 kernels."""
+    if method != "tiled" or pass_ != "fwd" or alibi_slopes is not None or sinks is not None:
+        raise ValueError("out_dtype: float32 output is modelled for method='tiled', pass_='fwd' and no "
+                         "score modifiers only")
+    if p.d % 8 == 0 and config is None:  # attn_fwd_o32: the mma.sync kernel storing float32 o
+        spec, t = plan_forward.forward_spec(p.dtype, p.d, causal is not None, True, o32=True)
+        s16, q_elems = p.dtype.itemsize, p.batch * p.hq * p.nq * p.d
+        kv_elems = p.batch * p.hkv * p.nk * p.d
+        E = [MemoryEntry("Q", INPUT, q_elems * s16, "B*Hq*Nq*d"),
+             MemoryEntry("K", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
+             MemoryEntry("V", INPUT, kv_elems * s16, "B*Hkv*Nk*d"),
+             MemoryEntry("O", OUTPUT, q_elems * 4, "float32 B*Hq*Nq*d (out_dtype=float32)"),
+             MemoryEntry("LSE", SAVED, p.batch * p.hq * p.nq * LSE_ITEMSIZE,
+                         "float32 log-sum-exp, B*Hq*Nq*4: written by the forward"),
+             MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
+                         f"{t.block_m} query rows x {t.block_n}-key tiles; {spec.short_name}")]
+        shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
+        return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E),
+                            ("out_dtype=float32: the mma.sync kernel with a float32 epilogue (aligned arrays "
+                             "assumed; unaligned ones, kv_lens, paged caches, windows and packed sequences "
+                             "widen the inputs: d not a multiple of 8 is modelled so)",))
+    shapes = [as_shape_and_dtype(n, x)[0] for n, x in (("q", q), ("k", k), ("v", k if v is None else v))]
+    wide = memory_report(*shapes, method=method, pass_=pass_, dtype=FLOAT32, causal=causal, config=config,
+                         layout=layout, splits=splits, registers=registers, deterministic=deterministic)
+    s16 = p.dtype.itemsize
+    entries = []
+    for e in wide.entries:
+        if e.category == INPUT:  # the caller's 16-bit array, and its float32 copy
+            entries.append(dataclasses.replace(e, bytes=e.bytes // 4 * s16))
+            entries.append(MemoryEntry(f"{e.name} (float32 copy)", WORKSPACE, e.bytes,
+                                       "widened exactly for the float32 kernels (out_dtype=float32)", phase="fwd"))
+        else:
+            entries.append(e)
+    notes = wide.notes + (f"out_dtype=float32: {dtype_name(p.dtype)} inputs widened, the float32 kernels run",)
+    return MemoryReport(method, pass_, dtype_name(p.dtype), wide.shape, tuple(entries), notes)
+
+
+def _pass_buffers(p, pass_, alibi_slopes, sinks):
+    """The inputs, outputs and saved state of a pass (the score modifiers' inputs checked)."""
     s = p.dtype.itemsize
     q_elems, kv_elems, rows = p.batch * p.hq * p.nq * p.d, p.batch * p.hkv * p.nk * p.d, p.batch * p.hq * p.nq
-    nn = p.batch * p.hq * p.nq * p.nk  # one float32 score-sized matrix per query head
     fwd, bwd = pass_ in ("fwd", "fwd+bwd"), pass_ in ("bwd", "fwd+bwd")
-    E, notes = [], []
-    E += [MemoryEntry("Q", INPUT, q_elems * s, "B*Hq*Nq*d"),
-          MemoryEntry("K", INPUT, kv_elems * s, "B*Hkv*Nk*d"),
-          MemoryEntry("V", INPUT, kv_elems * s, "B*Hkv*Nk*d")]
+    E = [MemoryEntry("Q", INPUT, q_elems * s, "B*Hq*Nq*d"),
+         MemoryEntry("K", INPUT, kv_elems * s, "B*Hkv*Nk*d"),
+         MemoryEntry("V", INPUT, kv_elems * s, "B*Hkv*Nk*d")]
     if bwd:
         if not fwd:
             E.append(MemoryEntry("O", INPUT, q_elems * s, "the forward's output, read by the backward"))
@@ -227,80 +254,92 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
               MemoryEntry("dV", OUTPUT, kv_elems * s, "B*Hkv*Nk*d (summed over the group's query heads)")]
     E.append(MemoryEntry("LSE", SAVED, rows * LSE_ITEMSIZE,
                          "float32 log-sum-exp, B*Hq*Nq*4: " + ("written by the forward" if fwd else "read by the backward")))
-    if method == "tiled":
-        if fwd and splits > 1:
-            E += [MemoryEntry("O partials", WORKSPACE, rows * splits * p.d * ACC_ITEMSIZE,
-                              f"split-KV: float32 B*Hq*Nq*splits*d, splits={splits}", phase="fwd"),
-                  MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
-                              f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
-            if dec is not None and dec.last_merges:
-                notes.append("the last split of each (sequence, K/V head) merges the partials: it also keeps a "
-                             "counter buffer (4 bytes a pair, at least 4 KiB) per device and stream from its first "
-                             "launch on (zeroed again by every launch; not counted per call)")
-        hd = schedule.head_dim_bucket(p.d)
-        key_split = forward_key_split(p, causal) if fwd and config is None and dec is None else None
-        if key_split is not None:
-            slots, tile_rows, width = key_split
-            E += [MemoryEntry("O partials (key split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
-                              f"float32 {slots} pieces x {tile_rows} rows x {width}: a grid under one wave splits its "
-                              "query tiles by keys, all pieces of a tile but its last (plan.hopper.split_plan)", phase="fwd"),
-                  MemoryEntry("LSE partials (key split)", WORKSPACE, slots * tile_rows * LSE_ITEMSIZE,
-                              f"float32 {slots} pieces x {tile_rows} rows", phase="fwd")]
-            notes.append("the key split also keeps a 4 KiB counter buffer per device and stream from its first "
+    return E
+
+
+def _tiled_buffers(p, pass_, causal, config, splits, registers, deterministic, dec, notes):
+    """The kernels' workspace and on-chip storage (``dec``: the split-KV decode launch, or None);
+    appends to ``notes``."""
+    rows = p.batch * p.hq * p.nq
+    fwd, bwd = pass_ in ("fwd", "fwd+bwd"), pass_ in ("bwd", "fwd+bwd")
+    E = []
+    if fwd and splits > 1:
+        E += [MemoryEntry("O partials", WORKSPACE, rows * splits * p.d * ACC_ITEMSIZE,
+                          f"split-KV: float32 B*Hq*Nq*splits*d, splits={splits}", phase="fwd"),
+              MemoryEntry("LSE partials", WORKSPACE, rows * splits * LSE_ITEMSIZE,
+                          f"split-KV: float32 B*Hq*Nq*splits, splits={splits}", phase="fwd")]
+        if dec is not None and dec.last_merges:
+            notes.append("the last split of each (sequence, K/V head) merges the partials: it also keeps a "
+                         "counter buffer (4 bytes a pair, at least 4 KiB) per device and stream from its first "
                          "launch on (zeroed again by every launch; not counted per call)")
-        if bwd and p.dtype == FLOAT32:  # float32 kernels (plan.fp32): no dQ accumulator; float64 row statistics
-            E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp (base 2), B*Hq*Nq*8: the "
-                              "saved LSE, replaced by the dQ kernel's recomputed one where it is this call's own",
-                              phase="bwd"),
-                  MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(dO*O), B*Hq*Nq*8 (rowsum(P*dP) where the LSE "
-                              "is replaced)", phase="bwd")]
-        elif bwd:
-            frag = backward_frag_dq(p.dtype, hd, causal, deterministic)
-            width = dq_accumulator_width(p.dtype, hd, deterministic)
-            dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag)
-            how = (f"float32 B*Hq*ceil(Nq/64)*64*{width} (the wgmma kernel's 64 x 64 fragment-order "
-                   "chunks, added by bulk reduce-adds)" if frag else f"float32 B*Hq*Nq*{width} (rows padded to the head-dim bucket"
-                   + (f", {width} for the wgmma kernel that runs it)" if width != hd else ")"))
-            E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
-                              phase="bwd"),
-                  MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
-        if fwd and dec is not None:
-            f = dec
-            merge = f", {dec.splits} splits merged in a thread-block cluster" if dec.cluster else ""
-            E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, dec.smem,
-                                 f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
-                                 f"per warp, head dim padded to {hd}{merge}; {dec.source}"))
-        elif fwd:
-            f = forward_launch(p.dtype, p.d, causal, config, p.nq, p.nk, p.batch, p.hq)
-            E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
-                                 f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
-        if fwd and registers is not None:
-            E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * f.threads,
-                                 f"{registers} registers/thread x {f.threads} threads x 4 B"))
-        if bwd:
-            b = backward_launch(p.dtype, p.d, causal, deterministic)
-            if b is None:
-                notes.append(f"no {dtype_name(p.dtype)} GPU backward kernel: its on-chip storage is not reported "
-                             "(device buffers as the 16-bit kernels allocate)")
-            else:
-                E.append(MemoryEntry("shared memory / block (bwd)", ON_CHIP, b.smem,
-                                     f"{b.block_n} keys per block, {b.block_m}-row query tiles; {b.source}"))
-                if b.dq_smem is not None:
-                    E.append(MemoryEntry("shared memory / block (bwd dQ)", ON_CHIP, b.dq_smem,
-                                         ("float32 dQ kernel (row statistics, then dQ)" if b.fp64 else "deterministic dQ kernel")
-                                         + f", {b.dq_block_m} rows x {b.dq_block_n}-key tiles"))
-    else:
-        if fwd:
-            E += [MemoryEntry("S", INTERMEDIATE, nn * 4, "float32 scores B*Hq*Nq*Nk (all pairs; masked after)", phase="fwd"),
-                  MemoryEntry("P", INTERMEDIATE, nn * 4, "float32 probabilities B*Hq*Nq*Nk", phase="fwd", reuses="S")]
-        if bwd:
-            E += [MemoryEntry("S (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd"),
-                  MemoryEntry("P (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd", reuses="S (recomputed)"),
-                  MemoryEntry("dP", INTERMEDIATE, nn * 4, "float32 dO V^T, B*Hq*Nq*Nk", phase="bwd"),
-                  MemoryEntry("dS", INTERMEDIATE, nn * 4, "float32 P*(dP - D), B*Hq*Nq*Nk", phase="bwd", reuses="dP"),
-                  MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
-        notes.append("reference: the quadratic intermediates dominate; on-chip storage is the matmul library's")
-    shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d)
-    if dtype is None and not any(hasattr(x, "dtype") for x in (q, k, v)):
-        notes.append("no arrays and no dtype given: bfloat16 assumed")
-    return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E), tuple(notes))
+    hd = schedule.head_dim_bucket(p.d)
+    key_split = forward_key_split(p, causal) if fwd and config is None and dec is None else None
+    if key_split is not None:
+        slots, tile_rows, width = key_split
+        E += [MemoryEntry("O partials (key split)", WORKSPACE, slots * tile_rows * width * ACC_ITEMSIZE,
+                          f"float32 {slots} pieces x {tile_rows} rows x {width}: a grid under one wave splits its "
+                          "query tiles by keys, all pieces of a tile but its last (plan.hopper.split_plan)", phase="fwd"),
+              MemoryEntry("LSE partials (key split)", WORKSPACE, slots * tile_rows * LSE_ITEMSIZE,
+                          f"float32 {slots} pieces x {tile_rows} rows", phase="fwd")]
+        notes.append("the key split also keeps a 4 KiB counter buffer per device and stream from its first "
+                     "launch on (zeroed again by every launch; not counted per call)")
+    if bwd and p.dtype == FLOAT32:  # float32 kernels (plan.fp32): no dQ accumulator; float64 row statistics
+        E += [MemoryEntry("LSE (float64)", WORKSPACE, rows * 8, "float64 log-sum-exp (base 2), B*Hq*Nq*8: the "
+                          "saved LSE, replaced by the dQ kernel's recomputed one where it is this call's own",
+                          phase="bwd"),
+              MemoryEntry("D", WORKSPACE, rows * 8, "float64 rowsum(dO*O), B*Hq*Nq*8 (rowsum(P*dP) where the LSE "
+                          "is replaced)", phase="bwd")]
+    elif bwd:
+        frag = backward_frag_dq(p.dtype, hd, causal, deterministic)
+        width = dq_accumulator_width(p.dtype, hd, deterministic)
+        dq_floats = schedule.dq_accumulator_floats(p.batch, p.hq, p.nq, width, frag)
+        how = (f"float32 B*Hq*ceil(Nq/64)*64*{width} (the wgmma kernel's 64 x 64 fragment-order "
+               "chunks, added by bulk reduce-adds)" if frag else f"float32 B*Hq*Nq*{width} (rows padded to the head-dim bucket"
+               + (f", {width} for the wgmma kernel that runs it)" if width != hd else ")"))
+        E += [MemoryEntry("dQ accumulator", WORKSPACE, dq_floats * ACC_ITEMSIZE, how + ", summed over K/V tiles",
+                          phase="bwd"),
+              MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
+    if fwd and dec is not None:
+        f = dec
+        merge = f", {dec.splits} splits merged in a thread-block cluster" if dec.cluster else ""
+        E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, dec.smem,
+                             f"split-KV decode: {dec.rows} packed (head, token) rows x {dec.block_n}-key tiles "
+                             f"per warp, head dim padded to {hd}{merge}; {dec.source}"))
+    elif fwd:
+        f = forward_launch(p.dtype, p.d, causal, config, p.nq, p.nk, p.batch, p.hq)
+        E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, f.smem,
+                             f"{f.block_m} query rows x {f.block_n}-key tiles, head dim padded to {hd}; {f.source}"))
+    if fwd and registers is not None:
+        E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * f.threads,
+                             f"{registers} registers/thread x {f.threads} threads x 4 B"))
+    if bwd:
+        b = backward_launch(p.dtype, p.d, causal, deterministic)
+        if b is None:
+            notes.append(f"no {dtype_name(p.dtype)} GPU backward kernel: its on-chip storage is not reported "
+                         "(device buffers as the 16-bit kernels allocate)")
+        else:
+            E.append(MemoryEntry("shared memory / block (bwd)", ON_CHIP, b.smem,
+                                 f"{b.block_n} keys per block, {b.block_m}-row query tiles; {b.source}"))
+            if b.dq_smem is not None:
+                E.append(MemoryEntry("shared memory / block (bwd dQ)", ON_CHIP, b.dq_smem,
+                                     ("float32 dQ kernel (row statistics, then dQ)" if b.fp64 else "deterministic dQ kernel")
+                                     + f", {b.dq_block_m} rows x {b.dq_block_n}-key tiles"))
+    return E
+
+
+def _reference_buffers(p, pass_, notes):
+    """The materializing reference's N x N intermediates (float32) and D; appends to ``notes``."""
+    rows, nn = p.batch * p.hq * p.nq, p.batch * p.hq * p.nq * p.nk  # nn: one score-sized matrix per query head
+    fwd, bwd = pass_ in ("fwd", "fwd+bwd"), pass_ in ("bwd", "fwd+bwd")
+    E = []
+    if fwd:
+        E += [MemoryEntry("S", INTERMEDIATE, nn * 4, "float32 scores B*Hq*Nq*Nk (all pairs; masked after)", phase="fwd"),
+              MemoryEntry("P", INTERMEDIATE, nn * 4, "float32 probabilities B*Hq*Nq*Nk", phase="fwd", reuses="S")]
+    if bwd:
+        E += [MemoryEntry("S (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd"),
+              MemoryEntry("P (recomputed)", INTERMEDIATE, nn * 4, "float32 B*Hq*Nq*Nk", phase="bwd", reuses="S (recomputed)"),
+              MemoryEntry("dP", INTERMEDIATE, nn * 4, "float32 dO V^T, B*Hq*Nq*Nk", phase="bwd"),
+              MemoryEntry("dS", INTERMEDIATE, nn * 4, "float32 P*(dP - D), B*Hq*Nq*Nk", phase="bwd", reuses="dP"),
+              MemoryEntry("D", WORKSPACE, rows * ACC_ITEMSIZE, "float32 rowsum(dO*O), B*Hq*Nq", phase="bwd")]
+    notes.append("reference: the quadratic intermediates dominate; on-chip storage is the matmul library's")
+    return E
