@@ -377,6 +377,19 @@ def test_io_non_causal_kv_reads():
     assert "K" in m.table() and "Theta" in m.table()
 
 
+def test_io_decode_keeps_the_comparison_counts():
+    """A decode shape runs the split-KV kernel, but the paper's bound, standard attention's count and
+    the materializing reference still describe the same pass (they were once left at zero there)."""
+    B, H, HKV, L, d = 4, 8, 2, 4096, 128
+    m = cuflash.io_model((B, H, 1, d), nk=L, hkv=HKV)
+    assert any(e.name == "O partials" for e in m.entries)  # the decode kernel's model
+    assert m.paper_elements == B * H * 1 * L * d * d / ((228 * 1024) // 2)
+    assert m.standard_elements == B * H * ((1 + L) * d + L)
+    assert m.reference_elements == B * H * (4 * L + 2 * (1 + L) * d + 1)
+    # reading the inputs once dominates the paper's count at one query row
+    assert any("leaves out reading the inputs once" in a for a in m.assumptions)
+
+
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1000, 300), (20, 4096), (129, 65)])
 def test_io_causal_matches_tile_enumeration(causal, nq, nk):

@@ -110,104 +110,144 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
         raise ValueError(f"kv_dtype: an e4m3 cache runs the split-KV decode kernel only, which does not take "
                          f"shape {shape} with nk={nk}, hkv={hkv} (decode shapes, d a multiple of 16 up to 256)")
     skv = 1 if kv_e4m3 else s
+    g = SimpleNamespace(batch=batch, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, s=s, bh=bh, bhkv=bhkv, qe=qe, kve=kve, rows=rows,
+                        causal=causal, dt=dt, hd=hd, bm=bm, bn=bn)
     if fwd and dec is not None:
-        # Split-KV decode: all query rows of a K/V head share one pass over its cache.
-        p = prefix("fwd")
-        # partials go through memory only when the splits do not merge in a cluster
-        part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 and not dec.cluster else 0
-        rb = dec.row_blocks
-        kv_note = ("once per K/V head (GQA rows packed into one tile)" if rb == 1 else
-                   f"once per K/V head and row block: {rb} blocks of {hq // hkv // rb} query heads each "
-                   "(reads after the first come from L2 when the row blocks run together)")
-        entries += [
-            IOEntry(p + "Q", qe, 0, s, "read once"),
-            IOEntry(p + "K", rb * bhkv * dec.keys * d, 0, skv, kv_note + (", e4m3" if kv_e4m3 else "")),
-            IOEntry(p + "V", rb * bhkv * dec.keys * d, 0, skv, "as K"),
-            IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
-                    f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
-                    else f"float32, {dec.splits} splits: written by the splits, read by the last of them"
-                    if dec.last_merges else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
-            IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
-            IOEntry(p + "split counters", rb * bhkv * dec.splits if dec.last_merges else 0,
-                    rb * bhkv * (dec.splits + 1) if dec.last_merges else 0, 4,
-                    "int32 per (sequence, K/V head): an atomic add per split, the last split's reset"
-                    if dec.last_merges else "none: no merge by the last split"),
-            IOEntry(p + "O", 0, qe, s, "written once"),
-            IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
-        ]
-        assumptions.append(f"split-KV decode kernel ({dec.source}), {dec.splits} splits for "
-                           f"{H200_SM_COUNT} SMs (the H200's; the launch reads the device's count)"
-                           + ("; the splits merge in a thread-block cluster (distributed shared memory)"
-                              if dec.cluster else ""))
+        entries += _decode_entries(g, dec, skv, kv_e4m3, prefix("fwd"), assumptions)
         computed = bh * masks.pair_count(causal, nq, nk)
-        fwd = False  # the prefill model below does not apply
-    if fwd:
-        p = prefix("fwd")
-        entries += [
-            IOEntry(p + "Q", qe, 0, s, "read once"),
-            IOEntry(p + "K", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
-            IOEntry(p + "V", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
-            IOEntry(p + "O", 0, qe, s, "written once"),
-            IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
-        ]
-        split = (forward_key_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
-                 if config is None else None)
-        if split is not None:  # query tiles split by keys: K/V still read once per tile
-            slots, trows, width = split
-            entries += [
-                IOEntry(p + "Q (split pieces)", slots * trows * d, 0, s,
-                        f"reread by {slots} pieces ({trows} rows each; a ragged last tile reads fewer)"),
-                IOEntry(p + "O partials (key split)", slots * trows * width, slots * trows * width, ACC_ITEMSIZE,
-                        "float32: written by a tile's pieces but its last, read by the last"),
-                IOEntry(p + "LSE partials (key split)", slots * trows, slots * trows, LSE_ITEMSIZE,
-                        "float32, written and read once"),
-            ]
-            assumptions.append(f"key split on {H200_SM_COUNT} SMs (the H200's): {slots} partial pieces")
-        assumptions.append(f"forward tile {bm}x{bn} from {fl.source}; every query head rereads its K/V tiles "
-                           "(GQA heads share no loads)")
-        if causal is not None:
-            assumptions.append("causal: only K/V tiles with masks.tile_is_visible are loaded")
+    elif fwd:
+        entries += _prefill_entries(g, config, kv_keys, fl, prefix("fwd"), assumptions)
     bbm = bbn = bwd_computed = 0
     if bwd:
-        p = prefix("bwd")
-        bl = backward_launch(dt, d, causal, deterministic) if config is None else None
-        if config is not None:
-            bbm, bbn, src = config.block_m, config.block_n, "config"
-        elif bl is not None:
-            bbm, bbn, src = bl.block_m, bl.block_n, bl.source
-        else:
-            bbm, bbn, src = bm, bn, f"the forward's tile (no {dtype_name(dt)} GPU backward kernel)"
-        q_rows = bwd_computed = visited = 0  # query rows revisited, summed over K/V tiles; tiles with any
-        for col0 in range(0, nk, bbn):
-            r = visible_query_rows(causal, nq, nk, col0, bbm)
-            q_rows += r
-            visited += r > 0
-            bwd_computed += r * (min(nk, col0 + bbn) - col0)
-        bwd_computed *= bh
-        if bl is not None and bl.fp64:  # float32 kernels: the dQ kernel's two passes form LSE and D itself
-            dq_keys, _ = kv_tile_reads(causal, nq, nk, bl.dq_block_m, bl.dq_block_n)
-            entries += [
-                IOEntry(p + "Q (dQ kernel)", qe, 0, s, "read once"),
-                IOEntry(p + "dO (dQ kernel)", qe, 0, s, "read once"),
-                IOEntry(p + "K (dQ kernel)", 2 * bh * dq_keys * d, 0, s,
-                        f"twice (statistics, then dQ) per query tile ({bl.dq_block_m} rows) per query head"),
-                IOEntry(p + "V (dQ kernel)", 2 * bh * dq_keys * d, 0, s, "twice per query tile per query head"),
-                IOEntry(p + "O, dO (given D)", 2 * qe, 0, s, "read once: float64 rowsum(dO*O) of the given o"),
-                IOEntry(p + "LSE (given)", rows, 0, LSE_ITEMSIZE, "the given float32 lse, read once"),
-                IOEntry(p + "LSE, D (given, float64)", 2 * rows, 2 * rows, 8,
-                        "written by the host's prefill, read once by the dQ kernel"),
-                IOEntry(p + "LSE, D", 2 * bh * q_rows, 2 * rows, 8,
-                        "float64: written once by the dQ kernel, reread per visible K/V tile"),
-                IOEntry(p + "K", kve, 0, s, "read once per K/V tile"),
-                IOEntry(p + "V", kve, 0, s, "read once per K/V tile"),
-                IOEntry(p + "Q", bh * q_rows * d, 0, s, f"reread once per visible K/V tile ({bbn} keys)"),
-                IOEntry(p + "dO", bh * q_rows * d, 0, s, "reread once per visible K/V tile"),
-                IOEntry(p + "dQ", 0, qe, s, "written once"),
-                IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
-                IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
-            ]
-            assumptions.append("float32 backward: O and the saved LSE are not read")
-    if bwd and not (bl is not None and bl.fp64):
+        bwd_entries, bbm, bbn, bwd_computed = _backward_entries(g, config, deterministic, prefix("bwd"), assumptions)
+        entries += bwd_entries
+    # The materializing reference per query head. Forward: S = QK^T (read Q, K; write S), softmax
+    # (read S; write P, LSE), O = PV (read P, V; write O). Backward: S recomputed and P formed (read
+    # Q, K, S, LSE; write S, P), dP = dO V^T, D = rowsum(dO*O), dS = P*(dP - D), dV = P^T dO,
+    # dQ = dS K, dK = dS^T Q: ten N x N accesses, 7 Nq*d, 5 Nk*d and 3 Nq (LSE, D write, D read).
+    reference = 0
+    if fwd:
+        reference += bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
+    if bwd:
+        reference += bh * (10 * nq * nk + 7 * nq * d + 5 * nk * d + 3 * nq)
+    paper, standard = paper_bound(assumptions, (int(fwd) + int(bwd)) * bh, nq, nk, d, M, sram, s, sram_bytes is None)
+    compulsory = (qe + 2 * kve) * s + qe * s + rows * LSE_ITEMSIZE
+    return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(dt), causal, bm, bn, bbm, bbn, tuple(entries),
+                   sram, M, paper, standard, reference, computed, bwd_computed, compulsory,
+                   tuple(assumptions))
+
+
+def _decode_entries(g, dec, skv, kv_e4m3, p, assumptions):
+    """Split-KV decode: all query rows of a K/V head share one pass over its cache."""
+    hq, hkv, nq, d, s, bhkv = g.hq, g.hkv, g.nq, g.d, g.s, g.bhkv
+    qe, rows = g.qe, g.rows
+    # partials go through memory only when the splits do not merge in a cluster
+    part_rows = bhkv * dec.splits * (hq // hkv) * nq if dec.splits > 1 and not dec.cluster else 0
+    rb = dec.row_blocks
+    kv_note = ("once per K/V head (GQA rows packed into one tile)" if rb == 1 else
+               f"once per K/V head and row block: {rb} blocks of {hq // hkv // rb} query heads each "
+               "(reads after the first come from L2 when the row blocks run together)")
+    entries = [
+        IOEntry(p + "Q", qe, 0, s, "read once"),
+        IOEntry(p + "K", rb * bhkv * dec.keys * d, 0, skv, kv_note + (", e4m3" if kv_e4m3 else "")),
+        IOEntry(p + "V", rb * bhkv * dec.keys * d, 0, skv, "as K"),
+        IOEntry(p + "O partials", part_rows * d, part_rows * d, ACC_ITEMSIZE,
+                f"none: {dec.splits} splits merged in a thread-block cluster's shared memory" if dec.cluster
+                else f"float32, {dec.splits} splits: written by the splits, read by the last of them"
+                if dec.last_merges else f"float32, {dec.splits} splits: written by the splits, read by the combine"),
+        IOEntry(p + "LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
+        IOEntry(p + "split counters", rb * bhkv * dec.splits if dec.last_merges else 0,
+                rb * bhkv * (dec.splits + 1) if dec.last_merges else 0, 4,
+                "int32 per (sequence, K/V head): an atomic add per split, the last split's reset"
+                if dec.last_merges else "none: no merge by the last split"),
+        IOEntry(p + "O", 0, qe, s, "written once"),
+        IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
+    ]
+    assumptions.append(f"split-KV decode kernel ({dec.source}), {dec.splits} splits for "
+                       f"{H200_SM_COUNT} SMs (the H200's; the launch reads the device's count)"
+                       + ("; the splits merge in a thread-block cluster (distributed shared memory)"
+                          if dec.cluster else ""))
+    return entries
+
+
+def _prefill_entries(g, config, kv_keys, fl, p, assumptions):
+    """The forward: Q read once; each query tile of each query head reads the K/V tiles it sees."""
+    batch, hq, nq, nk, d, s = g.batch, g.hq, g.nq, g.nk, g.d, g.s
+    bh, qe, rows, causal, dt, bm = g.bh, g.qe, g.rows, g.causal, g.dt, g.bm
+    bn = g.bn
+    entries = [
+        IOEntry(p + "Q", qe, 0, s, "read once"),
+        IOEntry(p + "K", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
+        IOEntry(p + "V", bh * kv_keys * d, 0, s, f"once per query tile ({bm} rows) per query head"),
+        IOEntry(p + "O", 0, qe, s, "written once"),
+        IOEntry(p + "LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
+    ]
+    split = (forward_key_split(SimpleNamespace(dtype=dt, batch=batch, hq=hq, nq=nq, nk=nk, d=d), causal)
+             if config is None else None)
+    if split is not None:  # query tiles split by keys: K/V still read once per tile
+        slots, trows, width = split
+        entries += [
+            IOEntry(p + "Q (split pieces)", slots * trows * d, 0, s,
+                    f"reread by {slots} pieces ({trows} rows each; a ragged last tile reads fewer)"),
+            IOEntry(p + "O partials (key split)", slots * trows * width, slots * trows * width, ACC_ITEMSIZE,
+                    "float32: written by a tile's pieces but its last, read by the last"),
+            IOEntry(p + "LSE partials (key split)", slots * trows, slots * trows, LSE_ITEMSIZE,
+                    "float32, written and read once"),
+        ]
+        assumptions.append(f"key split on {H200_SM_COUNT} SMs (the H200's): {slots} partial pieces")
+    assumptions.append(f"forward tile {bm}x{bn} from {fl.source}; every query head rereads its K/V tiles "
+                       "(GQA heads share no loads)")
+    if causal is not None:
+        assumptions.append("causal: only K/V tiles with masks.tile_is_visible are loaded")
+    return entries
+
+
+def _backward_entries(g, config, deterministic, p, assumptions):
+    """The backward: D's preprocessing, one program per K/V tile and K/V head over the query tiles
+    that see it, dQ by atomics, fragment-order bulk adds or the deterministic kernel.
+    Returns (entries, block_m, block_n, computed pairs)."""
+    batch, hq, nq, nk, d, s = g.batch, g.hq, g.nq, g.nk, g.d, g.s
+    bh, qe, kve, rows, causal, dt = g.bh, g.qe, g.kve, g.rows, g.causal, g.dt
+    hd, bm, bn = g.hd, g.bm, g.bn
+    entries = []
+    bl = backward_launch(dt, d, causal, deterministic) if config is None else None
+    if config is not None:
+        bbm, bbn, src = config.block_m, config.block_n, "config"
+    elif bl is not None:
+        bbm, bbn, src = bl.block_m, bl.block_n, bl.source
+    else:
+        bbm, bbn, src = bm, bn, f"the forward's tile (no {dtype_name(dt)} GPU backward kernel)"
+    q_rows = bwd_computed = visited = 0  # query rows revisited, summed over K/V tiles; tiles with any
+    for col0 in range(0, nk, bbn):
+        r = visible_query_rows(causal, nq, nk, col0, bbm)
+        q_rows += r
+        visited += r > 0
+        bwd_computed += r * (min(nk, col0 + bbn) - col0)
+    bwd_computed *= bh
+    if bl is not None and bl.fp64:  # float32 kernels: the dQ kernel's two passes form LSE and D itself
+        dq_keys, _ = kv_tile_reads(causal, nq, nk, bl.dq_block_m, bl.dq_block_n)
+        entries += [
+            IOEntry(p + "Q (dQ kernel)", qe, 0, s, "read once"),
+            IOEntry(p + "dO (dQ kernel)", qe, 0, s, "read once"),
+            IOEntry(p + "K (dQ kernel)", 2 * bh * dq_keys * d, 0, s,
+                    f"twice (statistics, then dQ) per query tile ({bl.dq_block_m} rows) per query head"),
+            IOEntry(p + "V (dQ kernel)", 2 * bh * dq_keys * d, 0, s, "twice per query tile per query head"),
+            IOEntry(p + "O, dO (given D)", 2 * qe, 0, s, "read once: float64 rowsum(dO*O) of the given o"),
+            IOEntry(p + "LSE (given)", rows, 0, LSE_ITEMSIZE, "the given float32 lse, read once"),
+            IOEntry(p + "LSE, D (given, float64)", 2 * rows, 2 * rows, 8,
+                    "written by the host's prefill, read once by the dQ kernel"),
+            IOEntry(p + "LSE, D", 2 * bh * q_rows, 2 * rows, 8,
+                    "float64: written once by the dQ kernel, reread per visible K/V tile"),
+            IOEntry(p + "K", kve, 0, s, "read once per K/V tile"),
+            IOEntry(p + "V", kve, 0, s, "read once per K/V tile"),
+            IOEntry(p + "Q", bh * q_rows * d, 0, s, f"reread once per visible K/V tile ({bbn} keys)"),
+            IOEntry(p + "dO", bh * q_rows * d, 0, s, "reread once per visible K/V tile"),
+            IOEntry(p + "dQ", 0, qe, s, "written once"),
+            IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
+            IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
+        ]
+        assumptions.append("float32 backward: O and the saved LSE are not read")
+    if not (bl is not None and bl.fp64):
         entries += [
             IOEntry(p + "O (preprocess)", qe, 0, s, "read once to form D = rowsum(dO*O)"),
             IOEntry(p + "dO (preprocess)", qe, 0, s, "read once to form D"),
@@ -252,22 +292,8 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
             IOEntry(p + "dK", 0, kve, s, "written once (group's query heads summed on chip)"),
             IOEntry(p + "dV", 0, kve, s, "written once (group's query heads summed on chip)"),
         ]
-    if bwd:
-        assumptions.append(f"backward tile {bbm}x{bbn} from {src}: one program per K/V tile and K/V head loops "
-                           "over the group's query heads")
-        if causal is not None:
-            assumptions.append("causal backward: a K/V tile revisits only the query tiles that see it")
-    # The materializing reference per query head. Forward: S = QK^T (read Q, K; write S), softmax
-    # (read S; write P, LSE), O = PV (read P, V; write O). Backward: S recomputed and P formed (read
-    # Q, K, S, LSE; write S, P), dP = dO V^T, D = rowsum(dO*O), dS = P*(dP - D), dV = P^T dO,
-    # dQ = dS K, dK = dS^T Q: ten N x N accesses, 7 Nq*d, 5 Nk*d and 3 Nq (LSE, D write, D read).
-    reference = 0
-    if fwd:
-        reference += bh * (4 * nq * nk + 2 * (nq + nk) * d + nq)
-    if bwd:
-        reference += bh * (10 * nq * nk + 7 * nq * d + 5 * nk * d + 3 * nq)
-    paper, standard = paper_bound(assumptions, (int(fwd) + int(bwd)) * bh, nq, nk, d, M, sram, s, sram_bytes is None)
-    compulsory = (qe + 2 * kve) * s + qe * s + rows * LSE_ITEMSIZE
-    return IOModel(pass_, batch, hq, hkv, nq, nk, d, dtype_name(dt), causal, bm, bn, bbm, bbn, tuple(entries),
-                   sram, M, paper, standard, reference, computed, bwd_computed, compulsory,
-                   tuple(assumptions))
+    assumptions.append(f"backward tile {bbm}x{bbn} from {src}: one program per K/V tile and K/V head loops "
+                       "over the group's query heads")
+    if causal is not None:
+        assumptions.append("causal backward: a K/V tile revisits only the query tiles that see it")
+    return entries, bbm, bbn, bwd_computed
