@@ -2,6 +2,10 @@
 packages and package-data, read the way setuptools reads them), so that a non-editable install
 compiles the same kernels as a checkout."""
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,39 @@ def test_every_kernel_source_is_package_data():
     assert len(files) > 20
     missing = sorted(str(p.relative_to(src)) for p in files - shipped)
     assert missing == [], f"kernel sources a wheel would leave out: {missing}"
+
+
+def test_the_wheel_installs_and_compiles_a_hopper_kernel(tmp_path):
+    """The wheel as a user installs it, outside this checkout: it imports from its own copy and
+    compiles a Hopper kernel (whose headers live in cuda_src/hopper/) with NVRTC, no GPU needed."""
+    pytest.importorskip("setuptools", minversion="68")  # the build backend pyproject.toml names
+    # built from a copy of what a source distribution holds: a build/ left in the checkout would
+    # put its files into the wheel whatever package-data says
+    src, wheels, target = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
+    for name in ("cuflash", "cuda_src"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(src)], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = wheels.glob("cuflash-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    probe = ("import cuflash, sys\n"
+             "assert cuflash.__file__.startswith(sys.argv[1]), cuflash.__file__\n"
+             "from cuflash.plan import hopper\n"
+             "from cuflash.kernels import build\n"
+             "try:\n"
+             "    from cuda.bindings import nvrtc  # noqa: F401\n"
+             "except ImportError:\n"
+             "    sys.exit(3)\n"
+             "spec = hopper.all_hopper_forward_specs()[0]\n"
+             "print(spec.short_name, build.compile_offline(spec).registers)\n")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    r = subprocess.run([sys.executable, "-c", probe, str(target)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    if r.returncode == 3:
+        if os.environ.get("CUFLASH_REQUIRE_NVRTC") == "1":
+            pytest.fail("NVRTC is required (CUFLASH_REQUIRE_NVRTC=1) but cuda.bindings is not installed")
+        pytest.skip("cuda.bindings NVRTC not installed: the import was checked, the compile was not")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("attn_fwd_wgmma"), r.stdout
