@@ -73,7 +73,8 @@ def sass(source, expression):
 
 def _hash_line(source_expression):
     ins = sass(*source_expression)
-    return f"{hashlib.sha1(chr(10).join(ins).encode()).hexdigest()[:12]} {len(ins)} {source_expression[1]}"
+    digest = hashlib.sha1("\n".join(ins).encode()).hexdigest()[:12]
+    return f"{digest} {len(ins)} {source_expression[1]}"
 
 
 def registry_instantiations(sources):
