@@ -33,7 +33,7 @@
 #                  dense kernel (benchmarks/fp8_band.py; FP8_BAND_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
-#   ASV=1          also record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
+#   ASV=1          first record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
 #                  ASV_WHEELS=dir installs asv from wheels first); results in $OUT/asv_results.tar
 #   ASV_TIMEOUT    seconds for that run (default 150)
 #
@@ -50,6 +50,18 @@ rc=0
 
 echo "== nvidia-smi"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; head -15 "$OUT/nvidia-smi.txt"
+
+# The asv point first: it is what lets a kernel change land, and a call that the device's time
+# cuts short still records it.
+if [ "${ASV:-0}" = 1 ]; then
+    echo "== asv (tools/asv_history.sh)"
+    if [ -n "${ASV_WHEELS:-}" ]; then
+        python3 -m pip install -q --no-index --find-links "$ASV_WHEELS" asv==0.6.6 > /dev/null 2>&1
+    fi
+    commit=${GIT_COMMIT:-$(git rev-parse HEAD)}
+    timeout "${ASV_TIMEOUT:-150}" bash tools/asv_history.sh "$commit" 2>&1 | grep -v "cuflash imported from" | tail -12
+    r=${PIPESTATUS[0]}; echo "asv rc=$r"; [ "$r" -ne 0 ] && rc=1
+fi
 
 if [ "$PART" != bench ]; then
     if [ -n "${BLAS_THREADS:-}" ]; then
@@ -158,15 +170,5 @@ PY
 echo "== summary ($OUT/summary.json)"
 python3 tools/summarize.py --junit "$OUT/junit.xml" --bench "$OUT/bench.json" --out "$OUT/summary.json" 2>&1 | tail -70
 [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
-if [ "${ASV:-0}" = 1 ]; then
-    echo "== asv (tools/asv_history.sh)"
-    if [ -n "${ASV_WHEELS:-}" ]; then
-        python3 -m pip install -q --no-index --find-links "$ASV_WHEELS" asv==0.6.6 > /dev/null 2>&1
-    fi
-    commit=${GIT_COMMIT:-$(git rev-parse HEAD)}
-    timeout "${ASV_TIMEOUT:-150}" bash tools/asv_history.sh "$commit" 2>&1 | grep -v "cuflash imported from" | tail -12
-    r=${PIPESTATUS[0]}; echo "asv rc=$r"; [ "$r" -ne 0 ] && rc=1
-fi
-
 echo "== gpu_check: exit $rc"
 exit "$rc"
