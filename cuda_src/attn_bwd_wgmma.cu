@@ -10,6 +10,11 @@
 //                                               N-major), added into the float32 accumulator
 // A step of BLOCK_M = 128 queries runs the first four products in two 64-query halves (the
 // registers of one half) and dQ once for the whole step.
+// Head dims above 128 (kSplitD, kSplitS): the block owns 64 keys and each warpgroup half of dK's
+// and dV's columns; each warpgroup computes S^T and dP^T for its 32 of the step's 64 queries,
+// stores P^T and dS^T to shared memory, and after one block barrier takes dV and dK with both
+// operands from shared memory; dQ is staged in the step's Q and dO tiles (kDqStagedInQdO) and
+// added by bulk reduce-adds.
 // dQ's split over the warpgroups, one atomic per element except the last:
 //   rows    (BLOCK_M = 64 x warpgroups): each warpgroup takes 64 queries, all keys, all columns;
 //   columns (head dim = 64-column block per warpgroup): all queries and keys, its own columns;

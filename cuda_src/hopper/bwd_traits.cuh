@@ -25,8 +25,8 @@ struct HopperBwdTraits {
     static constexpr int kBlockM = BLOCK_M;             // queries per step
     // (HEAD_DIM > 128) the warpgroups split dK and dV by columns instead of by keys: 64 key rows of
     // all 256 columns would be 256 accumulator registers per thread for dK and dV. So the block
-    // owns 64 keys, each warpgroup HEAD_DIM / WARPGROUPS columns of their dK and dV, and every
-    // warpgroup computes the whole S^T and dP^T (Q K^T and dO V^T twice: 7 GEMMs' work for 5).
+    // owns 64 keys, each warpgroup HEAD_DIM / WARPGROUPS columns of their dK and dV; S^T and dP^T
+    // are split between the warpgroups by queries (kSplitS below).
     static constexpr bool kSplitD = HEAD_DIM > 128;
     static constexpr int kBlockN = kSplitD ? 64 : 64 * WARPGROUPS;  // keys owned by the block
     static constexpr int kDkvCols = kSplitD ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // a warpgroup's dK/dV columns

@@ -17,6 +17,7 @@ import numpy as np
 from ..plan import hopper as plan_hopper
 from ..plan.device_limits import MAX_GRID_YZ
 from ..plan.dispatch import ForwardPlan
+from ..plan.hopper import vt_keys
 from ..plan.schedule import fp8_head_dim
 from . import tma
 from .build import get_function
@@ -25,13 +26,7 @@ from .operands import LOG2E, band_offsets, elem_strides, tma_ok
 # vt's key order within each group of 32 (cuda_src/fp8_keys.cuh's kFp8KeyOfPos): position p holds
 # key KEY_OF_POS[p]. The e4m3 P fragment takes keys in this order (hopper/fwd_fp8.cuh).
 KEY_OF_POS = tuple((p & 16) | (((p >> 2) & 3) << 1) | (p & 1) | (((p >> 1) & 1) << 3) for p in range(32))
-VT_GROUP = 32  # vt's keys are padded to a whole group
 _VT_KEYS, _VT_COLS = 128, 64  # fp8_pack_vt's block: keys x columns
-
-
-def vt_keys(nk: int) -> int:
-    """vt's key extent: nk rounded up to VT_GROUP (the padding is zeros)."""
-    return -(-nk // VT_GROUP) * VT_GROUP
 
 
 def _aligned16(a4) -> bool:

@@ -249,6 +249,14 @@ def all_hopper_forward_specs():
     return plain + band + split + list(dict.fromkeys(mods)) + all_hopper_dv_forward_specs()
 
 
+VT_GROUP = 32  # vt's keys (the e4m3 forward's transposed V) are padded to a whole group
+
+
+def vt_keys(nk: int) -> int:
+    """vt's key extent: nk rounded up to VT_GROUP (the padding is zeros)."""
+    return -(-nk // VT_GROUP) * VT_GROUP
+
+
 FP8_VT_THREADS = 256  # fp8_pack_vt's block (cuda_src/fp8_vt.cu)
 
 
