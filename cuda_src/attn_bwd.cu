@@ -138,6 +138,183 @@ __device__ __forceinline__ BwdBandSeq bwd_band_sequence(const BwdBand& band, int
     return sq;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The K/V kernel's pieces. Its tiles are transposed (S^T, dP^T: keys are the mma rows), so the
+// element at (row, col) of for_each_acc is key key0 + row and query q0 + col.
+
+// Every element of an m16n8 accumulator set acc[MM][NN][4], in register order: f(mi, ni, i, row,
+// col) for acc[mi][ni][i] at row mi * 16 + lane / 4 + 8 (i / 2), column ni * 8 + 2 (lane % 4) + i % 2.
+template <int MM, int NN, typename F>
+__device__ __forceinline__ void for_each_acc(int lane, F&& f) {
+#pragma unroll
+    for (int mi = 0; mi < MM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int ni = 0; ni < NN; ++ni)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    f(mi, ni, 2 * hf + e, mi * 16 + (lane >> 2) + 8 * hf, ni * 8 + 2 * (lane & 3) + e);
+}
+
+// Softcap and ALiBi on S^T; gfac receives the softcap's derivative.
+template <int MM, int NQ>
+__device__ __forceinline__ void bwd_mod_scores_t(float (&s)[MM][NQ][4], float (&gfac)[MM][NQ][4], const ScoreMod& mod,
+                                                 int key0, int q0, int lane) {
+    for_each_acc<MM, NQ>(lane, [&](int mi, int ni, int i, int r, int c) {
+        float t;
+        s[mi][ni][i] = mod.apply(s[mi][ni][i], q0 + c, key0 + r, t);
+        gfac[mi][ni][i] = ScoreMod::grad(t);
+    });
+}
+
+// P^T = exp2(S^T * scale * log2e - lse * log2e) in place, invisible pairs forced to 0. The
+// exponentials first, then the mask behind one branch: a mask test inside the exp loop becomes
+// one branch per element on every step, as measured on the wgmma kernel.
+template <bool HI, bool BAND, int MM, int NQ>
+__device__ __forceinline__ void bwd_probs_t(float (&s)[MM][NQ][4], const float* tL, bool need_mask, const BwdBandSeq& sq,
+                                            int key0, int q0, float scale_log2, int lane) {
+    for_each_acc<MM, NQ>(lane, [&](int mi, int ni, int i, int, int c) {
+        s[mi][ni][i] = fast_exp2(fmaf(s[mi][ni][i], scale_log2, -tL[c]));
+    });
+    if (!need_mask) return;
+    for_each_acc<MM, NQ>(lane, [&](int mi, int ni, int i, int r, int c) {
+        const int key = key0 + r, qi = q0 + c;
+        const bool vis = key < sq.nk && qi < sq.nq && (!HI || key <= qi + sq.hi) && (!BAND || key >= qi + sq.lo);
+        s[mi][ni][i] = vis ? s[mi][ni][i] : 0.f;
+    });
+}
+
+// dS^T = P^T * (dP^T - D) in dp, times the softcap's derivative (MOD).
+template <bool MOD, int MM, int NQ, int GM, int GQ>
+__device__ __forceinline__ void bwd_dscores_t(float (&dp)[MM][NQ][4], const float (&p)[MM][NQ][4], const float* tD,
+                                              const float (&gfac)[GM][GQ][4], int lane) {
+    for_each_acc<MM, NQ>(lane, [&](int mi, int ni, int i, int, int c) {
+        dp[mi][ni][i] = p[mi][ni][i] * (dp[mi][ni][i] - tD[c]);
+        if constexpr (MOD) dp[mi][ni][i] *= gfac[mi][ni][i];
+    });
+}
+
+// dV += P^T dO and dK += dS^T Q over the warp's column slice (from col0), the Q/dO buffer at
+// qoff. With store_ds the warp also writes its rows of dS^T (16-bit) to sdS for dQ = dS K.
+template <typename T, typename Tr, int MM, int NQ, int ND>
+__device__ __forceinline__ void accumulate_dkdv(float (&acc_dv)[MM][ND][4], float (&acc_dk)[MM][ND][4],
+                                                const float (&p)[MM][NQ][4], const float (&ds)[MM][NQ][4],
+                                                const LaneAddr<Tr::kHeadDim>& bdOt, const LaneAddr<Tr::kHeadDim>& bQt,
+                                                int col0, u32 qoff, bool store_ds, u16* sdS, int key_row0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+        u32 ap[MM][4], as[MM][4];
+#pragma unroll
+        for (int mi = 0; mi < MM; ++mi) {
+            acc_to_a<T>(ap[mi], p[mi], kk);
+            acc_to_a<T>(as[mi], ds[mi], kk);
+        }
+        if (store_ds) {
+#pragma unroll
+            for (int mi = 0; mi < MM; ++mi)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+                        const int col = kk * 16 + half * 8;
+                        u16* dst = sdS + Tr::SwzS::offset(row, col) + 2 * (lane & 3);
+                        *reinterpret_cast<u32*>(dst) = as[mi][2 * half + hf];
+                    }
+        }
+#pragma unroll
+        for (int di = 0; di < ND; di += 2) {
+            u32 bo[4], bq[4];
+            ldmatrix_x4_trans(bo, bdOt.at(kk * 16, col0 / 8 + di) + qoff);
+            ldmatrix_x4_trans(bq, bQt.at(kk * 16, col0 / 8 + di) + qoff);
+#pragma unroll
+            for (int mi = 0; mi < MM; ++mi) {
+                mma_16816<T>(acc_dv[mi][di], ap[mi], bo[0], bo[1]);
+                mma_16816<T>(acc_dv[mi][di + 1], ap[mi], bo[2], bo[3]);
+                mma_16816<T>(acc_dk[mi][di], as[mi], bq[0], bq[1]);
+                mma_16816<T>(acc_dk[mi][di + 1], as[mi], bq[2], bq[3]);
+            }
+        }
+    }
+}
+
+// dQ(tile) += dS K for the warp's 16 query rows (row tile dq_rt) x kDqCols columns (slice dq_cs),
+// from the whole dS^T tile in shared memory, by vector atomics into the float32 rows at gq.
+template <typename T, typename Tr>
+__device__ __forceinline__ void atomic_add_dq_tile(float* gq, const LaneAddr<Tr::kBlockM>& aS,
+                                                   const LaneAddr<Tr::kHeadDim>& bKt, int dq_rt, int dq_cs, int m0,
+                                                   int nq, int lane) {
+    constexpr int kNC = Tr::kDqCols / 8;
+    float acc_q[kNC][4];
+#pragma unroll
+    for (int ni = 0; ni < kNC; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_q[ni][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+        u32 a[4];
+        ldmatrix_x4_trans(a, aS.at(kk * 16, dq_rt * 2));
+#pragma unroll
+        for (int ni = 0; ni < kNC; ni += 2) {
+            u32 bk[4];
+            ldmatrix_x4_trans(bk, bKt.at(kk * 16, dq_cs * kNC + ni));
+            mma_16816<T>(acc_q[ni], a, bk[0], bk[1]);
+            mma_16816<T>(acc_q[ni + 1], a, bk[2], bk[3]);
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = dq_rt * 16 + (lane >> 2) + 8 * hf;
+        if (m0 + row < nq) {
+#pragma unroll
+            for (int ni = 0; ni < kNC; ++ni) {
+                const int col = dq_cs * Tr::kDqCols + ni * 8 + 2 * (lane & 3);
+                red_add_v2(gq + (i64)row * Tr::kHeadDim + col, acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+// dK (times the softmax scale) and dV from the registers, the warp's key rows below keys_valid
+// and columns below d.
+template <typename T, bool VEC, int MM, int ND>
+__device__ __forceinline__ void store_dkdv(u16* gdk, u16* gdv, i64 dk_sn, i64 dv_sn, const float (&acc_dk)[MM][ND][4],
+                                           const float (&acc_dv)[MM][ND][4], float scale, int key_row0, int col0,
+                                           int keys_valid, int d, int lane) {
+#pragma unroll
+    for (int mi = 0; mi < MM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
+            if (row >= keys_valid) continue;
+#pragma unroll
+            for (int ni = 0; ni < ND; ++ni) {
+                const int col = col0 + ni * 8 + 2 * (lane & 3);
+                const float k0 = acc_dk[mi][ni][2 * hf] * scale, k1 = acc_dk[mi][ni][2 * hf + 1] * scale;
+                const float v0 = acc_dv[mi][ni][2 * hf], v1 = acc_dv[mi][ni][2 * hf + 1];
+                if (VEC) {
+                    if (col < d) {
+                        *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(k0, k1);
+                        *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(v0, v1);
+                    }
+                } else {
+                    if (col < d) {
+                        gdk[row * dk_sn + col] = from_float<T>(k0);
+                        gdv[row * dv_sn + col] = from_float<T>(v0);
+                    }
+                    if (col + 1 < d) {
+                        gdk[row * dk_sn + col + 1] = from_float<T>(k1);
+                        gdv[row * dv_sn + col + 1] = from_float<T>(v1);
+                    }
+                }
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The K/V kernel: one block per (K/V tile, K/V head, sequence); the loop runs over the (query
+// head, query tile) pairs that can see its keys, double-buffering Q, dO and their statistics.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int WARPS_D, bool CAUSAL, bool VEC, bool ATOMIC_DQ,
           bool BAND, bool MOD = false>
 __device__ __forceinline__ void
@@ -235,178 +412,32 @@ attn_bwd_kv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         float s[kMmaM][kNQ][4], dp[kMmaM][kNQ][4];
         gemm_pair_nt<T>(s, dp, aK, aV, bQ, bdO, qoff);
 
-        // (MOD) softcap and ALiBi on S^T (rows are keys here), keeping the softcap's derivative.
+        // (MOD) softcap and ALiBi on S^T, keeping the softcap's derivative.
         float gfac[MOD ? kMmaM : 1][MOD ? kNQ : 1][4];
-        if constexpr (MOD) {
-            const ScoreMod mod(mods, blockIdx.z, h, sq.nq, sq.nk);
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                    for (int ni = 0; ni < kNQ; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-                            const int qi = m0 + ni * 8 + 2 * (lane & 3) + e;
-                            float t;
-                            s[mi][ni][2 * hf + e] = mod.apply(s[mi][ni][2 * hf + e], qi, key, t);
-                            gfac[mi][ni][2 * hf + e] = ScoreMod::grad(t);
-                        }
-        }
+        if constexpr (MOD) bwd_mod_scores_t(s, gfac, ScoreMod(mods, blockIdx.z, h, sq.nq, sq.nk), n0 + key_row0, m0, lane);
 
-        // P^T = exp2(S^T * scale * log2e - lse * log2e) with invisible pairs forced to 0;
-        // dS^T = P^T * (dP^T - D) (times the softcap's derivative).
+        // P^T with invisible pairs forced to 0, then dS^T = P^T (dP^T - D).
         bool need_mask = (n0 + BLOCK_N > sq.nk) || (m0 + BLOCK_M > sq.nq) || (kHi && n0 + BLOCK_N - 1 > m0 + sq.hi);
         if constexpr (BAND) need_mask = need_mask || n0 < m0 + BLOCK_M - 1 + sq.lo;
-        // (exp, then the mask behind one branch, then dS: a mask test inside the exp loop becomes
-        // one branch per element on every step, as measured on the wgmma kernel.)
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                for (int ni = 0; ni < kNQ; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int qc = ni * 8 + 2 * (lane & 3) + e;  // query column within the tile
-                        s[mi][ni][2 * hf + e] = fast_exp2(fmaf(s[mi][ni][2 * hf + e], scale_log2, -tL[qc]));
-                    }
-        if (need_mask) {
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int key = n0 + key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-#pragma unroll
-                    for (int ni = 0; ni < kNQ; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int qi = m0 + ni * 8 + 2 * (lane & 3) + e;
-                            const bool vis = key < sq.nk && qi < sq.nq && (!kHi || key <= qi + sq.hi) &&
-                                             (!BAND || key >= qi + sq.lo);
-                            s[mi][ni][2 * hf + e] = vis ? s[mi][ni][2 * hf + e] : 0.f;
-                        }
-                }
-        }
-#pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                for (int ni = 0; ni < kNQ; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        dp[mi][ni][2 * hf + e] = s[mi][ni][2 * hf + e] * (dp[mi][ni][2 * hf + e] - tD[ni * 8 + 2 * (lane & 3) + e]);
-                        if constexpr (MOD) dp[mi][ni][2 * hf + e] *= gfac[mi][ni][2 * hf + e];
-                    }
+        bwd_probs_t<kHi, BAND>(s, tL, need_mask, sq, n0 + key_row0, m0, scale_log2, lane);
+        bwd_dscores_t<MOD>(dp, s, tD, gfac, lane);
 
-        // dV += P^T dO and dK += dS^T Q over this warp's column slice.
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            u32 ap[kMmaM][4], as[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                acc_to_a<T>(ap[mi], s[mi], kk);
-                acc_to_a<T>(as[mi], dp[mi], kk);
-            }
-            if (ATOMIC_DQ && wd == 0) {  // one copy of dS^T for the dQ product
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                        for (int half = 0; half < 2; ++half) {
-                            const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-                            const int col = kk * 16 + half * 8;
-                            u16* dst = sdS + Tr::SwzS::offset(row, col) + 2 * (lane & 3);
-                            *reinterpret_cast<u32*>(dst) = as[mi][2 * half + hf];
-                        }
-            }
-#pragma unroll
-            for (int di = 0; di < kND; di += 2) {
-                u32 bo[4], bq[4];
-                ldmatrix_x4_trans(bo, bdOt.at(kk * 16, col0 / 8 + di) + qoff);
-                ldmatrix_x4_trans(bq, bQt.at(kk * 16, col0 / 8 + di) + qoff);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(acc_dv[mi][di], ap[mi], bo[0], bo[1]);
-                    mma_16816<T>(acc_dv[mi][di + 1], ap[mi], bo[2], bo[3]);
-                    mma_16816<T>(acc_dk[mi][di], as[mi], bq[0], bq[1]);
-                    mma_16816<T>(acc_dk[mi][di + 1], as[mi], bq[2], bq[3]);
-                }
-            }
-        }
+        // dV += P^T dO and dK += dS^T Q; one copy of dS^T to shared memory for dQ.
+        accumulate_dkdv<T, Tr>(acc_dv, acc_dk, s, dp, bdOt, bQt, col0, qoff, ATOMIC_DQ && wd == 0, sdS, key_row0, lane);
 
         if constexpr (ATOMIC_DQ) {
             __syncthreads();  // the whole dS^T tile is in shared memory
-            // dQ(tile) += dS K for this warp's 16 query rows x kDqCols columns.
-            constexpr int kNC = Tr::kDqCols / 8;
-            float acc_q[kNC][4];
-#pragma unroll
-            for (int ni = 0; ni < kNC; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_q[ni][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, aS.at(kk * 16, dq_rt * 2));
-#pragma unroll
-                for (int ni = 0; ni < kNC; ni += 2) {
-                    u32 bk[4];
-                    ldmatrix_x4_trans(bk, bKt.at(kk * 16, dq_cs * kNC + ni));
-                    mma_16816<T>(acc_q[ni], a, bk[0], bk[1]);
-                    mma_16816<T>(acc_q[ni + 1], a, bk[2], bk[3]);
-                }
-            }
             float* gq = dq_acc + (((i64)b * hq + h) * nq + sq.q_row0 + m0) * HEAD_DIM;
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = dq_rt * 16 + (lane >> 2) + 8 * hf;
-                if (m0 + row < sq.nq) {
-#pragma unroll
-                    for (int ni = 0; ni < kNC; ++ni) {
-                        const int col = dq_cs * Tr::kDqCols + ni * 8 + 2 * (lane & 3);
-                        red_add_v2(gq + (i64)row * HEAD_DIM + col, acc_q[ni][2 * hf], acc_q[ni][2 * hf + 1]);
-                    }
-                }
-            }
+            atomic_add_dq_tile<T, Tr>(gq, aS, bKt, dq_rt, dq_cs, m0, sq.nq, lane);
         }
     }
     cp_async_wait<0>();
 
-    // dK carries the softmax scale (S = scale * Q K^T); store both, masked to valid keys and d.
+    // dK carries the softmax scale (S = scale * Q K^T).
     const float scale = scale_log2 / kLog2e;
     u16* gdk = dk + b * dk_sb + hk * dk_sh + (i64)(sq.k_row0 + n0) * dk_sn;
     u16* gdv = dv + b * dv_sb + hk * dv_sh + (i64)(sq.k_row0 + n0) * dv_sn;
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int row = key_row0 + mi * 16 + (lane >> 2) + 8 * hf;
-            if (row >= keys_valid) continue;
-#pragma unroll
-            for (int ni = 0; ni < kND; ++ni) {
-                const int col = col0 + ni * 8 + 2 * (lane & 3);
-                const float k0 = acc_dk[mi][ni][2 * hf] * scale, k1 = acc_dk[mi][ni][2 * hf + 1] * scale;
-                const float v0 = acc_dv[mi][ni][2 * hf], v1 = acc_dv[mi][ni][2 * hf + 1];
-                if (VEC) {
-                    if (col < d) {
-                        *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(k0, k1);
-                        *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(v0, v1);
-                    }
-                } else {
-                    if (col < d) {
-                        gdk[row * dk_sn + col] = from_float<T>(k0);
-                        gdv[row * dv_sn + col] = from_float<T>(v0);
-                    }
-                    if (col + 1 < d) {
-                        gdk[row * dk_sn + col + 1] = from_float<T>(k1);
-                        gdv[row * dv_sn + col + 1] = from_float<T>(v1);
-                    }
-                }
-            }
-        }
+    store_dkdv<T, VEC>(gdk, gdv, dk_sn, dv_sn, acc_dk, acc_dv, scale, key_row0, col0, keys_valid, d, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
