@@ -42,7 +42,8 @@
 #include "hopper/bwd_scheduler.cuh"
 #include "hopper/bwd_producer.cuh"
 #include "hopper/bwd_dq.cuh"
-#include "score_mod.cuh"
+#include "hopper/bwd_consumer.cuh"
+#include "hopper/bwd_epilogue.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool ATOMIC_DQ, bool TMA, bool WS = false,
           bool PERSISTENT = false, bool MATH_STATS = true, bool MOD = false>
@@ -78,9 +79,11 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int key_row = (Tr::kSplitD ? 0 : 64 * wg) + 16 * warp + (lane >> 2);  // this thread's first key row (+8 the second)
-    // (split S) this warpgroup's S^T and dP^T columns: 32 of the half's 64 queries, from q_sub
-    constexpr int kSN = Tr::kSplitS ? 4 : 8;  // 8-query blocks of S^T per warpgroup and half
+    // (split S) this warpgroup's S^T and dP^T columns: 32 of the half's 64 queries, from 32 wg
+    using Scores = BwdTransposedScores<T, Tr, CAUSAL>;
+    constexpr int kSN = Scores::kSN;
     const int q_sub = Tr::kSplitS ? 32 * wg : 0;
+    const Scores st{key_row, q_sub, lane};
     // (split head dim) this warpgroup's dK/dV columns: their first 8-column block, and the byte
     // offset of their first 64-column block in a Q or dO tile.
     const int dkv_nb0 = Tr::kSplitD ? wg * kND : 0;
@@ -89,30 +92,12 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
     const BwdScheduler<Tr, CAUSAL, PERSISTENT> sched{units, nq, group, causal_off};
 
     if constexpr (TMA) {
-        if (tid == 0) {
-            // "full": the thread issuing the copies (with their bytes), (kProducerStats) and the
-            // other lanes of its warp after their lse/D stores; (WS) "empty": every math thread.
-            mbar_init(sm.sBar, kProducerStats ? 32 : 1);
-            mbar_init(sm.sBar + 8, kProducerStats ? 32 : 1);
-            if constexpr (WS) {
-                mbar_init(sm.sEmpty, kMathThreads);
-                mbar_init(sm.sEmpty + 8, kMathThreads);
-            }
-            if constexpr (PERSISTENT) mbar_init(sm.sKvFull, 1);
-            fence_mbar_init();
-        }
+        if (tid == 0) sm.template init_barriers<WS, PERSISTENT>(kProducerStats ? 32 : 1, kMathThreads);
         __syncthreads();  // initialized before anyone waits on them
     }
     if constexpr (WS) {
-        if (tid >= kMathThreads) {  // the producer warpgroup: warp 0 Q/dO, warp 1 adds dQ
-            setmaxnreg_dec<24>();
-            const int pwarp = (tid - kMathThreads) >> 5;
-            const int row_tiles = (nq + 63) / 64;
-            if (pwarp == 0) {  // lane 0: the Q/dO boxes; (kProducerStats) every lane: lse and D
-                if (kProducerStats || lane == 0) bwd_produce_qdo<Tr, kProducerStats>(sm, sched, maps, lse, dsum, hq, nq, lane);
-            } else if (pwarp == 1) {  // dQ
-                bwd_reduce_dq<Tr, WARPGROUPS>(sm, sched, dq_acc, hq, row_tiles, lane);
-            }
+        if (tid >= kMathThreads) {
+            bwd_producer_warpgroup<Tr, WARPGROUPS, kProducerStats>(sm, sched, maps, lse, dsum, dq_acc, hq, nq, tid, lane);
             return;
         }
         setmaxnreg_inc<240>();
@@ -184,15 +169,6 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
             const int m0 = (m_begin + step % per_head) * BLOCK_M;
             const u32 tq = sm.sQ + buf * TileQ::kBytes, tdo = sm.sdO + buf * TileQ::kBytes;
             const u32 tds = sm.sdS + (Tr::kDsBuffers == 2 ? buf * TileS::kBytes : 0);
-            // (split S) P^T and dS^T of both warpgroups' query halves, in shared memory
-            auto store_t = [&](u32 tile, const float(&acc)[kSN][4]) {
-#pragma unroll
-                for (int ni = 0; ni < kSN; ++ni)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf)
-                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tile + TileS::offset(key_row + 8 * hf, q_sub / 8 + ni) + 4 * (lane & 3)),
-                                     "r"(pack2<T>(acc[ni][2 * hf], acc[ni][2 * hf + 1])));
-            };
             const float* tL = sm.sL + buf * BLOCK_M;
             const float* tD = sm.sD + buf * BLOCK_M;
 
@@ -217,52 +193,19 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 // K or V) x (this half's rows of Q or dO)^T, over the head dim.
                 // (split S: this warpgroup's 32 queries of the half)
                 float s[kSN][4], dp[kSN][4];
-                auto issue_t = [&](float(&acc)[kSN][4], u32 kv_rows, u32 q_tile) {
-#pragma unroll
-                    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                        const u32 off = (kk >> 2) * TileKV::kBlockBytes + (kk & 3) * 32;
-                        const u32 offq = (kk >> 2) * TileQ::kBlockBytes + (kk & 3) * 32 + q_half + q_sub * 128;
-                        Wgmma<T, 8 * kSN>::ss(acc, sw128_desc(kv_rows + off, 16, 1024), sw128_desc(q_tile + offq, 16, 1024), kk > 0);
-                    }
-                    wgmma_commit();
-                };
                 wgmma_fence();
-                issue_t(s, k_rows, tq);
-                issue_t(dp, v_rows, tdo);
+                st.issue(s, k_rows, tq, q_half);
+                st.issue(dp, v_rows, tdo, q_half);
 
                 // P^T with invisible pairs forced to 0 (keys past nk, queries past nq, the causal mask).
                 wgmma_wait<1>();
                 fence_regs(s);
                 // (MOD) the modified scores (S^T's rows are keys, its columns queries).
                 if constexpr (MOD) mod.apply_cols<8>(s, m0 + 64 * hv, n0 + key_row, lane);
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                    for (int ni = 0; ni < kSN; ++ni)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int qc = 64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + e;  // query within the step
-                            s[ni][2 * hf + e] = fast_exp2(fmaf(s[ni][2 * hf + e], scale_log2, -tL[qc]));
-                        }
-                // The mask in a loop of its own behind one branch: tested inside the loop above, ptxas
-                // made it one branch per element pair on every step, masked or not (H200 trace, N=4k:
-                // per step d=64 causal 3.32 -> 2.73 us, full 2.95 -> 2.75, d=128 causal 2.45 -> 2.25).
-                if (need_mask) {
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int key = n0 + key_row + 8 * hf;
-#pragma unroll
-                        for (int ni = 0; ni < kSN; ++ni)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int qi = m0 + 64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + e;
-                                const bool vis = key < nk && qi < nq && (!CAUSAL || key <= qi + causal_off);
-                                s[ni][2 * hf + e] = vis ? s[ni][2 * hf + e] : 0.f;
-                            }
-                    }
-                }
+                st.probs(s, tL, scale_log2, hv);
+                if (need_mask) st.mask(s, hv, n0, m0, nk, nq, causal_off);
                 if constexpr (Tr::kSplitS) {
-                    store_t(sm.sPt, s);  // dV reads P^T from shared memory once both halves are in
+                    st.store(sm.sPt, s);  // dV reads P^T from shared memory once both halves are in
                 } else {
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk) acc_to_a<T>(pf[kk], s, kk);
@@ -277,37 +220,14 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
                 // dS^T = P^T (dP^T - D), rounded once: into registers for dK and into shared memory for dQ.
                 wgmma_wait<Tr::kSplitS ? 0 : 1>();
                 fence_regs(dp);
-#pragma unroll
-                for (int ni = 0; ni < kSN; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[ni][e] = s[ni][e] * (dp[ni][e] - tD[64 * hv + q_sub + ni * 8 + 2 * (lane & 3) + (e & 1)]);
-                // (MOD) the softcap's factor 1 - tanh^2, its tanh recovered from P and the lse: kept
-                // from the scores above, 32 more registers per thread spill 76 words at d = 128.
+                st.dscores(dp, s, tD, hv);
                 if constexpr (MOD) {
-                    if (mod.capped()) {
-                        const float d0 = mod.col_dist0(m0 + 64 * hv, n0 + key_row, lane);
-                        const float tanh_per_log2 = mod.cap_in / scale_log2;
-#pragma unroll
-                        for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                dp[ni][e] *= mod.grad_from_prob(s[ni][e], tL[64 * hv + ni * 8 + 2 * (lane & 3) + (e & 1)],
-                                                                tanh_per_log2, d0 + ScoreMod::col_dist(ni, e));
-                    }
+                    if (mod.capped()) st.softcap_grad(dp, s, mod, tL, scale_log2, hv, n0, m0);
                 }
-                if constexpr (Tr::kSplitS) store_t(tds, dp);  // for dK and dQ, once both halves are in
+                if constexpr (Tr::kSplitS) st.store(tds, dp);  // for dK and dQ, once both halves are in
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) if constexpr (!Tr::kSplitS) acc_to_a<T>(sf[kk], dp, kk);
-                if (ATOMIC_DQ && !Tr::kSplitS) {
-                    // sf[kk] holds dS^T rows (key_row, key_row + 8) x query columns 64 hv + 16 kk + 2t (+1, +8, +9).
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const int row = key_row + 8 * (r & 1), chunk = 8 * hv + 2 * kk + (r >> 1);
-                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tds + TileS::offset(row, chunk) + 4 * (lane & 3)), "r"(sf[kk][r]));
-                        }
-                }
+                if (ATOMIC_DQ && !Tr::kSplitS) st.store_frags(tds, sf, hv);
                 if (hv + 1 < Tr::kHalves) {  // dK += dS^T Q for this half; the last half's waits for dQ
                     wgmma_fence();
                     issue_dk(q_half);
@@ -362,69 +282,12 @@ attn_bwd_kv_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, con
         }
         cp_async_wait<0>();
 
-        // dK carries the softmax scale (S = scale * Q K^T); rows past nk and columns past d dropped.
+        // dK carries the softmax scale (S = scale * Q K^T).
         const float scale = scale_log2 / kLog2e;
         u16* gdk = dk + b * dk_sb + hk * dk_sh + n0 * dk_sn;
         u16* gdv = dv + b * dv_sb + hk * dv_sh + n0 * dv_sn;
-        if constexpr (PERSISTENT || (TMA && 2 * TileQ::kBytes >= TileKV::kBytes)) {
-            // Stage dK in the Q buffers and dV in the dO buffers (free: every copy into them was waited
-            // for and every wgmma reading them is done once all math warpgroups pass the barrier), then
-            // store 16 bytes per thread along rows instead of 4-byte stores down the accumulator's rows.
-            // (Tiles whose K/V block outgrows two Q buffers, and the cp.async kernel, where the staging
-            // spills at d=128, store from registers, below.) PERSISTENT: in K and V's own tiles, since
-            // the producer may already be filling the Q/dO ring with the next unit's tiles.
-            const u32 stage_k = PERSISTENT ? sm.sK : sm.sQ, stage_v = PERSISTENT ? sm.sV : sm.sdO;
-            if constexpr (WS) {
-                named_barrier(1, kMathThreads);
-            } else {
-                bwd_dq_staged_read<Tr>(tid);  // (staged dQ) the last step's tiles read
-                __syncthreads();
-            }
-            // (WS: the thread index read afresh, so that the compiler cannot compute the staging
-            // addresses before the step loop and keep them live through it: they spilled.)
-            const int etid = WS ? thread_index_volatile() : tid;
-            const int erow = (Tr::kSplitD ? 0 : 64 * (etid >> 7)) + 16 * ((etid >> 5) & 3) + ((etid & 31) >> 2), equad = etid & 3;
-            const int enb0 = Tr::kSplitD ? (etid >> 7) * kND : 0;  // (split head dim) the warpgroup's first column block
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-                for (int ni = 0; ni < kND; ++ni) {
-                    const u32 off = TileKV::offset(erow + 8 * hf, enb0 + ni) + 4 * equad;
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_k + off),
-                                 "r"(pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale)));
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage_v + off), "r"(pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1])));
-                }
-            if constexpr (WS) named_barrier(1, kMathThreads);
-            else __syncthreads();
-#pragma unroll
-            for (int it = 0; it < kBN * TileKV::kChunks / kMathThreads; ++it) {
-                const int i = it * kMathThreads + etid;
-                const int row = i / TileKV::kChunks, c = i % TileKV::kChunks;
-                if (row < keys_valid && c * 8 < d) {
-                    uint4 vk, vv;
-                    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(vk.x), "=r"(vk.y), "=r"(vk.z), "=r"(vk.w) : "r"(stage_k + TileKV::offset(row, c)));
-                    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(stage_v + TileKV::offset(row, c)));
-                    *reinterpret_cast<uint4*>(gdk + row * dk_sn + c * 8) = vk;
-                    *reinterpret_cast<uint4*>(gdv + row * dv_sn + c * 8) = vv;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = key_row + 8 * hf;
-                if (row >= keys_valid) continue;
-#pragma unroll
-                for (int ni = 0; ni < kND; ++ni) {
-                    const int col = (dkv_nb0 + ni) * 8 + 2 * (lane & 3);
-                    if (col < d) {
-                        *reinterpret_cast<u32*>(gdk + row * dk_sn + col) = pack2<T>(acc_dk[ni][2 * hf] * scale, acc_dk[ni][2 * hf + 1] * scale);
-                        *reinterpret_cast<u32*>(gdv + row * dv_sn + col) = pack2<T>(acc_dv[ni][2 * hf], acc_dv[ni][2 * hf + 1]);
-                    }
-                }
-            }
-        }
+        bwd_store_dkdv<T, Tr, TMA, WS, PERSISTENT>(acc_dk, acc_dv, sm, gdk, gdv, dk_sn, dv_sn, scale, keys_valid, d, tid, key_row,
+                                                   dkv_nb0, lane);
         g += n_steps;
     }  // units
     if constexpr (WS) named_barrier(8 + wg, kDqBarThreads);  // the dQ warp's last arrival (see there)

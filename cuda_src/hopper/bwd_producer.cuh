@@ -134,3 +134,20 @@ __device__ __forceinline__ void bwd_load_step(const BwdSmem<Tr>& sm, const BwdMa
     }
     load_row_stats_async<BLOCK_M, kThreads>(sm.sL, sm.sD, buf, lse, dsum, ((i64)b * hq + h) * nq + m0, rows, tid);
 }
+
+// (WS) The producer warpgroup, at 24 registers: warp 0 fills the Q/dO ring (lane 0 the boxes; with
+// kProducerStats every lane copies lse and D), warp 1 adds the math warpgroups' dQ tiles.
+// tid: the block's thread index (the producer's threads follow the math warpgroups' Tr::kThreads).
+template <typename Tr, int WARPGROUPS, bool kProducerStats, typename Sched>
+__device__ __forceinline__ void bwd_producer_warpgroup(const BwdSmem<Tr>& sm, const Sched& sched, const BwdMaps& maps,
+                                                       const float* lse, const float* dsum, float* dq_acc, int hq, int nq,
+                                                       int tid, int lane) {
+    setmaxnreg_dec<24>();
+    const int pwarp = (tid - Tr::kThreads) >> 5;
+    const int row_tiles = (nq + 63) / 64;
+    if (pwarp == 0) {
+        if (kProducerStats || lane == 0) bwd_produce_qdo<Tr, kProducerStats>(sm, sched, maps, lse, dsum, hq, nq, lane);
+    } else if (pwarp == 1) {
+        bwd_reduce_dq<Tr, WARPGROUPS>(sm, sched, dq_acc, hq, row_tiles, lane);
+    }
+}

@@ -28,4 +28,19 @@ struct BwdSmem {
         sKvFull = sBar + 32;                          // (PERSISTENT) the unit's K and V landed
         sDq = (sBar + 40 + 127u) & ~127u;             // (WS) warpgroup w's dQ tile: + w kDqTileBytes
     }
+
+    // (TMA, one thread) "full": the thread issuing the copies (with their bytes) and, with the
+    // producer's row statistics, the other lanes of its warp after their lse/D stores (full_count);
+    // (WS) "empty": every math thread; (PERSISTENT) the unit's K and V.
+    template <bool WS, bool PERSISTENT>
+    __device__ __forceinline__ void init_barriers(int full_count, int math_threads) const {
+        mbar_init(sBar, full_count);
+        mbar_init(sBar + 8, full_count);
+        if constexpr (WS) {
+            mbar_init(sEmpty, math_threads);
+            mbar_init(sEmpty + 8, math_threads);
+        }
+        if constexpr (PERSISTENT) mbar_init(sKvFull, 1);
+        fence_mbar_init();
+    }
 };
