@@ -345,6 +345,8 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
     if out_dtype is not None and np.dtype(q.dtype) == FLOAT32:
         out_dtype = None
     if out_dtype is not None and array_namespace(q) is not np:
+        if q.ndim >= 2 and (q.shape[-1], v.shape[-1]) == _problem.MLA_HEAD_DIMS:
+            raise NotImplementedError("out_dtype: MLA decode (head dims 576 / 512) on the GPU gives o in q's dtype")
         if block_table is None and cu_seqlens_q is None and cu_seqlens_k is None and kv_lens is None \
                 and window is None and all(m is None for m in mods):
             # Plain shapes: the 16-bit mma.sync kernel with a float32 epilogue, where it applies.
@@ -419,7 +421,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
     p, bs = _problem.validate_paged(q, k_cache, v_cache, block_table, **options)
     p = _problem.check_score_mods(p, q, *mods)
     odt = p.dtype if out_dtype is None else FLOAT32
-    _problem.check_out("out", out, p.q_shape(), odt, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
+    _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k_cache), ("v", v_cache)))
     xp = p.xp
     lens_dev, lens_host = _problem.check_kv_lens(kv_lens, p, validate)
     if lens_dev is None:  # every sequence holds Nk keys: the decode kernel needs no lengths array
@@ -444,7 +446,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
         for b, n in enumerate(lens_host):
             n = int(n)
             pages = xp.asarray(table_host[b, : -(-n // bs)])
-            k4, v4 = (xp.ascontiguousarray(c[pages].reshape(-1, p.hkv, p.d)[:n].transpose(1, 0, 2))[None]
+            k4, v4 = (xp.ascontiguousarray(c[pages].reshape(-1, p.hkv, c.shape[-1])[:n].transpose(1, 0, 2))[None]
                       for c in (k_cache, v_cache))
             pb = p.sequence(b, batch_shape=(1,), nk=n)
             sl = slice(b, b + 1)
@@ -455,7 +457,7 @@ def _attention_paged(q, k_cache, v_cache, block_table, kv_lens, *, return_lse, o
 def _forward_with_lengths(p, q4, k4, v4, o4, lse3, lens_dev, lens_host):
     """kv_lens: the decode kernel reads them on the device; otherwise each sequence is its own
     problem over the first kv_lens[b] keys (the readable specification, also the CPU path)."""
-    if p.xp is not np and cuda.decode_applies(p, k4, v4) and p.dv == p.d:
+    if p.xp is not np and cuda.decode_applies(p, k4, v4) and (p.dv == p.d or _problem.is_mla(p)):
         cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev)
         return
     backend = _backend(p)

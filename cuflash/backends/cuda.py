@@ -16,6 +16,7 @@ from ..plan import dispatch
 from ..plan.forward import FP32_BAND, MODS_FP32, forward_spec
 from ..kernels import backward as backward_kernels
 from ..kernels import decode as decode_kernels
+from ..kernels import decode_mla as mla_kernels
 from ..kernels import device, fp32, hopper, tma
 from ..kernels import fp8_forward as fp8_kernels
 from ..kernels import forward as forward_kernels
@@ -70,7 +71,10 @@ def _one_width(p):
 
 
 def decode_applies(p, k4, v4) -> bool:
-    """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V)."""
+    """Whether split-KV decode runs this problem (plan.dispatch.decode_applies on these K, V; MLA's
+    (576, 512) always: its launcher copies rows it cannot read in place)."""
+    if dispatch.mla_decode_applies(p):
+        return True
     return dispatch.decode_applies(p, vector_ok((k4, v4), p.d))
 
 
@@ -81,7 +85,11 @@ def decode_applies_e4m3(p, k4, v4) -> bool:
 
 
 def decode(p, q4, k4, v4, o4, lse3, **options):
-    """Split-KV decode (the caller checked decode_applies); options as kernels.decode.forward."""
+    """Split-KV decode (the caller checked decode_applies); options as kernels.decode.forward.
+    MLA's (576, 512) head dims: attn_decode_mla (kernels.decode_mla.forward: kv_lens, paged, splits)."""
+    if dispatch.mla_decode_applies(p):
+        mla_kernels.forward(p, q4, k4, v4, o4, lse3, **options)
+        return
     decode_kernels.forward(p, q4, k4, v4, o4, lse3, **options)
 
 
@@ -89,6 +97,11 @@ def forward(p, q4, k4, v4, o4, lse3, *, tile=None):
     """The forward of a validated problem. ``tile``: the portable kernel's TileConfig (or a
     float32 tile), which skips the decode and Hopper kernels."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
+        return
+    if dispatch.mla_decode_applies(p):  # (576, 512): validation admits it in decode shapes only
+        if tile is not None:
+            raise ValueError("tile: MLA decode (head dims 576 / 512) runs attn_decode_mla only")
+        mla_kernels.forward(p, q4, k4, v4, o4, lse3)
         return
     if p.dv != p.d:
         if tile is None and _forward_dv(p, q4, k4, v4, o4, lse3):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import masks
-from .arrays import FLOAT32, SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
+from .arrays import BFLOAT16, FLOAT16, FLOAT32, SUPPORTED_DTYPES, array_namespace, dtype_name, is_real_number, may_share_memory
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -204,6 +204,48 @@ def check_head_dim(d: int, name: str = "q"):
         raise ValueError(f"{name}: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM}")
 
 
+# MLA decoding (DeepSeek's latent cache): q's and k's head dim 576, v's 512 (v = k[..., :512]), a few
+# query tokens against the cache. The one pair above MAX_HEAD_DIM, and decode-only: a kernel for its
+# shapes (attn_decode_mla), no prefill or backward kernel.
+MLA_HEAD_DIMS = (576, 512)
+MLA_MAX_QUERY_TOKENS = 16  # query tokens per sequence of an MLA decode call (the split-KV decode limit)
+MLA_DECODE_ONLY = ("head dims (576, 512) (MLA) are decode-only: at most 16 query tokens, float16 or bfloat16, "
+                   "no window, packed sequences, score modifiers or backward")
+
+
+def check_head_dims(d: int, dv: int, nq: int, dtype, window=None):
+    """q's (and k's) head dim d and v's dv: each 1 to MAX_HEAD_DIM, or exactly MLA_HEAD_DIMS in decode
+    shapes (nq <= MLA_MAX_QUERY_TOKENS, 16-bit, no window). ValueError / TypeError naming the argument."""
+    if (d, dv) == MLA_HEAD_DIMS:
+        if nq > MLA_MAX_QUERY_TOKENS:
+            raise ValueError(f"q: {MLA_DECODE_ONLY}; got Nq={nq} query tokens")
+        if np.dtype(dtype) not in (FLOAT16, BFLOAT16):
+            raise TypeError(f"q: {MLA_DECODE_ONLY}; got dtype {dtype_name(dtype)}")
+        if window is not None:
+            raise ValueError(f"window: {MLA_DECODE_ONLY}")
+        return
+    if d == MLA_HEAD_DIMS[0]:
+        raise ValueError(f"v: with q's head dim {d} (MLA decode) v's head dim must be {MLA_HEAD_DIMS[1]} "
+                         f"(v = k[..., :{MLA_HEAD_DIMS[1]}]), got {dv}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {d} is larger than the largest supported, {MAX_HEAD_DIM} (above it only "
+                         f"MLA decode's {MLA_HEAD_DIMS} pair)")
+    check_head_dim(d)
+    if dv != d:  # v (and o) may be narrower or wider than q and k (MLA: 192 / 128)
+        check_head_dim(dv, "v")
+
+
+def is_mla(p) -> bool:
+    """Whether validated problem p is MLA decoding's (576, 512)."""
+    return (p.d, p.dv) == MLA_HEAD_DIMS
+
+
+def refuse_mla(p, name: str, what: str):
+    """ValueError naming `name` where an MLA (576, 512) problem meets an option it does not take."""
+    if is_mla(p):
+        raise ValueError(f"{name}: {what} - {MLA_DECODE_ONLY}")
+
+
 def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, element=None) -> Problem:
     """Check q, k, v and the options; return the Problem or raise ValueError/TypeError.
     ``element``: the inputs' element type when the caller checked their dtypes itself (float8_e4m3fn
@@ -231,9 +273,7 @@ def validate_forward(q, k, v, *, causal=False, scale=None, layout="bhsd", window
         raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
     if (hv, nv) != (hkv, nk):
         raise ValueError(f"v: heads and length ({hv}, {nv}) must equal k's ({hkv}, {nk})")
-    check_head_dim(d)
-    if dv != d:  # v (and o) may be narrower or wider than q and k (MLA: 192 / 128)
-        check_head_dim(dv, "v")
+    check_head_dims(d, dv, nq, dtype, window)
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of heads {hkv} must divide q's number of heads {hq} (MQA/GQA)")
     scale = check_scale(scale, d)
@@ -272,6 +312,9 @@ def check_score_mods(p: Problem, q, softcap=None, alibi_slopes=None, sinks=None,
     broadcast view of (Hq,)); sinks: float32 (Hq,). Both of q's library and device. Their values
     are not read (a device array would cost a copy): non-finite values give non-finite results."""
     softcap = check_softcap(softcap)
+    for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            refuse_mla(p, name, "the MLA decode kernel takes no score modifiers")
     xp = p.xp
     device = None if xp is np else q.device.id
     alibi = None
@@ -309,6 +352,7 @@ def check_out(name, out, shape, dtype, xp, inputs):
 def validate_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", window=None) -> Problem:
     """Check the backward's arguments; the forward's rules plus do/o/lse consistency."""
     p = validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
+    refuse_mla(p, "q", "no backward")
     same_library((("q", q), ("do", do), ("o", o), ("lse", lse)))
     for name, a in (("do", do), ("o", o)):
         if tuple(a.shape) != p.o_shape():
@@ -459,6 +503,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
     else:
         do, o, lse = grads
         p = validate_backward(do, q, k, v, o, lse, layout="bshd", **options)
+    refuse_mla(p, "cu_seqlens_q", "no packed sequences")
     for name, c in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_offsets_array(name, c, xp)
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
@@ -494,10 +539,14 @@ def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None
     for name, a in named[1:]:
         if a.ndim != 4:
             raise ValueError(f"{name}: with block_table expected a paged cache (num_blocks, block_size, Hkv, d), got shape {a.shape}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v: shape {v_cache.shape} must equal k's {k_cache.shape} (paged caches)")
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise ValueError(f"v: shape {v_cache.shape} must equal k's {k_cache.shape} but for the head dim (paged caches)")
     (qb,), hq, nq, d = _split("q", q, layout)
     nb, bs, hkv, dk = k_cache.shape
+    dv = v_cache.shape[-1]
+    if dv != dk and (dk, dv) != MLA_HEAD_DIMS:
+        raise ValueError(f"v: shape {v_cache.shape} must equal k's {k_cache.shape} (paged caches; only MLA's "
+                         f"{MLA_HEAD_DIMS} head dims differ)")
     if dk != d:
         raise ValueError(f"k: head dim {dk} must equal q's head dim {d}")
     if bs < 16 or bs & (bs - 1):
@@ -513,11 +562,11 @@ def validate_paged(q, k_cache, v_cache, block_table, *, causal=False, scale=None
     if block_table.ndim != 2 or block_table.shape[0] != qb:
         raise ValueError(f"block_table: expected shape ({qb}, max_blocks) (q's batch, pages per sequence), "
                          f"got {tuple(block_table.shape)}")
-    check_head_dim(d)
+    check_head_dims(d, dv, nq, dtype, window)
     scale = check_scale(scale, d)
     nk = block_table.shape[1] * bs
     return Problem(xp, layout, (qb,), hq, hkv, nq, nk, d, dtype, masks.normalize_causal(causal), scale,
-                   window=window), bs
+                   window=window, head_dim_v=None if dv == d else dv), bs
 
 
 def check_block_table(block_table, lens_host, block_size, num_blocks):

@@ -7,6 +7,8 @@ few facts of the call's arrays (Operands); an explicit tile (schedule search, te
 tables, and with ``CUFLASH_TUNE`` the tuning cache's winner does (plan.tuning).
 
 Order of the forward's choice:
+  MLA's head dims (576 for q and k, 512 for v; decode shapes only) -> attn_decode_mla
+  (plan.decode_mla, mla_decode_applies);
   few query rows per K/V head over a long cache -> split-KV decode (plan.decode), with score
   modifiers too (attn_decode_mod, plan.decode.mod_decode_specs);
   score modifiers (softcap, ALiBi, sinks) -> on sm_90 without a window, rows TMA can address, the
@@ -32,7 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..core.arrays import FLOAT32, KERNEL_TYPE
-from . import decode, hopper, schedule, tuning
+from . import decode, decode_mla, hopper, schedule, tuning
 from .backward import backward_specs, dq_convert_spec
 from .device_limits import MAX_GRID_YZ
 from .forward import FP32_BAND, MODS_FP32, forward_spec
@@ -90,6 +92,13 @@ def decode_applies(p, kv_vec: bool) -> bool:
     and V (unaligned caches take the prefill kernel, whose scalar-load path handles them); score
     modifiers included (attn_decode_mod)."""
     return p.nq <= 16 and p.nk >= decode.MIN_KEYS and decode.row_tiles_for(p) is not None and kv_vec
+
+
+def mla_decode_applies(p) -> bool:
+    """MLA decoding's head dims (576 for q and k, 512 for v: plan.decode_mla): validation admits the
+    pair in decode shapes only (core.problem.check_head_dims), and attn_decode_mla runs all of them -
+    contiguous or paged caches, kv_lens, causal, any group - so the pair alone decides."""
+    return decode_mla.is_mla(p)
 
 
 def decode_applies_e4m3(p, kv_vec: bool) -> bool:

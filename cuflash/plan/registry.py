@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .backward import all_backward_specs
 from .decode import all_decode_specs
+from .decode_mla import all_mla_specs
 from .forward import all_forward_specs
 from .hopper import all_hopper_backward_specs, all_hopper_forward_specs, all_hopper_fp8_forward_specs
 from .merge import all_merge_specs
@@ -16,6 +17,7 @@ FAMILIES = {
     "hopper_fp8_forward": all_hopper_fp8_forward_specs,  # float8_e4m3fn q, k, v and its vt kernels
     "hopper_backward": all_hopper_backward_specs,
     "decode": all_decode_specs,
+    "decode_mla": all_mla_specs,  # MLA (576, 512) decode and its 512-wide combine
     "merge": all_merge_specs,  # merge_attention_states
 }
 
