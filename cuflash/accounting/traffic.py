@@ -10,7 +10,8 @@ import numpy as np
 from ..core import masks
 from ..core.arrays import FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
-from ..plan import schedule
+from ..core.problem import MLA_DECODE_ONLY, MLA_HEAD_DIMS, MLA_MAX_QUERY_TOKENS
+from ..plan import decode_mla, schedule
 from .arguments import PASSES, check_choice, check_dtype, check_head_dim, check_heads, check_int, check_shape
 from .e4m3 import io_model_e4m3
 from .launches import (H200_SM_COUNT, H200_SMEM_PER_SM_BYTES, backward_frag_dq, backward_launch, backward_on_wgmma,
@@ -39,7 +40,8 @@ def _check_kv_dtype(kv_dtype, dt, pass_, config) -> bool:
 
 
 def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd", sram_bytes=None,
-             nk=None, hkv=None, deterministic=False, kv_dtype=None, out_dtype=None) -> IOModel:
+             nk=None, hkv=None, deterministic=False, kv_dtype=None, out_dtype=None, dv=None,
+             v_aliases_k=True) -> IOModel:
     """Logical HBM traffic, in elements and bytes, of the tile schedule for ``shape = (B, H, N, d)``.
 
     ``nk`` sets a different key length (decoding: N new queries over a cache of nk keys); ``hkv``
@@ -79,6 +81,11 @@ def io_model(shape, config=None, *, dtype="bfloat16", causal=False, pass_="fwd",
     batch, hq, nq, d = shape
     if d == 0:
         raise ValueError("shape: head dim d must be at least 1")
+    if (d, dv) == MLA_HEAD_DIMS:
+        return _io_model_mla(batch, hq, nq, d, dv, dtype, causal, pass_, config, sram_bytes, nk, hkv, kv_dtype,
+                             out_dtype, v_aliases_k)
+    if dv is not None and dv != d:
+        raise ValueError(f"dv: io_model models v's own head dim for MLA decode's {MLA_HEAD_DIMS} only, got ({d}, {dv})")
     check_head_dim(d, "shape")
     nk = nq if nk is None else check_int("nk", nk)
     hkv = hq if hkv is None else check_int("hkv", hkv)
@@ -297,3 +304,53 @@ def _backward_entries(g, config, deterministic, p, assumptions):
     if causal is not None:
         assumptions.append("causal backward: a K/V tile revisits only the query tiles that see it")
     return entries, bbm, bbn, bwd_computed
+
+
+def _io_model_mla(batch, hq, nq, d, dv, dtype, causal, pass_, config, sram_bytes, nk, hkv, kv_dtype, out_dtype,
+                  v_aliases_k) -> IOModel:
+    """io_model of MLA decoding (attn_decode_mla; plan.decode_mla): Q (576 wide) read once; the cache
+    read once per K/V head and row block - 576 columns per key, V taken from K's rows in shared
+    memory when v aliases k (v = k[..., :512]), else V's 512 columns read too; the splits' float32
+    partial O (512 wide) and LSE written once and read once by attn_decode_combine; O (512 wide)
+    and LSE written once."""
+    if pass_ != "fwd" or config is not None or kv_dtype is not None or out_dtype is not None:
+        raise ValueError(f"shape: MLA decode's head dims {MLA_HEAD_DIMS} are modeled for the forward's own launch "
+                         "(pass_='fwd'; no config, kv_dtype or out_dtype)")
+    nk = nq if nk is None else check_int("nk", nk)
+    hkv = hq if hkv is None else check_int("hkv", hkv)
+    check_heads(hq, hkv, "hkv")
+    dt = check_dtype("dtype", dtype)
+    if dt == FLOAT32 or nq > MLA_MAX_QUERY_TOKENS:
+        raise ValueError(f"shape: {MLA_DECODE_ONLY}")
+    s = dt.itemsize
+    p = SimpleNamespace(batch=batch, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dv=dv, group=hq // hkv)
+    plan = decode_mla.launch_plan(p, H200_SM_COUNT)
+    rb, bh = plan.row_blocks, batch * hq
+    qe, oe, rows = bh * nq * d, bh * nq * dv, bh * nq
+    part_rows = rows * plan.splits if plan.splits > 1 else 0
+    cache = rb * batch * hkv * nk
+    again = "" if rb == 1 else f" (x{rb} row blocks; reads after the first come from L2 when they run together)"
+    entries = [
+        IOEntry("Q", qe, 0, s, "read once"),
+        IOEntry("K", cache * d, 0, s, f"the cache's {d} columns, once per K/V head" + again),
+        IOEntry("V", 0 if v_aliases_k else cache * dv, 0, s,
+                f"none: v = k[..., :{dv}], P V reads V from the K tile in shared memory" if v_aliases_k
+                else f"{dv} columns per key, once per K/V head" + again),
+        IOEntry("O partials", part_rows * dv, part_rows * dv, ACC_ITEMSIZE,
+                f"float32, {plan.splits} splits: written by the splits, read by the combine"),
+        IOEntry("LSE partials", part_rows, part_rows, LSE_ITEMSIZE, "float32, written and read once"),
+        IOEntry("O", 0, oe, s, "written once"),
+        IOEntry("LSE", 0, rows, LSE_ITEMSIZE, "float32, written once"),
+    ]
+    assumptions = [f"MLA decode kernel (attn_decode_mla.cu), {plan.splits} splits, {rb} row blocks of "
+                   f"{plan.row_tiles} row tiles for {H200_SM_COUNT} SMs (the H200's)"]
+    sram = H200_SMEM_PER_SM_BYTES if sram_bytes is None else check_int("sram_bytes", sram_bytes, minimum=1)
+    M = max(1, sram // s)
+    paper, standard = paper_bound(assumptions, bh, nq, nk, d, M, sram, s, sram_bytes is None)
+    kv_once = batch * hkv * nk * (d if v_aliases_k else d + dv)
+    compulsory = (qe + kv_once + oe) * s + rows * LSE_ITEMSIZE
+    reference = bh * (4 * nq * nk + (nq + nk) * d + (nq + nk) * dv + nq)
+    computed = bh * masks.pair_count(causal, nq, nk)
+    return IOModel("fwd", batch, hq, hkv, nq, nk, d, dtype_name(dt), causal, 16 * plan.row_tiles,
+                   plan.tile.block_n, 0, 0, tuple(entries), sram, M, paper, standard, reference, computed, 0,
+                   compulsory, tuple(assumptions))
