@@ -18,6 +18,7 @@ import numpy as np
 
 from ..core.arrays import BFLOAT16, FLOAT16, KERNEL_TYPE
 from ..core.problem import MLA_HEAD_DIMS, MLA_MAX_QUERY_TOKENS
+from .decode import combine_lanes
 from .spec import KernelSpec, cpp_bool
 
 D, DV = MLA_HEAD_DIMS
@@ -124,8 +125,6 @@ def combine_spec(dtype) -> KernelSpec:
 
 def combine_grid(rows: int, splits: int, hkv_launch: int, batch: int):
     """attn_decode_combine's grid as plan.decode.combine_grid, for 512-wide rows."""
-    from .decode import combine_lanes
-
     return (-(-rows * (DV // 4) * combine_lanes(splits) // COMBINE_THREADS), hkv_launch, batch)
 
 
