@@ -236,8 +236,9 @@ def check_head_dims(d: int, dv: int, nq: int, dtype, window=None):
 
 
 def is_mla(p) -> bool:
-    """Whether validated problem p is MLA decoding's (576, 512)."""
-    return (p.d, p.dv) == MLA_HEAD_DIMS
+    """Whether problem p (a Problem, or a description with d and, where it differs, dv) is MLA
+    decoding's (576, 512)."""
+    return (p.d, getattr(p, "dv", p.d)) == MLA_HEAD_DIMS
 
 
 def refuse_mla(p, name: str, what: str):

@@ -65,11 +65,6 @@ WAVES = 2  # blocks per SM the split count aims for (as plan.decode)
 MIN_SPLIT_KEYS = 256  # the fewest keys per split: eight 32-key stages, so a split's start and end stay small
 
 
-def is_mla(p) -> bool:
-    """Whether problem p is MLA decoding's head-dim pair (validation admits it in decode shapes only)."""
-    return (p.d, getattr(p, "dv", p.d)) == MLA_HEAD_DIMS
-
-
 def row_blocks(p) -> int:
     """Blocks per K/V head: the smallest divisor r of the group whose share (group / r) x nq of
     packed rows fits a block's tiles (any group fits with r = group: nq <= MLA_MAX_QUERY_TOKENS)."""
@@ -149,5 +144,5 @@ def all_mla_specs():
     return specs
 
 
-__all__ = ["MLA_TILES", "MLA_TILE", "MLA_MAX_QUERY_TOKENS", "is_mla", "launch_plan", "kernel_spec", "combine_spec",
+__all__ = ["MLA_TILES", "MLA_TILE", "MLA_MAX_QUERY_TOKENS", "launch_plan", "kernel_spec", "combine_spec",
            "combine_grid", "all_mla_specs", "workspace_bytes", "row_blocks", "row_tiles", "num_splits"]

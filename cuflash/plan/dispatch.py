@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..core.arrays import FLOAT32, KERNEL_TYPE
+from ..core.problem import is_mla
 from . import decode, decode_mla, hopper, schedule, tuning
 from .backward import backward_specs, dq_convert_spec
 from .device_limits import MAX_GRID_YZ
@@ -98,7 +99,7 @@ def mla_decode_applies(p) -> bool:
     """MLA decoding's head dims (576 for q and k, 512 for v: plan.decode_mla): validation admits the
     pair in decode shapes only (core.problem.check_head_dims), and attn_decode_mla runs all of them -
     contiguous or paged caches, kv_lens, causal, any group - so the pair alone decides."""
-    return decode_mla.is_mla(p)
+    return is_mla(p)
 
 
 def decode_applies_e4m3(p, kv_vec: bool) -> bool:
