@@ -295,6 +295,42 @@ def test_benchmark_scripts_run_their_cases_through_bench_main(tmp_path, monkeypa
     assert "error RuntimeError: no kernel" in table[-len(rows) + 1]
 
 
+def test_mla_decode_counts_the_cache_once_against_the_copy_rate(tmp_path, monkeypatch, capsys):
+    """benchmarks/mla_decode.py with a stand-in runner: a row's TB/s counts each 576-wide cache row
+    once (V is read from K's rows) plus q and o, its TFLOP/s Q K^T over 576 and P V over 512, and
+    of_copy divides by the copy rate of the same run; a failing cell is an error row."""
+    mod = load_benchmark("mla_decode")
+    seen = []
+
+    class StandIn:
+        def __init__(self, timer, ceilings):
+            self.ceilings = ceilings
+
+        def cell(self, case, rows):
+            seen.append(case)
+            if len(seen) == 2:
+                raise RuntimeError("no kernel")
+            rows.append(mod.row(case, "ok", 2.0, self.ceilings))
+
+    monkeypatch.setattr(mod, "Timer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mod, "MlaDecode", StandIn)
+    monkeypatch.setattr(mod, "measure_ceilings", lambda timer: {"copy_tbps": 4.0, "matmul_tflops": 900.0})
+    monkeypatch.setattr(bench_main, "free_device_memory", lambda: None)
+    out = tmp_path / "mla.json"
+    assert mod.main(["--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["bench"]
+    assert doc["complete"] is True and len(rows) == len(seen) == len(mod.plan()) > 2
+    assert (rows[1]["status"], rows[1]["reason"], rows[1]["ms"]) == ("error", "RuntimeError: no kernel", None)
+    first = rows[0]
+    b, h, n = first["b"], first["hq"], first["nk"]
+    assert (first["d"], first["dv"], first["hkv"], first["nq"]) == (576, 512, 1, 1)
+    assert first["tbps"] == pytest.approx(2 * (b * n * 576 + b * h * (576 + 512)) / 2e-3 / 1e12)
+    assert first["tflops"] == pytest.approx(2 * b * h * n * (576 + 512) / 2e-3 / 1e12)
+    assert first["of_copy"] == pytest.approx(first["tbps"] / 4.0)
+    assert "error RuntimeError: no kernel" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # asv suites
 

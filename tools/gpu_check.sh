@@ -29,6 +29,8 @@
 #                  HEAD_DIM_V_TIMEOUT, default 120)
 #   FP8=1          also benchmark the float8_e4m3fn forward beside bf16 at d = 128, 256, N = 8k, 16k, causal
 #                  and not (benchmarks/peers.py --fp8; FP8_TIMEOUT, default 120)
+#   MLA=1          also benchmark the MLA (576, 512) decode against the copy rate (benchmarks/mla_decode.py;
+#                  MLA_TIMEOUT, default 90)
 #   FP8_BAND=1     also benchmark the float8_e4m3fn band kernel (windows, packed sequences) against its
 #                  dense kernel (benchmarks/fp8_band.py; FP8_BAND_TIMEOUT, default 120)
 #   HOST_PARTS=0   skip the decode host-time breakdown (tools/decode_host_parts.py)
@@ -140,6 +142,11 @@ if [ "${FP8_DECODE:-0}" = 1 ]; then
     timeout "${FP8_DECODE_TIMEOUT:-120}" python3 benchmarks/fp8_decode.py --out "$tmp/fp8_decode.json" > "$tmp/fp8_decode.log" 2>&1
     r=$?; echo "fp8 decode bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/fp8_decode.log" >> "$OUT/bench.log"
     tail -12 "$tmp/fp8_decode.log"
+fi
+if [ "${MLA:-0}" = 1 ]; then
+    timeout "${MLA_TIMEOUT:-90}" python3 benchmarks/mla_decode.py --out "$tmp/mla_decode.json" > "$tmp/mla_decode.log" 2>&1
+    r=$?; echo "mla decode bench rc=$r"; [ "$r" -ne 0 ] && rc=1; cat "$tmp/mla_decode.log" >> "$OUT/bench.log"
+    tail -13 "$tmp/mla_decode.log"
 fi
 if [ "${FP8_BAND:-0}" = 1 ]; then
     timeout "${FP8_BAND_TIMEOUT:-120}" python3 benchmarks/fp8_band.py --out "$tmp/fp8_band.json" > "$tmp/fp8_band.log" 2>&1
