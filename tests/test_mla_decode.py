@@ -127,3 +127,35 @@ def test_io_model_reads_the_cache_once_when_v_aliases_k():
     assert {e.name: e.reads for e in separate.entries}["V"] == 4 * 8192 * DV
     with pytest.raises(ValueError, match=r"^shape: "):
         io_model((4, 16, 32, D), nk=8192, hkv=1, dv=DV)
+
+
+def test_splits_keep_the_partials_within_a_quarter_of_the_cache():
+    """Each split writes rows x 512 float32 partials that the combine reads again: at Hq = 128 the
+    split count that fills the SMs would nearly double the bytes moved; the cap holds them to
+    MAX_PARTIAL_SHARE of the cache's bytes, and a cache too short to split runs whole."""
+    from types import SimpleNamespace
+
+    for hq, nk in ((128, 32768), (128, 4096), (16, 32768), (16, 1024)):
+        p = SimpleNamespace(batch=1, hq=hq, hkv=1, nq=1, nk=nk, d=D, dv=DV, group=hq)
+        s = decode_mla.num_splits(p, 132)
+        partials = 2 * hq * DV * 4 * s
+        assert s == 1 or partials <= decode_mla.MAX_PARTIAL_SHARE * nk * D * 2, (hq, nk, s)
+        assert s * decode_mla.row_blocks(p) <= 132 and (s == 1 or nk / s >= decode_mla.MIN_SPLIT_KEYS)
+    wide = SimpleNamespace(batch=1, hq=128, hkv=1, nq=1, nk=32768, d=D, dv=DV, group=128)
+    assert decode_mla.num_splits(wide, 132) == 18  # 64 would fill the SMs
+
+
+def test_memory_report_lists_the_mla_buffers():
+    rep = cuflash.memory_report((1, 128, 1, D), (1, 1, 32768, D), (1, 1, 32768, DV), dtype="bfloat16")
+    by = {e.name: e.bytes for e in rep.entries}
+    splits = decode_mla.num_splits(type("P", (), dict(batch=1, hq=128, hkv=1, nq=1, nk=32768, group=128))(), 132)
+    assert by["K"] == 32768 * D * 2 and by["V"] == 0 and by["Q"] == 128 * D * 2 and by["O"] == 128 * DV * 2
+    assert by["O partials"] == 128 * splits * DV * 4 and by["LSE partials"] == 128 * splits * 4
+    separate = cuflash.memory_report((2, 16, 1, D), (2, 1, 4096, D), (2, 1, 4096, DV), dtype="float16",
+                                     v_aliases_k=False, splits=1)
+    by = {e.name: e.bytes for e in separate.entries}
+    assert by["V"] == 2 * 4096 * DV * 2 and "O partials" not in by
+    for kw, name in ((dict(pass_="bwd"), "pass_"), (dict(method="reference"), "method"),
+                     (dict(sinks=(128,)), "sinks")):
+        with pytest.raises(ValueError, match=rf"^{name}: MLA decode"):
+            cuflash.memory_report((1, 128, 1, D), (1, 1, 4096, D), (1, 1, 4096, DV), **kw)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 from ..core import masks
 from ..core.arrays import FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
-from ..core.problem import check_out_dtype
+from ..core.problem import MLA_HEAD_DIMS, check_out_dtype, is_mla
+from ..plan import decode_mla
 from ..plan import forward as plan_forward
 from ..plan import schedule
 from .arguments import (METHODS, PASSES, as_shape_and_dtype, check_choice, check_config, check_head_dim, check_int,
                         input_dtype, int_list, problem_dims)
 from .e4m3 import DESCALES, memory_report_e4m3
-from .launches import (backward_frag_dq, backward_launch, decode_launch, dq_accumulator_width, forward_dv_launch,
+from .launches import (H200_SM_COUNT, backward_frag_dq, backward_launch, decode_launch, dq_accumulator_width, forward_dv_launch,
                        forward_key_split, forward_launch)
 from .reports import (ACC_ITEMSIZE, INPUT, INTERMEDIATE, LSE_ITEMSIZE, ON_CHIP, OUTPUT, SAVED, WORKSPACE, MemoryEntry,
                       MemoryReport)
@@ -72,7 +74,7 @@ def _narrowed(wide: MemoryReport, d: int, dv: int, tiled: bool, native=None, reg
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
                   layout="bhsd", splits=None, registers=None, deterministic=False, alibi_slopes=None,
                   sinks=None, out_dtype=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, q_descale=None,
-                  k_descale=None, v_descale=None) -> MemoryReport:
+                  k_descale=None, v_descale=None, v_aliases_k=True) -> MemoryReport:
     """Every device buffer of one attention pass, exact bytes, by category.
 
     q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
@@ -93,6 +95,11 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     ``alibi_slopes`` / ``sinks``: arrays or shapes of the score modifiers' float32 inputs (listed
     as inputs; the backward with sinks also writes dsinks, float32 (Hq,)). A softcap adds no
     buffer.
+
+    MLA decoding's head dims (q and k 576, v 512; decode shapes): attn_decode_mla's call
+    (plan.decode_mla), the forward on the kernel only. ``v_aliases_k`` (default True, the MLA use):
+    v is k[..., :512], a view of K's memory that adds no bytes; False: v is its own array. Workspace:
+    the splits' float32 partial O (512 wide) and LSE where the plan (or ``splits``) splits the keys.
 
     ``out_dtype=float32`` (forward, tiled) with 16-bit inputs models ``attention(...,
     out_dtype=float32)`` on the GPU: for d a multiple of 8 the mma.sync kernel with a float32
@@ -134,6 +141,8 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     p = problem_dims(q, k, v, layout, dtype)
     run = dict(method=method, pass_=pass_, causal=causal, config=config, layout=layout, splits=splits,
                registers=registers, deterministic=deterministic)
+    if is_mla(p):
+        return _report_mla(p, out_dtype, alibi_slopes, sinks, v_aliases_k, **run)
     if p.dv != p.d:
         return _report_head_dim_v(p, q, k, v, out_dtype, alibi_slopes, sinks, **run)
     if check_out_dtype(out_dtype) and p.dtype != FLOAT32:
@@ -165,6 +174,41 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     if dtype is None and not any(hasattr(x, "dtype") for x in (q, k, v)):
         notes.append("no arrays and no dtype given: bfloat16 assumed")
     return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E), tuple(notes))
+
+
+def _report_mla(p, out_dtype, alibi_slopes, sinks, v_aliases_k, *, method, pass_, causal, config, layout, splits,
+                registers, deterministic):
+    """MLA decoding's (576, 512): attn_decode_mla's buffers as plan.decode_mla lays out its launch."""
+    for name, bad in (("method", method != "tiled"), ("pass_", pass_ != "fwd"), ("config", config is not None),
+                      ("registers", registers is not None), ("out_dtype", check_out_dtype(out_dtype)),
+                      ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None)):
+        if bad:
+            raise ValueError(f"{name}: MLA decode's head dims {MLA_HEAD_DIMS} are modelled for the kernel's forward "
+                             "(method='tiled', pass_='fwd'; no config, registers, out_dtype or score modifiers)")
+    if splits is not None:
+        splits = check_int("splits", splits, minimum=1)
+    p = SimpleNamespace(**vars(p), group=p.hq // p.hkv)  # (the plan's Problem fields)
+    plan = decode_mla.launch_plan(p, H200_SM_COUNT, splits)
+    s = p.dtype.itemsize
+    rows = p.batch * p.hq * p.nq
+    cache = p.batch * p.hkv * p.nk
+    E = [MemoryEntry("Q", INPUT, rows * p.d * s, "B*Hq*Nq*d"),
+         MemoryEntry("K", INPUT, cache * p.d * s, "B*Hkv*Nk*d: the latent cache"),
+         MemoryEntry("V", INPUT, 0 if v_aliases_k else cache * p.dv * s,
+                     f"v = k[..., :{p.dv}]: a view of K's memory" if v_aliases_k else "B*Hkv*Nk*dv"),
+         MemoryEntry("O", OUTPUT, rows * p.dv * s, "B*Hq*Nq*dv"),
+         MemoryEntry("LSE", SAVED, rows * LSE_ITEMSIZE, "float32 log-sum-exp, B*Hq*Nq*4: written by the forward")]
+    if plan.splits > 1:
+        E += [MemoryEntry("O partials", WORKSPACE, rows * plan.splits * p.dv * ACC_ITEMSIZE,
+                          f"split-KV: float32 B*Hq*Nq*splits*dv, splits={plan.splits}, merged by attn_decode_combine"),
+              MemoryEntry("LSE partials", WORKSPACE, rows * plan.splits * LSE_ITEMSIZE,
+                          f"split-KV: float32 B*Hq*Nq*splits, splits={plan.splits}")]
+    spec = decode_mla.kernel_spec(p.dtype, plan.row_tiles, causal is not None, v_aliases_k)
+    E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
+                         f"MLA decode: {16 * plan.row_tiles} packed (head, token) rows, {plan.row_blocks} row blocks, "
+                         f"{plan.tile.block_n}-key stages; {spec.expression}"))
+    shape = dict(batch=p.batch, hq=p.hq, hkv=p.hkv, nq=p.nq, nk=p.nk, d=p.d, dv=p.dv)
+    return MemoryReport(method, pass_, dtype_name(p.dtype), shape, tuple(E), ())
 
 
 def _report_head_dim_v(p, q, k, v, out_dtype, alibi_slopes, sinks, *, method, pass_, causal, config, layout,

@@ -4,8 +4,8 @@ q (B, Hq, Nq, 576) with few query tokens against one 576-wide cache row per key 
 the first 512 columns of that row (v aliasing k: the kernel reads each row once) or a separate
 array. The (head, token) rows of one K/V head are packed into 16-row mma tiles as in the split-KV
 decode kernel (plan.decode): at most MLA_TILE.max_row_tiles tiles per block, more rows as row
-blocks; the keys are split over blocks for about WAVES blocks per SM, and the splits' partials
-merge in attn_decode_combine<T, 512>.
+blocks; the keys are split over blocks for about WAVES blocks per SM (MAX_PARTIAL_SHARE caps the
+splits' partial traffic), and the splits' partials merge in attn_decode_combine<T, 512>.
 """
 
 from __future__ import annotations
@@ -61,8 +61,15 @@ MLA_TILES = {
 }
 MLA_TILE = MLA_TILES[(D, DV)]
 
-WAVES = 2  # blocks per SM the split count aims for (as plan.decode)
+# One block per SM: a block's shared memory (159-188 KB of sm_90's 227 KB) leaves no room for a
+# second, so the split count aims at one full wave (two would run as two waves, not side by side).
+WAVES = 1
 MIN_SPLIT_KEYS = 256  # the fewest keys per split: eight 32-key stages, so a split's start and end stay small
+# Each split writes its rows' float32 partial O (512 wide) and the combine reads it again: 4 KB per
+# row and split against 1152 bytes per cached key. At Hq = 128, one token, L = 32k, the 64 splits
+# that fill the SMs would add 32 MB of partials to a 38 MB cache; the cap keeps them to a quarter of
+# the cache's bytes (18 splits there).
+MAX_PARTIAL_SHARE = 0.25
 
 
 def row_blocks(p) -> int:
@@ -78,11 +85,15 @@ def row_tiles(p) -> int:
 
 
 def num_splits(p, sm_count: int, waves: int | None = None) -> int:
-    """About `waves` blocks per SM over the (sequence, K/V head, row block) blocks, each split at
-    least MIN_SPLIT_KEYS keys."""
+    """About `waves` blocks per SM over the (sequence, K/V head, row block) blocks; each split at
+    least MIN_SPLIT_KEYS keys, and the partials' traffic at most MAX_PARTIAL_SHARE of the cache's."""
     blocks = max(1, p.batch * p.hkv * row_blocks(p))
     want = max(1, ((waves or WAVES) * sm_count) // blocks)
-    return max(1, min(want, -(-max(p.nk, 1) // MIN_SPLIT_KEYS)))
+    by_keys = -(-max(p.nk, 1) // MIN_SPLIT_KEYS)
+    cache_bytes = p.hkv * p.nk * D * 2  # per sequence
+    partial_bytes = 2 * p.hq * p.nq * DV * 4  # per sequence and split: written, then read by the combine
+    by_traffic = max(1, int(MAX_PARTIAL_SHARE * cache_bytes) // partial_bytes)
+    return max(1, min(want, by_keys, by_traffic))
 
 
 class MlaPlan(NamedTuple):
