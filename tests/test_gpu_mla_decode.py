@@ -5,6 +5,7 @@ float64 reference by the accuracy rule."""
 
 import numpy as np
 import pytest
+from _launches import record_launches
 from _mla_cases import CASES, DV, check_mla
 
 from cuflash.core.arrays import BFLOAT16, FLOAT16
@@ -43,14 +44,7 @@ def test_long_cache_many_splits(rng, forced_splits):
 
 def test_v_view_is_read_in_place(rng, monkeypatch):
     """v = k[..., :512] launches the V_IN_K instantiation on the caller's memory (no copy of k or v)."""
-    seen = []
-    original = mla_kernels.get_function
-
-    def spy(spec):
-        seen.append(spec.expression)
-        return original(spec)
-
-    monkeypatch.setattr(mla_kernels, "get_function", spy)
+    seen = record_launches(monkeypatch, mla_kernels)
     check_mla(rng, cupy, BFLOAT16, hq=16, hkv=1, nq=1, nk=2048)
     assert any(e.startswith("attn_decode_mla<") and e.endswith(", true>") for e in seen), seen
 
