@@ -37,7 +37,7 @@
 #   GIT_COMMIT     commit id to record when .git is not present (else git rev-parse HEAD)
 #   ASV=1          first record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
 #                  ASV_WHEELS=dir installs asv from wheels first); results in $OUT/asv_results.tar
-#   ASV_TIMEOUT    seconds for that run (default 150)
+#   ASV_TIMEOUT    seconds for that run (default 220)
 #
 # Exit status: non-zero when the tests, a benchmark or the summary failed.
 set -u
@@ -61,7 +61,7 @@ if [ "${ASV:-0}" = 1 ]; then
         python3 -m pip install -q --no-index --find-links "$ASV_WHEELS" asv==0.6.6 > /dev/null 2>&1
     fi
     commit=${GIT_COMMIT:-$(git rev-parse HEAD)}
-    timeout "${ASV_TIMEOUT:-150}" bash tools/asv_history.sh "$commit" 2>&1 | grep -v "cuflash imported from" | tail -12
+    timeout "${ASV_TIMEOUT:-220}" bash tools/asv_history.sh "$commit" 2>&1 | grep -v "cuflash imported from" | tail -12
     r=${PIPESTATUS[0]}; echo "asv rc=$r"; [ "$r" -ne 0 ] && rc=1
 fi
 
