@@ -12,11 +12,15 @@
 //    At most two row tiles (32 packed rows) per block: four (O at 128 registers) reached ptxas'
 //    255 and spilled 4-12 bytes (bf16, with and without V_IN_K); more packed rows run as row blocks
 //    (attn_decode's row_blocks), each reading the K/V head (from L2 when they run together).
-//  * S = Q K^T (53% of the flops: 576 of 1088 per key) is computed once: warp (row tile, key slice)
-//    computes its slice of S, the tile's row max goes through shared memory, and P (16-bit) and the
-//    rows' rescale factors go to shared memory for the P V warps. Recomputing S in each of the 8
-//    column-split warps instead would cost 7 x 53% = 3.7x more flops: invisible at Hq = 16, but at
-//    Hq = 128 (242 flop/byte) it would make the kernel compute-bound at a third of the copy rate.
+//  * S = Q K^T (53% of the flops: 576 of 1088 per key) is computed once. Warp (row tile, quarter of
+//    the head dim) multiplies its 144 columns of Q and of all 32 keys: each Q fragment feeds four
+//    8-key mma tiles (four accumulator chains of 9 steps), and a tile's Q and K cross shared memory
+//    about once (a warp per 8-key slice over all 576 columns reloads Q for each slice: twice the
+//    bytes, one chain of 36 dependent steps). The four partial S meet in shared memory; warp (row
+//    tile, 8-key slice) sums its slice, and the tile's row max, P (16-bit) and the rows' rescale
+//    factors go through shared memory to the P V warps. Recomputing S in each of the 8 column-split
+//    warps instead would cost 7 x 53% = 3.7x more flops: invisible at Hq = 16, but at Hq = 128 (242
+//    flop/byte) it would make the kernel compute-bound at a third of the copy rate.
 //  * V_IN_K (v aliases k's first 512 columns: same pointer, same strides): P V reads V from the K
 //    tile in shared memory - each cache row crosses DRAM once, 1152 bytes per key instead of 2176.
 //    Otherwise a V ring of the same keys is copied alongside.
@@ -37,8 +41,15 @@ struct MlaDecodeTraits {
     static constexpr int kWarps = 8, kThreads = kWarps * 32;
     static constexpr int kBlockN = 32;  // keys per ring stage (see the top)
     static constexpr int kStages = V_IN_K ? 4 : 2;  // (see the top)
-    // S's work: warp w computes row tile w % ROW_TILES over key slice w / ROW_TILES of kSliceKeys
-    // keys (RT 1: four warps of 8 keys; RT 2: eight of 8).
+    // S's products: warp w multiplies row tile w % ROW_TILES over head-dim part w / ROW_TILES (kDParts
+    // parts of kDPartSteps 16-column steps) for all kBlockN keys; its partial S (kPartStride floats a
+    // row: 8 more than the tile's 32 keys, so the warp's float2 stores of 8 rows fall on distinct banks).
+    static constexpr int kDParts = 4, kDPartSteps = kMlaD / 16 / kDParts;
+    static constexpr int kGemmWarps = ROW_TILES * kDParts;
+    static constexpr int kGemmN8 = kBlockN / 8;  // 8-key mma tiles of a warp's partial S
+    static constexpr int kPartStride = kBlockN + 8;
+    // S's softmax: warp w takes row tile w % ROW_TILES, key slice w / ROW_TILES of kSliceKeys keys
+    // (RT 1: four warps of 8 keys; RT 2: eight of 8).
     static constexpr int kSlices = 4;
     static constexpr int kSliceKeys = kBlockN / kSlices;
     static constexpr int kSWarps = ROW_TILES * kSlices;
@@ -46,14 +57,18 @@ struct MlaDecodeTraits {
     // P V's work: warp w owns O's columns [64 w, 64 w + 64) of every row tile.
     static constexpr int kOCols = kMlaDv / kWarps, kON8 = kOCols / 8;
     static constexpr int kKTile = kBlockN * kMlaD, kVTile = V_IN_K ? 0 : kBlockN * kMlaDv;  // elements
-    // shared memory, in bytes: Q, the K (and V) ring, P, then float statistics
+    // shared memory, in bytes: Q, the K (and V) ring, P, float statistics, then the partial S
     static constexpr int kQBytes = kRows * kMlaD * 2;
     static constexpr int kRingBytes = kStages * (kKTile + kVTile) * 2;
     static constexpr int kPBytes = kRows * kBlockN * 2;
     static constexpr int kStatFloats = 2 * kSlices * kRows + 2 * kRows;  // max and sum per slice, alpha, final max
-    static constexpr int kSmemBytes = kQBytes + kRingBytes + kPBytes + kStatFloats * 4;
+    static constexpr int kPartFloats = kDParts * kRows * kPartStride;
+    static constexpr int kSmemBytes = kQBytes + kRingBytes + kPBytes + (kStatFloats + kPartFloats) * 4;
     static_assert(ROW_TILES == 1 || ROW_TILES == 2, "O's registers: at most two row tiles (see the top)");
     static_assert(kSWarps <= kWarps && kSliceKeys % 8 == 0, "S slices cover the key tile");
+    static_assert(kGemmWarps <= kWarps && kDParts * kDPartSteps * 16 == kMlaD && kBlockN % 16 == 0,
+                  "the head-dim parts cover q's 576 columns; keys in 16-key ldmatrix groups");
+    static_assert(kStatFloats % 2 == 0 && (kQBytes + kRingBytes + kPBytes) % 8 == 0, "float2 partials");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90's shared memory per block");
 };
 
@@ -83,28 +98,60 @@ __device__ __forceinline__ void mla_load_tile(u16* sK, u16* sV, const u16* gK, c
     }
 }
 
-// S = Q K^T for one warp's (row tile, key slice): Q's A fragments and K's B fragments by ldmatrix
-// from the swizzled tiles, 32 of the 576 columns per K load.
-template <typename T, int SN8>
-__device__ __forceinline__ void mla_scores(float (&s)[SN8][4], const LaneAddr<kMlaD>& aQ, const LaneAddr<kMlaD>& aK,
-                                           int q_row, int k_row) {
+// One warp's partial S: Q's rows q_row .. q_row + 15 times the tile's keys over the head dim's
+// 16-column steps step0 .. step0 + STEPS - 1. Q's A fragment by ldmatrix, K's B fragments of 16 keys
+// per ldmatrix (aK16: lanes 0-15 keys 0-7, 16-31 keys 8-15; odd lane octets the step's upper 8
+// columns); one accumulator chain per 8-key tile.
+template <typename T, int N8, int STEPS>
+__device__ __forceinline__ void mla_partial_scores(float (&s)[N8][4], const LaneAddr<kMlaD>& aQ,
+                                                   const LaneAddr<kMlaD>& aK16, int q_row, int step0) {
+    static_assert(N8 % 2 == 0, "16-key ldmatrix groups");
 #pragma unroll
-    for (int j = 0; j < SN8; ++j)
+    for (int j = 0; j < N8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-#pragma unroll 1
-    for (int c = 0; c < kMlaD / 32; ++c) {  // 32 columns: two k16 steps
-        u32 a0[4], a1[4];
-        ldmatrix_x4(a0, aQ.at(q_row, 4 * c));
-        ldmatrix_x4(a1, aQ.at(q_row, 4 * c + 2));
 #pragma unroll
-        for (int j = 0; j < SN8; ++j) {
+    for (int kk = 0; kk < STEPS; ++kk) {
+        const int chunk = 2 * (step0 + kk);  // 8-column chunks
+        u32 a[4];
+        ldmatrix_x4(a, aQ.at(q_row, chunk));
+#pragma unroll
+        for (int jp = 0; jp < N8 / 2; ++jp) {
             u32 kb[4];
-            ldmatrix_x4(kb, aK.at(k_row + 8 * j, 4 * c));
-            mma_16816<T>(s[j], a0, kb[0], kb[1]);
-            mma_16816<T>(s[j], a1, kb[2], kb[3]);
+            ldmatrix_x4(kb, aK16.at(16 * jp, chunk));
+            mma_16816<T>(s[2 * jp], a, kb[0], kb[1]);
+            mma_16816<T>(s[2 * jp + 1], a, kb[2], kb[3]);
         }
     }
+}
+
+// Fragment-ordered float2 pairs of a 16-row partial S tile in a row-major float array (stride
+// STRIDE): element (j, e) of the lane is row (lane >> 2) + 8 (e >> 1), column 8 j + 2 (lane & 3) + (e & 1).
+template <int N8, int STRIDE>
+__device__ __forceinline__ void mla_store_partial(float* dst, const float (&s)[N8][4], int lane) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(dst + ((lane >> 2) + 8 * h) * STRIDE + 8 * j + 2 * (lane & 3)) =
+                make_float2(s[j][2 * h], s[j][2 * h + 1]);
+}
+// s = the sum of PARTS partials (PART_FLOATS apart) of the same fragment (columns col0 + 8 j).
+template <int N8, int STRIDE, int PARTS, int PART_FLOATS>
+__device__ __forceinline__ void mla_sum_partials(float (&s)[N8][4], const float* src, int col0, int lane) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+            for (int q = 0; q < PARTS; ++q) {
+                const float2 x = *reinterpret_cast<const float2*>(src + q * PART_FLOATS + ((lane >> 2) + 8 * h) * STRIDE +
+                                                                  col0 + 8 * j + 2 * (lane & 3));
+                acc.x += x.x, acc.y += x.y;
+            }
+            s[j][2 * h] = acc.x, s[j][2 * h + 1] = acc.y;
+        }
 }
 
 // Scores of keys at or past s1, and (CAUSAL) past a row's token + hi0, to -inf. Thread rows: the
@@ -142,6 +189,7 @@ attn_decode_mla(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     float* s_sum = s_max + Tr::kSlices * kRows;  // [kSlices][kRows]: final sum per slice
     float* s_alpha = s_sum + Tr::kSlices * kRows;  // [kRows]: this tile's rescale of O
     float* s_m = s_alpha + kRows;  // [kRows]: the final max
+    float* s_part = s_m + kRows;  // [kDParts][kRows][kPartStride]: partial S of the tile
 
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -165,7 +213,10 @@ attn_decode_mla(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     for (int t = 0; t < kST - 1; ++t) load(t);
     decode_pack_q<kMlaD, ROW_TILES, Tr::kThreads>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, kMlaD);
 
-    // S roles: row tile srt, keys [sk0, sk0 + kSliceKeys) of each tile, slice ks.
+    // S's products: row tile grt, head-dim part gdp.
+    const bool gemm_warp = warp < Tr::kGemmWarps;
+    const int grt = warp % ROW_TILES, gdp = warp / ROW_TILES;
+    // S's softmax: row tile srt, keys [sk0, sk0 + kSliceKeys) of each tile, slice ks.
     const bool s_warp = warp < Tr::kSWarps;
     const int srt = warp % ROW_TILES, ks = warp / ROW_TILES, sk0 = ks * Tr::kSliceKeys;
     const int r0 = srt * 16 + (lane >> 2);  // this thread's S rows r0, r0 + 8
@@ -182,10 +233,18 @@ attn_decode_mla(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         load(t + kST - 1);
         const u32 kslot = smem_addr(slot_k(t));
         const int key0 = s0 + t * kBN;
+        if (gemm_warp) {
+            float part[Tr::kGemmN8][4];
+            const LaneAddr<kMlaD> aK16(kslot, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+            mla_partial_scores<T, Tr::kGemmN8, Tr::kDPartSteps>(part, aQ, aK16, grt * 16, gdp * Tr::kDPartSteps);
+            mla_store_partial<Tr::kGemmN8, Tr::kPartStride>(s_part + (gdp * kRows + grt * 16) * Tr::kPartStride, part,
+                                                            lane);
+        }
+        __syncthreads();  // the partial S of every head-dim part
         float s[kSN8][4];
         if (s_warp) {
-            const LaneAddr<kMlaD> aK(kslot, lane & 7, lane >> 3);
-            mla_scores<T, kSN8>(s, aQ, aK, srt * 16, sk0);
+            mla_sum_partials<kSN8, Tr::kPartStride, Tr::kDParts, kRows * Tr::kPartStride>(
+                s, s_part + srt * 16 * Tr::kPartStride, sk0, lane);
             mla_mask<kSN8, CAUSAL>(s, key0 + sk0, s1, r0, nq, hi0, lane);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

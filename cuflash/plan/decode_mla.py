@@ -34,6 +34,7 @@ class MlaTile:
     max_row_tiles: int  # 16-row tiles of packed rows per block
     stages: int  # ring stages with v aliasing k (separate v: stages_separate)
     stages_separate: int
+    d_parts: int  # S's products split over the head dim (each warp: a quarter of 576 columns, all keys)
     reason: str
 
     @property
@@ -46,22 +47,24 @@ class MlaTile:
         stages = self.stages if v_in_k else self.stages_separate
         ring = stages * self.block_n * (D + (0 if v_in_k else DV)) * 2
         slices = 4
-        return rows * D * 2 + ring + rows * self.block_n * 2 + (2 * slices * rows + 2 * rows) * 4
+        partials = self.d_parts * rows * (self.block_n + 8)  # partial S, rows padded by 8 floats
+        return rows * D * 2 + ring + rows * self.block_n * 2 + (2 * slices * rows + 2 * rows + partials) * 4
 
 
 # The one tile table (keyed by the one head-dim pair), with its reason.
 MLA_TILES = {
     (D, DV): MlaTile(
-        block_n=32, warps=8, max_row_tiles=2, stages=4, stages_separate=2,
+        block_n=32, warps=8, max_row_tiles=2, stages=4, stages_separate=2, d_parts=4,
         reason="O's 512 fp32 columns split over 8 warps (64 each): 32 registers per row tile; two row tiles "
                "(226-230 registers, no spills) - four reached 255 and spilled. 32-key stages of 36.9 KB: with "
                "the 36.9 KB Q tile, four K stages (three in flight) or two K+V stages fit 227 KB; S computed "
-               "once per (row tile, 8-key slice) warp and shared as P: at Hq = 128 (242 flop/byte) the block "
-               "is near the compute ridge, so S is not recomputed per column-split warp."),
+               "once, by (row tile, quarter of the head dim) warps over all 32 keys (each Q fragment feeds four "
+               "mma tiles; partials summed in shared memory) and shared as P: at Hq = 128 (242 flop/byte) the "
+               "block is near the compute ridge, so S is not recomputed per column-split warp."),
 }
 MLA_TILE = MLA_TILES[(D, DV)]
 
-# One block per SM: a block's shared memory (159-188 KB of sm_90's 227 KB) leaves no room for a
+# One block per SM: a block's shared memory (166-203 KB of sm_90's 227 KB) leaves no room for a
 # second, so the split count aims at one full wave (two would run as two waves, not side by side).
 WAVES = 1
 MIN_SPLIT_KEYS = 256  # the fewest keys per split: eight 32-key stages, so a split's start and end stay small
