@@ -49,6 +49,11 @@ struct FwdConsumer {
     // where a row's largest key has P = 1 exactly; P up to 2^8 rounds that key too (2.4x the
     // largest error of o in one emulated case).
     static constexpr bool kStale = HEAD_DIM >= 256 && !Tr::kFp8;
+    // e4m3: O's rescale skipped by whole warps when none of the warp's rows moved its max (exact:
+    // alpha is then 1), without the stale max (P stays <= 1). The e4m3 tile's softmax is as long as
+    // its GEMMs (docs/performance.md#fp8-e4m3), so the 64 or 128 FMULs a step it saves count more
+    // than the vote and the branch.
+    static constexpr bool kLazy = kStale || Tr::kFp8;
     // (warp-specialized) Where P_j V_j's wgmma retires. Written after the softmax of tile j+1,
     // ptxas schedules that wait near the top of its basic block, i.e. before the softmax (SASS:
     // DEPBAR.LE gsb0 0 before the first MUFU.EX2), and the softmax never overlaps P_j V_j.
@@ -118,7 +123,7 @@ struct FwdConsumer {
     }
 
     __device__ __forceinline__ void rescale_o() {
-        if (!kStale || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
+        if (!kLazy || __any_sync(0xffffffffu, moved)) softmax.rescale(acc_o, alpha);
     }
     // The GEMMs of key tile j (the ring's count kv0 + j), its mask and P (hopper/fwd_mainloop.cuh).
     __device__ __forceinline__ void issue_qk(int j) {
