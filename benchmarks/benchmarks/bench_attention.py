@@ -5,7 +5,8 @@ values), compiles and warms up in ``setup``, and synchronizes the device inside 
 function. What is recorded per commit:
 
 * ``time_*``: asv's wall-clock time of one call including the synchronize;
-* ``track_gpu_ms``: median CUDA-event time of the call alone, L2 flushed between repeats;
+* ``track_gpu_ms``: median CUDA-event time of the call alone (its launch hidden behind a GPU spin),
+  L2 flushed between repeats;
 * ``track_peak_bytes``: the most bytes one call's own allocations from CuPy's memory pool held
   at once (a memory hook; the output is counted, the inputs are not);
 * ``track_host_us`` (decode): host time of one call, calls queued behind a GPU spin so the host
@@ -38,6 +39,8 @@ REFERENCE_BYTES_PER_PAIR = 16  # S and P in float32 plus temporaries (peers note
 REFERENCE_BACKWARD_BYTES_PER_PAIR = 24  # P, dP, their product and dS
 REFERENCE_MAX_BYTES = 40e9
 L2_FLUSH_BYTES = 256 << 20
+L2_CLEAN_BYTES = 96 << 20  # read after the flush: more than the H200's 60 MiB L2
+EVENT_SPIN_CYCLES = 2_000_000  # about 1 ms at ~2 GHz: more than a call's host time
 EVENT_REPEATS = 20
 
 # The history: what tools/asv_history.sh runs for every recorded commit (asv --bench regexes;
@@ -97,12 +100,29 @@ def random_normal(cp, shape, dtype_name, seed):
     return rounded.astype(cp.uint16).view(_dtype("bfloat16"))
 
 
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
 def event_ms(cp, fn, repeats=EVENT_REPEATS):
-    """Median CUDA-event time of fn() in ms; an L2 flush (outside the events) before each call."""
+    """Median CUDA-event time of fn() in ms, the device's time only. Before each call, outside the
+    events: an L2 flush (a write, then a read of a clean buffer, so that the call pays for no dirty
+    lines) and a one-thread GPU spin of about 1 ms that the host's launch of fn() overlaps. Without
+    the spin the events also hold whatever host time of fn() the GPU waits for: on one H100 start
+    cuflash's causal d = 128 N = 16k forward read 1.79 ms that way against 1.54 ms by
+    benchmarks/peers.py, which hides the launch, while cuDNN's read 1.70 against 1.73."""
     flush = cp.empty(L2_FLUSH_BYTES, dtype=cp.uint8)
+    clean = cp.ones(L2_CLEAN_BYTES, dtype=cp.uint8)
+    spin = cp.RawKernel(_SPIN, "spin")
     times = []
     for _ in range(repeats):
         flush.fill(0)
+        clean.max()
+        spin((1,), (1,), (np.int64(EVENT_SPIN_CYCLES),))
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         fn()
@@ -110,14 +130,6 @@ def event_ms(cp, fn, repeats=EVENT_REPEATS):
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))
     return float(np.median(times))
-
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-"""
 
 
 def host_us(cp, fn, calls=200):
