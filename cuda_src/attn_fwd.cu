@@ -39,6 +39,131 @@ struct FwdTraits {
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
 
+// The key tiles a query tile reads: [j0, j0 + n_tiles) of BLOCK_N keys. All keys, or up to the
+// last valid row's upper limit (kHi: causal or a band), and from the first row's lower limit under
+// a band: whole tiles outside are never loaded.
+template <int BLOCK_N, bool HI, bool BAND>
+__device__ __forceinline__ void fwd_key_tiles(int m0, int rows_valid, int nk_b, int hi, int lo, int& j0, int& n_tiles) {
+    int n_end = nk_b;
+    if constexpr (HI) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
+    j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (BAND) {
+        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
+        j0 = n_begin / BLOCK_N;
+        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
+    }
+}
+
+// One K/V tile (keys n0 .. n0 + BLOCK_N - 1, zero past nk_b) into ring slot `slot` (no commit).
+template <typename Tr, bool VEC>
+__device__ __forceinline__ void fwd_load_kv(u16* sK, u16* sV, int slot, const u16* gK, const u16* gV, i64 k_sn, i64 v_sn,
+                                            int n0, int nk_b, int d) {
+    load_tile_rows<Tr::kHeadDim, Tr::kBlockN, Tr::kThreads, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk_b - n0, d,
+                                                                threadIdx.x);
+    load_tile_rows<Tr::kHeadDim, Tr::kBlockN, Tr::kThreads, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk_b - n0, d,
+                                                                threadIdx.x);
+}
+
+// S = Q K^T for the warp's rows against the tile in ring slot bytes `slot_bytes`: Q's A fragments
+// from q_frag (kQInRegs) or by ldmatrix, K's B fragments by ldmatrix, 16 keys per load.
+template <typename T, typename Tr, int QM, int QK>
+__device__ __forceinline__ void fwd_scores(float (&acc_s)[Tr::kMmaM][Tr::kNTilesS][4], const u32 (&q_frag)[QM][QK][4],
+                                           const LaneAddr<Tr::kHeadDim>& aQ, const LaneAddr<Tr::kHeadDim>& aK,
+                                           u32 slot_bytes) {
+    constexpr int kMmaM = Tr::kMmaM, kNS = Tr::kNTilesS;
+    zero_acc(acc_s);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+        u32 a[kMmaM][4];
+#pragma unroll
+        for (int mi = 0; mi < kMmaM; ++mi) {
+            if constexpr (Tr::kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][kk][e];
+            } else {
+                ldmatrix_x4(a[mi], aQ.at(mi * 16, kk * 2));
+            }
+        }
+#pragma unroll
+        for (int ni = 0; ni < kNS; ni += 2) {
+            u32 bk[4];
+            ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + slot_bytes);
+#pragma unroll
+            for (int mi = 0; mi < kMmaM; ++mi) {
+                mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
+                mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
+            }
+        }
+    }
+}
+
+// Whether the warp's rows (from row0) meet a boundary in the tile of keys n0 ..: the sequence's
+// end, (HI) a row's upper limit, (BAND) a row's lower limit. Only such tiles pay for the mask.
+template <typename Tr, bool HI, bool BAND>
+__device__ __forceinline__ bool fwd_tile_needs_mask(int n0, int nk_b, int row0, int hi, int lo) {
+    bool need = (n0 + Tr::kBlockN > nk_b) || (HI && n0 + Tr::kBlockN - 1 > row0 + hi);
+    if constexpr (BAND) need = need || n0 < row0 + Tr::kRowsPerWarp - 1 + lo;
+    return need;
+}
+
+// The warp's normalized O, float32 (O32), straight from the accumulator fragments: a lane holds two
+// adjacent columns of a row (8 bytes), four lanes 32 contiguous bytes of it. gO: the tile's row 0.
+template <typename Tr, bool VEC>
+__device__ __forceinline__ void fwd_store_o32(float* gO, const float (&acc_o)[Tr::kMmaM][Tr::kNTilesO][4], int warp_row0,
+                                              int rows_valid, i64 o_sn, int d, int lane) {
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
+            if (row >= rows_valid) continue;
+#pragma unroll
+            for (int di = 0; di < Tr::kNTilesO; ++di) {
+                const int col = di * 8 + 2 * (lane & 3);
+                const float x0 = acc_o[mi][di][2 * hf], x1 = acc_o[mi][di][2 * hf + 1];
+                if constexpr (VEC) {  // rows 16-byte aligned, d a multiple of 8
+                    float2 pair;
+                    pair.x = x0;
+                    pair.y = x1;
+                    if (col < d) *reinterpret_cast<float2*>(gO + row * o_sn + col) = pair;
+                } else {
+                    if (col < d) gO[row * o_sn + col] = x0;
+                    if (col + 1 < d) gO[row * o_sn + col + 1] = x1;
+                }
+            }
+        }
+}
+
+// The warp's rows of O in 16 bits, staged in shared memory (the warp's own rows of the Q tile, only
+// it read them) for a coalesced store.
+template <typename T, typename Tr>
+__device__ __forceinline__ void fwd_stage_o16(u16* sQ, const float (&acc_o)[Tr::kMmaM][Tr::kNTilesO][4], int warp_row0,
+                                              int lane) {
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMmaM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
+#pragma unroll
+            for (int di = 0; di < Tr::kNTilesO; ++di) {
+                u16* dst = sQ + Tr::Swz::offset(row, di * 8) + 2 * (lane & 3);
+                *reinterpret_cast<u32*>(dst) = pack2<T>(acc_o[mi][di][2 * hf], acc_o[mi][di][2 * hf + 1]);
+            }
+        }
+}
+// The warp's rows' log-sum-exp (lane 0 of each quad holds its rows' values). gL: the tile's row 0.
+template <typename Tr>
+__device__ __forceinline__ void fwd_store_lse(float* gL, const float (&row_lse)[2 * Tr::kMmaM], int warp_row0,
+                                              int rows_valid, int lane) {
+    if ((lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2 * Tr::kMmaM; ++r) {
+            const int row = warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+            if (row < rows_valid) gL[row] = row_lse[r];
+        }
+    }
+}
+
 // O32: o is float32 (cuflash.attention(out_dtype=float32)): the normalized accumulator is stored
 // as it is, never rounded to 16 bits; o points to floats and its strides count floats.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
@@ -77,27 +202,14 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     const u16* gQ = q + b * q_sb + h * q_sh + (i64)(q_row0 + m0) * q_sn;
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + (i64)k_row0 * v_sn;
-
-    // Keys this tile can see: all of them, or up to the last valid row's causal limit, and from
-    // the first row's lower limit under a band (whole tiles outside are never loaded).
-    int n_end = nk_b;
-    if constexpr (kHi) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
-    int j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-    if constexpr (BAND) {
-        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
-        j0 = n_begin / BLOCK_N;
-        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
-    }
+    int j0, n_tiles;
+    fwd_key_tiles<BLOCK_N, kHi, BAND>(m0, rows_valid, nk_b, hi, lo, j0, n_tiles);
 
     // Prologue: Q and the first STAGES-1 K/V tiles in flight (one commit group per tile).
     load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, gQ, q_sn, rows_valid, d, threadIdx.x);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_tiles) {
-            const int n0 = (j0 + s) * BLOCK_N;
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + s * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk_b - n0, d, threadIdx.x);
-            load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + s * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk_b - n0, d, threadIdx.x);
-        }
+        if (s < n_tiles) fwd_load_kv<Tr, VEC>(sK, sV, s, gK, gV, k_sn, v_sn, (j0 + s) * BLOCK_N, nk_b, d);
         cp_async_commit();
     }
 
@@ -127,11 +239,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
         __syncthreads();
         {
             const int jn = j + STAGES - 1;
-            if (jn < n_tiles) {
-                const int slot = jn % STAGES, n0 = (j0 + jn) * BLOCK_N;
-                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sK + slot * Tr::kTileKV, gK + n0 * k_sn, k_sn, nk_b - n0, d, threadIdx.x);
-                load_tile_rows<HEAD_DIM, BLOCK_N, Tr::kThreads, VEC>(sV + slot * Tr::kTileKV, gV + n0 * v_sn, v_sn, nk_b - n0, d, threadIdx.x);
-            }
+            if (jn < n_tiles) fwd_load_kv<Tr, VEC>(sK, sV, jn % STAGES, gK, gV, k_sn, v_sn, (j0 + jn) * BLOCK_N, nk_b, d);
             cp_async_commit();
         }
         const u32 slot_bytes = (j % STAGES) * Tr::kTileKV * 2;
@@ -143,44 +251,17 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
                     for (int mi = 0; mi < kMmaM; ++mi) ldmatrix_x4(q_frag[mi][kk], aQ.at(mi * 16, kk * 2));
             }
         }
-
-        // S = Q K^T for this warp's rows.
         float acc_s[kMmaM][kNS][4];
-        zero_acc(acc_s);
-#pragma unroll
-        for (int kk = 0; kk < kKStepsQK; ++kk) {
-            u32 a[kMmaM][4];
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                if constexpr (Tr::kQInRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][kk][e];
-                } else {
-                    ldmatrix_x4(a[mi], aQ.at(mi * 16, kk * 2));
-                }
-            }
-#pragma unroll
-            for (int ni = 0; ni < kNS; ni += 2) {
-                u32 bk[4];
-                ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + slot_bytes);
-#pragma unroll
-                for (int mi = 0; mi < kMmaM; ++mi) {
-                    mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
-                    mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
-                }
-            }
-        }
+        fwd_scores<T, Tr>(acc_s, q_frag, aQ, aK, slot_bytes);
 
-        // Mask keys past the end and, under causality, keys after each row's diagonal (and, under
-        // a band, keys before its lower limit). Only the tiles that straddle a boundary pay for it.
+        // Score modifiers, then the mask: keys past the end and, under causality, keys after each
+        // row's diagonal (and, under a band, keys before its lower limit).
         const int n0 = (j0 + j) * BLOCK_N;
         if constexpr (MOD) {  // softcap and ALiBi before the mask
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi) mod.apply_rows(acc_s[mi], m0 + warp_row0 + mi * 16 + (lane >> 2), n0, lane);
         }
-        bool need_mask = (n0 + BLOCK_N > nk_b) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + hi);
-        if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + lo;
-        if (need_mask) {
+        if (fwd_tile_needs_mask<Tr, kHi, BAND>(n0, nk_b, m0 + warp_row0, hi, lo)) {
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll
@@ -206,77 +287,38 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     softmax.template finalize<kMmaM, kNO>(acc_o, scale_log2, row_lse);
 
     if constexpr (O32) {
-        // Straight from the accumulator fragments: a lane holds two adjacent columns of a row
-        // (8 bytes), four lanes 32 contiguous bytes of it.
-        float* gO = reinterpret_cast<float*>(o) + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
+        fwd_store_o32<Tr, VEC>(reinterpret_cast<float*>(o) + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn, acc_o,
+                               warp_row0, rows_valid, o_sn, d, lane);
+    } else {
+        __syncwarp();
+        fwd_stage_o16<T, Tr>(sQ, acc_o, warp_row0, lane);
+        __syncwarp();
+        if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
+            if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
+        }
+        // 16 bytes per lane, coalesced along rows. (In the body: as a function of sQ and gO the
+        // store made ptxas spill 4 bytes in attn_fwd_band_mod at d = 256, which sits at 255 registers.)
+        u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
+        constexpr int kStoreIters = Tr::kRowsPerWarp * Tr::kChunks / 32;
 #pragma unroll
-        for (int mi = 0; mi < kMmaM; ++mi)
+        for (int it = 0; it < kStoreIters; ++it) {
+            const int i = it * 32 + lane;
+            const int row = warp_row0 + i / Tr::kChunks;
+            const int col = (i % Tr::kChunks) * 8;
+            if (row < rows_valid && col < d) {
+                const uint4 val = *reinterpret_cast<const uint4*>(sQ + Tr::Swz::offset(row, col));
+                if constexpr (VEC) {
+                    *reinterpret_cast<uint4*>(gO + row * o_sn + col) = val;
+                } else {
+                    const u32 w[4] = {val.x, val.y, val.z, val.w};
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
-                if (row >= rows_valid) continue;
-#pragma unroll
-                for (int di = 0; di < kNO; ++di) {
-                    const int col = di * 8 + 2 * (lane & 3);
-                    const float x0 = acc_o[mi][di][2 * hf], x1 = acc_o[mi][di][2 * hf + 1];
-                    if constexpr (VEC) {  // rows 16-byte aligned, d a multiple of 8
-                        float2 pair;
-                        pair.x = x0;
-                        pair.y = x1;
-                        if (col < d) *reinterpret_cast<float2*>(gO + row * o_sn + col) = pair;
-                    } else {
-                        if (col < d) gO[row * o_sn + col] = x0;
-                        if (col + 1 < d) gO[row * o_sn + col + 1] = x1;
-                    }
+                    for (int e = 0; e < 8; ++e)
+                        if (col + e < d) gO[row * o_sn + col + e] = (u16)(w[e / 2] >> (16 * (e % 2)));
                 }
             }
-    } else {
-    // Stage O through this warp's own rows of sQ (only this warp read them), then store 16 bytes
-    // per lane, coalesced along rows.
-    __syncwarp();
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int row = warp_row0 + mi * 16 + (lane >> 2) + hf * 8;
-#pragma unroll
-            for (int di = 0; di < kNO; ++di) {
-                u16* dst = sQ + Tr::Swz::offset(row, di * 8) + 2 * (lane & 3);
-                *reinterpret_cast<u32*>(dst) = pack2<T>(acc_o[mi][di][2 * hf], acc_o[mi][di][2 * hf + 1]);
-            }
-        }
-    __syncwarp();
-    if constexpr (BAND) {  // re-read rather than keep live through the loop (registers)
-        if (band.cu_q != nullptr) q_row0 = band.cu_q[blockIdx.z];
-    }
-    u16* gO = o + b * o_sb + h * o_sh + (i64)(q_row0 + m0) * o_sn;
-    constexpr int kStoreIters = Tr::kRowsPerWarp * Tr::kChunks / 32;
-#pragma unroll
-    for (int it = 0; it < kStoreIters; ++it) {
-        const int i = it * 32 + lane;
-        const int row = warp_row0 + i / Tr::kChunks;
-        const int col = (i % Tr::kChunks) * 8;
-        if (row < rows_valid && col < d) {
-            const uint4 val = *reinterpret_cast<const uint4*>(sQ + Tr::Swz::offset(row, col));
-            if constexpr (VEC) {
-                *reinterpret_cast<uint4*>(gO + row * o_sn + col) = val;
-            } else {
-                const u32 w[4] = {val.x, val.y, val.z, val.w};
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    if (col + e < d) gO[row * o_sn + col + e] = (u16)(w[e / 2] >> (16 * (e % 2)));
-            }
         }
     }
-    }
-    if ((lane & 3) == 0) {
-        float* gL = lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0);
-#pragma unroll
-        for (int r = 0; r < 2 * kMmaM; ++r) {
-            const int row = warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-            if (row < rows_valid) gL[row] = row_lse[r];
-        }
-    }
+    fwd_store_lse<Tr>(lse + ((i64)b * gridDim.y + h) * nq + (q_row0 + m0), row_lse, warp_row0, rows_valid, lane);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL, bool VEC,
