@@ -486,15 +486,8 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int b = sq.b;
     if (BAND && m0 >= sq.nq) return;  // the grid covers the longest sequence
     const int rows_valid = min(BLOCK_M, sq.nq - m0);
-    // Key tiles from the first row's lowest visible key to the last row's highest.
-    int n_end = sq.nk;
-    if constexpr (kHi) n_end = max(0, min(sq.nk, m0 + rows_valid + sq.hi));
-    int j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-    if constexpr (BAND) {
-        const int n_begin = max(0, m0 + sq.lo);
-        j0 = n_begin / BLOCK_N;
-        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
-    }
+    int j0, n_tiles;  // key tiles from the first row's lowest visible key to the last row's highest
+    band_key_tiles<BLOCK_N, kHi, BAND>(m0, rows_valid, sq.nk, sq.hi, sq.lo, j0, n_tiles);
 
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)sq.k_row0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + (i64)sq.k_row0 * v_sn;
@@ -547,8 +540,7 @@ attn_bwd_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         float s[kMmaM][kNS][4], dp[kMmaM][kNS][4];
         gemm_pair_nt<T>(s, dp, aQ, adO, bK, bV, koff);
         const int n0 = (j0 + j) * BLOCK_N;
-        bool need_mask = (n0 + BLOCK_N > sq.nk) || (kHi && n0 + BLOCK_N - 1 > m0 + warp_row0 + sq.hi);
-        if constexpr (BAND) need_mask = need_mask || n0 < m0 + warp_row0 + Tr::kRowsPerWarp - 1 + sq.lo;
+        const bool need_mask = band_tile_needs_mask<BLOCK_N, Tr::kRowsPerWarp, kHi, BAND>(n0, sq.nk, m0 + warp_row0, sq.hi, sq.lo);
 #pragma unroll
         for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll

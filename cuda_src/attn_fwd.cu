@@ -39,21 +39,6 @@ struct FwdTraits {
     static_assert(STAGES >= 2, "the ring needs one tile in use and one in flight");
 };
 
-// The key tiles a query tile reads: [j0, j0 + n_tiles) of BLOCK_N keys. All keys, or up to the
-// last valid row's upper limit (kHi: causal or a band), and from the first row's lower limit under
-// a band: whole tiles outside are never loaded.
-template <int BLOCK_N, bool HI, bool BAND>
-__device__ __forceinline__ void fwd_key_tiles(int m0, int rows_valid, int nk_b, int hi, int lo, int& j0, int& n_tiles) {
-    int n_end = nk_b;
-    if constexpr (HI) n_end = max(0, min(nk_b, m0 + rows_valid + hi));
-    j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-    if constexpr (BAND) {
-        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
-        j0 = n_begin / BLOCK_N;
-        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
-    }
-}
-
 // One K/V tile (keys n0 .. n0 + BLOCK_N - 1, zero past nk_b) into ring slot `slot` (no commit).
 template <typename Tr, bool VEC>
 __device__ __forceinline__ void fwd_load_kv(u16* sK, u16* sV, int slot, const u16* gK, const u16* gV, i64 k_sn, i64 v_sn,
@@ -95,15 +80,6 @@ __device__ __forceinline__ void fwd_scores(float (&acc_s)[Tr::kMmaM][Tr::kNTiles
             }
         }
     }
-}
-
-// Whether the warp's rows (from row0) meet a boundary in the tile of keys n0 ..: the sequence's
-// end, (HI) a row's upper limit, (BAND) a row's lower limit. Only such tiles pay for the mask.
-template <typename Tr, bool HI, bool BAND>
-__device__ __forceinline__ bool fwd_tile_needs_mask(int n0, int nk_b, int row0, int hi, int lo) {
-    bool need = (n0 + Tr::kBlockN > nk_b) || (HI && n0 + Tr::kBlockN - 1 > row0 + hi);
-    if constexpr (BAND) need = need || n0 < row0 + Tr::kRowsPerWarp - 1 + lo;
-    return need;
 }
 
 // The warp's normalized O, float32 (O32), straight from the accumulator fragments: a lane holds two
@@ -203,7 +179,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     const u16* gK = k + b * k_sb + hk * k_sh + (i64)k_row0 * k_sn;
     const u16* gV = v + b * v_sb + hk * v_sh + (i64)k_row0 * v_sn;
     int j0, n_tiles;
-    fwd_key_tiles<BLOCK_N, kHi, BAND>(m0, rows_valid, nk_b, hi, lo, j0, n_tiles);
+    band_key_tiles<BLOCK_N, kHi, BAND>(m0, rows_valid, nk_b, hi, lo, j0, n_tiles);
 
     // Prologue: Q and the first STAGES-1 K/V tiles in flight (one commit group per tile).
     load_tile_rows<HEAD_DIM, BLOCK_M, Tr::kThreads, VEC>(sQ, gQ, q_sn, rows_valid, d, threadIdx.x);
@@ -261,7 +237,7 @@ attn_fwd_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi) mod.apply_rows(acc_s[mi], m0 + warp_row0 + mi * 16 + (lane >> 2), n0, lane);
         }
-        if (fwd_tile_needs_mask<Tr, kHi, BAND>(n0, nk_b, m0 + warp_row0, hi, lo)) {
+        if (band_tile_needs_mask<BLOCK_N, Tr::kRowsPerWarp, kHi, BAND>(n0, nk_b, m0 + warp_row0, hi, lo)) {
 #pragma unroll
             for (int mi = 0; mi < kMmaM; ++mi)
 #pragma unroll

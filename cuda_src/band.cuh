@@ -73,3 +73,28 @@ __device__ __forceinline__ void mask_score_row(float (&acc)[NS][4], int hf, int 
             if (col >= limit || (BAND && col < first)) acc[ni][2 * hf + e] = -INFINITY;
         }
 }
+
+// The key tiles a tile of query rows m0 .. m0 + rows - 1 reads: [j0, j0 + n_tiles) of BLOCK_N keys.
+// All keys, or up to the last row's upper limit (HI: causal or a band), and from the first row's
+// lower limit (BAND): whole tiles outside are never loaded.
+template <int BLOCK_N, bool HI, bool BAND>
+__device__ __forceinline__ void band_key_tiles(int m0, int rows, int nk_b, int hi, int lo, int& j0, int& n_tiles) {
+    int n_end = nk_b;
+    if constexpr (HI) n_end = max(0, min(nk_b, m0 + rows + hi));
+    j0 = 0, n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (BAND) {
+        const int n_begin = max(0, m0 + lo);  // the first row's lowest visible key
+        j0 = n_begin / BLOCK_N;
+        n_tiles = n_begin < n_end ? n_tiles - j0 : 0;
+    }
+}
+
+// Whether query rows row0 .. row0 + ROWS - 1 meet a boundary among keys n0 .. n0 + BLOCK_N - 1: the
+// sequence's end (nk_b), (HI) a row's upper limit, (BAND) a row's lower limit. Only such tiles pay
+// for the mask.
+template <int BLOCK_N, int ROWS, bool HI, bool BAND>
+__device__ __forceinline__ bool band_tile_needs_mask(int n0, int nk_b, int row0, int hi, int lo) {
+    bool need = (n0 + BLOCK_N > nk_b) || (HI && n0 + BLOCK_N - 1 > row0 + hi);
+    if constexpr (BAND) need = need || n0 < row0 + ROWS - 1 + lo;
+    return need;
+}
