@@ -55,7 +55,7 @@ template <typename T, typename Tr, int QM, int QK>
 __device__ __forceinline__ void fwd_scores(float (&acc_s)[Tr::kMmaM][Tr::kNTilesS][4], const u32 (&q_frag)[QM][QK][4],
                                            const LaneAddr<Tr::kHeadDim>& aQ, const LaneAddr<Tr::kHeadDim>& aK,
                                            u32 slot_bytes) {
-    constexpr int kMmaM = Tr::kMmaM, kNS = Tr::kNTilesS;
+    constexpr int kMmaM = Tr::kMmaM;
     zero_acc(acc_s);
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
@@ -69,16 +69,7 @@ __device__ __forceinline__ void fwd_scores(float (&acc_s)[Tr::kMmaM][Tr::kNTiles
                 ldmatrix_x4(a[mi], aQ.at(mi * 16, kk * 2));
             }
         }
-#pragma unroll
-        for (int ni = 0; ni < kNS; ni += 2) {
-            u32 bk[4];
-            ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + slot_bytes);
-#pragma unroll
-            for (int mi = 0; mi < kMmaM; ++mi) {
-                mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
-                mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
-            }
-        }
+        mma_a_times_kt<T>(acc_s, a, aK, kk, slot_bytes);
     }
 }
 

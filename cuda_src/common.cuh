@@ -214,6 +214,24 @@ __device__ __forceinline__ void mma_acc_times_bt(float (&acc)[MMA_M][NO][4], con
     }
 }
 
+// One 16-deep step of ACC += A K^T: A's fragments a (one per 16-row tile), K's B fragments by
+// ldmatrix from `b` (key rows 8 ni, chunks 2 kk; 16 keys per load) plus byte offset `off`.
+// S = Q K^T of the mma.sync forward and of split-KV decode.
+template <typename T, int MMA_M, int NS, typename Addr>
+__device__ __forceinline__ void mma_a_times_kt(float (&acc)[MMA_M][NS][4], const u32 (&a)[MMA_M][4], const Addr& b, int kk,
+                                               u32 off) {
+#pragma unroll
+    for (int ni = 0; ni < NS; ni += 2) {
+        u32 bk[4];
+        ldmatrix_x4(bk, b.at(ni * 8, kk * 2) + off);
+#pragma unroll
+        for (int mi = 0; mi < MMA_M; ++mi) {
+            mma_16816<T>(acc[mi][ni], a[mi], bk[0], bk[1]);
+            mma_16816<T>(acc[mi][ni + 1], a[mi], bk[2], bk[3]);
+        }
+    }
+}
+
 // Vector atomic add of two adjacent floats, no return value: the backward kernels' dQ accumulation.
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");

@@ -269,16 +269,7 @@ __device__ __forceinline__ void decode_tile_step(const DecodeQ<HEAD_DIM, ROW_TIL
         u32 a[ROW_TILES][4];
 #pragma unroll
         for (int mi = 0; mi < ROW_TILES; ++mi) qa.get(a[mi], mi, kk);
-#pragma unroll
-        for (int ni = 0; ni < kNS; ni += 2) {
-            u32 bk[4];
-            ldmatrix_x4(bk, aK.at(ni * 8, kk * 2) + k_off);
-#pragma unroll
-            for (int mi = 0; mi < ROW_TILES; ++mi) {
-                mma_16816<T>(acc_s[mi][ni], a[mi], bk[0], bk[1]);
-                mma_16816<T>(acc_s[mi][ni + 1], a[mi], bk[2], bk[3]);
-            }
-        }
+        mma_a_times_kt<T>(acc_s, a, aK, kk, k_off);
     }
     if constexpr (MODS::kOn) mods.apply(acc_s, rows.row0, n0, lane);  // softcap and ALiBi before the mask
     if (n0 + BLOCK_N > s1 || CAUSAL || WINDOW) {
