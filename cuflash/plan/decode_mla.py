@@ -56,7 +56,8 @@ MLA_TILES = {
     (D, DV): MlaTile(
         block_n=32, warps=8, max_row_tiles=2, stages=4, stages_separate=2, d_parts=4,
         reason="O's 512 fp32 columns split over 8 warps (64 each): 32 registers per row tile; two row tiles "
-               "(226-230 registers, no spills) - four reached 255 and spilled. 32-key stages of 36.9 KB: with "
+               "(207-237 registers, no spills; four spilled at 255 when a warp per 8-key slice computed S). 32-key "
+               "stages of 36.9 KB: with "
                "the 36.9 KB Q tile, four K stages (three in flight) or two K+V stages fit 227 KB; S computed "
                "once, by (row tile, quarter of the head dim) warps over all 32 keys (each Q fragment feeds four "
                "mma tiles; partials summed in shared memory) and shared as P: at Hq = 128 (242 flop/byte) the "
