@@ -636,11 +636,11 @@ attn_bwd_dq_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const
                      i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                      i64 do_sb, i64 do_sh, i64 do_sn, int nq, int nk, int d, int group, int hi_off, float scale_log2,
                      int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                     float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+                     float cap_ex2, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
     attn_bwd_dq_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, DQ_SPLIT, true, VEC, true, true>(
         q, k, v, dout, lse, dsum, dq_acc, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
         nq, nk, d, group, hi_off, scale_log2, BwdBand{lo_off, align, cu_q, cu_k},
-        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
+        ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, nullptr});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -686,11 +686,11 @@ attn_bwd_kv_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const
                      i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,
                      int hq, int nq, int nk, int d, int group, int hi_off, float scale_log2,
                      int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                     float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+                     float cap_ex2, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
     attn_bwd_kv_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, WARPS_D, true, VEC, ATOMIC_DQ, true, true>(
         q, k, v, dout, lse, dsum, dq_acc, dk, dv, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
         do_sb, do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, hq, nq, nk, d, group, hi_off, scale_log2,
-        BwdBand{lo_off, align, cu_q, cu_k}, ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
+        BwdBand{lo_off, align, cu_q, cu_k}, ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, nullptr});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -341,10 +341,10 @@ attn_bwd_kv_wgmma_ws(const __grid_constant__ TmaDesc tmap_q, const __grid_consta
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, bool CAUSAL, bool MATH_STATS>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
 attn_bwd_kv_wgmma_ws_mod(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_do, BWD_KV_PARAMS,
-                         float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
+                         float cap_ex2, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb) {
     attn_bwd_kv_wgmma_body<T, HEAD_DIM, BLOCK_M, WARPGROUPS, CAUSAL, true, true, true, false, MATH_STATS, true>(
         BWD_KV_ARGS, BwdMaps{&tmap_q, &tmap_do}, BwdUnits{},
-        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, nullptr});
+        ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, nullptr});
 }
 
 // attn_bwd_kv_wgmma_ws over a grid of at most one block per SM (K and V through tensor maps

@@ -354,10 +354,10 @@ __host__ __device__ constexpr int decode_mod_min_blocks() {
 // attn_decode with score modifiers (score_mod.cuh: softcap, ALiBi, sinks; cuflash.attention's
 // softcap= / alibi_slopes= / sinks= in decode shapes): the band mask's instantiation (its run-time
 // bounds cover no mask, causal and windows, as attn_fwd_band_mod's do), so one kernel per tile. alibi
-// is sequence * alibi_sb + query head, sinks one per query head; a zero cap_in / null pointer leaves
+// is sequence * alibi_sb + query head, sinks one per query head; a zero cap_ex2 / null pointer leaves
 // a modifier off.
 #define DECODE_MOD_PARAMS                                                                                           \
-    float cap_in, float cap_out, float inv_scale, const float *__restrict__ alibi, int alibi_sb,                    \
+    float cap_ex2, float cap_out, float inv_scale, const float *__restrict__ alibi, int alibi_sb,                    \
         const float *__restrict__ sinks
 template <typename T, int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, bool VEC, int RING = 0>
 __global__ void __launch_bounds__(WARPS * 32, decode_mod_min_blocks<HEAD_DIM, ROW_TILES, RING>())
@@ -366,7 +366,7 @@ attn_decode_mod(DECODE_PARAMS, float* __restrict__ part_o, float* __restrict__ p
     pdl_launch_dependents();
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, false, VEC, 0, true, RING, KvSame, true>(
         q, k, v, o, lse, part_o, part_lse, split_done, DECODE_TAIL_ARGS, KvDescales{},
-        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+        ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -396,7 +396,7 @@ __launch_bounds__(WARPS * 32, decode_mod_min_blocks<HEAD_DIM, ROW_TILES, RING>()
 attn_decode_cluster_mod(DECODE_PARAMS, DECODE_TAIL_PARAMS, DECODE_MOD_PARAMS) {
     attn_decode_block<T, HEAD_DIM, ROW_TILES, BLOCK_N, WARPS, STAGES, false, VEC, CLUSTER, true, RING, KvSame, true>(
         q, k, v, o, lse, nullptr, nullptr, nullptr, DECODE_TAIL_ARGS, KvDescales{},
-        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+        ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }
 #endif
 #undef DECODE_PARAMS

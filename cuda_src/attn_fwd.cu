@@ -341,10 +341,10 @@ attn_fwd_band_mod(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                   int nq, int nk, int d, int group, int hi_off, float scale_log2,
                   int lo_off, int align, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                  float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb,
+                  float cap_ex2, float cap_out, float inv_scale, const float* __restrict__ alibi, int alibi_sb,
                   const float* __restrict__ sinks) {
     attn_fwd_body<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, true, VEC, LAZY_RESCALE, true, true>(
         q, k, v, o, lse, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn,
         nq, nk, d, group, hi_off, scale_log2, FwdBand{lo_off, align, cu_q, cu_k},
-        ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+        ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }

@@ -323,11 +323,11 @@ attn_fwd_wgmma_tma_split(FWD_TMA_PARAMS, int n_heads, int splits, float* __restr
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
           bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_in, float cap_out, float inv_scale, const float* __restrict__ alibi,
+attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_ex2, float cap_out, float inv_scale, const float* __restrict__ alibi,
                        int alibi_sb, const float* __restrict__ sinks) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE,
                         false, true>(FWD_TMA_ARGS, 0, 0, FwdSplit{1, nullptr, nullptr, nullptr},
-                                     ScoreModArgs{cap_in, cap_out, inv_scale, alibi, alibi_sb, sinks});
+                                     ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }
 // v (and o) with a head dim dv unlike q's and k's d (DeepSeek MLA's prefill: 192 / 128): the per-tile
 // TMA kernel with HEAD_DIM_V-wide V slots, O accumulators and P V wgmmas (HopperFwdTraits), so

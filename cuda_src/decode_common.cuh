@@ -184,8 +184,7 @@ struct DecodeMods<ROW_TILES, true> {
     bool biased;          // ALiBi given (uniform)
 
     __device__ __forceinline__ void init(const ScoreModArgs& a, float2* shared) {
-        cap.cap_in = a.cap_in;
-        cap.cap_out = a.cap_out;
+        cap.set_softcap(a.cap_ex2, a.cap_out);
         rows_ = shared;
         biased = a.alibi != nullptr;
     }

@@ -8,19 +8,24 @@
 #pragma once
 #include "common.cuh"
 
-// tanh(x) = 1 - 2 / (exp(2x) + 1) on the special function unit (ex2 and a fast divide): absolute
-// error a few 2^-23, where tanh.approx.f32's relative 2^-11 would move a capped score by more
-// than a 16-bit rounding of P. exp(2x) = inf and __fdividef's 0 for huge denominators give 1.
+// The softcap c tanh(x / c) = c - c r with r = 1 / (exp(2x / c) / 2 + 1 / 2), on the special
+// function unit (ex2 and rcp.approx): absolute error a few 2^-23 of c, where tanh.approx.f32's
+// relative 2^-11 would move a capped score by more than a 16-bit rounding of P. exp = inf and
+// rcp's 0 for huge denominators give c; exp = 0 gives -c. Per score one FMUL, two SFU ops and two
+// FFMA, the launch passing exp2's factor 2 log2(e) scale / c (cap_ex2) so that no kernel holds a
+// register for it (c (1 - 2 / (exp(2x) + 1)) from scale / c took three FMULs and two FADDs).
 // The reciprocal by FMA Newton steps instead (one SFU op fewer, six more FMA-pipe ones) ran the
 // forward's softcap at 0.49-0.55x the plain kernel against 0.56-0.60x (H100, d = 128, N = 4k and
 // 16k, same run): the forward's softmax is bound by instruction issue, not by the SFU.
-__device__ __forceinline__ float tanh_sfu(float x) {
-    return 1.f - __fdividef(2.f, fast_exp2(x * 2.8853900817779268f) + 1.f);
+__device__ __forceinline__ float fast_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
-// What one kernel launch passes: a zero cap_in / null pointer leaves a modifier off.
+// What one kernel launch passes: a zero cap_ex2 / null pointer leaves a modifier off.
 struct ScoreModArgs {
-    float cap_in;        // scale / softcap (0: no softcap)
+    float cap_ex2;       // 2 log2(e) scale / softcap: exp(2 tanh's argument) = exp2(raw * cap_ex2) (0: no softcap)
     float cap_out;       // softcap / scale
     float inv_scale;     // 1 / scale
     const float* alibi;  // slopes, (batch or sequence) * alibi_sb + head (null: no ALiBi)
@@ -32,24 +37,43 @@ struct ScoreModArgs {
 // apply(): raw scores of an accumulator tile -> modified raw scores, keeping for the backward
 // the softcap's derivative factor 1 - tanh^2 (grad()).
 struct ScoreMod {
-    float cap_in, cap_out;
+    float cap_ex2, cap_out;
     float bias;    // -slope / scale (0: no ALiBi)
     int dist_off;  // the sequence's nk - nq: ALiBi's distance is |row + dist_off - col|
 
+    static constexpr float kHalfLn2 = 0.34657359027997264f;  // scale / softcap = cap_ex2 ln(2) / 2
+
     ScoreMod() = default;
     __device__ __forceinline__ ScoreMod(const ScoreModArgs& a, int b, int h, int nq_b, int nk_b)
-        : cap_in(a.cap_in), cap_out(a.cap_out),
+        : cap_ex2(a.cap_ex2), cap_out(a.cap_out),
           bias(a.alibi != nullptr ? -a.alibi[(i64)b * a.alibi_sb + h] * a.inv_scale : 0.f), dist_off(nk_b - nq_b) {}
 
-    __device__ __forceinline__ bool capped() const { return cap_in != 0.f; }
+    // (a kernel that keeps only the softcap of a ScoreMod)
+    __device__ __forceinline__ void set_softcap(float ex2, float out) {
+        cap_ex2 = ex2;
+        cap_out = out;
+    }
+
+    __device__ __forceinline__ bool capped() const { return cap_ex2 != 0.f; }
+
+    __device__ __forceinline__ float cap_in() const { return cap_ex2 * kHalfLn2; }  // scale / softcap
+
+    // The softcap's r = 2 / (exp(2 s cap_in) + 1): tanh(s cap_in) = 1 - r and the capped score
+    // cap_out - cap_out r (one FFMA, the same in every kernel, so a backward recomputes the
+    // forward's scores exactly).
+    __device__ __forceinline__ float cap_recip(float s) const {
+        return fast_rcp(fmaf(fast_exp2(s * cap_ex2), 0.5f, 0.5f));
+    }
+    __device__ __forceinline__ float soft_cap(float s) const { return fmaf(-cap_out, cap_recip(s), cap_out); }
     __device__ __forceinline__ bool biased() const { return bias != 0.f; }
 
     // One score at (query row, key col); t receives tanh (0 without softcap).
     __device__ __forceinline__ float apply(float s, int row, int col, float& t) const {
         t = 0.f;
         if (capped()) {
-            t = tanh_sfu(s * cap_in);
-            s = cap_out * t;
+            const float r = cap_recip(s);
+            t = 1.f - r;
+            s = fmaf(-cap_out, r, cap_out);
         }
         if (biased()) s = fmaf(bias, fabsf((float)(row + dist_off - col)), s);
         return s;
@@ -60,13 +84,13 @@ struct ScoreMod {
 
     // The same from the score's probability p = exp2(modified * scale_log2 - lse2), for a kernel
     // that keeps P rather than t: modified = (log2 p + lse2) / scale_log2, less the bias, is
-    // cap_out * t, so t = (log2 p + lse2) * tanh_per_log2 (the caller's cap_in / scale_log2, hoisted:
+    // cap_out * t, so t = (log2 p + lse2) * tanh_per_log2 (the caller's cap_in() / scale_log2, hoisted:
     // a divide here was one more SFU reciprocal per score). p = 0 (masked, or underflowed) gives 0:
     // dS is 0 there anyway. dist: ALiBi's row + dist_off - col.
     __device__ __forceinline__ float grad_from_prob(float p, float lse2, float tanh_per_log2, float dist) const {
         if (!(p > 0.f)) return 0.f;
         float t = (__log2f(p) + lse2) * tanh_per_log2;
-        if (biased()) t = fmaf(-bias * cap_in, fabsf(dist), t);
+        if (biased()) t = fmaf(-bias * cap_in(), fabsf(dist), t);
         return grad(t);
     }
 
@@ -77,7 +101,7 @@ struct ScoreMod {
 #pragma unroll
             for (int ni = 0; ni < NS; ++ni)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[ni][e] = cap_out * tanh_sfu(acc[ni][e] * cap_in);
+                for (int e = 0; e < 4; ++e) acc[ni][e] = soft_cap(acc[ni][e]);
         }
     }
 

@@ -77,7 +77,7 @@ struct BwdTransposedScores {
     __device__ __forceinline__ void softcap_grad(float (&ds)[kSN][4], const float (&p)[kSN][4], const ScoreMod& mod,
                                                  const float* tL, float scale_log2, int hv, int n0, int m0) const {
         const float d0 = mod.col_dist0(m0 + 64 * hv, n0 + key_row, lane);
-        const float tanh_per_log2 = mod.cap_in / scale_log2;
+        const float tanh_per_log2 = mod.cap_in() / scale_log2;
 #pragma unroll
         for (int ni = 0; ni < kSN; ++ni)
 #pragma unroll

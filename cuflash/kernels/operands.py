@@ -3,6 +3,8 @@ alignment facts the dispatch reads (plan.dispatch.Operands), and the band kernel
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..core import masks
@@ -78,15 +80,16 @@ def band_offsets(p):
 
 def score_mod_args(p, first=0):
     """The score-modifier arguments of the *_mod kernels (cuda_src/score_mod.cuh), for a launch
-    whose first batch entry (or packed sequence) is ``first``: cap_in, cap_out, inv_scale, the
+    whose first batch entry (or packed sequence) is ``first``: cap_ex2 (2 log2(e) scale / softcap,
+    the factor of the softcap's exp2), cap_out (softcap / scale), inv_scale, the
     ALiBi slopes (null: none) and their row stride, and - forward only, the caller appends it -
     the sinks (sink_pointer)."""
     import cupy
 
-    cap_in = p.scale / p.softcap if p.softcap is not None else 0.0
+    cap_ex2 = 2.0 * math.log2(math.e) * p.scale / p.softcap if p.softcap is not None else 0.0
     cap_out = p.softcap / p.scale if p.softcap is not None else 0.0
     alibi = np.uint64(0) if p.alibi is None else cupy.ascontiguousarray(p.alibi, dtype=np.float32)[first:]
-    return (np.float32(cap_in), np.float32(cap_out), np.float32(1.0 / p.scale), alibi, np.int32(p.hq))
+    return (np.float32(cap_ex2), np.float32(cap_out), np.float32(1.0 / p.scale), alibi, np.int32(p.hq))
 
 
 def sink_pointer(p):
