@@ -56,8 +56,9 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!PINGPONG || (WARPGROUPS >= 2 && WARPGROUPS <= 3 && PRODUCER), "ping-pong takes turns between 2 or 3 math warpgroups");
     static_assert(!PERSISTENT || (TMA && !BAND), "the persistent schedule is the TMA kernel's");
     static_assert(!SPLIT || (TMA && !BAND && !CAUSAL && !PERSISTENT), "the key split: full attention, per-tile TMA kernel");
-    // MOD: rows and keys count from the sequence's first (the modifiers' positions), one tile per block.
-    static_assert(!MOD || (TMA && !BAND && !PERSISTENT && !SPLIT), "score modifiers: the per-tile TMA kernel");
+    // MOD: rows and keys count from the sequence's first (the modifiers' positions); each tile
+    // (persistent: each tile a block walks) builds its (batch entry, head)'s ScoreMod.
+    static_assert(!MOD || (TMA && !BAND && !SPLIT), "score modifiers: the TMA kernels, per tile or persistent");
     // WG_EPILOGUE: each math warpgroup stages and stores only its own 64 rows of O, behind
     // warpgroup barriers (5 + wg), so the warpgroups never wait for each other at a tile's end
     // (persistent: under ping-pong their offset carries into the next tile). Without PERSISTENT O
@@ -327,6 +328,19 @@ attn_fwd_wgmma_tma_mod(FWD_TMA_PARAMS, float cap_ex2, float cap_out, float inv_s
                        int alibi_sb, const float* __restrict__ sinks) {
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, false, WG_EPILOGUE,
                         false, true>(FWD_TMA_ARGS, 0, 0, FwdSplit{1, nullptr, nullptr, nullptr},
+                                     ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
+}
+// The persistent TMA kernel with score modifiers: where the plain kernel of a shape is persistent
+// (short sequences), so is the modified one (causal N = 4k at d = 128: a fresh block per tile
+// leaves each tile's start and end exposed).
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_persistent_mod(FWD_TMA_PARAMS, int n_heads, int n_batch, float cap_ex2, float cap_out,
+                                  float inv_scale, const float* __restrict__ alibi, int alibi_sb,
+                                  const float* __restrict__ sinks) {
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true, WG_EPILOGUE,
+                        false, true>(FWD_TMA_ARGS, n_heads, n_batch, FwdSplit{1, nullptr, nullptr, nullptr},
                                      ScoreModArgs{cap_ex2, cap_out, inv_scale, alibi, alibi_sb, sinks});
 }
 // v (and o) with a head dim dv unlike q's and k's d (DeepSeek MLA's prefill: 192 / 128): the per-tile

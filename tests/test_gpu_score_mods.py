@@ -1,6 +1,6 @@
 """Score modifiers (softcap, ALiBi slopes, sinks) on the GPU against the float64 oracle, by the
-accuracy rule (cuflash.testing): the forward (on sm_90 without a window attn_fwd_wgmma_tma_mod,
-else attn_fwd_band_mod; decode shapes attn_decode_mod, see test_gpu_decode_mods.py) and the backward (softcap and ALiBi: on sm_90, d <= 128, atomic dQ
+accuracy rule (cuflash.testing): the forward (on sm_90 without a window attn_fwd_wgmma_tma_mod, or
+attn_fwd_wgmma_tma_persistent_mod on the plain kernel's persistent tiles, else attn_fwd_band_mod; decode shapes attn_decode_mod, see test_gpu_decode_mods.py) and the backward (softcap and ALiBi: on sm_90, d <= 128, atomic dQ
 attn_bwd_kv_wgmma_ws_mod, else attn_bwd_kv_band_mod / attn_bwd_dq_band_mod; sinks: the plain
 kernels and D), both kernel selections, masked rows, GQA, windows, packed, kv_lens and paged inputs. Every allocation cuflash makes is
 filled with NaN bytes first (cuflash.testing.poisoned_allocations), so an output element a kernel
@@ -68,6 +68,28 @@ def test_forward_backward(rng, kernels, dtype, which, causal, d, deterministic):
     o, lse, grads = run(q, k, v, do, mods, deterministic=deterministic, causal=causal)
     assert_forward_accurate(o, lse, q, k, v, causal=causal, **mods)
     assert len(grads) == (4 if "sinks" in mods else 3)
+    assert_backward_accurate(grads, do, q, k, v, causal=causal, **mods)
+
+
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_blocks_walk_modified_tiles(rng, causal, d):
+    """Short sequences run the modifiers on the plain kernel's persistent tile (plan.hopper.mod_tile):
+    with more work units than SMs each block walks several (batch entry, head) tiles and has to
+    take each one's cap, slope (per batch entry and head here) and sink, and its ragged last rows."""
+    from cuflash.plan import hopper
+
+    b, hq, hkv, n = 3, 16, 4, 1000
+    tile = hopper.mod_tile(d, causal, n, n)
+    tiles = -(-n // tile.block_m)
+    units = (-(-tiles // 2) if causal else tiles) * hq * b
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert tile.persistent and units > sms, (tile, units, sms)
+    q, k, v = random_inputs(rng, (b, hq, n, d), (b, hkv, n, d), BFLOAT16)
+    do = random_array(rng, q.shape, BFLOAT16)
+    mods = make_mods(rng, "all", hq, b)
+    o, lse, grads = run(q, k, v, do, mods, causal=causal)
+    assert_forward_accurate(o, lse, q, k, v, causal=causal, **mods)
     assert_backward_accurate(grads, do, q, k, v, causal=causal, **mods)
 
 

@@ -21,7 +21,8 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
     `persistent_blocks` (a persistent kernel): a 1-D grid of at most that many blocks walks the
     chunk's query tiles; the head and batch counts follow the other arguments. `blocks` (the key
     split kernel, one chunk): a 1-D grid of that many blocks, `extra_args` after the plain ones.
-    `chunk_args(first batch entry)` (the score-modifier kernel): a chunk's arguments after the plain ones."""
+    `chunk_args(first batch entry)` (the score-modifier kernels): a chunk's arguments after the
+    plain ones (a persistent kernel's: after its head and batch counts)."""
     fn = get_function(spec)
     off = p.causal_offset if p.causal is not None else 0
     # (float32 inputs: attn_fwd_f32 computes in float64 and takes the scale as a double, so that
@@ -38,16 +39,15 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
             strides += [np.int64(sb), np.int64(sh), np.int64(sn)]
         args = (*(maps(qs, ks, vs) if maps else ()), qs, ks, vs, os_, ls, *strides, np.int32(p.nq), np.int32(p.nk), np.int32(p.d),
                 np.int32(p.group), np.int32(off), scale_log2)
+        tail = tuple(chunk_args(b0)) if chunk_args is not None else ()
         if blocks is not None:
             fn((blocks,), (spec.threads,), args + tuple(extra_args), shared_mem=spec.smem_bytes)
         elif persistent_blocks:  # work units: query tiles, or under a causal mask pairs of them
             work = (-(-m_blocks // 2) if p.causal is not None else m_blocks) * p.hq * (b1 - b0)
-            fn((max(1, min(work, persistent_blocks)),), (spec.threads,), args + (np.int32(p.hq), np.int32(b1 - b0)),
-               shared_mem=spec.smem_bytes)
+            fn((max(1, min(work, persistent_blocks)),), (spec.threads,),
+               args + (np.int32(p.hq), np.int32(b1 - b0)) + tail, shared_mem=spec.smem_bytes)
         else:
-            if chunk_args is not None:
-                args += tuple(chunk_args(b0))
-            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args, shared_mem=spec.smem_bytes)
+            fn((m_blocks, p.hq, b1 - b0), (spec.threads,), args + tail, shared_mem=spec.smem_bytes)
 
 
 def launch_band(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None):

@@ -31,13 +31,13 @@ def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, *, persistent_blocks=None
         forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
                                chunk_args=lambda b0: (np.int32(p.dv),))
         return
-    if plan.kernel == "wgmma_mod":
-        forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps,
-                               chunk_args=lambda b0: (*score_mod_args(p, b0), sink_pointer(p)))
-        return
     blocks = None
     if t.persistent:
         blocks = persistent_blocks or device.sm_count(device.current_id())
+    if plan.kernel == "wgmma_mod":
+        forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks,
+                               chunk_args=lambda b0: (*score_mod_args(p, b0), sink_pointer(p)))
+        return
     forward.launch_forward(plan.spec, t.block_m, p, q4, k4, v4, o4, lse3, maps=maps, persistent_blocks=blocks)
 
 

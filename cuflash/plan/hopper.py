@@ -92,23 +92,27 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
 
 
 def mod_tile(d: int, causal, nq: int | None, nk: int | None) -> schedule.HopperTile:
-    """The tile of the score-modifier kernel (attn_fwd_wgmma_tma_mod, one query tile per block):
-    the plain kernel's for the shape (default_tile) where that is not persistent, else the table's."""
-    t = default_tile(d, causal, nq, nk) if nq is not None and nk is not None else None
-    return t if t is not None and not t.persistent else schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
+    """The tile of the score-modifier kernel: the plain kernel's for the shape (default_tile),
+    persistent where that is (without a shape: the table's)."""
+    if nq is None or nk is None:
+        return schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
+    return default_tile(d, causal, nq, nk)
 
 
 def mod_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
-    """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_mod: softcap, ALiBi and sinks on the per-tile
-    TMA kernel (no mask or a causal one), the modifiers' arguments after the plain ones."""
+    """(KernelSpec, HopperTile) of the TMA kernel with softcap, ALiBi and sinks (no mask or a causal
+    one): attn_fwd_wgmma_tma_mod (one query tile per block) or, on a persistent tile,
+    attn_fwd_wgmma_tma_persistent_mod; the modifiers' arguments after the plain ones (and after
+    the persistent kernel's head and batch counts)."""
     hd = schedule.head_dim_bucket(d)
     t = tile or schedule.HOPPER_FORWARD_TILES[hd]
-    if not t.tma or t.persistent:
-        raise ValueError("tile: the score-modifier kernel runs the per-tile TMA kernel (tma=True, persistent=False)")
+    if not t.tma:
+        raise ValueError("tile: the score-modifier kernel runs a TMA kernel (tma=True)")
+    kernel = "attn_fwd_wgmma_tma_persistent_mod" if t.persistent else "attn_fwd_wgmma_tma_mod"
     b = lambda x: "true" if x else "false"  # noqa: E731
     params = (f"{KERNEL_TYPE[np.dtype(dtype)]}, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, {b(causal)}, "
               f"{b(t.pingpong)}, {b(t.wg_epilogue)}")
-    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_mod<{params}>", t.threads, t.smem_bytes(hd)), t
+    return KernelSpec("attn_fwd_wgmma.cu", f"{kernel}<{params}>", t.threads, t.smem_bytes(hd)), t
 
 
 def split_spec(dtype, d: int, tile: schedule.HopperTile | None = None):
@@ -244,8 +248,9 @@ def all_hopper_forward_specs():
             for hd, t in schedule.HOPPER_FORWARD_TILES.items()
             for causal in (False, True)
             for tile in dict.fromkeys((t, *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile]
-                                            if hd in schedule.HOPPER_FORWARD_LONG_ROWS else [])))
-            if not tile.persistent]
+                                            if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
+                                       *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ())
+                                         if r.for_mask(causal))))]
     return plain + band + split + list(dict.fromkeys(mods)) + all_hopper_dv_forward_specs()
 
 
