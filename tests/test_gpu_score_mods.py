@@ -72,14 +72,13 @@ def test_forward_backward(rng, kernels, dtype, which, causal, d, deterministic):
 
 
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_persistent_blocks_walk_modified_tiles(rng, causal, d):
+def test_persistent_blocks_walk_modified_tiles(rng, causal):
     """Short sequences run the modifiers on the plain kernel's persistent tile (plan.hopper.mod_tile):
     with more work units than SMs each block walks several (batch entry, head) tiles and has to
     take each one's cap, slope (per batch entry and head here) and sink, and its ragged last rows."""
     from cuflash.plan import hopper
 
-    b, hq, hkv, n = 3, 16, 4, 1000
+    b, hq, hkv, n, d = 3, 16, 4, 1000, 128
     tile = hopper.mod_tile(d, causal, n, n)
     tiles = -(-n // tile.block_m)
     units = (-(-tiles // 2) if causal else tiles) * hq * b

@@ -379,8 +379,7 @@ def test_plan_runs_the_mod_kernels(which):
     fwd, bwd, det, _ = _planned(mods)
     # sm_90 without a window: the wgmma kernels with the modifiers (the backward's K/V kernel
     # warp-specialized, dQ atomic); deterministic: the band kernels' dQ and K/V
-    # (causal N = 4k at d = 128: the plain kernel's persistent tile, and so the modifiers')
-    assert fwd.kernel == "wgmma_mod" and fwd.spec.expression.startswith("attn_fwd_wgmma_tma_persistent_mod<")
+    assert fwd.kernel == "wgmma_mod" and fwd.spec.expression.startswith("attn_fwd_wgmma_tma_mod<")
     assert bwd.specs["kv"].expression.startswith("attn_bwd_kv_wgmma_ws_mod<") and bwd.kernel == "wgmma"
     assert det.specs["dq"].expression.startswith("attn_bwd_dq_band_mod<")
     assert det.specs["kv"].expression.startswith("attn_bwd_kv_band_mod<")
@@ -406,27 +405,26 @@ def test_plan_runs_the_mod_kernels(which):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_plan_modifiers_take_the_plain_kernels_tile(d, causal):
-    """The modified forward runs the plain forward's tile for its shape, persistent where that one
-    is (short sequences; d = 64 without a mask at every length), so a modifier costs its arithmetic
-    and not a schedule (where the plain forward splits the keys of a short grid, the modified one,
-    which has no split, keeps that tile); every such instantiation is in the registry."""
-    from cuflash.plan import hopper
+    """The modified forward runs the plain forward's tile for its shape (where the plain forward
+    splits the keys of a short grid, the modified one, which has no split, keeps that tile), but a
+    persistent tile only within schedule.HOPPER_MOD_PERSISTENT_MAX_KEY_TILES (d = 128: rows of at
+    most 16 key tiles without a mask, 8 causal); every such instantiation is in the registry."""
+    from cuflash.plan import hopper, schedule
     from cuflash.plan.registry import all_specs
 
     listed = set(all_specs())
     mods = dict(softcap=2.0, alibi_slopes=np.zeros(4, np.float32), sinks=np.zeros(4, np.float32))
-    kinds = set()
+    persistent_up_to = {(128, False): 2048, (128, True): 2048}.get((d, causal), 0)
     for n in (1024, 2048, 4096, 8192, 16384):
         fwd = _planned(mods, causal=causal, d=d, nq=n, nk=n)[0]
         plain = _planned({}, causal=causal, d=d, nq=n, nk=n)[0]
-        assert fwd.kernel == "wgmma_mod" and fwd.tile == hopper.default_tile(d, causal or None, n, n)
-        assert plain.kernel != "wgmma" or plain.tile == fwd.tile, (n, fwd.tile, plain.tile)
+        shape_tile = hopper.default_tile(d, causal or None, n, n)
         persistent = fwd.spec.expression.startswith("attn_fwd_wgmma_tma_persistent_mod<")
-        assert persistent == fwd.tile.persistent
+        assert fwd.kernel == "wgmma_mod" and persistent == (n <= persistent_up_to) == fwd.tile.persistent, n
+        assert fwd.tile == (shape_tile if persistent or not shape_tile.persistent
+                            else schedule.HOPPER_FORWARD_TILES[d]), (n, fwd.tile)
+        assert plain.kernel != "wgmma" or not persistent or plain.tile == fwd.tile, (n, fwd.tile, plain.tile)
         assert fwd.spec in listed, f"{fwd.spec.expression} is not in plan.registry"
-        kinds.add(persistent)
-    if d == 128 and causal:
-        assert kinds == {True, False}  # persistent up to N = 4k, a tile per block beyond
 
 
 def test_plan_sinks_backward_keeps_the_plain_kernels():
@@ -434,7 +432,7 @@ def test_plan_sinks_backward_keeps_the_plain_kernels():
     backward kernels run (dsinks comes from D); the forward needs the sink kernel."""
     fwd, bwd, _, _ = _planned(dict(sinks=np.zeros(4, np.float32)))
     plain_fwd, plain_bwd, _, _ = _planned({})
-    assert fwd.spec.expression.startswith("attn_fwd_wgmma_tma_persistent_mod<")
+    assert fwd.spec.expression.startswith("attn_fwd_wgmma_tma_mod<")
     assert bwd.specs == plain_bwd.specs
     assert not plain_fwd.spec.expression.startswith("attn_fwd_band")
 

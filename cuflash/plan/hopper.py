@@ -92,11 +92,21 @@ def forward_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None =
 
 
 def mod_tile(d: int, causal, nq: int | None, nk: int | None) -> schedule.HopperTile:
-    """The tile of the score-modifier kernel: the plain kernel's for the shape (default_tile),
-    persistent where that is (without a shape: the table's)."""
+    """The tile of the score-modifier kernel: the plain kernel's for the shape (default_tile);
+    a persistent one only within schedule.HOPPER_MOD_PERSISTENT_MAX_KEY_TILES, else (and without
+    a shape) the table's."""
+    hd = schedule.head_dim_bucket(d)
     if nq is None or nk is None:
-        return schedule.HOPPER_FORWARD_TILES[schedule.head_dim_bucket(d)]
-    return default_tile(d, causal, nq, nk)
+        return schedule.HOPPER_FORWARD_TILES[hd]
+    t = default_tile(d, causal, nq, nk)
+    if not t.persistent:
+        return t
+    limits = schedule.HOPPER_MOD_PERSISTENT_MAX_KEY_TILES.get(hd)
+    kind = masks.normalize_causal(causal)
+    mean_keys = masks.pair_count(kind, nq, nk) // nq  # (default_tile's measure; nq > 0 here)
+    if limits is not None and mean_keys <= limits[kind is not None] * t.block_n:
+        return t
+    return schedule.HOPPER_FORWARD_TILES[hd]
 
 
 def mod_spec(dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
@@ -250,7 +260,7 @@ def all_hopper_forward_specs():
             for tile in dict.fromkeys((t, *([schedule.HOPPER_FORWARD_LONG_ROWS[hd].tile]
                                             if hd in schedule.HOPPER_FORWARD_LONG_ROWS else []),
                                        *(r.tile for r in schedule.HOPPER_FORWARD_PERSISTENT.get(hd, ())
-                                         if r.for_mask(causal))))]
+                                         if r.for_mask(causal) and hd in schedule.HOPPER_MOD_PERSISTENT_MAX_KEY_TILES)))]
     return plain + band + split + list(dict.fromkeys(mods)) + all_hopper_dv_forward_specs()
 
 

@@ -193,6 +193,15 @@ HOPPER_FORWARD_PERSISTENT: dict[int, tuple[PersistentRule, ...]] = {
 }
 
 
+# The score-modifier forward takes the plain kernel's persistent tile (attn_fwd_wgmma_tma_persistent_mod)
+# only at these head dims and while a row sees at most (without a mask, causal) key tiles on
+# average; elsewhere the table's per-tile kernel. H100, one process, the persistent against the
+# per-tile kernel (softcap / ALiBi / sinks, d = 128, 16 heads, B.N = 16k): N = 1k 1.10 / 1.09 / 1.11x,
+# causal 1.16 / 1.07 / 1.16x; 2k (16 tiles) 1.05 / 1.02 / 1.03x, causal (8) 1.09 / 0.99 / 1.06x; but causal
+# 4k (16) 1.00 / 0.90 / 0.98x, and d = 64's 3-warpgroup tile 0.91-1.01x (N = 4k, 16k).
+HOPPER_MOD_PERSISTENT_MAX_KEY_TILES: dict[int, tuple[int, int]] = {128: (16, 8)}
+
+
 def persistent_rule(hd: int, causal: bool, mean_keys: int) -> PersistentRule | None:
     """The first of HOPPER_FORWARD_PERSISTENT[hd]'s rules for this mask whose bound the mean
     visible keys per row (whole keys) meet, or None."""
