@@ -8,7 +8,7 @@
 # Environment:
 #   OUT            output folder (required); every file lands directly in it:
 #                  nvidia-smi.txt, junit.xml, tests.log, paged.json, paged.log, bench.log,
-#                  bench.json, summary.json
+#                  bench.json, summary.json (and ab.json, ab.log, asv_results.tar where asked for)
 #   PART           all (default), tests (the test suite only) or bench (the benchmarks only)
 #   GPU_CHECK_TESTS  pytest selection, default "-m gpu tests/"
 #   TEST_WORKERS   pytest-xdist workers (used when pytest-xdist is installed; default 2)
@@ -38,6 +38,12 @@
 #   ASV=1          first record this commit's asv history run (tools/asv_history.sh: needs .asvrepo;
 #                  ASV_WHEELS=dir installs asv from wheels first); results in $OUT/asv_results.tar
 #   ASV_TIMEOUT    seconds for that run (default 220)
+#   AB=dir         before anything else, time this checkout against the baseline tree in dir (cuflash/ and
+#                  cuda_src/ of the commit a change replaces) in one process: tools/ab_trees.py, cell sets
+#                  AB_CELLS (default fwd), $OUT/ab.json and ab.log (AB_TIMEOUT, default 200)
+#   AB_MIN=x       with AB and ASV=1: record the asv point only if the cells' median ratio (baseline time
+#                  over this checkout's) is at least x and none is below AB_FLOOR (default 0), so that a
+#                  call spends no asv time on a change that lost
 #
 # Exit status: non-zero when the tests, a benchmark or the summary failed.
 set -u
@@ -53,9 +59,29 @@ rc=0
 echo "== nvidia-smi"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; head -15 "$OUT/nvidia-smi.txt"
 
+# A kernel change against the code it replaces, both in this process (tools/ab_trees.py).
+ab_ok=1
+if [ -n "${AB:-}" ]; then
+    echo "== A/B against $AB (tools/ab_trees.py --cells ${AB_CELLS:-fwd})"
+    timeout "${AB_TIMEOUT:-200}" python3 tools/ab_trees.py --base "$AB" --cells "${AB_CELLS:-fwd}" \
+        --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+    r=$?; echo "ab rc=$r"; grep -E "^[a-z0-9]+: [0-9]+ cells" "$OUT/ab.log"
+    if [ "$r" -ne 0 ]; then rc=1; ab_ok=0; tail -5 "$OUT/ab.log"; fi
+    if [ "$r" -eq 0 ] && [ -n "${AB_MIN:-}" ]; then
+        python3 - "$OUT/ab.json" "$AB_MIN" "${AB_FLOOR:-0}" <<'PY' || ab_ok=0
+import json, statistics, sys
+ratios = [r["ratio"] for r in json.load(open(sys.argv[1]))["cells"]]
+med, low = statistics.median(ratios), min(ratios)
+ok = med >= float(sys.argv[2]) and low >= float(sys.argv[3])
+print(f"A/B: median ratio {med:.3f}, lowest {low:.3f}: the asv point is {'recorded' if ok else 'skipped'}")
+sys.exit(0 if ok else 1)
+PY
+    fi
+fi
+
 # The asv point first: it is what lets a kernel change land, and a call that the device's time
 # cuts short still records it.
-if [ "${ASV:-0}" = 1 ]; then
+if [ "${ASV:-0}" = 1 ] && [ "$ab_ok" = 1 ]; then
     echo "== asv (tools/asv_history.sh)"
     if [ -n "${ASV_WHEELS:-}" ]; then
         python3 -m pip install -q --no-index --find-links "$ASV_WHEELS" asv==0.6.6 > /dev/null 2>&1
