@@ -48,9 +48,10 @@ SMEM_LIMIT = 232448 - 1024  # an sm_90 block's opt-in shared memory, less the sw
 
 
 def fwd_candidates(hd: int) -> list[HopperTile]:
-    """128- and 256-key tiles (whole vt boxes), 2-4 stages, ping-pong or not, that fit shared memory."""
+    """128-256-key tiles (whole k32 steps; vt's slot whole 128-key boxes), 2-4 stages, ping-pong or
+    not, that fit shared memory."""
     out = []
-    for block_n in (128, 256):
+    for block_n in (128, 160, 192, 224, 256):
         for stages in (2, 3, 4):
             for pingpong in (False, True):
                 t = HopperTile(block_n, 2, stages, "search", tma=True, pingpong=pingpong)

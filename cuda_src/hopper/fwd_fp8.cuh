@@ -64,12 +64,13 @@ __device__ __forceinline__ void fwd_p_to_e4m3(u32 (&p_frag)[kKSteps][4], const f
         }
 }
 
-// vt's key tile starting at key k0 into its ring slot: HEAD_DIM rows of BLOCK_N keys, one 128-key
-// box per 128-byte column block (rows past d are zero-filled), completing on `bar`.
+// vt's key tile starting at key k0 into its ring slot: HEAD_DIM rows of Tr::kVtKeys keys (BLOCK_N
+// rounded up to whole boxes), one 128-key box per 128-byte column block (rows past d and keys past
+// vt's end are zero-filled, and count toward the transaction's bytes), completing on `bar`.
 template <typename Tr>
 __device__ __forceinline__ void fwd_tma_issue_vt(u32 dst, const TmaDesc* map, int k0, int hk, int b, u32 bar) {
     mbar_arrive_expect_tx(bar, Tr::TileV::kBytes);
 #pragma unroll
-    for (int cb = 0; cb < Tr::kBlockN / 128; ++cb)
+    for (int cb = 0; cb < Tr::kVtKeys / 128; ++cb)
         tma_load_4d(dst + cb * Tr::TileV::kBlockBytes, map, k0 + 128 * cb, 0, hk, b, bar);
 }

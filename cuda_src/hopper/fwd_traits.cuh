@@ -88,8 +88,11 @@ struct HopperFwdTraits {
     // Sw128Tile counts 16-bit columns: an e4m3 row of HEAD_DIM bytes is HEAD_DIM / 2 of them.
     using TileQ = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, kBlockM>;
     using TileK = Sw128Tile<HEAD_DIM * ELEM::kBytes / 2, BLOCK_N>;  // K's ring slots
-    // V's ring slots: V's own (keys, HEAD_DIM_V) tile, or (e4m3) vt's (d, keys) tile of K's bytes.
-    using TileV = typename FwdPick<kFp8, Sw128Tile<BLOCK_N / 2, HEAD_DIM>, Sw128Tile<HEAD_DIM_V, BLOCK_N>>::type;
+    // (e4m3) Keys of vt's ring slot: whole 128-key TMA boxes (a 128-byte swizzled row is one box's
+    // width), so a 160-224-key tile reads up to 96 keys past its own, which P V does not use.
+    static constexpr int kVtKeys = (BLOCK_N + 127) / 128 * 128;
+    // V's ring slots: V's own (keys, HEAD_DIM_V) tile, or (e4m3) vt's (d, kVtKeys) tile.
+    using TileV = typename FwdPick<kFp8, Sw128Tile<kVtKeys / 2, HEAD_DIM>, Sw128Tile<HEAD_DIM_V, BLOCK_N>>::type;
     // O (16-bit) staged for the store: in Q's rows, which a wider O (e4m3 inputs, or HEAD_DIM_V >
     // HEAD_DIM) outgrows into the K ring.
     using TileO = Sw128Tile<HEAD_DIM_V, kBlockM>;
@@ -103,10 +106,9 @@ struct HopperFwdTraits {
     static_assert(!TMA || PRODUCER, "TMA copies are issued by a producer warpgroup");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0,
                   "whole wgmma k-steps and swizzle atoms");
-    static_assert(!kFp8 || (TMA && HEAD_DIM % 128 == 0 && BLOCK_N % 128 == 0),
-                  "e4m3: TMA-fed, whole 128-byte swizzle rows of Q, K and vt");
+    static_assert(!kFp8 || (TMA && HEAD_DIM % 128 == 0 && BLOCK_N % 32 == 0),
+                  "e4m3: TMA-fed, whole 128-byte swizzle rows of Q and K, whole k32 steps (vt's 32-key groups)");
     // (the cp.async loaders fill both rings with K's tile; e4m3's vt is built at one head dim)
     static_assert(HEAD_DIM_V == HEAD_DIM || (TMA && !kFp8), "a V head dim of its own: 16-bit inputs, TMA-fed");
-    static_assert(!kFp8 || TileV::kBytes == TileK::kBytes, "e4m3: K and vt slots of one size");
     static_assert(TileO::kBytes <= TileQ::kBytes + STAGES * TileK::kBytes, "O staged over Q and the K ring");
 };

@@ -279,9 +279,10 @@ def _fp8_tile(d: int, tile: schedule.HopperTile | None):
     """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's."""
     hd = schedule.fp8_head_dim(d)
     t = tile or schedule.HOPPER_FP8_FORWARD_TILES[hd]
-    if not t.tma or t.persistent or t.wg_epilogue or t.block_n % 128 or t.warpgroups > 2:
+    if not t.tma or t.persistent or t.wg_epilogue or t.block_n % VT_GROUP or t.warpgroups > 2:
         raise ValueError("tile: the e4m3 kernel runs a per-tile TMA tile of 1 or 2 math warpgroups and whole "
-                         "128-key blocks (tma=True, persistent=False, wg_epilogue=False, block_n % 128 == 0)")
+                         f"{VT_GROUP}-key steps (tma=True, persistent=False, wg_epilogue=False, "
+                         f"block_n % {VT_GROUP} == 0)")
     return hd, t
 
 
