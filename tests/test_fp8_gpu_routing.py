@@ -247,8 +247,13 @@ def test_the_plan_needs_sm90_and_names_the_instantiation():
     spec, t = plan_hopper.fp8_forward_spec(FLOAT16, 200, False)
     assert spec.expression.startswith("attn_fwd_wgmma_tma_fp8<E4m3<Fp16>, 256, ")
     assert spec.smem_bytes == (t.block_m + 2 * t.stages * t.block_n) * 256 + 8 * (1 + 4 * t.stages) + 1024
-    with pytest.raises(ValueError, match="^tile:"):
-        plan_hopper.fp8_forward_spec(BFLOAT16, 128, False, schedule.HopperTile(64, 2, 2, "", tma=True))
+    for bad in (64, 96, 200, 288):  # no e4m3 wgmma wrapper, or less than one vt box
+        with pytest.raises(ValueError, match="^tile:"):
+            plan_hopper.fp8_forward_spec(BFLOAT16, 128, False, schedule.HopperTile(bad, 2, 2, "", tma=True))
+    # 160-224-key tiles: vt's ring slots hold two whole 128-key boxes (HopperFwdTraits::kVtKeys)
+    spec, t = plan_hopper.fp8_forward_spec(BFLOAT16, 128, False, schedule.HopperTile(224, 2, 3, "", tma=True))
+    assert spec.expression == "attn_fwd_wgmma_tma_fp8<E4m3<Bf16>, 128, 224, 2, 3, false, false>"
+    assert spec.smem_bytes == (128 + 3 * (224 + 256)) * 128 + 8 * (1 + 4 * 3) + 1024
     with pytest.raises(ValueError, match="head dim 300"):
         schedule.fp8_head_dim(300)
 

@@ -23,6 +23,7 @@ from cuflash.cli import tune as cli_tune
 from cuflash.kernels import hopper as hopper_kernels
 from cuflash.kernels import operands
 from cuflash.kernels import build
+from cuflash.plan import hopper as plan_hopper
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.core.problem import Problem
@@ -71,6 +72,8 @@ def test_wrappers_match_the_generator():
         sys.path.remove(str(ROOT / "tools"))
     assert tuning.wgmma_shapes() == tuple(sorted(gen_wgmma.SHAPES))
     assert set(tuning.WGMMA_SPACE["block_n"]) <= set(tuning.wgmma_shapes())
+    # the e4m3 forward's key tiles and head dims each have a WgmmaE4m3<N>
+    assert set(plan_hopper.FP8_KEY_TILES) | set(schedule.FP8_HEAD_DIMS) <= set(gen_wgmma.E4M3_SHAPES)
 
 
 def test_table_tiles_are_legal():

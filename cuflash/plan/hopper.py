@@ -265,6 +265,9 @@ def all_hopper_forward_specs():
 
 
 VT_GROUP = 32  # vt's keys (the e4m3 forward's transposed V) are padded to a whole group
+# The e4m3 forward's key tiles: whole k32 steps with a WgmmaE4m3<N> wrapper (tools/gen_wgmma.py's
+# E4M3_SHAPES); below 128 keys vt's whole 128-key boxes would read more keys than the tile uses.
+FP8_KEY_TILES = (128, 160, 192, 224, 256)
 
 
 def vt_keys(nk: int) -> int:
@@ -279,10 +282,10 @@ def _fp8_tile(d: int, tile: schedule.HopperTile | None):
     """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's."""
     hd = schedule.fp8_head_dim(d)
     t = tile or schedule.HOPPER_FP8_FORWARD_TILES[hd]
-    if not t.tma or t.persistent or t.wg_epilogue or t.block_n % VT_GROUP or t.warpgroups > 2:
-        raise ValueError("tile: the e4m3 kernel runs a per-tile TMA tile of 1 or 2 math warpgroups and whole "
-                         f"{VT_GROUP}-key steps (tma=True, persistent=False, wg_epilogue=False, "
-                         f"block_n % {VT_GROUP} == 0)")
+    if not t.tma or t.persistent or t.wg_epilogue or t.block_n not in FP8_KEY_TILES or t.warpgroups > 2:
+        raise ValueError("tile: the e4m3 kernel runs a per-tile TMA tile of 1 or 2 math warpgroups and key tiles "
+                         f"of {', '.join(map(str, FP8_KEY_TILES))} keys (tma=True, persistent=False, "
+                         "wg_epilogue=False)")
     return hd, t
 
 
