@@ -23,7 +23,6 @@ from cuflash.cli import tune as cli_tune
 from cuflash.kernels import hopper as hopper_kernels
 from cuflash.kernels import operands
 from cuflash.kernels import build
-from cuflash.plan import hopper as plan_hopper
 from cuflash.plan import schedule
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.core.problem import Problem
