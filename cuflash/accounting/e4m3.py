@@ -12,7 +12,7 @@ from ..core import masks
 from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
 from ..plan import dispatch, schedule
-from ..plan.hopper import VT_GROUP, vt_keys
+from ..plan.hopper import VT_GROUP, vt_keys, vt_slot_keys
 from .arguments import as_shape_and_dtype, check_dtype, check_int, check_shape, int_list, problem_dims
 from .launches import H200_SMEM_PER_SM_BYTES, MODEL
 from .pairs import sequence_lengths
@@ -188,6 +188,15 @@ def memory_report_e4m3(q, k, v, *, method, pass_, causal, window, layout, out_dt
     return MemoryReport(method, pass_, dtype_name(E4M3), shape, tuple(E), tuple(notes))
 
 
+def _vt_keys_read(n_tiles, bn, nk_pad):
+    """Keys of vt that key tiles 0 .. n_tiles - 1 (of bn keys) load: each whole 128-key boxes from its
+    first key (vt_slot_keys), none past vt's nk_pad keys (TMA reads nothing out of bounds)."""
+    box = vt_slot_keys(bn)
+    whole = 0 if nk_pad < box else min(n_tiles, (nk_pad - box) // bn + 1)  # tiles whose boxes end in vt
+    rest = n_tiles - whole
+    return whole * box + rest * nk_pad - bn * (whole + n_tiles - 1) * rest // 2
+
+
 def io_model_e4m3(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, out_dtype, sram_bytes) -> IOModel:
     """io_model of float8_e4m3fn q, k, v: the e4m3 forward's call on contiguous (B, H, N, d) inputs
     (backends.cuda.forward_fp8): vt's build, the kernel's tiles, and the copies it makes."""
@@ -209,9 +218,10 @@ def io_model_e4m3(batch, hq, hkv, nq, nk, d, causal, pass_, config, kv_dtype, ou
     k_keys = vt_cols = computed = 0  # keys of K and of vt each query tile loads (summed over one head's tiles)
     for row0 in range(0, nq, bm):
         row1 = min(nq, row0 + bm)
-        end = visible_key_tiles(causal, nq, nk, row0, row1, bn) * bn
+        n_tiles = visible_key_tiles(causal, nq, nk, row0, row1, bn)
+        end = n_tiles * bn
         k_keys += min(nk, end)
-        vt_cols += min(nk_pad, end)
+        vt_cols += _vt_keys_read(n_tiles, bn, nk_pad)
         computed += (row1 - row0) * min(nk, end)
     runs = bool(nq and batch and hq and nk)  # backends.cuda.forward_fp8 launches nothing otherwise
     d16, d8 = -(-d // 16) * 16, -(-d // 8) * 8

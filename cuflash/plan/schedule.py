@@ -92,7 +92,7 @@ class HopperTile:
         hv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
         ring = self.stages * self.block_n * (head_dim + hv)  # K's and V's slots
-        if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes (HopperFwdTraits::kVtKeys)
+        if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes (plan.hopper.vt_slot_keys)
             ring = self.stages * (self.block_n + -(-self.block_n // 128) * 128) * head_dim
         if self.persistent:  # + O's own staging tile and the "Q empty" barrier
             return (self.block_m * (head_dim + hv) + ring) * itemsize + barriers + 8 + 1024
