@@ -96,6 +96,18 @@ def test_both_schedules_of_each_tile(rng, monkeypatch, d, pingpong):
         _check(o, lse, case, causal=causal, d=d)
 
 
+@pytest.mark.parametrize("block_n", plan_hopper.FP8_KEY_TILES)
+def test_every_key_tile(rng, monkeypatch, block_n):
+    # Each key tile the kernel takes (160-224 keys: vt's slot two whole 128-key boxes, the keys past
+    # the tile loaded and unused), with lengths that end inside a tile, inside its last vt box and
+    # past vt's last group.
+    monkeypatch.setitem(schedule.HOPPER_FP8_FORWARD_TILES, 128, schedule.HopperTile(block_n, 2, 2, "test", tma=True))
+    case = make_case(rng, 1, 4, 2, 291, 2 * block_n + 101, 128, granularity="head")
+    for causal in (False, "bottom_right", "top_left"):
+        o, lse = _run(case, causal=causal)
+        _check(o, lse, case, causal=causal, d=128)
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("d", [64, 96, 200])
 def test_layouts_head_dims_and_q_descale_per_kv_head(rng, layout, d):
