@@ -238,15 +238,19 @@ def test_bad_inputs_name_themselves():
 
 def tile_loads(causal, nq, nk, bm, bn):
     """(K keys, vt keys) loaded over one head's query tiles: a tile loads the key tiles up to its
-    last row's last visible key (row i sees j <= i + nk - nq bottom-right, j <= i top-left)."""
+    last row's last visible key (row i sees j <= i + nk - nq bottom-right, j <= i top-left); each
+    key tile's vt in whole 128-key boxes from its first key, nothing past vt's keys (nk rounded up
+    to 32)."""
     causal = masks.normalize_causal(causal)
     k_keys = vt_keys = 0
+    vt_end = up(nk, 32)
     for m0 in range(0, nq, bm):
         last_row = min(nq, m0 + bm) - 1
         end = nk if causal is None else max(0, min(nk, last_row + 1 + (nk - nq if causal == "bottom_right" else 0)))
         loaded = up(end, bn)
         k_keys += min(nk, loaded)
-        vt_keys += min(up(nk, 32), loaded)
+        for key0 in range(0, loaded, bn):
+            vt_keys += min(vt_end, key0 + up(bn, 128)) - min(vt_end, key0)
     return k_keys, vt_keys
 
 

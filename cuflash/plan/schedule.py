@@ -132,16 +132,25 @@ HOPPER_FORWARD_DV_TILES: dict[tuple[int, int], HopperTile] = {
 
 # Forward on Hopper with float8_e4m3fn q, k, v (attn_fwd_wgmma_tma_fp8, wgmma m64nNk32): keyed by
 # the e4m3 head-dim bucket (FP8_HEAD_DIMS: whole 128-byte rows of Q, K and vt). Key tiles are whole
-# 128-key vt boxes; 256-key tiles spill (S 128 + O 64 + P 32 registers at d=128). H100, TFLOP/s at
-# N = 8k / 16k (B x H = 2 x 16 / 1 x 16 at d=128, 2 x 8 / 1 x 8 at d=256), one pass each of the 12
-# (d=128) and 4 (d=256) tiles of 128 keys, 2-4 stages, ping-pong or not:
-#   d=128: ping-pong 2 stages 763 / 787, causal 759 / 838; own pace 3 stages 837 / 867, causal 784 /
-#     855 (2 stages 821 / 863, 782 / 858). Where the other warpgroup's GEMMs would fill the
-#     softmax, the turns cost more than they hide, as at d=128 in 16 bits.
-#   d=256: own pace 2 stages 1225 / 1284, causal 1127 / 1227; 3 stages and ping-pong 0-2.2% below.
+# k32 steps with a WgmmaE4m3 wrapper (plan.hopper.FP8_KEY_TILES), vt's ring slots whole 128-key
+# boxes (160-224-key tiles load up to 96 keys they do not use). At d=128 a key tile amortizes the
+# step's fixed work (row maxima across the quad, the rescale vote, barriers, the wgmma waits) over
+# more scores, up to 224 keys (S 112 + O 64 + P 28 registers); 256-key tiles spill (S 128 + O 64 +
+# P 32). Searches (tools/e4m3_search.py), TFLOP/s at N = 8k / 16k (B x H = 2 x 16 / 1 x 16 at d=128,
+# 2 x 8 / 1 x 8 at d=256), one pass per tile, bf16 out:
+#   H200, d=128 (24 tiles of 128-256 keys, 2-4 stages, ping-pong or not): 128 keys 3 stages 868 /
+#     922, causal 812 / 897; 192 keys 3 stages 906 / 930, causal 826 / 924; 224 keys 3 stages 904 /
+#     940, causal 819 / 929 (x 1.041 / 1.020, causal 1.008 / 1.036); 224 keys 2 stages ping-pong
+#     895 / 918, causal 837 / 934; 256 keys 689-860 (spills).
+#   H100, d=128 (12 tiles of 128 keys): ping-pong 2 stages 763 / 787, causal 759 / 838; own pace 3
+#     stages 837 / 867, causal 784 / 855 (2 stages 821 / 863, 782 / 858). Where the other
+#     warpgroup's GEMMs would fill the softmax, the turns cost more than they hide, as at d=128 in
+#     16 bits.
+#   H100, d=256: own pace 2 stages 1225 / 1284, causal 1127 / 1227; 3 stages and ping-pong 0-2.2%
+#     below (H200: the same order within 0.5%).
 HOPPER_FP8_FORWARD_TILES: dict[int, HopperTile] = {
-    128: HopperTile(128, 2, 3, "128x128, 3 stages, each warpgroup at its own pace: 1.02-1.10x the ping-pong tile",
-                    tma=True),
+    128: HopperTile(224, 2, 3, "128x224, 3 stages, each warpgroup at its own pace (S 112 + O 64 + P 28 regs): "
+                    "1.02-1.04x the 128-key tile without a mask, 1.01-1.04x causal (H200)", tma=True),
     256: HopperTile(128, 2, 2, "128x128, O 128 + S 64 + P 16 regs, own pace, 2 stages: the fastest of 4 tiles",
                     tma=True),
 }
