@@ -64,21 +64,20 @@ def test_what_an_e4m3_cache_launches_is_compiled(shape, causal, cluster):
     assert spec.short_name in {s.short_name for s in plan_decode.all_decode_specs()}
 
 
-def test_an_e4m3_cache_with_few_pairs_splits_for_one_wave():
-    share = plan_decode.E4M3_ONE_WAVE_SHARE
-    few = _problem(1, 32, 8, 1, 131072, 128)  # 8 pairs: one wave of 16 splits, not two waves' 33
+def test_an_e4m3_cache_splits_for_two_waves_few_pairs_included():
+    few = _problem(1, 32, 8, 1, 131072, 128)  # 8 pairs: two waves' 33 splits (one wave's 16 lost on an H200)
     t, waves = plan_decode.e4m3_launch(few, SMS)
-    assert 8 * share <= SMS and waves == 1
-    assert plan_decode.launch_plan(few, SMS, tile=t, waves=waves).splits == SMS // 8
-    assert plan_decode.launch_plan(few, SMS, tile=t).splits == -(-2 * SMS // 8)
+    assert t is schedule.DECODE_TILES_KV8[128] and waves is None
+    assert plan_decode.launch_plan(few, SMS, tile=t, waves=waves).splits == -(-2 * SMS // 8)
     many = _problem(8, 32, 8, 1, 16384, 128)  # 64 pairs: two waves (4 splits)
     t, waves = plan_decode.e4m3_launch(many, SMS)
-    assert 64 * share > SMS and waves is None
+    assert waves is None
     assert plan_decode.launch_plan(many, SMS, tile=t, waves=waves).splits == 4
     # A caller's tile or waves are kept as given.
     mine = schedule.DECODE_TILES_KV8[64]
     assert plan_decode.e4m3_launch(few, SMS, tile=mine) == (mine, None)
-    assert plan_decode.e4m3_launch(few, SMS, waves=3)[1] == 3
+    assert plan_decode.e4m3_launch(few, SMS, waves=1) == (schedule.DECODE_TILES_KV8[128], 1)
+    assert plan_decode.launch_plan(few, SMS, tile=t, waves=1).splits == SMS // 8
 
 
 def test_which_problems_the_e4m3_kernel_takes():

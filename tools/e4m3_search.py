@@ -62,7 +62,7 @@ def fwd_candidates(hd: int) -> list[HopperTile]:
 
 def decode_candidates() -> list[DecodeTile]:
     """d = 128 e4m3 tiles: 16-64 keys, 4 or 8 warps, 2-8 stages, rings 0-2 (the block copies; ring 1
-    with up to 4 stages for the one-wave launches of few pairs, one block per SM)."""
+    up to 4 stages)."""
     shapes = {0: ((16, 4, 4), (16, 4, 8), (32, 4, 2), (32, 4, 4), (16, 8, 4), (64, 4, 2)),
               1: ((16, 4, 4), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2)),
               2: ((16, 4, 4), (32, 4, 2), (32, 4, 4))}

@@ -415,20 +415,15 @@ def default_tile(p, sm_count: int, waves=None):
     return t, waves
 
 
-# An e4m3 cache whose (sequence, K/V head) pairs are at most 1/E4M3_ONE_WAVE_SHARE of the SMs splits
-# for one wave of blocks, not WAVES: H100, B=1 Hkv=8 L=128k, 16 splits 97.3-97.8 us against the 33
-# of two waves 98.7-99.3 (each of rings 0-2, 32-key tiles; 0.904 vs 0.890x the copy rate). With 64
-# pairs two waves' 4 splits stay (B=8 Hkv=8 L=16k: 0.922x the copy rate).
-E4M3_ONE_WAVE_SHARE = 8
-
-
+# An e4m3 cache splits for WAVES blocks per SM like a 16-bit one, few pairs included. B=1 Hkv=8
+# L=128k, 16 splits (one wave) against 33 (two): H200 86.2 against 74.7-74.9 us (0.733 against
+# 0.843-0.846x the copy rate; 32-key tiles, rings 0-2, one pass); H100 97.3-97.8 against 98.7-99.3
+# (0.904 against 0.890x). One block of four warps per SM issues too few copies for the H200's rate.
 def e4m3_launch(p, sm_count: int, tile=None, waves=None):
     """(tile, waves) of a launch over an e4m3 K/V cache: schedule.DECODE_TILES_KV8's tile unless
-    `tile`, and one wave of splits for few pairs (E4M3_ONE_WAVE_SHARE) unless `tile` or `waves`."""
+    `tile`; `waves` as given (None: num_splits' WAVES)."""
     if tile is not None:
         return tile, waves
-    if waves is None and p.batch * p.hkv * E4M3_ONE_WAVE_SHARE <= sm_count:
-        waves = 1
     return schedule.DECODE_TILES_KV8[schedule.head_dim_bucket(p.d)], waves
 
 

@@ -637,7 +637,7 @@ WIDE_LONG_MIN_CHUNK = 768  # (between the splits measured: 256-512 keys stay on 
 # tile's bytes. H100, the cache read over the copy rate of the same run, one-token decode, Hq=32,
 # the 16-bit tile with doubled stages (16 x 4 warps, 4 stages, ring 0) -> this tile: B=8 Hkv=8
 # L=16k 0.889 -> 0.922, L=64k 0.973 -> 1.007, B=64 L=16k 0.786 -> 1.040, B=8 Hkv=32 L=16k 0.772 ->
-# 1.013, B=1 Hkv=8 L=128k 0.785 -> 0.890 (0.904 in one wave: plan.decode.E4M3_ONE_WAVE_SHARE).
+# 1.013, B=1 Hkv=8 L=128k 0.785 -> 0.890 (plan.decode.e4m3_launch: two waves of splits).
 # Of ten tiles (16-64 keys, 4 or 8 warps, 2-8 stages, rings 0-2) it was first or within 0.3% of
 # the first in every cell; ring 2 (FA2's order) ties it at 16k-64k with Hkv=8 and loses 17-20%
 # with B=64 or Hkv=32. d=64 and d=256 (not measured): the 16-bit tile's bytes in flight, with
