@@ -12,7 +12,8 @@ from ..core import masks
 from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
 from ..plan import dispatch, schedule
-from ..plan.hopper import VT_GROUP, vt_keys, vt_slot_keys
+from ..plan.hopper import VT_GROUP, vt_keys
+from ..plan.schedule import vt_slot_keys
 from .arguments import as_shape_and_dtype, check_dtype, check_int, check_shape, int_list, problem_dims
 from .launches import H200_SMEM_PER_SM_BYTES, MODEL
 from .pairs import sequence_lengths

@@ -268,13 +268,6 @@ VT_GROUP = 32  # vt's keys (the e4m3 forward's transposed V) are padded to a who
 # The e4m3 forward's key tiles: whole k32 steps with a WgmmaE4m3<N> wrapper (tools/gen_wgmma.py's
 # E4M3_SHAPES); below 128 keys vt's whole 128-key boxes would read more keys than the tile uses.
 FP8_KEY_TILES = (128, 160, 192, 224, 256)
-VT_BOX_KEYS = 128  # keys of one vt TMA box (one 128-byte swizzled row)
-
-
-def vt_slot_keys(block_n: int) -> int:
-    """Keys of vt a key tile of ``block_n`` loads: whole boxes (HopperFwdTraits::kVtKeys), the keys
-    past the tile unused."""
-    return -(-block_n // VT_BOX_KEYS) * VT_BOX_KEYS
 
 
 def vt_keys(nk: int) -> int:

@@ -57,6 +57,15 @@ FORWARD_TILES_SCALAR: dict[int, TileConfig] = {
 }
 
 
+VT_BOX_KEYS = 128  # keys of one vt TMA box of the e4m3 forward (one 128-byte swizzled row)
+
+
+def vt_slot_keys(block_n: int) -> int:
+    """Keys of vt (the e4m3 forward's transposed V) a key tile of ``block_n`` loads: whole boxes
+    (HopperFwdTraits::kVtKeys), the keys past the tile unused."""
+    return -(-block_n // VT_BOX_KEYS) * VT_BOX_KEYS
+
+
 @dataclass(frozen=True)
 class HopperTile:
     """attn_fwd_wgmma: each warpgroup owns 64 query rows (wgmma's M), so block_m = 64 x warpgroups."""
@@ -92,8 +101,8 @@ class HopperTile:
         hv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
         ring = self.stages * self.block_n * (head_dim + hv)  # K's and V's slots
-        if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes (plan.hopper.vt_slot_keys)
-            ring = self.stages * (self.block_n + -(-self.block_n // 128) * 128) * head_dim
+        if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes
+            ring = self.stages * (self.block_n + vt_slot_keys(self.block_n)) * head_dim
         if self.persistent:  # + O's own staging tile and the "Q empty" barrier
             return (self.block_m * (head_dim + hv) + ring) * itemsize + barriers + 8 + 1024
         return (self.block_m * head_dim + ring) * itemsize + barriers + 1024
