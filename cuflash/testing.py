@@ -239,13 +239,18 @@ def _acc(dtype):
     return _F64 if np.dtype(dtype) == _F32 else _F32
 
 
+def _flush(x, acc):
+    """x with its float32 subnormals (|x| below the smallest normal float32) set to zero, as the
+    kernels' float32 arithmetic gives them; float64 keeps its subnormals."""
+    if acc == _F32:
+        x = np.where(np.abs(x) < np.finfo(_F32).tiny, acc.type(0), x)
+    return x
+
+
 def _exp(x, acc):
     """exp in the yardstick's arithmetic: in float32, results below the smallest normal float32 are
-    zero, as the kernels' exp2 (ex2.approx.ftz) gives them; float64 keeps its subnormals."""
-    e = np.exp(x)
-    if acc == _F32:
-        e = np.where(e < np.finfo(_F32).tiny, acc.type(0), e)
-    return e
+    zero, as the kernels' exp2 (ex2.approx.ftz) gives them."""
+    return _flush(np.exp(x), acc)
 
 
 def _rnd(x, dtype):
@@ -299,6 +304,7 @@ def _faithful_forward4(c, realization=0):
         l = l + _exp(sink - shift, acc)
     seen = l > 0
     o4 = np.matmul(_rnd_at(e, p.dtype, _row_scales(c, realization, acc, 1)), va) / np.where(seen, l, acc.type(1))
+    o4 = _flush(o4, acc)  # the split-KV decode kernels return 0 for a float32 output below 2^-126
     lse3 = np.where(seen, shift + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))[..., 0]
     return o4.astype(acc), lse3.astype(acc), s
 

@@ -479,3 +479,26 @@ def test_memory_report_lists_modifier_inputs():
     assert rep.device_bytes == plain.device_bytes + 32 + 16 + 16
     with pytest.raises(ValueError, match="sinks"):
         cuflash.memory_report((2, 4, 300, 64), (2, 2, 500, 64), sinks=(3,))
+
+
+def test_rule_on_outputs_below_the_smallest_normal(rng):
+    """A sink far above every ALiBi-shifted score leaves outputs near 1e-37, many below the smallest
+    normal float32 (1.2e-38), which the GPU kernels return as 0. The yardstick's float32 outputs are
+    flushed there too, so such a result passes; the bound stays a few such flushes wide (the
+    bound is 2-7 of them here), so an error of twenty fails."""
+    tiny = float(np.finfo(np.float32).tiny)
+    hq, nq, nk, d = 4, 3, 1500, 64
+    q, k, v = random_inputs(rng, (1, hq, nq, d), (1, 1, nk, d), BFLOAT16)
+    mods = dict(alibi_slopes=np.full(hq, 86.0 / (nk - 1), np.float32), sinks=np.zeros(hq, np.float32))
+    ref_o, ref_lse = reference64(q, k, v, causal="top_left", **mods)
+    ref_o = np.asarray(ref_o, np.float64)
+    below = np.abs(ref_o) < tiny
+    assert below.mean() > 0.03 and np.abs(ref_o).max() < 1e-34  # the case is what it claims
+    flushed = np.where(below, 0.0, ref_o)
+    assert_forward_accurate(flushed.astype(np.float32).astype(BFLOAT16), ref_lse.astype(np.float32), q, k, v,
+                            causal="top_left", **mods)
+    off = flushed.copy()
+    off.flat[np.flatnonzero(below)[0]] = 20 * tiny
+    with pytest.raises(AssertionError, match="^o "):
+        assert_forward_accurate(off.astype(np.float32).astype(BFLOAT16), ref_lse.astype(np.float32), q, k, v,
+                                causal="top_left", **mods)
