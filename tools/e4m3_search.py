@@ -43,7 +43,7 @@ FWD_SHAPES = {128: ((2, 16, 8192), (1, 16, 16384)), 256: ((2, 8, 8192), (1, 8, 1
 SHAPES = ((8, 8, 16384), (8, 8, 65536), (64, 8, 16384), (8, 32, 16384), (1, 8, 131072))  # (B, Hkv, L), Hq = 32
 # Explicit (splits, cluster) per (B, Hkv) besides the planner's count.
 SPLITS = {(8, 8): ((4, False), (8, True), (8, False), (16, False)), (64, 8): ((2, False), (2, True)),
-          (8, 32): ((2, False), (2, True)), (1, 8): ((16, False), (64, False))}
+          (8, 32): ((2, False), (2, True)), (1, 8): ((16, False), (33, False), (49, False), (64, False))}
 SMEM_LIMIT = 232448 - 1024  # an sm_90 block's opt-in shared memory, less the swizzle alignment
 
 
@@ -62,20 +62,20 @@ def fwd_candidates(hd: int) -> list[HopperTile]:
 
 def decode_candidates() -> list[DecodeTile]:
     """d = 128 e4m3 tiles: 16-64 keys, 4 or 8 warps, 2-8 stages, rings 0-2 (the block copies; ring 1
-    up to 4 stages)."""
+    up to 4 stages, or 8 warps at 2)."""
     shapes = {0: ((16, 4, 4), (16, 4, 8), (32, 4, 2), (32, 4, 4), (16, 8, 4), (64, 4, 2)),
-              1: ((16, 4, 4), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2)),
+              1: ((16, 4, 4), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (16, 8, 2), (32, 8, 2)),
               2: ((16, 4, 4), (32, 4, 2), (32, 4, 4))}
     return [DecodeTile(bn, warps, stages, 2, "search", ring=ring, kv_bytes=1)
             for ring, tiles in shapes.items() for bn, warps, stages in tiles]
 
 
-def candidate_specs():
-    """Every instantiation the search launches (bf16), for the parallel compile."""
+def candidate_specs(ops=OPS):
+    """Every instantiation the search launches (bf16) for `ops`, for the parallel compile."""
     specs = [plan_decode._kernel_spec(BFLOAT16, 128, 1, t, False, True, cluster)
-             for t in decode_candidates() for cluster in (0, *plan_decode.CLUSTER_SIZES)]
+             for t in decode_candidates() for cluster in (0, *plan_decode.CLUSTER_SIZES)] if "decode" in ops else []
     specs += [plan_hopper.fp8_forward_spec(BFLOAT16, hd, causal, t)[0]
-              for hd in FWD_SHAPES for t in fwd_candidates(hd) for causal in (False, True)]
+              for hd in FWD_SHAPES for t in fwd_candidates(hd) for causal in (False, True)] if "fwd" in ops else []
     return list(dict.fromkeys(specs))
 
 
@@ -176,8 +176,8 @@ class Search:
                 rows.append(dict(op="fwd", d=hd, b=b, h=h, n=n, causal=causal, tile=label(t), table=t is table,
                                  ms=ms, tflops=flops / ms / 1e9, max_abs_diff=diff))
 
-    def decode(self, rows):
-        for b, hkv, n in SHAPES:
+    def decode(self, rows, shapes=SHAPES):
+        for b, hkv, n in shapes:
             self.decode_shape(rows, b, hkv, n)
             self.free()
 
@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new candidates after this")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
+    ap.add_argument("--decode-shapes", default=None,
+                    help="decode shapes B,Hkv,L separated by ';' (default: all of SHAPES)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -259,14 +261,16 @@ def main(argv=None) -> int:
     from schedule_search import _precompile
 
     search = Search(out, args.budget_s)
-    _precompile(candidate_specs(), args.workers, search.log)
+    ops = args.ops.split(",")
+    shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.decode_shapes.split(";"))
+              if args.decode_shapes else SHAPES)
+    _precompile(candidate_specs(ops), args.workers, search.log)
     rows = []
     try:
-        ops = args.ops.split(",")
         if "fwd" in ops:
             search.forward(rows)
         if "decode" in ops:
-            search.decode(rows)
+            search.decode(rows, shapes)
     finally:
         (out / "e4m3_search.json").write_text(json.dumps({"ceilings": search.ceilings, "rows": rows}, indent=1))
         for line in best_lines(rows):
