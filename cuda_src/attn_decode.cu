@@ -20,26 +20,11 @@
 #include "tile_load.cuh"
 #include "decode_common.cuh"
 #include "decode_loads.cuh"
+#include "decode_block.cuh"
 
-// KV: KvSame or KvE4m3 (kv_e4m3.cuh): K/V rows of kKvCols 16-bit words (an e4m3 row's bytes in pairs).
-template <int HEAD_DIM, int ROW_TILES, int BLOCK_N, int WARPS, int STAGES, typename KV = KvSame>
-struct DecodeTraits {
-    static constexpr int kRows = 16 * ROW_TILES;  // packed (head, token) rows, zero-padded
-    static constexpr int kChunks = HEAD_DIM / 8;
-    static constexpr int kThreads = WARPS * 32;
-    static constexpr int kKvCols = HEAD_DIM * KV::kBytes / 2;
-    static constexpr int kTileKV = BLOCK_N * kKvCols;
-    static constexpr int kRingElems = 2 * STAGES * kTileKV;  // one warp's K and V ring
-    static constexpr int kRingBytes = WARPS * kRingElems * 2;  // all rings: the O merge's buffer at the end
-    static constexpr int kSmemBytes =
-        (kRows * HEAD_DIM + WARPS * kRingElems) * 2 + WARPS * kRows * 2 * 4;
-    using Swz = Swizzle<HEAD_DIM>;
-    static_assert((BLOCK_N * kChunks) % 32 == 0 && (BLOCK_N * kKvCols / 8) % 32 == 0, "a warp loads its tiles evenly");
-};
-
-// One block of the split-KV launch: its split's keys, then the block's end - decode_merge_store
-// (CLUSTER == 0: O and LSE, or the split's partials for attn_decode_combine) or the cluster merge
-// (CLUSTER splits form one cluster; part_o / part_lse unused).
+// One block of the split-KV launch: its split's keys (decode_block.cuh's main loop of RING), then the
+// block's end - decode_merge_store (CLUSTER == 0: O and LSE, or the split's partials for
+// attn_decode_combine) or the cluster merge (CLUSTER splits form one cluster; part_o / part_lse unused).
 // KV (kv_e4m3.cuh): KvSame, or KvE4m3 for an e4m3 cache (k and v then address bytes in pairs: their
 // strides count 16-bit words) with its descales `scales`.
 // MOD: score modifiers `mods` (score_mod.cuh, DecodeMods; with WINDOW's band mask).
@@ -63,11 +48,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     constexpr int kWarpTiles = kRowSplit ? 1 : ROW_TILES;
     static_assert(!kRowSplit || (ROW_TILES <= WARPS && CLUSTER == 0), "RING 3: a row tile per warp, no cluster merge");
     static_assert(!kRowSplit || kRows * HEAD_DIM * 4 <= Tr::kRingBytes, "RING 3: the rings hold the block's O");
+    static_assert(RING == 0 || STAGES >= 2 || (RING == 4 && STAGES == 1), "the block ring keeps a step in flight");
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, n_splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages
+    u16* ring = sQ + kRows * HEAD_DIM + warp * Tr::kRingElems;  // this warp's K then V stages (RING 0)
     float* s_stat = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM + WARPS * Tr::kRingElems);  // [WARPS][kRows][2]
 
     const DecodeSpan<CAUSAL, WINDOW> span(kv_lens, b, nk, nq, align, split, chunk, band_lo, band_hi);
@@ -99,21 +85,12 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         // those five ends instead would touch them all).
         if (split == 0 && (kRowSplit || warp == 0)) mod.add_sinks(softmax, mods, hk, group, nq, row0, lane);
     }
-    // Warp w computes key tiles w, w + WARPS, ... of this split, one BLOCK_N-key tile per step of
-    // WARPS x BLOCK_N keys. RING 0: each warp copies its own tiles into a private ring (no block
-    // barrier in the loop). RING > 0: the block copies each step's K and V tiles into one shared
-    // ring of STAGES slots - the same keys for each warp, in the same order, so the result is the
-    // same bit for bit; RING 1 copies a step's K and V together after the step's barrier, RING 2
-    // copies K there and V after the softmax, each a step ahead (FA2's order: K_{j+1} loads under
-    // P V_j, V_{j+1} under Q K_{j+1}^T; two barriers per step).
-    constexpr int kStepN = WARPS * BLOCK_N, kStepTile = kStepN * kKvCols;
-    static_assert(RING == 0 || STAGES >= 2 || (RING == 4 && STAGES == 1), "the block ring keeps a step in flight");
-    const int n_steps = (max(0, s1 - s0) + kStepN - 1) / kStepN;
-    const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
-    u16* ringK = sQ + kRows * HEAD_DIM;  // (RING > 0)
-    u16* ringV = ringK + STAGES * kStepTile;
-    // The K/V copies (decode_loads.cuh): RING > 0 the block ring's steps (kv_load.step), RING 0 this
-    // warp's tiles (kv_load.warp_tile); a block table pages the cache.
+    // The K/V copies (decode_loads.cuh): RING > 0 the block ring's steps (kv_load.step; K's STAGES
+    // slots then V's), RING 0 this warp's tiles (kv_load.warp_tile); a block table pages the cache.
+    const int n_steps = (max(0, s1 - s0) + Tr::kStepN - 1) / Tr::kStepN;  // (RING > 0)
+    const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;  // (RING 0)
+    u16* ringK = sQ + kRows * HEAD_DIM;
+    u16* ringV = ringK + STAGES * Tr::kStepTile;
     const DecodeKvLoader<kKvCols, BLOCK_N, WARPS, STAGES, VEC> kv_load{
         k, v, block_table, bt_sb, page_shift, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, b, hkv_head, s0, s1, kv_d, warp,
         lane, gK, gV, ring, ringK, ringV};
@@ -129,39 +106,21 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     // Q's pieces loaded all at once after the K/V issue (below) at d=128: up to 8 per thread, the
     // wide-rows blocks' 64 rows (A/B, two passes, x cuDNN: Hq=64 B=4 L=16k 0.96 -> 1.04, B=64
     // 1.51 -> 1.54, Hq=128 B=16 L=8k 1.76 -> 1.80). Not at d=64: its wide blocks' 4 pieces ran ~1%
-    // slower all at once (Hq=64 B=16 L=16k 1.57 -> 1.55).
+    // slower all at once (Hq=64 B=16 L=16k 1.57 -> 1.55). All pieces' loads, then the stores: one
+    // round trip (piece by piece, 4 of them: a block's start was 3.3-4.4 us with two row tiles
+    // against 1.5 with one; the wide-rows blocks' 8 pieces at d=128 5.6-6.7 us, B=1 Hq=64 Hkv=1;
+    // block trace, H200). One piece at a time otherwise: all of them loaded before any store
+    // spilled at d=192 too.
     constexpr bool kQBatch = HEAD_DIM == 128 && QPack::kItems <= 8;
     QPack qpack;
     if constexpr (kQFirst) qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
-    if constexpr (RING == 4) {
-        if (n_steps > 0) kv_load.step(0, 0, true, false);  // K_0 (V_0 at step 0's start)
-        cp_async_commit();
-    } else if constexpr (RING > 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_steps) kv_load.step(s, s, true, RING != 2);
-            cp_async_commit();
-            if constexpr (RING == 2) {
-                if (s < n_steps) kv_load.step(s, s, false, true);
-                cp_async_commit();
-            }
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < my_tiles) kv_load.warp_tile(s, s);
-            cp_async_commit();
-        }
-    }
+    decode_prefetch<RING, STAGES>(kv_load, n_steps, my_tiles);
     if constexpr (kQFirst) {
         qpack.template store<kE4m3>(sQ);
     } else if constexpr (kQBatch) {
-        // All pieces' loads, then the stores: one round trip (piece by piece, 4 of them: a block's
-        // start was 3.3-4.4 us with two row tiles against 1.5 with one; the wide-rows blocks' 8
-        // pieces at d=128 5.6-6.7 us, B=1 Hq=64 Hkv=1; block trace, H200).
         qpack.load(q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
         qpack.template store<kE4m3>(sQ);
-    } else {  // (one piece at a time: all of them loaded before any store spilled at d=192 too)
+    } else {
         decode_pack_q<HEAD_DIM, ROW_TILES, Tr::kThreads, kE4m3>(sQ, q, q_sb, q_sh, q_sn, b, hk, group, nq, d);
     }
     if constexpr (MOD)
@@ -170,86 +129,16 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const u32 sbase = smem_addr(smem);
     DecodeQ<HEAD_DIM, kWarpTiles> qa(sbase + row0 * HEAD_DIM * 2, lane);  // (16-row offsets keep the swizzle's phase)
 
-    if constexpr (RING == 4) {
-        // FA2's order with one K and one V buffer of a step each (the shared memory of RING 3's two
-        // stages of half the keys): V_t copies under Q K_t^T and the softmax, K_{t+1} under P V_t.
-        const u32 kbase = sbase + kRows * HEAD_DIM * 2;
-        const LaneAddr<HEAD_DIM> aK(kbase, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-        const LaneAddr<HEAD_DIM> aV(kbase + kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-        for (int t = 0; t < n_steps; ++t) {
-            cp_async_wait<0>();
-            __syncthreads();  // K_t visible; every warp is past P V_{t-1}: V's buffer refills
-            kv_load.step(t, 0, false, true);
-            cp_async_commit();
-            auto k_ahead = [&]() {
-                cp_async_wait<0>();
-                __syncthreads();  // V_t visible; every warp is past Q K_t^T: K's buffer refills
-                if (t + 1 < n_steps) kv_load.step(t + 1, 0, true, false);
-                cp_async_commit();
-            };
-            if (warp < ROW_TILES)
-                decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, 0, 0, s0 + t * kStepN, s1, rows,
-                                                                     span.lo0, span.hi0, nq, lane, softmax, acc_o,
-                                                                     scale_log2, k_ahead, KvSame{}, mod);
-            else
-                k_ahead();  // (a warp without rows still meets the barrier and copies its share)
-        }
-    } else if constexpr (RING > 0) {
-        const u32 kbase = sbase + (kRows * HEAD_DIM + (kRowSplit ? 0 : warp * BLOCK_N * kKvCols)) * 2;
-        // (e4m3: K read with V's lane pattern, kv_e4m3.cuh)
-        const LaneAddr<kKvCols> aK(kbase, kE4m3 ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7),
-                                   kE4m3 ? lane >> 4 : (lane >> 3) & 1);
-        const LaneAddr<kKvCols> aV(kbase + STAGES * kStepTile * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-        // Groups after the one a wait needs: RING 1, the later steps' (STAGES - 2); RING 2, V_t
-        // and the later steps' K and V (before Q K^T), or the later steps' and K_{t+STAGES-1} (before P V).
-        constexpr int kAfter = RING != 2 ? STAGES - 2 : 2 * STAGES - 3;
-        for (int t = 0; t < n_steps; ++t) {
-            cp_async_wait<kAfter>();
-            __syncthreads();  // step t's copies visible; every warp is past step t-1, whose slots refill
-            const int next = t + STAGES - 1, next_slot = next % STAGES;
-            if (next < n_steps) kv_load.step(next, next_slot, true, RING != 2);
-            cp_async_commit();
-            auto v_ahead = [&]() {
-                if constexpr (RING == 2) {
-                    cp_async_wait<kAfter>();
-                    __syncthreads();  // V_t visible
-                    if (next < n_steps) kv_load.step(next, next_slot, false, true);
-                    cp_async_commit();
-                }
-            };
-            const u32 slot = (t % STAGES) * kStepTile * 2;
-            if constexpr (kRowSplit) {  // the whole step's keys for this warp's row tile
-                if (warp < ROW_TILES)
-                    decode_tile_step<T, HEAD_DIM, 1, kStepN, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, s0 + t * kStepN, s1,
-                                                                         rows, span.lo0, span.hi0, nq, lane, softmax,
-                                                                         acc_o, scale_log2, DecodeNoStep{}, KvSame{}, mod);
-            } else {
-                const int n0 = s0 + t * kStepN + warp * BLOCK_N;
-                if (n0 < s1)
-                    decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(
-                        qa, aK, aV, slot, slot, n0, s1, rows, span.lo0, span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                        v_ahead, kv, mod);
-                else
-                    v_ahead();  // (a warp past the keys still meets the barrier and copies its share)
-            }
-        }
-    } else {
-        const u32 rbase = sbase + (kRows * HEAD_DIM + warp * Tr::kRingElems) * 2;
-        const LaneAddr<kKvCols> aK(rbase, kE4m3 ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7),
-                                   kE4m3 ? lane >> 4 : (lane >> 3) & 1);
-        const LaneAddr<kKvCols> aV(rbase + STAGES * Tr::kTileKV * 2, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
-        for (int t = 0; t < my_tiles; ++t) {
-            cp_async_wait<STAGES - 2>();
-            __syncwarp();  // every lane's copies of tile t are visible; everyone left tile t-1's slot
-            if (t + STAGES - 1 < my_tiles) kv_load.warp_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
-            cp_async_commit();
-            const u32 slot = (t % STAGES) * Tr::kTileKV * 2;
-            const int n0 = s0 + (t * WARPS + warp) * BLOCK_N;
-            decode_tile_step<T, HEAD_DIM, ROW_TILES, BLOCK_N, CAUSAL, WINDOW>(qa, aK, aV, slot, slot, n0, s1, rows, span.lo0,
-                                                                             span.hi0, nq, lane, softmax, acc_o, scale_log2,
-                                                                             DecodeNoStep{}, kv, mod);
-        }
-    }
+    if constexpr (RING == 4)
+        decode_loop_fa2_rows<T, Tr, CAUSAL, WINDOW>(qa, kv_load, sbase, n_steps, s0, s1, rows, span.lo0, span.hi0, nq,
+                                                    warp, lane, softmax, acc_o, scale_log2, mod);
+    else if constexpr (RING > 0)
+        decode_loop_block_ring<T, Tr, CAUSAL, WINDOW, RING>(qa, kv_load, sbase, n_steps, s0, s1, rows, span.lo0,
+                                                            span.hi0, nq, warp, lane, softmax, acc_o, scale_log2, kv,
+                                                            mod);
+    else
+        decode_loop_warp_ring<T, Tr, CAUSAL, WINDOW>(qa, kv_load, sbase, my_tiles, s0, s1, rows, span.lo0, span.hi0, nq,
+                                                     warp, lane, softmax, acc_o, scale_log2, kv, mod);
     cp_async_wait<0>();
     if constexpr (MOD && !kRowSplit) __syncthreads();  // every warp is done with ALiBi's rows in s_stat
     if constexpr (kE4m3) {  // O = (P v8) v_descale: linear, so before the warps' and the splits' merges
@@ -261,37 +150,9 @@ attn_decode_block(const u16* __restrict__ q, const u16* __restrict__ k, const u1
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_o[mi][ni][e] *= vs;
     }
-
-    if constexpr (kRowSplit) {
-        // (each warp's rows are final: published as one warp's, then decode_store as for one warp)
-        float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);
-        decode_publish_row_tile<HEAD_DIM>(softmax, acc_o, warp < ROW_TILES, s_stat, sO, warp, lane, group * nq);
-        decode_store<T, HEAD_DIM, ROW_TILES, 1, Tr::kThreads, 1, true>(s_stat, sO, o, lse, part_o, part_lse, o_sb, o_sh, o_sn, b,
-                                                                 hk, gridDim.y, split, n_splits, hq, nq, d, group,
-                                                                 scale_log2);
-        if (split_done != nullptr && n_splits > 1)
-            decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
-                split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
-                reinterpret_cast<float*>(smem));
-    } else if constexpr (CLUSTER == 0) {
-        decode_merge_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, Tr::kRingBytes, kE4m3>(
-            softmax, acc_o, true, s_stat, reinterpret_cast<float*>(sQ + kRows * HEAD_DIM), warp, lane, o, lse, part_o,
-            part_lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, split, n_splits, hq, nq, d, group, scale_log2);
-        if (split_done != nullptr && n_splits > 1)
-            // (the merge stages partials in Q's tile and the rings: free once this block's result is stored)
-            decode_last_split_merges<T, HEAD_DIM, ROW_TILES, Tr::kThreads, kRows * HEAD_DIM * 2 + Tr::kRingBytes>(
-                split_done, part_o, part_lse, o, lse, o_sb, o_sh, o_sn, b, hk, gridDim.y, n_splits, hq, nq, d, group,
-                reinterpret_cast<float*>(smem));
-    } else {
-#if __CUDA_ARCH__ >= 900
-        float* sO = reinterpret_cast<float*>(sQ + kRows * HEAD_DIM);  // the merge buffer reuses the rings
-        constexpr int kSlots = decode_merge_slots<HEAD_DIM, ROW_TILES, WARPS, Tr::kRingBytes>();
-        decode_merge_warps<HEAD_DIM, ROW_TILES, WARPS, kSlots, kE4m3>(softmax, acc_o, true, s_stat, sO, warp, lane,
-                                                                      group * nq, scale_log2);
-        decode_cluster_store<T, HEAD_DIM, ROW_TILES, WARPS, Tr::kThreads, CLUSTER, kSlots>(
-            s_stat, sO, split, o, lse, o_sb, o_sh, o_sn, b, hk, hq, nq, d, group, scale_log2);
-#endif
-    }
+    decode_block_end<T, Tr, CLUSTER, RING, kE4m3>(softmax, acc_o, smem, s_stat, warp, lane, o, lse, part_o, part_lse,
+                                                   split_done, o_sb, o_sh, o_sn, b, hk, split, n_splits, hq, nq, d,
+                                                   group, scale_log2);
 }
 
 #define DECODE_PARAMS                                                                                               \
