@@ -29,7 +29,11 @@ def test_dry_run_lists_the_cells_without_torch_or_cupy():
 def test_cell_sets():
     every = ab_trees.cells(ab_trees.SETS)
     assert len(every) == len(set(every))
-    assert all(c.b * c.n == 16384 and c.h == (8 if c.d == 256 else 16) for c in every)
+    assert all(c.b * c.n == 16384 and c.h == (8 if c.d == 256 else 16) for c in every if c.op != "decode")
+    decode = ab_trees.cells(["decode"])
+    assert {(c.b, c.h, c.hkv, c.n) for c in decode} == set(ab_trees.DECODE_SHAPES)
+    assert {c.dtype for c in decode} == {"bfloat16", "float8_e4m3fn"} and all(c.h % c.hkv == 0 for c in decode)
+    assert decode[0].flops == 4.0 * decode[0].n * 128 * decode[0].b * decode[0].h  # one query row each
     mods = ab_trees.cells(["mods"])
     assert {c.option for c in mods} == {"none", "softcap", "alibi", "sinks"}
     # each modified cell has its plain twin, whose time it is compared with
@@ -40,7 +44,7 @@ def test_cell_sets():
     assert causal.flops * 2 == ab_trees.Cell("fwd", "fwd", "bfloat16", 128, 1, 16, 16384, False).flops
     assert ab_trees.Cell("bwd", "bwd", "bfloat16", 128, 1, 16, 16384, False).flops == 2.5 * 4 * 16384 ** 2 * 128 * 16
     with pytest.raises(ValueError, match="--cells"):
-        ab_trees.cells(["fwd", "decode"])
+        ab_trees.cells(["fwd", "prefill"])
 
 
 def test_a_second_tree_loads_beside_the_first(tmp_path):

@@ -10,8 +10,10 @@ changes do (docs/performance.md#history); tools/compare_trees.sh is the grid-wid
 
 Cell sets (--cells, a comma list): fwd (bf16, d = 64/128/256, N = 4k/16k, causal and not), bwd (bf16,
 d = 64/128, the same), mods (softcap, ALiBi and sinks beside the plain forward, bf16, d = 128,
-N = 1k-16k, causal and not), fp8 (e4m3 forward, d = 128/256, N = 8k/16k, causal and not). Every
-shape keeps B·N = 16k tokens and 16 heads (8 at d = 256). "ratio" is the baseline's median time
+N = 1k-16k, causal and not), fp8 (e4m3 forward, d = 128/256, N = 8k/16k, causal and not), decode (one
+query token per sequence over a bf16 cache and an e4m3 one, d = 128: B x Hq/Hkv x L of 8 x 32/8 x 16k
+and 64k, 1 x 32/8 x 128k, MQA 1 x 64/1 x 32k). Every prefill shape keeps B·N = 16k tokens and 16
+heads (8 at d = 256). "ratio" is the baseline's median time
 over this checkout's (> 1: this checkout is faster); a cell whose kernels are the same in both
 trees is the run's control. "max_abs_diff" is the largest difference of the two trees' outputs
 (the first output: o, or dq). Importable without a GPU: torch and CuPy load in the device path.
@@ -29,7 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = ("fwd", "bwd", "mods", "fp8")
+SETS = ("fwd", "bwd", "mods", "fp8", "decode")
+DECODE_SHAPES = ((8, 32, 8, 16384), (8, 32, 8, 65536), (1, 32, 8, 131072), (1, 64, 1, 32768))  # B, Hq, Hkv, L
 SOFTCAP = 30.0  # Gemma-2's attention cap, as benchmarks/options.py
 
 
@@ -44,16 +47,20 @@ class Cell:
     n: int
     causal: bool
     option: str = "none"  # none | softcap | alibi | sinks
+    hkv: int = 0  # decode: K/V heads (h: query heads)
 
     @property
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
+        if self.op == "decode":
+            return f"{self.set:4s} decode {self.dtype[:5]} d={self.d} {self.b}x{self.h}/{self.hkv}x{self.n}"
         return f"{self.set:4s} {self.op} {self.option:7s} {self.dtype[:5]} d={self.d} {self.b}x{self.h}x{self.n} {mask}"
 
     @property
     def flops(self) -> float:
         """The peers' convention: 4 N^2 d per head, halved when causal, the backward 2.5x."""
-        f = 4.0 * self.n * self.n * self.d * self.b * self.h / (2 if self.causal else 1)
+        nq = 1 if self.op == "decode" else self.n
+        f = 4.0 * nq * self.n * self.d * self.b * self.h / (2 if self.causal else 1)
         return f * (2.5 if self.op == "bwd" else 1.0)
 
 
@@ -75,6 +82,9 @@ def cells(sets) -> list[Cell]:
         elif s == "fp8":
             out += [Cell(s, "fwd", "float8_e4m3fn", d, *_shape(d, n), n, c)
                     for d in (128, 256) for n in (8192, 16384) for c in (False, True)]
+        elif s == "decode":
+            out += [Cell(s, "decode", dt, 128, b, hq, n, False, hkv=hkv)
+                    for b, hq, hkv, n in DECODE_SHAPES for dt in ("bfloat16", "float8_e4m3fn")]
         else:
             raise ValueError(f"--cells: {s!r} is none of {', '.join(SETS)}")
     return out
@@ -110,6 +120,15 @@ class Runner:
         torch = self.torch
         torch.manual_seed(0)
         shape = (cell.b, cell.h, cell.n, cell.d)
+        if cell.op == "decode":  # a bf16 q over a bf16 cache, or an e4m3 one with unit descales
+            q = torch.randn((cell.b, cell.h, 1, cell.d), device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn((cell.b, cell.hkv, cell.n, cell.d), device="cuda", dtype=torch.bfloat16)
+                    for _ in "kv")
+            if cell.dtype == "float8_e4m3fn":
+                k, v = (x.to(torch.float8_e4m3fn) for x in (k, v))
+                one = torch.ones((), device="cuda", dtype=torch.float32)
+                return [lambda m=m: m.attention(q, k, v, k_descale=one, v_descale=one) for m in trees]
+            return [lambda m=m: m.attention(q, k, v) for m in trees]
         if cell.dtype == "float8_e4m3fn":
             q, k, v = (torch.randn(shape, device="cuda").mul(0.5).to(torch.float8_e4m3fn) for _ in "qkv")
             one = torch.ones((cell.b, cell.h), device="cuda", dtype=torch.float32)
