@@ -9,7 +9,10 @@ A window or a packing does less work than the dense grid, so rows compare rates,
 row's "tflops" and "tflops_exact" count the pairs the call really sees (cuflash.flops with the
 window or the sequence offsets, 4 * pairs * d), and "vs_dense" is that rate over the dense
 kernel's on the same tokens (the plain forward, causal for the causal rows). Rows are peers.py's
-with "dtype": "float8_e4m3fn" and a "shape" of "dense", "window (w, 0)" or "packed s x n".
+with "dtype": "float8_e4m3fn" and a "shape" of "dense", "window (w, 0)", "packed s x n" (the
+offsets read on the host: one device-to-host copy that waits for the device, so the timed span
+holds the host's work after it) or "packed s x n, max_seqlen" (max_seqlen_q / max_seqlen_k given,
+validate=False: no host read, the kernel's own time).
 """
 
 from __future__ import annotations
@@ -32,19 +35,21 @@ class BandCase(Case):
 
     shape: str = "dense"
     size: int = 0
+    lengths: bool = False  # packed: max_seqlen_q / max_seqlen_k and validate=False
 
     @property
     def what(self) -> str:
         return {"dense": "dense", "window": f"window ({self.size}, 0)",
-                "packed": f"packed {self.size} x {TOKENS // max(self.size, 1)}"}[self.shape]
+                "packed": f"packed {self.size} x {TOKENS // max(self.size, 1)}"
+                          + (", max_seqlen" if self.lengths else "")}[self.shape]
 
     @property
     def label(self) -> str:
         return f"fwd e4m3 d={self.d} H={HEADS} N={TOKENS} {self.what}{' causal' if self.causal else ''}"
 
 
-def band_case(d, causal, shape="dense", size=0) -> BandCase:
-    return BandCase("fwd", FP8, d, 1, HEADS, HEADS, TOKENS, TOKENS, causal, shape, size)
+def band_case(d, causal, shape="dense", size=0, lengths=False) -> BandCase:
+    return BandCase("fwd", FP8, d, 1, HEADS, HEADS, TOKENS, TOKENS, causal, shape, size, lengths)
 
 
 def plan(ds=(128, 256)):
@@ -52,7 +57,7 @@ def plan(ds=(128, 256)):
     for d in ds:
         for causal in (False, True):
             cases.append(band_case(d, causal))
-            cases += [band_case(d, causal, "packed", s) for s in SEQUENCES]
+            cases += [band_case(d, causal, "packed", s, lengths) for s in SEQUENCES for lengths in (False, True)]
         cases += [band_case(d, False, "window", w) for w in WINDOWS]  # (w, 0): causal within the reach
     return cases
 
@@ -103,6 +108,8 @@ class Fp8Band:
                 n = TOKENS // case.size
                 cu = cp.arange(0, TOKENS + 1, n, dtype=cp.int32)
                 kw.update(layout="bshd", cu_seqlens_q=cu, cu_seqlens_k=cu)
+                if case.lengths:
+                    kw.update(max_seqlen_q=n, max_seqlen_k=n, validate=False)
             else:
                 arrays = [cp.from_dlpack(p[0].view(torch.uint8)) for p in parts]
                 if case.shape == "window":
@@ -143,7 +150,7 @@ def main(argv=None):
                     out=args.out, derive=add_ratios)
     for r in doc["bench"]:
         mask = "causal" if r["causal"] else "full"
-        print(f"d={r['d']:3} {r.get('shape', '-'):22} {mask:6} ms={dash(r['ms'], '.3f'):>7} TFLOP/s={dash(r.get('tflops_exact'), '.0f'):>5} "
+        print(f"d={r['d']:3} {r.get('shape', '-'):34} {mask:6} ms={dash(r['ms'], '.3f'):>7} TFLOP/s={dash(r.get('tflops_exact'), '.0f'):>5} "
               f"vs_dense={dash(r.get('vs_dense'), '.3f')} {r['status']} {r.get('reason', '')[:150]}")
     return 0
 

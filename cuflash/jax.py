@@ -119,9 +119,9 @@ def _lse_shape(q, p, varlen, paged, layout):
 @functools.lru_cache(maxsize=None)
 def _forward_callback(options, names):
     """One callback object per option set, so JAX's compilation caches see the same function.
-    ``options``: (causal, scale, layout, window, validate, softcap); ``names``: the array options
-    given, passed after q, k, v."""
-    causal, scale, layout, window, validate, softcap = options
+    ``options``: (causal, scale, layout, window, validate, softcap, max_seqlen_q, max_seqlen_k);
+    ``names``: the array options given, passed after q, k, v."""
+    causal, scale, layout, window, validate, softcap, max_q, max_k = options
 
     def callback(ctx, outs, q, k, v, *arrays):
         o_buf, lse_buf = outs
@@ -129,7 +129,8 @@ def _forward_callback(options, names):
             qn, kn, vn, on, lsen = (native.wrap(b) for b in (q, k, v, o_buf, lse_buf))
             given = {n: native.wrap(b) for n, b in zip(names, arrays)}
             _, lse = api.attention(qn, kn, vn, causal=causal, scale=scale, layout=layout, window=window,
-                                   validate=validate, return_lse=True, out=on, softcap=softcap, **given)
+                                   validate=validate, return_lse=True, out=on, softcap=softcap, max_seqlen_q=max_q,
+                                   max_seqlen_k=max_k, **given)
             lsen[...] = lse
 
     return callback
@@ -137,7 +138,7 @@ def _forward_callback(options, names):
 
 @functools.lru_cache(maxsize=None)
 def _backward_callback(options, names, deterministic):
-    causal, scale, layout, window, _, softcap = options
+    causal, scale, layout, window, validate, softcap, max_q, max_k = options
 
     def callback(ctx, outs, do, q, k, v, o, lse, *arrays):
         with _Native(ctx, q) as native:
@@ -145,7 +146,8 @@ def _backward_callback(options, names, deterministic):
             grads = tuple(native.wrap(b) for b in outs)
             given = {n: native.wrap(b) for n, b in zip(names, arrays)}
             result = api.attention_backward(*args, causal=causal, scale=scale, layout=layout, window=window,
-                                            deterministic=deterministic, out=grads[:3], softcap=softcap, **given)
+                                            deterministic=deterministic, out=grads[:3], softcap=softcap,
+                                            max_seqlen_q=max_q, max_seqlen_k=max_k, validate=validate, **given)
             if "sinks" in given:  # dsinks comes back as a fresh array: into XLA's buffer
                 grads[3][...] = result[3]
 
@@ -232,13 +234,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None, validate=True,
               window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, deterministic=False, softcap=None,
-              alibi_slopes=None, sinks=None):
+              alibi_slopes=None, sinks=None, max_seqlen_q=None, max_seqlen_k=None):
     """``cuflash.attention`` for JAX: differentiable, and usable inside ``jax.jit`` / ``vmap``.
 
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
     "bottom_right" / "top_left"; layout "bhsd" or "bshd"; GQA; ``window``; ``kv_lens``;
-    ``block_table`` paged caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences;
-    ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes``, ``sinks``;
+    ``block_table`` paged caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences with
+    ``max_seqlen_q`` / ``max_seqlen_k`` (static ints; with validate=False the GPU reads no offset
+    on the host); ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes``, ``sinks``;
     float16, bfloat16, float32 on CPU; float16 and bfloat16 for the GPU backward). The options
     other than arrays are static: under ``jax.jit`` pass them as Python values (a closure or
     ``static_argnames``); kv_lens, block_table and cu_seqlens_* (int32) and alibi_slopes and
@@ -267,6 +270,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         if np.dtype(a.dtype) != want:
             raise TypeError(f"{name}: expected dtype {np.dtype(want).name}, got {np.dtype(a.dtype).name}")
     varlen = "cu_seqlens_q" in given or "cu_seqlens_k" in given
+    max_seqlens = problem.check_max_seqlens(max_seqlen_q, max_seqlen_k, packed=varlen)
     paged = "block_table" in given
     window = masks.normalize_window(window)
     if varlen or paged:  # shapes that depend on the arrays' values are checked by cuflash when the call runs
@@ -285,12 +289,12 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         causal, scale = p.causal, p.scale
         if p.single_head and not given:  # (N, d) -> (1, N, d): leading axes are then batch axes under vmap too
             o, lse = _attention(q[None], k[None], v[None], (),
-                                ((causal or False, scale, "bhsd", window, validate, softcap), (), (1, p.nq),
+                                ((causal or False, scale, "bhsd", window, validate, softcap, None, None), (), (1, p.nq),
                                  deterministic))
             o, lse = o[0], jax.lax.stop_gradient(lse[0])
             return (o, lse) if return_lse else o
     names = tuple(given)
-    static = ((causal or False, scale, layout, window, validate, softcap), names,
+    static = ((causal or False, scale, layout, window, validate, softcap, *max_seqlens), names,
               _lse_shape(q, p, varlen, paged, layout), bool(deterministic))
     o, lse = _attention(q, k, v, tuple(jnp.asarray(a) for a in given.values()), static)
     lse = jax.lax.stop_gradient(lse)

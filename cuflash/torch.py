@@ -43,7 +43,7 @@ __all__ = ["attention", "scaled_dot_product_attention", "register_transformers",
 _OPTIONS = "str causal, float? scale, str layout, int[]? window, float? softcap, Tensor? alibi_slopes, Tensor? sinks"
 # The forward's deterministic is not used by it: it is recorded for the backward of its call.
 _FORWARD_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-                 f"Tensor? block_table, {_OPTIONS}, bool validate")
+                 f"int? max_seqlen_q, int? max_seqlen_k, Tensor? block_table, {_OPTIONS}, bool validate")
 
 
 def _options(causal, scale, layout, window, softcap, alibi_slopes, sinks):
@@ -52,11 +52,12 @@ def _options(causal, scale, layout, window, softcap, alibi_slopes, sinks):
                 sinks=sinks)
 
 
-def _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
-                  alibi_slopes, sinks, validate, out=None):
+def _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal, scale,
+                  layout, window, softcap, alibi_slopes, sinks, validate, out=None):
     return api.attention(q, k, v, **_options(causal, scale, layout, window, softcap, alibi_slopes, sinks),
                          return_lse=True, out=out, kv_lens=kv_lens, validate=validate, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         block_table=block_table)
 
 
 def _lse_shape(q, varlen, layout):
@@ -80,10 +81,10 @@ def _lse_like(q, varlen, layout):
 # ----------------------------------------------------------------------------- forward
 
 
-def _attention_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
-                  alibi_slopes, sinks, validate, deterministic):
-    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                         softcap, alibi_slopes, sinks, validate)
+def _attention_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal, scale,
+                  layout, window, softcap, alibi_slopes, sinks, validate, deterministic):
+    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                         scale, layout, window, softcap, alibi_slopes, sinks, validate)
 
 
 _attention = torch.library.custom_op("cuflash::attention", _attention_op, mutates_args=(),
@@ -91,16 +92,16 @@ _attention = torch.library.custom_op("cuflash::attention", _attention_op, mutate
 
 
 @_attention.register_fake
-def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap,
-                    alibi_slopes, sinks, validate, deterministic):
+def _attention_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                    scale, layout, window, softcap, alibi_slopes, sinks, validate, deterministic):
     # o: q's shape with v's head dim (which may differ from q's)
     return q.new_empty((*q.shape[:-1], v.shape[-1])), _lse_like(q, cu_seqlens_q is not None, layout)
 
 
-def _attention_out_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                      softcap, alibi_slopes, sinks, validate, out):
-    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                         softcap, alibi_slopes, sinks, validate, out=out)[1]
+def _attention_out_op(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                      scale, layout, window, softcap, alibi_slopes, sinks, validate, out):
+    return _forward_impl(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                         scale, layout, window, softcap, alibi_slopes, sinks, validate, out=out)[1]
 
 
 _attention_out = torch.library.custom_op("cuflash::attention_out", _attention_out_op, mutates_args=("out",),
@@ -108,8 +109,8 @@ _attention_out = torch.library.custom_op("cuflash::attention_out", _attention_ou
 
 
 @_attention_out.register_fake
-def _attention_out_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window,
-                        softcap, alibi_slopes, sinks, validate, out):
+def _attention_out_fake(q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                        scale, layout, window, softcap, alibi_slopes, sinks, validate, out):
     return _lse_like(q, cu_seqlens_q is not None, layout)
 
 
@@ -121,34 +122,38 @@ def _no_dsinks(q):
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _backward_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, softcap,
-                 alibi_slopes, sinks, deterministic):
+def _backward_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, layout,
+                 window, softcap, alibi_slopes, sinks, validate, deterministic):
     grads = api.attention_backward(do, q, k, v, o, lse,
                                    **_options(causal, scale, layout, window, softcap, alibi_slopes, sinks),
-                                   deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                   deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, validate=validate)
     return tuple(grads) if sinks is not None else (*grads, _no_dsinks(q))
 
 
 _backward = torch.library.custom_op(
     "cuflash::attention_backward", _backward_op, mutates_args=(),
     schema=("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
-            f"Tensor? cu_seqlens_k, {_OPTIONS}, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)"))
+            f"Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, {_OPTIONS}, bool validate, "
+            "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)"))
 
 
 @_backward.register_fake
-def _backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, layout, window, softcap,
-                   alibi_slopes, sinks, deterministic):
+def _backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, layout,
+                   window, softcap, alibi_slopes, sinks, validate, deterministic):
     dsinks = _no_dsinks(q) if sinks is None else sinks.new_empty(sinks.shape, dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, causal, scale, layout, window, softcap, alibi_slopes,
-     sinks, _, deterministic) = inputs
+    (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal, scale, layout, window,
+     softcap, alibi_slopes, sinks, validate, deterministic) = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.options = (causal, scale, layout, window, softcap)
+    ctx.validate = validate
     ctx.cache_inputs = "kv_lens" if kv_lens is not None else ("block_table" if block_table is not None else None)
     ctx.deterministic = deterministic
 
@@ -159,10 +164,12 @@ def _attention_backward(ctx, do, _dlse):
     q, k, v, o, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     # The op takes do in q's dtype; one kernel pass yields all the gradients (ALiBi's slopes
     # have none, as in FlashAttention: they are not trained).
-    dq, dk, dv, dsinks = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.options, alibi_slopes, sinks,
-                                   ctx.deterministic)
+    dq, dk, dv, dsinks = _backward(do.to(q.dtype), q, k, v, o, lse, cu_q, cu_k, *ctx.max_seqlens, *ctx.options,
+                                   alibi_slopes, sinks, ctx.validate, ctx.deterministic)
     dsinks = None if sinks is None else dsinks.to(sinks.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsinks, None, None
+    # (one entry per input of the operator: q, k, v, then None for kv_lens ... alibi_slopes, dsinks
+    # for sinks, None for validate and deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, dsinks, None, None
 
 
 _attention.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -188,12 +195,14 @@ def _check_tensors(named):
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None, kv_lens=None,
               validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-              deterministic=False, softcap=None, alibi_slopes=None, sinks=None):
+              deterministic=False, softcap=None, alibi_slopes=None, sinks=None, max_seqlen_q=None, max_seqlen_k=None):
     """:func:`cuflash.attention` for torch tensors, differentiable and traceable by torch.compile.
 
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
     "bottom_right" / "top_left"; layout "bhsd" / "bshd"; GQA; ``kv_lens``; ``block_table`` paged
-    caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences; ``window``; ``out=``;
+    caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences with ``max_seqlen_q`` /
+    ``max_seqlen_k`` (ints; with validate=False no offset is read on the host, so CUDA graphs and
+    torch.compile's "reduce-overhead" mode can capture the call, forward and backward); ``window``; ``out=``;
     ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes`` and
     ``sinks``). Returns o (and the float32 lse) as tensors on q's device.
 
@@ -213,8 +222,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     problem.check_flag("deterministic", deterministic)
     scale = _real_or_none("scale", scale, "a real number")
     softcap = _real_or_none("softcap", softcap, "a real number > 0")
-    args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, block_table, _causal_word(causal), scale, layout,
-            _window_list(window), softcap, alibi_slopes, sinks, validate)
+    max_seqlens = problem.check_max_seqlens(max_seqlen_q, max_seqlen_k,
+                                            packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
+    args = (q, k, v, kv_lens, cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table, _causal_word(causal), scale,
+            layout, _window_list(window), softcap, alibi_slopes, sinks, validate)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
     if grad and (kv_lens is not None or block_table is not None):

@@ -143,6 +143,16 @@ def test_packed_bytes(d, hq, hkv, out_dtype):
     assert device_part(rep) == want
     spec, _ = plan_hopper.fp8_forward_band_spec(out_dtype or BFLOAT16, d)
     assert entries(rep)["shared memory / block (fwd)"].bytes == spec.smem_bytes
+    # offsets unread on the host (both maxima, validate=False): their clamped copies, 2 x 4 int32;
+    # one maximum or validate=True reads them and allocates nothing more
+    unread = accounting.memory_report((tq, hq, d), (tk, hkv, d), dtype=E4, cu_seqlens_q=cq.astype(np.int32),
+                                      cu_seqlens_k=list(ck), out_dtype=out_dtype, max_seqlen_q=257,
+                                      max_seqlen_k=300, validate=False)
+    assert device_part(unread) == dict(want, **{"offsets (clamped)": 2 * 4 * 4})
+    for lengths in (dict(max_seqlen_q=257, validate=False), dict(max_seqlen_q=257, max_seqlen_k=300)):
+        assert device_part(accounting.memory_report((tq, hq, d), (tk, hkv, d), dtype=E4,
+                                                    cu_seqlens_q=cq.astype(np.int32), cu_seqlens_k=list(ck),
+                                                    out_dtype=out_dtype, **lengths)) == want
 
 
 @pytest.mark.parametrize("descales, extra", [

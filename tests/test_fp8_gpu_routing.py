@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.core import problem as _problem
 from cuflash.api import functional
 from cuflash.backends import cuda
 from cuflash.core import fp8_inputs
@@ -159,8 +160,7 @@ def _stub_kernel_side(monkeypatch, fake_cupy):
     monkeypatch.setattr(functional, "_forward_result", lambda p, o, o4, direct, lse3, return_lse: "result")
     monkeypatch.setattr(functional, "to_bhsd", views)
     monkeypatch.setattr(functional, "_packed_offsets",
-                        lambda p, cq, ck, spans: (("cu_q", "cu_k"), (max(q1 - q0 for q0, q1, _, _ in spans),
-                                                                     max(k1 - k0 for _, _, k0, k1 in spans))))
+                        lambda p, cq, ck, spans: ("cu_q", "cu_k") if spans is not None else ("clamped q", "clamped k"))
     monkeypatch.setattr(functional, "_packed_outputs", lambda p, arrays, rows: ([views(None, p, p.hq, p.nq)], [True]))
     monkeypatch.setattr(cuda, "forward_fp8", forward_fp8)
     return calls
@@ -209,6 +209,15 @@ def test_packed_sequences_reach_the_kernel_in_one_call(fake_cupy, monkeypatch):
     assert (p.batch, p.hq, p.hkv, p.nq, p.nk, p.causal, p.window) == (1, 4, 2, 40, 90, "bottom_right", (5, 0))
     assert c["cu_seqlens"] == ("cu_q", "cu_k") and c["max_seqlen_q"] == 37
     assert c["shapes"][4] == (1, 4, 40) and c["descales"][1] is one and lse.shape == (4, 40)
+    # max_seqlen_q / max_seqlen_k with validate=False: the offsets are not read (spans None: their
+    # device clamp), and the grid covers the given length
+    calls.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_problem, "to_host", lambda a, name, why: pytest.fail(f"{name} was read on the host"))
+        cuflash.attention(q, k, v, k_descale=one, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=50, max_seqlen_k=60,
+                          validate=False)
+    (c,) = calls
+    assert c["cu_seqlens"] == ("clamped q", "clamped k") and c["max_seqlen_q"] == 50
     for bad in ((2,), (1, 2)):  # one factor per tensor, as on the NumPy backend
         with pytest.raises(ValueError, match=r"^k_descale: expected shape \(\) \(packed sequences take one factor "
                                              r"per tensor\), got"):

@@ -126,3 +126,11 @@ def test_e4m3_packed_forward_bytes(d):
     rep = cuflash.memory_report(q, k, v, q_descale=one, k_descale=one, v_descale=one, causal=True,
                                 cu_seqlens_q=cq, cu_seqlens_k=ck)
     assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())
+    # max_seqlen_* with validate=False: the offsets' clamped device copies join the workspace
+    lengths = dict(max_seqlen_q=max(nqs), max_seqlen_k=max(nks), validate=False)
+    sizes = _recorded(lambda: cuflash.attention(q, k, v, q_descale=one, k_descale=one, v_descale=one, causal=True,
+                                                cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **lengths))
+    rep = cuflash.memory_report(q, k, v, q_descale=one, k_descale=one, v_descale=one, causal=True,
+                                cu_seqlens_q=cq, cu_seqlens_k=ck, **lengths)
+    assert any(e.name == "offsets (clamped)" for e in rep.entries)
+    assert sum(sizes) == _predicted(rep, {"output", "saved state", "workspace"}), (sizes, rep.table())

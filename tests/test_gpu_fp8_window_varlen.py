@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.core import problem as _problem
 from cuflash.core.arrays import BFLOAT16, FLOAT16
 from cuflash.kernels import fp8_forward
 from cuflash.plan import hopper as plan_hopper
@@ -164,13 +165,18 @@ BATCHES = [
 ]
 
 
-def varlen_check(rng, nqs, nks, causal, window, *, hq=4, hkv=2, d=128, out_dtype=BFLOAT16):
+def varlen_check(rng, nqs, nks, causal, window, *, hq=4, hkv=2, d=128, out_dtype=BFLOAT16, lengths=None):
+    """``lengths``: max_seqlen_q / max_seqlen_k / validate=False to pass, with every host read of an
+    argument (core.problem.to_host) failing the call."""
     case, cq, ck = packed_case(rng, nqs, nks, hq, hkv, d)
     q, k, v = (_bits(case[n + "8"][0]) for n in "qkv")
     cq_d, ck_d = cupy.asarray(cq), cupy.asarray(ck)
     before = [to_numpy(a).tobytes() for a in (cq_d, ck_d)]
-    o, lse = _run(q, k, v, case, out_shape=q.shape, out_dtype=out_dtype, causal=causal, window=window,
-                  cu_seqlens_q=cq_d, cu_seqlens_k=ck_d)
+    with pytest.MonkeyPatch.context() as mp:
+        if lengths:
+            mp.setattr(_problem, "to_host", lambda a, name, why: pytest.fail(f"{name} was read on the host"))
+        o, lse = _run(q, k, v, case, out_shape=q.shape, out_dtype=out_dtype, causal=causal, window=window,
+                      cu_seqlens_q=cq_d, cu_seqlens_k=ck_d, **(lengths or {}))
     assert [to_numpy(a).tobytes() for a in (cq_d, ck_d)] == before
     assert o.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == np.float32
     vis = block_diagonal_mask(causal, window, cq, ck)
@@ -194,6 +200,15 @@ def test_varlen_head_dims_and_groups(rng, d, hq, hkv):
     varlen_check(rng, [3, 150, 0, 16, 45], [40, 140, 9, 16, 77], True, None, hq=hq, hkv=hkv, d=d)
     varlen_check(rng, [3, 150, 0, 16, 45], [40, 140, 9, 16, 77], False, (30, 2), hq=hq, hkv=hkv, d=d,
                  out_dtype=FLOAT16)
+
+
+@pytest.mark.parametrize("slack", [0, 100], ids=["exact", "longer"])
+def test_varlen_max_seqlens_read_no_offsets(rng, slack):
+    # max_seqlen_q / max_seqlen_k with validate=False size the grid: no offset is read on the host,
+    # and the result meets the same yardstick.
+    nqs, nks = [3, 150, 0, 16, 45], [40, 140, 9, 16, 77]
+    varlen_check(rng, nqs, nks, True, None, lengths=dict(max_seqlen_q=max(nqs) + slack,
+                                                          max_seqlen_k=max(nks) + slack, validate=False))
 
 
 def test_varlen_is_one_launch(rng, monkeypatch):

@@ -167,6 +167,42 @@ def test_prefill_forward_and_backward_replay(async_pool):
             assert np.array_equal(_bits(g), _bits(d))
 
 
+def test_packed_sequences_replay_with_new_offsets(async_pool):
+    # Packed sequences with max_seqlen_q / max_seqlen_k and validate=False read no offset on the
+    # host, so a serving step with new sequence lengths replays one graph: the offsets are written
+    # in place (other lengths, same totals, each within the maxima) and the replay equals a direct
+    # call on them, forward and backward.
+    rng = np.random.default_rng(66)
+    total_q, total_k, hq, hkv, d = 300, 420, 4, 2, 128
+    q, do = (cupy.empty((total_q, hq, d), FLOAT16) for _ in range(2))
+    k, v = (cupy.empty((total_k, hkv, d), FLOAT16) for _ in range(2))
+    cq, ck = cupy.asarray(np.array([0, 100, 100, 300], np.int32)), cupy.asarray(np.array([0, 150, 170, 420], np.int32))
+    for a in (q, k, v, do):
+        _fill(rng, a)
+    o, grads = cupy.empty_like(q), (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
+    kw = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=200, max_seqlen_k=250, validate=False)
+
+    def step():
+        _, lse = cuflash.attention(q, k, v, return_lse=True, out=o, **kw)
+        return cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, out=grads, **kw)
+
+    step()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph, _ = _capture(stream, step)
+    for new_q, new_k in (([0, 200, 250, 300], [0, 250, 400, 420]), ([0, 0, 100, 300], [0, 5, 170, 420])):
+        cq[...] = cupy.asarray(np.array(new_q, np.int32))
+        ck[...] = cupy.asarray(np.array(new_k, np.int32))
+        for a in (q, k, v, do):
+            _fill(rng, a)
+        _replay(graph, stream)
+        checked = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+        o_direct, lse = cuflash.attention(q, k, v, return_lse=True, **checked)
+        direct = cuflash.attention_backward(do, q, k, v, o_direct, lse, deterministic=True, **checked)
+        assert np.array_equal(_bits(o), _bits(o_direct))
+        for g, dg in zip(grads, direct):
+            assert np.array_equal(_bits(g), _bits(dg))
+
+
 def test_host_reads_under_capture_name_the_argument(async_pool):
     # validate=True reads kv_lens / block_table on the host: inside a capture that is a clear
     # ValueError (before any illegal copy, so the capture itself stays valid), not a CUDA error.

@@ -410,3 +410,81 @@ def test_varlen_more_sequences_than_grid_z(rng):
     grads = cuflash.attention_backward(to_device(doh), q, k, v, o, lse, **kw)
     gh = [to_host(g).reshape(s) for g, s in zip(grads, (uq.shape, uk.shape, uv.shape))]
     assert_backward_accurate(gh, doh.reshape(uq.shape), uq, uk, uv, causal=True, layout="bshd")
+
+
+# ----------------------------------------------------------------------------- max_seqlen_*: no host read
+
+
+def _no_host_reads(monkeypatch):
+    """Every host read of an argument goes through core.problem.to_host: make it fail the test."""
+    def refuse(a, name, why):
+        raise AssertionError(f"{name} was read on the host")
+    monkeypatch.setattr(_problem, "to_host", refuse)
+
+
+@pytest.mark.parametrize("slack", [0, 37], ids=["exact", "longer"])
+@pytest.mark.parametrize("causal, window", [(False, None), ("bottom_right", (40, 10))], ids=["full", "br-window"])
+def test_varlen_max_seqlens_read_no_offsets_and_equal_the_validated_call(rng, monkeypatch, kernels, slack, causal,
+                                                                         window):
+    # FlashAttention's max_seqlen_q / max_seqlen_k with validate=False: the grids are sized from them,
+    # no offset reaches the host, and every output is bitwise the validated call's (which varlen_run
+    # holds to the block-diagonal reference), for exact maxima and for longer ones (empty blocks).
+    nqs, nks = [5, 0, 200, 16, 1], [7, 3, 180, 300, 9]
+    (do, q, k, v, o, lse, kw), grads = varlen_run(rng, BFLOAT16, nqs, nks, causal, window)
+    lengths = dict(max_seqlen_q=max(nqs) + slack, max_seqlen_k=max(nks) + slack, validate=False)
+    before = bits((q, k, v, do, kw["cu_seqlens_q"], kw["cu_seqlens_k"]))
+    _no_host_reads(monkeypatch)
+    o2, lse2 = cuflash.attention(q, k, v, return_lse=True, out=poisoned(q.shape, BFLOAT16), **kw, **lengths)
+    outs = tuple(poisoned(a.shape, BFLOAT16) for a in (q, k, v))
+    grads2 = cuflash.attention_backward(do, q, k, v, o2, lse2, out=outs, **kw, **lengths)
+    monkeypatch.undo()
+    assert np.array_equal(to_host(raw(o2)), to_host(raw(o)))
+    assert np.array_equal(to_host(lse2), to_host(lse))
+    for g, g2 in zip(grads, grads2):
+        assert np.array_equal(raw(g), to_host(raw(g2)))
+    assert_unchanged((q, k, v, do, kw["cu_seqlens_q"], kw["cu_seqlens_k"]), before)
+
+
+@pytest.mark.parametrize("offsets", [[0, -50, 7, 3, 10**9], [0, 400, 2, 2**31 - 1, -(2**31)]],
+                         ids=["negative-and-huge", "decreasing-and-extremes"])
+def test_unvalidated_offsets_stay_inside_the_packed_arrays(rng, kernels, offsets):
+    # Offsets nobody checked (validate=False with max_seqlen_*): the kernels clamp them into the
+    # packed arrays, so no launch faults and nothing outside o / dq / dk / dv is written (each is
+    # the middle of a larger poisoned buffer). Their values are the caller's promise, so only
+    # memory safety is asserted, and that a later valid call is still exact.
+    total_q, total_k, hq, hkv, d = 90, 120, 4, 2, 64
+    qh, kh, vh = random_inputs(rng, (total_q, hq, d), (total_k, hkv, d), BFLOAT16)
+    q, k, v = (to_device(a) for a in (qh, kh, vh))
+    cu = cupy.asarray(np.array(offsets, np.int32))
+    lengths = dict(max_seqlen_q=64, max_seqlen_k=64, validate=False)
+    pad = 3
+    big = {name: poisoned((n + 2 * pad, h, d), BFLOAT16) for name, n, h in
+           (("o", total_q, hq), ("dq", total_q, hq), ("dk", total_k, hkv), ("dv", total_k, hkv))}
+    inner = {name: b[pad:-pad] for name, b in big.items()}
+    o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, out=inner["o"], cu_seqlens_q=cu,
+                               cu_seqlens_k=cu, **lengths)
+    do = to_device(random_array(rng, qh.shape, BFLOAT16))
+    cuflash.attention_backward(do, q, k, v, o, lse, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               out=(inner["dq"], inner["dk"], inner["dv"]), **lengths)
+    cupy.cuda.Device().synchronize()  # a fault would surface here
+    for name, b in big.items():
+        edge = to_host(raw(b))[np.r_[0:pad, -pad:0]]
+        assert np.all(edge == _NAN_BITS[2]), f"a kernel wrote outside {name}"
+    varlen_run(rng, BFLOAT16, [5, 40], [9, 30], True, None)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 1024, 1025, 5000, 70001])
+def test_offsets_clamp_matches_its_definition(rng, n):
+    # The device pass over unread offsets: each clamped into [0, total], then raised to the largest
+    # offset before it (a running maximum), for q's and k's arrays at once; valid offsets unchanged.
+    from cuflash.backends import cuda as cuda_backend
+
+    total_q, total_k = 1000, 37
+    cq = rng.integers(-50, total_q + 50, n).astype(np.int32)
+    extremes = rng.random(n) < 0.1
+    cq[extremes] = rng.choice(np.array([-2**31, 2**31 - 1], np.int64), int(extremes.sum()))
+    ck = np.sort(rng.integers(0, total_k + 1, n)).astype(np.int32)
+    got_q, got_k = cuda_backend.clamp_packed_offsets(cupy.asarray(cq), cupy.asarray(ck), total_q, total_k)
+    want_q = np.maximum.accumulate(np.clip(cq.astype(np.int64), 0, total_q))
+    assert np.array_equal(to_numpy(got_q), want_q)
+    assert np.array_equal(to_numpy(got_k), ck)  # valid (sorted, inside) offsets come back unchanged

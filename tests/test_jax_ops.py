@@ -112,6 +112,25 @@ def test_jit_grad_packed_sequences(rng):
     assert same(mapped[1], cuflash.attention(np.ascontiguousarray(q[::-1]), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
 
 
+def test_jit_grad_packed_sequences_with_max_seqlens(rng):
+    # max_seqlen_q / max_seqlen_k are static ints, carried to both callbacks with validate=False.
+    q, k, v = random_inputs(rng, (9, 4, 8), (11, 2, 8), np.float16)
+    do = random_array(rng, q.shape, np.float16)
+    cu_q, cu_k = np.array([0, 4, 4, 9], np.int32), np.array([0, 5, 7, 11], np.int32)
+
+    def loss(a, b, c, cq, ck):
+        o = cfj.attention(a, b, c, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, deterministic=True,
+                          max_seqlen_q=5, max_seqlen_k=6, validate=False)
+        return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, cu_q, cu_k)
+    _, vjp = cuflash.attention_vjp(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for g, w in zip(grads, vjp(do, deterministic=True)):
+        assert same(g, w)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: only with cu_seqlens_q / cu_seqlens_k"):
+        cfj.attention(q[None], k[None], v[None], max_seqlen_q=4)
+
+
 def test_kv_lens_and_paged_under_jit_and_vmap(rng):
     q, k, v = random_inputs(rng, (3, 2, 4, 1, 8), (3, 2, 2, 12, 8), np.float16)
     lens = rng.integers(0, 13, size=(3, 2)).astype(np.int32)

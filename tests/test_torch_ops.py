@@ -53,8 +53,9 @@ def _grads(ts):
 
 
 def _op_args(q, k, v, kv_lens=None, cu_q=None, cu_k=None, table=None, causal="none", scale=None, layout="bhsd",
-             window=None, softcap=None, alibi=None, sinks=None, validate=True):
-    return (q, k, v, kv_lens, cu_q, cu_k, table, causal, scale, layout, window, softcap, alibi, sinks, validate)
+             window=None, softcap=None, alibi=None, sinks=None, validate=True, max_q=None, max_k=None):
+    return (q, k, v, kv_lens, cu_q, cu_k, max_q, max_k, table, causal, scale, layout, window, softcap, alibi, sinks,
+            validate)
 
 
 def _cases(rng):
@@ -74,6 +75,8 @@ def _cases(rng):
         ("single-head", _op_args(q2, k2, v2, causal="bottom_right")),
         ("kv_lens", _op_args(q, k, v, kv_lens=lens, causal="bottom_right")),
         ("varlen", _op_args(qp, kp, vp, cu_q=cu_q, cu_k=cu_k, causal="bottom_right", window=[3, -1])),
+        ("varlen-max-seqlens", _op_args(qp, kp, vp, cu_q=cu_q, cu_k=cu_k, causal="bottom_right", max_q=4, max_k=5,
+                                        validate=False)),
         ("paged", _op_args(qd, cache_k, cache_v, kv_lens=torch.tensor([20, 31], dtype=torch.int32), table=table)),
         ("score-modifiers", _op_args(q, k, v, causal="bottom_right", softcap=2.5,
                                      alibi=T(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32)),
@@ -88,11 +91,11 @@ def test_operators_pass_opcheck(rng):
         torch.library.opcheck(OPS.attention, args + (False,))
         out = torch.empty_like(args[0])
         torch.library.opcheck(OPS.attention_out, args + (out,))
-        if args[3] is None and args[6] is None:  # the backward exists for calls without a KV cache
+        if args[3] is None and args[8] is None:  # the backward exists for calls without a KV cache
             q, k, v = args[:3]
             o, lse = OPS.attention(*args, False)
             do = torch.randn_like(o)
-            torch.library.opcheck(OPS.attention_backward, (do, q, k, v, o, lse, args[4], args[5], *args[7:14], False))
+            torch.library.opcheck(OPS.attention_backward, (do, q, k, v, o, lse, *args[4:8], *args[9:17], False))
 
 
 def test_fake_shapes_match_real(rng):
@@ -398,6 +401,52 @@ def test_gpu_sdpa_and_gradients_within_rule(rng, dtype):
     yards = faithful_backward_realizations(do, q, k, v, causal="top_left")
     for name, g, r, y in zip(("dq", "dk", "dv"), _grads(ts), ref_grads, yards):
         assert_within_rule(name, g, r, y, dtype)
+
+
+def test_varlen_max_seqlens_gradients(rng):
+    # max_seqlen_q / max_seqlen_k (ints, validate=False) travel through both operators: the same
+    # o and gradients as cuflash's own call; an int-like float is refused by name.
+    q, k, v = random_inputs(rng, (9, 4, 8), (11, 2, 8), np.float16)
+    do = random_array(rng, q.shape, np.float16)
+    cu_q, cu_k = np.array([0, 4, 4, 9], dtype=np.int32), np.array([0, 5, 7, 11], dtype=np.int32)
+    lengths = dict(max_seqlen_q=5, max_seqlen_k=np.int32(6), validate=False)
+    ts = [T(a).requires_grad_() for a in (q, k, v)]
+    o = cft.attention(*ts, cu_seqlens_q=T(cu_q), cu_seqlens_k=T(cu_k), causal=True, **lengths)
+    o.backward(T(do))
+    want_o, vjp = cuflash.attention_vjp(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    assert same(N(o), want_o)
+    for g, w in zip(_grads(ts), vjp(do)):
+        assert same(g, w)
+    with pytest.raises(TypeError, match=r"^max_seqlen_q: expected an int, got float"):
+        cft.attention(*ts, cu_seqlens_q=T(cu_q), cu_seqlens_k=T(cu_k), max_seqlen_q=5.0)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k: only with cu_seqlens_q / cu_seqlens_k"):
+        cft.attention(T(q[None]), T(k[None]), T(v[None]), max_seqlen_k=3)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_max_seqlens_replay_in_a_torch_cuda_graph(rng):
+    """torch.cuda.graph captures a packed call with max_seqlen_* and validate=False (no host read);
+    replayed after new offsets are written in place, it equals a direct validated call."""
+    q, k, v = _cuda_inputs(rng, (300, 4, 128), (420, 2, 128))
+    cu_q = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 150, 170, 420], dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    lengths = dict(max_seqlen_q=200, max_seqlen_k=250, validate=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, plans)
+        cft.attention(q, k, v, **kw, **lengths)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = cft.attention(q, k, v, **kw, **lengths)
+    for new_q, new_k in (([0, 200, 250, 300], [0, 250, 400, 420]), ([0, 0, 100, 300], [0, 5, 170, 420])):
+        cu_q.copy_(torch.tensor(new_q, dtype=torch.int32))
+        cu_k.copy_(torch.tensor(new_k, dtype=torch.int32))
+        q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, cft.attention(q, k, v, **kw))
 
 
 @pytest.mark.gpu

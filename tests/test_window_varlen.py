@@ -444,6 +444,61 @@ def test_cu_seqlens_backward_checks_packed_shapes(rng):
         cuflash.attention_backward(o, q, k, v, o, lse, deterministic="yes", **kw)
 
 
+# ----------------------------------------------------------------------------- max_seqlen_q / max_seqlen_k
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_max_seqlens_leave_the_result_unchanged(rng, validate):
+    # FlashAttention's varlen maxima: at or above the longest sequences they change nothing (the
+    # NumPy backend reads the offsets whatever validate says), forward, backward and vjp.
+    q, k, v, cq, ck = packed_batch(rng, BFLOAT16, [3, 0, 9], [5, 2, 11], 2, 1, 16)
+    kw = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    do = random_array(rng, q.shape, BFLOAT16)
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, **kw)
+    for lengths in (dict(max_seqlen_q=9, max_seqlen_k=11), dict(max_seqlen_q=np.int64(40)), dict(max_seqlen_k=12)):
+        o2, lse2 = cuflash.attention(q, k, v, return_lse=True, validate=validate, **kw, **lengths)
+        assert np.array_equal(o2, o) and np.array_equal(lse2, lse)
+        for g, g2 in zip(grads, cuflash.attention_backward(do, q, k, v, o, lse, validate=validate, **kw, **lengths)):
+            assert np.array_equal(g, g2)
+        o3, vjp = cuflash.attention_vjp(q, k, v, validate=validate, **kw, **lengths)
+        assert np.array_equal(o3, o)
+        assert all(np.array_equal(a, b) for a, b in zip(vjp(do), grads))
+
+
+@pytest.mark.parametrize("lengths, exc, msg", [
+    (dict(max_seqlen_q=8), ValueError, r"^max_seqlen_q: 8 is less than the longest packed sequence \(9 rows\)"),
+    (dict(max_seqlen_k=10), ValueError, r"^max_seqlen_k: 10 is less than the longest packed sequence \(11 rows\)"),
+    (dict(max_seqlen_q=-1), ValueError, r"^max_seqlen_q: expected an int >= 0, got -1"),
+    (dict(max_seqlen_k=True), TypeError, r"^max_seqlen_k: expected an int, got bool"),
+    (dict(max_seqlen_q=9.0), TypeError, r"^max_seqlen_q: expected an int, got float"),
+    (dict(max_seqlen_q="9"), TypeError, r"^max_seqlen_q: expected an int, got str"),
+])
+@pytest.mark.parametrize("validate", [True, False])
+def test_bad_max_seqlens_name_the_argument(rng, lengths, exc, msg, validate):
+    # The NumPy backend checks the maxima against the offsets it reads (with validate=False too),
+    # so that it accepts what the GPU's validated calls accept.
+    q, k, v, cq, ck = packed_batch(rng, BFLOAT16, [3, 0, 9], [5, 2, 11], 2, 1, 16)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, validate=validate, **lengths)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    for call in (lambda: cuflash.attention(q, k, v, **kw), lambda: cuflash.attention_backward(o, q, k, v, o, lse, **kw),
+                 lambda: cuflash.attention_vjp(q, k, v, **kw)):
+        with pytest.raises(exc, match=msg):
+            call()
+
+
+def test_max_seqlens_only_with_packed_sequences(rng):
+    q, k, v = random_inputs(rng, (1, 2, 5, 16), (1, 2, 6, 16), BFLOAT16)
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    for call in (lambda: cuflash.attention(q, k, v, max_seqlen_q=5),
+                 lambda: cuflash.attention_backward(o, q, k, v, o, lse, max_seqlen_q=5),
+                 lambda: cuflash.attention_vjp(q, k, v, max_seqlen_q=5)):
+        with pytest.raises(ValueError, match=r"^max_seqlen_q: only with cu_seqlens_q / cu_seqlens_k"):
+            call()
+    with pytest.raises(TypeError, match=r"^validate:"):
+        cuflash.attention_backward(o, q, k, v, o, lse, validate="no")
+
+
 # ----------------------------------------------------------------------------- GPU inputs: routing
 
 

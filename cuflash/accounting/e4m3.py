@@ -102,7 +102,7 @@ def _e4m3_descales(descales, shapes, layout, hq, hkv, packed):
 
 
 def memory_report_e4m3(q, k, v, *, method, pass_, causal, window, layout, out_dtype, descales, cu_seqlens_q,
-                        cu_seqlens_k, registers, refused) -> MemoryReport:
+                        cu_seqlens_k, registers, refused, unread_offsets=False) -> MemoryReport:
     """memory_report of float8_e4m3fn q, k, v: the e4m3 forward (kernels.fp8_forward) or the
     reference's dequantized formula (backends.reference.attention)."""
     if pass_ != "fwd":
@@ -163,6 +163,10 @@ def memory_report_e4m3(q, k, v, *, method, pass_, causal, window, layout, out_dt
     plan = dispatch.fp8_forward_plan(SimpleNamespace(d=d, causal=causal, window=window), MODEL, odt, packed=packed)
     t, spec = plan.tile, plan.spec
     if nq and batch and hq and nk:  # (kernels run; backends.cuda.forward_fp8 allocates nothing otherwise)
+        if packed and unread_offsets:
+            E.append(MemoryEntry("offsets (clamped)", WORKSPACE, 2 * offsets * 4,
+                                 f"int32 (2, {offsets}): cu_seqlens_q / _k clamped into the packed arrays on the "
+                                 "device (offsets not read on the host)", phase="fwd"))
         E.append(MemoryEntry("vt", WORKSPACE, batch * hkv * d * vt_keys(nk),
                              f"uint8 (B, Hkv, d, Nk rounded up to {VT_GROUP} = {vt_keys(nk)}): V transposed by "
                              "fp8_pack_vt, built every call", phase="fwd"))

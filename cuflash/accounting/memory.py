@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from ..core import masks
 from ..core.arrays import FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
-from ..core.problem import MLA_HEAD_DIMS, check_out_dtype, is_mla
+from ..core.problem import MLA_HEAD_DIMS, check_flag, check_max_seqlens, check_out_dtype, is_mla
 from ..plan import decode_mla
 from ..plan import forward as plan_forward
 from ..plan import schedule
@@ -71,10 +71,19 @@ def _narrowed(wide: MemoryReport, d: int, dv: int, tiled: bool, native=None, reg
                         notes + (f"v's head dim {dv} unlike q's {d}: " + note,))
 
 
+def _offsets_unread(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate) -> bool:
+    """Whether a GPU call with these arguments leaves the packed offsets unread on the host (both
+    maxima, validate=False: cuflash.attention then clamps them on the device)."""
+    check_flag("validate", validate)
+    given = check_max_seqlens(max_seqlen_q, max_seqlen_k, packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
+    return None not in given and not validate
+
+
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,
                   layout="bhsd", splits=None, registers=None, deterministic=False, alibi_slopes=None,
                   sinks=None, out_dtype=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, q_descale=None,
-                  k_descale=None, v_descale=None, v_aliases_k=True) -> MemoryReport:
+                  k_descale=None, v_descale=None, v_aliases_k=True, max_seqlen_q=None, max_seqlen_k=None,
+                  validate=True) -> MemoryReport:
     """Every device buffer of one attention pass, exact bytes, by category.
 
     q, k, v are arrays (their shapes and dtype) or shapes; v defaults to k's shape. Without arrays
@@ -117,7 +126,9 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
     B*Hkv*d*vt_keys(Nk) (Nk rounded up to 32, built every call), a zero-padded copy of Q and of K
     (B*H*N*ceil(d/16)*16 bytes) where their byte strides are no multiples of 16 (d % 16 != 0), and
     for d % 8 != 0 an O scratch of ceil(d/8)*8 columns; on chip the kernel's shared memory
-    (``window``: the band kernel) and fp8_pack_vt's. Reference: the dequantized float32 Q, K, V,
+    (``window``: the band kernel) and fp8_pack_vt's; packed with ``max_seqlen_q`` and
+    ``max_seqlen_k`` and ``validate=False`` (offsets not read on the host) also the offsets'
+    clamped device copies, int32 2*(B+1). Reference: the dequantized float32 Q, K, V,
     the float32 o rounded to bfloat16, and S, P (NumPy arrays only: host memory).
     """
     check_choice("method", method, METHODS)
@@ -130,11 +141,14 @@ def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, caus
         return memory_report_e4m3(q, k, v, method=method, pass_=pass_, causal=causal, window=window, layout=layout,
                                    out_dtype=out_dtype, descales=descales, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, registers=registers,
+                                   unread_offsets=_offsets_unread(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, validate),
                                    refused=dict(config=config, splits=splits, alibi_slopes=alibi_slopes, sinks=sinks))
     for name, x in zip(DESCALES, descales):
         if x is not None:
             raise TypeError(f"{name}: a descale goes with float8_e4m3fn inputs, not {dtype_name(dt)}")
-    for name, x in (("window", window), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    for name, x in (("window", window), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if x is not None:
             raise ValueError(f"{name}: modelled for float8_e4m3fn inputs only (the {dtype_name(dt)} report covers "
                              "dense inputs without a window)")

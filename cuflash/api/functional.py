@@ -23,7 +23,7 @@ def _backend(p):
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
               kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
               softcap=None, alibi_slopes=None, sinks=None, out_dtype=None, q_descale=None, k_descale=None,
-              v_descale=None):
+              v_descale=None, max_seqlen_q=None, max_seqlen_k=None):
     """Exact softmax attention ``softmax(scale * q k^T [masked]) v`` without materializing scores.
 
     Parameters
@@ -49,7 +49,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         device-to-host copy; validate=False skips it (out-of-range values are then clamped to
         Nk by the decode kernel; the prefill fallback copies kv_lens to the host anyway).
         CUDA graph capture: a call that needs no host read (validate=False; decode shapes with
-        kv_lens or a block table; no cu_seqlens_*) can be captured and replayed; a host read
+        kv_lens or a block table; cu_seqlens_* only with max_seqlen_q and max_seqlen_k) can be
+        captured and replayed; a host read
         inside a capture raises ValueError naming the argument. Capture with
         cupy.cuda.MemoryAsyncPool as the allocator, so that the graph owns the buffers a call
         allocates (lse, split-KV partials); with another allocator a RuntimeWarning says so.
@@ -68,13 +69,23 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         allowed. o is (total_q, Hq, d) and lse (Hq, total_q), as FlashAttention's varlen returns
         it. Not combinable with kv_lens. Dtype, 1-D shape and equal lengths are checked without a
         copy; the values (start at 0, non-decreasing, last = total) are read on the host and
-        always checked: the CPU backend loops over them, and the GPU's single launch needs the
-        longest sequence for its grid, so CuPy offsets cost one device-to-host copy even with
-        validate=False. On the GPU, cu_seqlens_* and windows (but in decode shapes, which the
+        checked: the CPU backend loops over them, and the GPU's single launch needs the longest
+        sequence for its grid, so CuPy offsets cost one device-to-host copy, also with
+        validate=False unless max_seqlen_q and max_seqlen_k are given (below). On the GPU, cu_seqlens_* and windows (but in decode shapes, which the
         split-KV kernel runs with its band mask) run the band kernels (float16/bfloat16:
         the forward on wgmma on sm_90 where it applies, else mma.sync; the backward on mma.sync;
         float8_e4m3fn: the e4m3 band kernel on sm_90; float32 GPU inputs raise
         NotImplementedError).
+    max_seqlen_q, max_seqlen_k : optional ints with cu_seqlens_* (FlashAttention's varlen
+        arguments): the longest packed q and k sequence. With validate=True the offsets are read
+        and checked as above and each given value must be at least the longest sequence
+        (ValueError naming it); the GPU's grid then covers the given lengths. With both given,
+        validate=False and device offsets, the offsets are not read on the host: the call needs no
+        device-to-host copy and can be captured in a CUDA graph. Their values are then the
+        caller's promise: a device pass clamps the offsets into the packed arrays before the
+        kernels read them (each offset into [0, total], then raised to the largest before it, so
+        no access falls outside the arrays), and rows of a q sequence longer than max_seqlen_q
+        are not computed (nor keys past max_seqlen_k in the backward's key blocks).
     block_table : optional int32 (B, max_blocks): k and v are then a paged KV cache, each
         (num_blocks, block_size, Hkv, d) with block_size a power of two >= 16, and sequence b's
         key j is row j % block_size of page block_table[b, j // block_size]; Nk = max_blocks *
@@ -145,19 +156,23 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
                               dict(causal=causal, scale=scale, layout=layout, kv_lens=kv_lens, validate=validate,
                                    window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                   block_table=block_table, **mods))
+                                   block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   **mods))
     if _problem.check_out_dtype(out_dtype):
         return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
                           kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_k=cu_seqlens_k, block_table=block_table, out_dtype=FLOAT32, **mods)
-    if cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None and sinks is None:
+                          cu_seqlens_k=cu_seqlens_k, block_table=block_table, out_dtype=FLOAT32,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **mods)
+    if cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None and sinks is None \
+            and max_seqlen_q is None and max_seqlen_k is None:
         planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
                                  (causal, scale, layout, return_lse, validate, window))
         if planned is not plan_cache.MISS:
             return planned
     return _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse, out=out,
                       kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, block_table=block_table, **mods)
+                      cu_seqlens_k=cu_seqlens_k, block_table=block_table, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, **mods)
 
 
 def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
@@ -193,17 +208,20 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
                                 "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", outputs=("out",))
 def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, out, return_lse, causal, scale, layout,
                        validate, kv_lens, window, cu_seqlens_q, cu_seqlens_k, block_table, softcap, alibi_slopes,
-                       sinks):
+                       sinks, max_seqlen_q=None, max_seqlen_k=None):
     """float8_e4m3fn GPU inputs (CuPy uint8 bits; torch float8_e4m3fn tensors arrive as uint8 views)
     on the e4m3 kernels: causal masks, windows, packed sequences (_fp8_varlen_on_gpu) and kv_lens
     (each batch entry over its first kv_lens[b] keys, as the 16-bit prefill fallback); other options
     raise NotImplementedError naming themselves (core.fp8_inputs.GPU_OPTIONS)."""
     options = dict(kv_lens=kv_lens, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    max_seqlens = _problem.check_max_seqlens(max_seqlen_q, max_seqlen_k,
+                                             packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
     if all(isinstance(a, np.ndarray) for a in (q, k, v)):  # torch CPU tensors: their bits as NumPy e4m3
         q, k, v = (a.view(fp8_inputs.E4M3) if a.dtype == np.uint8 else a for a in (q, k, v))
         return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
-                              dict(causal=causal, scale=scale, layout=layout, validate=validate, **options))
+                              dict(causal=causal, scale=scale, layout=layout, validate=validate, **options,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
     if fp8_inputs.kv_cache_only((q, k, v)):
@@ -217,7 +235,7 @@ def _attention_fp8_gpu(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, o
     shape_opts = dict(causal=causal, scale=scale, layout=layout, window=window, element=fp8_inputs.E4M3)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, return_lse, kv_lens,
-                                  shape_opts)
+                                  dict(shape_opts, max_seqlens=max_seqlens, validate=validate))
     p = _problem.validate_forward(q, k, v, **shape_opts)
     _fp8_same_head_dims(p)
     descales = fp8_inputs.checked_gpu_descales((q, k, v), descales, layout, p.xp)
@@ -243,13 +261,14 @@ def _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, 
     """Packed e4m3 sequences on the GPU: one launch of the e4m3 band kernel over all of them, as
     _attention_varlen's 16-bit GPU path (o (total_q, Hq, d), lse (Hq, total_q)); one descale per
     tensor."""
+    max_seqlens = shape_opts["max_seqlens"]
     p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **shape_opts)
     _fp8_same_head_dims(p)
     descales = fp8_inputs.checked_gpu_descales((q, k, v), descales, "bshd", p.xp, dense=False)
     _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
-    _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans,
+    _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, max_seqlens,
                    lambda *views, **packed: cuda.forward_fp8(*views, descales, **packed))
     return (o, lse) if return_lse else o
 
@@ -337,10 +356,12 @@ def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
                                 "alibi_slopes", "sinks", outputs=("out",))
 def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None,
                kv_lens=None, validate=True, window=None, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-               softcap=None, alibi_slopes=None, sinks=None, out_dtype=None):
+               softcap=None, alibi_slopes=None, sinks=None, out_dtype=None, max_seqlen_q=None, max_seqlen_k=None):
     """attention without a plan: validate, convert foreign arrays (cuflash.api.interop), plan, run."""
     _problem.check_flag("return_lse", return_lse)
     _problem.check_flag("validate", validate)
+    max_seqlens = _problem.check_max_seqlens(max_seqlen_q, max_seqlen_k,
+                                             packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
     mods = (softcap, alibi_slopes, sinks)
     if out_dtype is not None and np.dtype(q.dtype) == FLOAT32:
         out_dtype = None
@@ -375,7 +396,7 @@ def _attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=F
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, layout=layout,
                                  window=window, kv_lens=kv_lens, return_lse=return_lse, out=out, mods=mods,
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, max_seqlens=max_seqlens, validate=validate)
     p = _problem.validate_forward(q, k, v, causal=causal, scale=scale, layout=layout, window=window)
     p = _problem.check_score_mods(p, q, *mods)
     odt = p.dtype if out_dtype is None else FLOAT32
@@ -478,17 +499,19 @@ def _each_sequence_over_its_keys(p, q4, k4, v4, o4, lse3, lens_dev, lens_host, r
         run(pb, b, q4[sl], k4[sl, :, :n], v4[sl, :, :n], o4[sl], lse3[sl])
 
 
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, out_dtype, **options):
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_lse, out, mods, out_dtype, max_seqlens,
+                      validate, **options):
     """Packed sequences (cu_seqlens_*): on the GPU one launch over all sequences; on the CPU each
     one is its own problem over its slices of q, k, v."""
-    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, **options)
-    p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens=kv_lens, max_seqlens=max_seqlens,
+                                        validate=validate, **options)
+    p = _problem.check_score_mods(p, q, *mods, sequences=cu_seqlens_q.shape[0] - 1)
     odt = p.dtype if out_dtype is None else FLOAT32
     _problem.check_out("out", out, p.o_shape(), odt, p.xp, (("q", q), ("k", k), ("v", v)))
     o = out if out is not None else p.xp.empty(p.o_shape(), dtype=odt)
     lse = p.xp.empty(p.lse_shape(), dtype=np.float32)
     if p.xp is not np:
-        _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, cuda.forward_band)
+        _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, max_seqlens, cuda.forward_band)
         return (o, lse) if return_lse else o
     for pb, qs, ks in _problem.sequences(p, spans):
         q4, o4 = _sequence_views(pb, qs, "q", q, o)
@@ -497,10 +520,12 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens, return_ls
     return (o, lse) if return_lse else o
 
 
-def _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, forward):
+def _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, max_seqlens, forward):
     """One launch over all packed sequences: forward(p, q4, k4, v4, o4, lse3, cu_seqlens=,
-    max_seqlen_q=) on (1, H, total, d) views, o copied in where out='s strides allow no view."""
-    cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+    max_seqlen_q=) on (1, H, total, d) views, o copied in where out='s strides allow no view.
+    ``spans``: core.problem.validate_varlen's (None: offsets not read); ``max_seqlens``: the caller's."""
+    cu = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+    longest = _problem.longest_sequences(spans, max_seqlens)
     (o4,), direct = _packed_outputs(p, (o,), ((p.hq, p.nq),))
     q4, k4, v4 = to_bhsd(q, p, p.hq, p.nq), to_bhsd(k, p, p.hkv, p.nk), to_bhsd(v, p, p.hkv, p.nk)
     forward(p, q4, k4, v4, o4, lse[None], cu_seqlens=cu, max_seqlen_q=longest[0])
@@ -509,12 +534,13 @@ def _packed_on_gpu(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, spans, forwar
 
 
 def _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans):
-    """((cu_q, cu_k) contiguous on the device, (longest q sequence, longest k sequence))."""
+    """(cu_q, cu_k) contiguous on the device. Offsets the host has not read (spans None) are
+    clamped into the packed arrays on the device first (cuda.clamp_packed_offsets), so that the
+    kernels, which trust their offsets, never address rows outside them."""
     import cupy
 
-    cu = (cupy.ascontiguousarray(cu_seqlens_q), cupy.ascontiguousarray(cu_seqlens_k))
-    longest = (max((q1 - q0 for q0, q1, _, _ in spans), default=0), max((k1 - k0 for _, _, k0, k1 in spans), default=0))
-    return cu, longest
+    cu = cupy.ascontiguousarray(cu_seqlens_q), cupy.ascontiguousarray(cu_seqlens_k)
+    return cu if spans is not None else cuda.clamp_packed_offsets(*cu, p.nq, p.nk)
 
 
 def _packed_outputs(p, arrays, rows):
@@ -539,7 +565,7 @@ def _sequence_views(pb, rows, side, *arrays):
                                 "sinks", outputs=("out",))
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
                        out=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, softcap=None, alibi_slopes=None,
-                       sinks=None):
+                       sinks=None, max_seqlen_q=None, max_seqlen_k=None, validate=True):
     """Gradients (dq, dk, dv) of ``attention`` for upstream gradient ``do``.
 
     ``o`` and ``lse`` are the forward's outputs (``return_lse=True``); P is recomputed tile by
@@ -549,6 +575,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     k; q's dtype; overlapping neither the inputs nor each other).
     ``window``, ``cu_seqlens_q``, ``cu_seqlens_k`` : as for :func:`attention` (packed do, o like
     q and lse (Hq, total_q)); on the GPU the mma.sync band kernels (float16/bfloat16).
+    ``max_seqlen_q``, ``max_seqlen_k``, ``validate`` : as for :func:`attention`'s packed
+    sequences (with both lengths, validate=False and device offsets no offset is read on the host).
 
     float32 on the GPU computes in float64 and rounds once; it recomputes each row's log-sum-exp
     and D itself (so ``o`` and ``lse`` are checked but not read), needs no atomics (always
@@ -561,9 +589,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     P_sink = exp(sinks[h] - lse); ``out`` stays a triple (dsinks is always a fresh array).
     """
     mods = (softcap, alibi_slopes, sinks)
+    max_seqlens = _problem.check_max_seqlens(max_seqlen_q, max_seqlen_k,
+                                             packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
+    _problem.check_flag("validate", validate)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
-                                layout=layout, window=window, deterministic=deterministic, out=out, mods=mods)
+                                layout=layout, window=window, deterministic=deterministic, out=out, mods=mods,
+                                max_seqlens=max_seqlens, validate=validate)
     p = _problem.validate_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, window=window)
     p = _problem.check_score_mods(p, q, *mods)
     _problem.check_flag("deterministic", deterministic)
@@ -593,16 +625,19 @@ def _dsinks(p):
     return {} if p.sinks is None else {"dsinks": p.xp.zeros(p.hq, dtype=np.float32)}
 
 
-def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, mods, **options):
+def _backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, out, mods, max_seqlens,
+                     validate, **options):
     """Packed sequences: each sequence's gradients from its own slices (dk, dv rows of a sequence
     are written by that sequence only, so every row is written once)."""
-    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse), **options)
-    p = _problem.check_score_mods(p, q, *mods, sequences=len(spans))
+    p, spans = _problem.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, grads=(do, o, lse),
+                                        max_seqlens=max_seqlens, validate=validate, **options)
+    p = _problem.check_score_mods(p, q, *mods, sequences=cu_seqlens_q.shape[0] - 1)
     _problem.check_flag("deterministic", deterministic)
     dq, dk, dv = _gradient_outputs(p, out, (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)))
     dsinks = _dsinks(p)
     if p.xp is not np:  # one launch per kernel over all sequences
-        cu, longest = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+        cu = _packed_offsets(p, cu_seqlens_q, cu_seqlens_k, spans)
+        longest = _problem.longest_sequences(spans, max_seqlens)
         rows = ((p.hq, p.nq), (p.hkv, p.nk), (p.hkv, p.nk))
         grads, direct = _packed_outputs(p, (dq, dk, dv), rows)
         do4, q4, o4 = (to_bhsd(a, p, p.hq, p.nq) for a in (do, q, o))
@@ -644,11 +679,13 @@ def _gradient_outputs(p, out, inputs):
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None):
+                  cu_seqlens_k=None, softcap=None, alibi_slopes=None, sinks=None, max_seqlen_q=None,
+                  max_seqlen_k=None, validate=True):
     """Forward once and return ``(o, vjp)``; ``vjp(do)`` gives (dq, dk, dv) from the saved o, lse
     ((dq, dk, dv, dsinks) with ``sinks``)."""
     masking = dict(window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)
+                   alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   validate=validate)
     o, lse = attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True, **masking)
 
     def vjp(do, *, deterministic=False):

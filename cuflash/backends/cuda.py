@@ -21,6 +21,7 @@ from ..kernels import device, fp32, hopper, tma
 from ..kernels import fp8_forward as fp8_kernels
 from ..kernels import forward as forward_kernels
 from ..kernels import merge as merge_kernels
+from ..kernels import packed_offsets
 from ..kernels.operands import describe, unit_d, vector_ok, vector_ok_bytes
 
 
@@ -290,6 +291,12 @@ def backward(p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, *, deterministic=False
     band = plan.kernel == "band"  # (softcap / ALiBi may run the wgmma K/V kernel with them)
     backward_kernels.launch(plan, p, do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, deterministic=deterministic, band=band,
                             cu_seqlens=cu_seqlens, max_seqlens=max_seqlens, dsinks=dsinks)
+
+
+def clamp_packed_offsets(cu_q, cu_k, total_q: int, total_k: int):
+    """Device copies of unread packed offsets, every sequence inside the packed arrays
+    (kernels.packed_offsets.clamp)."""
+    return packed_offsets.clamp(cu_q, cu_k, total_q, total_k)
 
 
 def merge(o5, lse4, out4, lse_out3):

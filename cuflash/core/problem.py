@@ -477,14 +477,18 @@ def check_offset_values(name, c, total, what):
     return c
 
 
-def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=None, **options):
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=None, max_seqlens=(None, None),
+                    validate=True, **options):
     """(Problem, spans) of packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d).
 
     The Problem is that of the packed arrays read as "bshd" without a batch axis (so its q_shape
     is q's shape and its lse_shape (Hq, total_q)); spans are (q0, q1, k0, k1) per sequence.
     ``grads``: (do, o, lse) for the backward. The offsets' values are read and checked on the host
     (for CuPy offsets a device-to-host copy): the CPU backend and the reference loop over the
-    sequences, and the GPU launch sizes its grid by the longest one."""
+    sequences, and the GPU launch sizes its grid by the longest one. ``max_seqlens``: the caller's
+    (max_seqlen_q, max_seqlen_k), each None or an int checked to be at least the longest sequence;
+    with both given, ``validate=False`` and offsets on the device, the values are not read and
+    spans is None (the grid is sized by the given lengths; see check_max_seqlens)."""
     if kv_lens is not None:
         raise ValueError("kv_lens: cannot be combined with cu_seqlens_q / cu_seqlens_k (give each packed "
                          "sequence its own length through the offsets)")
@@ -510,6 +514,10 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k: expected cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (B + 1 offsets "
                          f"for the same B sequences), got {tuple(cu_seqlens_k.shape)}")
+    check_flag("validate", validate)
+    given = check_max_seqlens(*max_seqlens, packed=True)
+    if not validate and None not in given and xp is not np:
+        return p, None
     host = []
     for name, c, total, what in (("cu_seqlens_q", cu_seqlens_q, p.nq, "q.shape[0]"),
                                  ("cu_seqlens_k", cu_seqlens_k, p.nk, "k.shape[0]")):
@@ -517,7 +525,41 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
                                                           "covers the longest one), so they cannot be captured"),
                                         total, what))
     cq, ck = host
+    for name, m, c in (("max_seqlen_q", given[0], cq), ("max_seqlen_k", given[1], ck)):
+        longest = int(np.diff(c).max(initial=0))
+        if m is not None and m < longest:
+            raise ValueError(f"{name}: {m} is less than the longest packed sequence ({longest} rows); the grid "
+                             "would leave rows uncomputed")
     return p, tuple(zip(cq[:-1].tolist(), cq[1:].tolist(), ck[:-1].tolist(), ck[1:].tolist()))
+
+
+def check_max_seqlens(max_seqlen_q=None, max_seqlen_k=None, *, packed: bool):
+    """(max_seqlen_q, max_seqlen_k) as ints or None: FlashAttention's varlen arguments, the longest
+    packed q and k sequences. Given with cu_seqlens_* and validate=False (device offsets), they
+    size the GPU's grid so that no offset is read on the host (a call CUDA graphs can capture);
+    the offsets are then the caller's promise: they are clamped into the packed arrays on the
+    device before any kernel reads them, and rows of a q sequence longer than max_seqlen_q are not
+    computed."""
+    given = []
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None:
+            if not packed:
+                raise ValueError(f"{name}: only with cu_seqlens_q / cu_seqlens_k (packed sequences)")
+            if isinstance(m, (bool, np.bool_)) or not isinstance(m, (int, np.integer)):
+                raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
+            if m < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {m}")
+            m = int(m)
+        given.append(m)
+    return tuple(given)
+
+
+def longest_sequences(spans, max_seqlens=(None, None)):
+    """(rows of the longest q sequence, of the longest k sequence) that a packed launch's grids
+    cover: the caller's max_seqlen_q / max_seqlen_k where given, else read from spans."""
+    found = (lambda: max((q1 - q0 for q0, q1, _, _ in spans), default=0),
+             lambda: max((k1 - k0 for _, _, k0, k1 in spans), default=0))
+    return tuple(int(m) if m is not None else f() for m, f in zip(max_seqlens, found))
 
 
 def sequences(p: Problem, spans):

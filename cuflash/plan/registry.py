@@ -9,6 +9,7 @@ from .decode_mla import all_mla_specs
 from .forward import all_forward_specs
 from .hopper import all_hopper_backward_specs, all_hopper_forward_specs, all_hopper_fp8_forward_specs
 from .merge import all_merge_specs
+from .packed import all_packed_specs
 
 FAMILIES = {
     "forward": all_forward_specs,  # mma.sync, band and float32 forwards
@@ -19,6 +20,7 @@ FAMILIES = {
     "decode": all_decode_specs,
     "decode_mla": all_mla_specs,  # MLA (576, 512) decode and its 512-wide combine
     "merge": all_merge_specs,  # merge_attention_states
+    "packed": all_packed_specs,  # packed offsets the host did not read, clamped (max_seqlen_*)
 }
 
 
