@@ -201,8 +201,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     Same arguments and semantics as :func:`cuflash.attention` (causal False / True /
     "bottom_right" / "top_left"; layout "bhsd" / "bshd"; GQA; ``kv_lens``; ``block_table`` paged
     caches; ``cu_seqlens_q`` / ``cu_seqlens_k`` packed sequences with ``max_seqlen_q`` /
-    ``max_seqlen_k`` (ints; with validate=False no offset is read on the host, so CUDA graphs and
-    torch.compile's "reduce-overhead" mode can capture the call, forward and backward); ``window``; ``out=``;
+    ``max_seqlen_k`` (ints; with validate=False no offset is read on the host, so a CUDA graph can
+    capture the call: torch.cuda.graph is tested on the forward); ``window``; ``out=``;
     ``validate``; ``return_lse``; the score modifiers ``softcap``, ``alibi_slopes`` and
     ``sinks``). Returns o (and the float32 lse) as tensors on q's device.
 

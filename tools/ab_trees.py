@@ -53,7 +53,8 @@ class Cell:
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
         if self.op == "decode":
-            return f"{self.set:4s} decode {self.dtype[:5]} d={self.d} {self.b}x{self.h}/{self.hkv}x{self.n}"
+            cache = "e4m3" if self.dtype == "float8_e4m3fn" else "bf16"
+            return f"decode {cache} cache d={self.d} {self.b}x{self.h}/{self.hkv}x{self.n}"
         return f"{self.set:4s} {self.op} {self.option:7s} {self.dtype[:5]} d={self.d} {self.b}x{self.h}x{self.n} {mask}"
 
     @property

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from ..core import masks
 from ..core.arrays import FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
-from ..core.problem import MLA_HEAD_DIMS, check_flag, check_max_seqlens, check_out_dtype, is_mla
+from ..core.problem import MLA_HEAD_DIMS, check_flag, check_max_seqlens, check_out_dtype, is_mla, offsets_unread
 from ..plan import decode_mla
 from ..plan import forward as plan_forward
 from ..plan import schedule
@@ -76,7 +76,7 @@ def _offsets_unread(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, vali
     maxima, validate=False: cuflash.attention then clamps them on the device)."""
     check_flag("validate", validate)
     given = check_max_seqlens(max_seqlen_q, max_seqlen_k, packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
-    return None not in given and not validate
+    return offsets_unread(given, validate, on_device=True)
 
 
 def memory_report(q, k, v=None, *, method="tiled", pass_="fwd", dtype=None, causal=False, config=None,

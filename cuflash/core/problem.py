@@ -516,7 +516,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, kv_lens=None, grads=
                          f"for the same B sequences), got {tuple(cu_seqlens_k.shape)}")
     check_flag("validate", validate)
     given = check_max_seqlens(*max_seqlens, packed=True)
-    if not validate and None not in given and xp is not np:
+    if offsets_unread(given, validate, on_device=xp is not np):
         return p, None
     host = []
     for name, c, total, what in (("cu_seqlens_q", cu_seqlens_q, p.nq, "q.shape[0]"),
@@ -554,12 +554,22 @@ def check_max_seqlens(max_seqlen_q=None, max_seqlen_k=None, *, packed: bool):
     return tuple(given)
 
 
+def offsets_unread(max_seqlens, validate: bool, on_device: bool) -> bool:
+    """Whether a packed call leaves its offsets unread on the host: both of the checked
+    (max_seqlen_q, max_seqlen_k) given, validate=False, offsets on the device."""
+    return on_device and not validate and None not in max_seqlens
+
+
 def longest_sequences(spans, max_seqlens=(None, None)):
     """(rows of the longest q sequence, of the longest k sequence) that a packed launch's grids
-    cover: the caller's max_seqlen_q / max_seqlen_k where given, else read from spans."""
-    found = (lambda: max((q1 - q0 for q0, q1, _, _ in spans), default=0),
-             lambda: max((k1 - k0 for _, _, k0, k1 in spans), default=0))
-    return tuple(int(m) if m is not None else f() for m, f in zip(max_seqlens, found))
+    cover: the caller's checked max_seqlen_q / max_seqlen_k where given, else read from spans
+    (None only when both are given)."""
+    max_q, max_k = max_seqlens
+    if max_q is None:
+        max_q = max((q1 - q0 for q0, q1, _, _ in spans), default=0)
+    if max_k is None:
+        max_k = max((k1 - k0 for _, _, k0, k1 in spans), default=0)
+    return max_q, max_k
 
 
 def sequences(p: Problem, spans):
