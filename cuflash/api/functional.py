@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ..backends import cuda
 from ..backends import numpy as numpy_backend
 from ..core import fp8_inputs
 from ..core import problem as _problem
-from ..core.arrays import FLOAT32, array_namespace, dtype_name, may_share_memory, widen_to_float32
+from ..core.arrays import FLOAT32, array_namespace, may_share_memory, widen_to_float32
 from ..core.layout import from_bhsd, is_view_of, to_bhsd
-from . import interop, plan_cache
+from . import fp8_checks, interop, plan_cache
 from .prepared import PreparedAttention
 
 
@@ -147,12 +145,21 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     o, or (o, lse). dtypes float16, bfloat16 (ml_dtypes) and float32; o has q's dtype (or out_dtype).
 
     A decode geometry called twice (CuPy arrays or CUDA torch tensors with the same shapes,
-    strides, dtypes, device and options) is planned once, and later calls launch from the plan
+    strides, dtypes, device and options; an FP8 KV cache's k_descale / v_descale with the same
+    geometry too) is planned once, and later calls launch from the plan
     (cuflash.api.plan_cache): the same checks and results, less host time. ``CUFLASH_PLAN_CACHE=0``
     turns that off.
     """
     mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    # The calls a plan may serve (cuflash.api.plan_cache): no packed sequences or score modifiers.
+    plannable = cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None \
+        and sinks is None and max_seqlen_q is None and max_seqlen_k is None
     if fp8_inputs.requested((q, k, v), (q_descale, k_descale, v_descale)):
+        if plannable and q_descale is None and out_dtype is None:  # (an FP8 KV cache's decode geometry)
+            planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
+                                     (causal, scale, layout, return_lse, validate, window), (k_descale, v_descale))
+            if planned is not plan_cache.MISS:
+                return planned
         return _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out, return_lse,
                               dict(causal=causal, scale=scale, layout=layout, kv_lens=kv_lens, validate=validate,
                                    window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -163,8 +170,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
                           kv_lens=kv_lens, validate=validate, window=window, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, block_table=block_table, out_dtype=FLOAT32,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **mods)
-    if cu_seqlens_q is None and cu_seqlens_k is None and softcap is None and alibi_slopes is None and sinks is None \
-            and max_seqlen_q is None and max_seqlen_k is None:
+    if plannable:
         planned = plan_cache.run(q, k, v, kv_lens, block_table, out,
                                  (causal, scale, layout, return_lse, validate, window))
         if planned is not plan_cache.MISS:
@@ -183,12 +189,10 @@ def _attention_fp8(q, k, v, descales, out_dtype, out, return_lse, options):
     if fp8_inputs.on_gpu((q, k, v)):
         q, k, v = (fp8_inputs.as_bits(a) for a in (q, k, v))
         return _attention_fp8_gpu(q, k, v, *descales, out_dtype=out_dtype, out=out, return_lse=return_lse, **options)
-    odt = fp8_inputs.check_call((q, k, v), descales, out_dtype)
     layout = options["layout"]
-    _problem.check_layout(layout)
     dense = options["cu_seqlens_q"] is None and options["cu_seqlens_k"] is None and options["block_table"] is None
+    odt, checked = fp8_checks.check_host((q, k, v), descales, out_dtype, layout, dense)
     group = fp8_inputs.group_of(q, k, layout) if dense else 1
-    checked = fp8_inputs.checked_descales((q, k, v), descales, layout, dense)
     # (an FP8 KV cache's 16-bit q is widened exactly)
     wide = [widen_to_float32(a) if d is None else
             fp8_inputs.dequantize(a, d, layout=layout, group=group if name == "q" else 1)
@@ -273,56 +277,15 @@ def _fp8_varlen_on_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, odt, out, 
     return (o, lse) if return_lse else o
 
 
-@functools.lru_cache(maxsize=None)
-def _device_scalar(device, dtype, value):
-    """A one-element CuPy array of `value` on `device`, made once: a decode call's stand-ins and unit
-    descales cost no allocation and no fill launch per call (never written). (zeros first: CuPy
-    stores bfloat16 without casts, and a stand-in's value is 0.)"""
-    import cupy
-
-    a = cupy.zeros((1,), dtype=dtype)
-    if value:
-        a.fill(value)
-    return a
-
-
 def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
     """A 16-bit GPU q with an e4m3 K/V cache (contiguous or paged; e4m3 bits as uint8): the split-KV
-    decode kernel reads the cache's bytes (attn_decode_kv8). The shapes are validated as a 16-bit
-    call's, on stand-ins of k and v in q's dtype that hold no memory."""
+    decode kernel reads the cache's bytes (attn_decode_kv8). The arguments are checked as
+    fp8_checks.check_gpu_cache says (prepared calls run the same checks)."""
     import cupy
 
-    if descales[0] is not None:
-        raise TypeError(f"q_descale: a {dtype_name(q.dtype)} q takes no descale (k and v are the FP8 cache)")
-    for name, a in (("k", k), ("v", v)):
-        if not fp8_inputs.holds_e4m3(a):
-            raise TypeError(f"{name}: expected the e4m3 bits of an FP8 KV cache (uint8, or float8_e4m3fn) like "
-                            f"{'v' if name == 'k' else 'k'}, got {dtype_name(a.dtype)}")
-    unsupported = [n for n in ("cu_seqlens_q", "cu_seqlens_k", "softcap", "alibi_slopes", "sinks")
-                   if options[n] is not None]
-    if unsupported:
-        raise NotImplementedError(f"{', '.join(unsupported)}: an FP8 KV cache on the GPU runs the split-KV decode "
-                                  "kernel, which does not take them")
-    if out_dtype is not None and np.dtype(out_dtype) != q.dtype:
-        raise NotImplementedError(f"out_dtype: an FP8 KV cache on the GPU gives o in q's dtype "
-                                  f"({dtype_name(q.dtype)}), not {out_dtype!r}")
+    p, bs, kd, vd = fp8_checks.check_gpu_cache(q, k, v, descales, out_dtype, options)
     odt = q.dtype
-    stand_ins = [cupy.lib.stride_tricks.as_strided(_device_scalar(cupy.cuda.Device().id, q.dtype, 0), a.shape,
-                                                   (0,) * a.ndim) for a in (k, v)]
-    shape_opts = dict(causal=options["causal"], scale=options["scale"], layout=options["layout"],
-                      window=options["window"])
     block_table, validate = options["block_table"], options["validate"]
-    if block_table is not None:
-        p, bs = _problem.validate_paged(q, *stand_ins, block_table, **shape_opts)
-    else:
-        p = _problem.validate_forward(q, *stand_ins, **shape_opts)
-    if p.dv != p.d:
-        raise NotImplementedError("v: an FP8 KV cache on the GPU takes v with k's head dim")
-    _, kd, vd = fp8_inputs.checked_gpu_descales((q, k, v), descales, options["layout"], cupy)
-    if block_table is not None:
-        for name, x in (("k_descale", kd), ("v_descale", vd)):
-            if x is not None and x.size != 1:
-                raise ValueError(f"{name}: a paged cache takes one factor per tensor, got shape {tuple(x.shape)}")
     _problem.check_out("out", out, p.o_shape(), odt, cupy, (("q", q), ("k", k), ("v", v)))
     lens_dev, lens_host = _problem.check_kv_lens(options["kv_lens"], p, validate)
     if block_table is not None:
@@ -340,14 +303,7 @@ def _fp8_cache_on_gpu(q, k, v, descales, out_dtype, out, return_lse, options):
     o, o4, direct, lse3 = _forward_outputs(p, out, odt)
     q4 = to_bhsd(q, p, p.hq, p.nq)
     if p.nq and p.batch and p.hq:
-        one = _device_scalar(cupy.cuda.Device().id, FLOAT32, 1).reshape(())
-        kd, vd = (one if x is None else x for x in (kd, vd))
-        if kd.size == 1 and vd.size == 1:
-            kv_descales = (kd.reshape(()), vd.reshape(()), 0, 0)
-        else:  # (batch..., Hkv) -> (B, Hkv); one per tensor broadcast
-            kd, vd = (cupy.ascontiguousarray(cupy.broadcast_to(x.reshape(-1, p.hkv) if x.size > 1 else x.reshape(1, 1),
-                                                               (p.batch, p.hkv))) for x in (kd, vd))
-            kv_descales = (kd, vd, p.hkv, 1)
+        kv_descales = fp8_checks.descale_operands(kd, vd, p.batch, p.hkv, cupy.cuda.Device().id)
         cuda.decode(p, q4, k4, v4, o4, lse3, kv_lens=lens_dev, paged=paged, kv_descales=kv_descales)
     return _forward_result(p, o, o4, direct, lse3, return_lse)
 
@@ -696,13 +652,15 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, layout="bhsd", window=No
 
 
 def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, kv_lens=None,
-                      block_table=None, window=None, validate=True, softcap=None, alibi_slopes=None, sinks=None):
-    """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None)`` equal to
-    ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens, block_table=block_table,
-    out=out)`` for arrays of the geometry given here (same kinds, device, shapes, strides, dtypes;
-    kv_lens / block_table given iff given here). The arguments are checked here as attention
+                      block_table=None, window=None, validate=True, softcap=None, alibi_slopes=None, sinks=None,
+                      k_descale=None, v_descale=None):
+    """A callable ``run(q, k, v, *, kv_lens=None, block_table=None, out=None, k_descale=None,
+    v_descale=None)`` equal to ``cuflash.attention(q, k, v, causal=..., ..., kv_lens=kv_lens,
+    block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)`` for arrays of
+    the geometry given here (same kinds, device, shapes, strides, dtypes; kv_lens / block_table /
+    k_descale / v_descale given iff given here). The arguments are checked here as attention
     checks them; the example arrays' values are not read (but kv_lens' and block_table's with
-    validate=True, as attention would).
+    validate=True, and NumPy descales', as attention would).
 
     ``validate`` applies to every call: True copies kv_lens / block_table to the host each call
     to check their values (as attention does); False skips that (out-of-range kv_lens are clamped
@@ -714,8 +672,16 @@ def prepare_attention(q, k, v, *, causal=False, scale=None, layout="bhsd", retur
     launched from a packed parameter block) or "attention" (cuflash.attention per call).
 
     ``softcap``, ``alibi_slopes``, ``sinks``: as for attention, fixed at preparation (the arrays
-    are kept and read by every call); such a problem runs the "attention" path."""
+    are kept and read by every call); such a problem runs the "attention" path.
+
+    ``k_descale``, ``v_descale``: an FP8 KV cache (a float16/bfloat16 q with e4m3 k and v), as for
+    attention; each call passes its own descales, of the geometry given here (their values may
+    change). On the GPU its decode shapes run the "decode" path (attn_decode_kv8) with descales per
+    tensor, or per (sequence, K/V head) stored in C order (read in place; other strides, or one
+    per-tensor factor beside a per-head one, run the "attention" path, where attention copies
+    them). NumPy arrays run the "attention" path. FP8 inputs other than a KV cache (an e4m3 q)
+    raise NotImplementedError: call attention for those."""
     mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
                                            window=window, validate=validate, **mods), kv_lens, block_table,
-                             fallback=attention)
+                             fallback=attention, descales=(k_descale, v_descale))

@@ -5,12 +5,15 @@ A decode call's kernel takes 10-100 us on a few-thousand-key cache; re-validatin
 converting ~35 launch arguments took 90-200 us of host time per call on the H200 machine
 (tools/decode_host_parts.py), so an eager decoding loop was bound by the host. A geometry seen
 twice (all plain CuPy arrays or all plain CUDA torch tensors, with the same shapes, strides,
-dtypes and device; same options; kv_lens / block_table given or not) is prepared once, as
-``cuflash.prepare_attention`` does, and later calls of that geometry run its decode fast path: per call the out= / alignment checks, kv_lens / block_table's
+dtypes and device; same options; kv_lens / block_table given or not; for an FP8 KV cache, a
+16-bit q with e4m3 k and v, the same k_descale / v_descale geometry, or the same of them not
+given) is prepared once, as ``cuflash.prepare_attention`` does, and later calls of that geometry
+run its decode fast path: per call the out= / alignment checks, kv_lens / block_table's
 values when validate=True, fresh outputs and a packed launch. Results are bitwise those of the
-uncached path (tests/test_gpu_plan_cache.py), and errors too: any call the prepared plan cannot
-take exactly as attention would (out= of another layout, K/V not 16-byte aligned, an option that
-cannot be a dictionary key) runs the uncached path.
+uncached path (tests/test_gpu_plan_cache.py, tests/test_gpu_prepared_fp8_cache.py), and errors
+too: any call the prepared plan cannot take exactly as attention would (out= of another layout,
+K/V not 16-byte aligned, descales attention would copy first, an option that cannot be a
+dictionary key) runs the uncached path.
 
 A geometry is prepared on its second sighting, so that a loop whose shapes change every call (a
 cache sliced to a growing length) pays only a key and two dictionary lookups. A plan keeps the
@@ -58,11 +61,12 @@ def _torch_geometry(a, tensor):
     return (a.shape, a.stride(), a.dtype, a.device)
 
 
-def _key(q, k, v, kv_lens, block_table, options):
+def _key(q, k, v, kv_lens, block_table, options, descales=(None, None)):
     """The dictionary key of a call, or None when it has none: not all plain CuPy arrays or all
     plain torch tensors, an unhashable option. Option values carry their types: scale=1 and
     scale=True, or causal=1 and causal=True, are different calls to the validation, so they must
-    be different keys."""
+    be different keys. ``descales``: an FP8 KV cache's (k_descale, v_descale), whose geometry is
+    part of the key."""
     cupy = sys.modules.get("cupy")
     cls = getattr(cupy, "ndarray", None)
     if cls is not None and type(q) is cls:
@@ -75,7 +79,8 @@ def _key(q, k, v, kv_lens, block_table, options):
         geometry = _torch_geometry
     try:
         key = (cls, geometry(q, cls), geometry(k, cls), geometry(v, cls), geometry(kv_lens, cls),
-               geometry(block_table, cls), options, tuple(map(type, options)))
+               geometry(block_table, cls), geometry(descales[0], cls), geometry(descales[1], cls), options,
+               tuple(map(type, options)))
         hash(key)
     except (TypeError, AttributeError):
         return None
@@ -85,12 +90,13 @@ def _key(q, k, v, kv_lens, block_table, options):
     return key
 
 
-def run(q, k, v, kv_lens, block_table, out, options):
+def run(q, k, v, kv_lens, block_table, out, options, descales=(None, None)):
     """cuflash.attention's result from a cached plan, or MISS. ``options`` = (causal, scale,
-    layout, return_lse, validate, window), in prepare_attention's order below."""
+    layout, return_lse, validate, window), in prepare_attention's order below; ``descales`` =
+    (k_descale, v_descale) of an FP8 KV cache."""
     if not enabled:
         return MISS
-    key = _key(q, k, v, kv_lens, block_table, options)
+    key = _key(q, k, v, kv_lens, block_table, options, descales)
     if key is None:
         return MISS
     with _lock:
@@ -106,7 +112,7 @@ def run(q, k, v, kv_lens, block_table, out, options):
         else:
             _plans.move_to_end(key)
     if plan is None:
-        plan = _prepare(q, k, v, kv_lens, block_table, options)
+        plan = _prepare(q, k, v, kv_lens, block_table, options, descales)
         if plan is None:
             return MISS
         with _lock:
@@ -119,7 +125,8 @@ def run(q, k, v, kv_lens, block_table, out, options):
     if out is not None:
         if out_geometry(plan.kind, out) != plan.out_geometry:
             return MISS  # attention writes other layouts through a scratch array
-    result = plan({"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}, out)
+    result = plan(dict(q=q, k=k, v=v, kv_lens=kv_lens, block_table=block_table, k_descale=descales[0],
+                       v_descale=descales[1]), out)
     if result is None:
         return MISS
     with _lock:
@@ -127,15 +134,17 @@ def run(q, k, v, kv_lens, block_table, out, options):
     return result
 
 
-def _prepare(q, k, v, kv_lens, block_table, options):
+def _prepare(q, k, v, kv_lens, block_table, options, descales=(None, None)):
     """The decode fast path of this geometry (prepared.PreparedAttention's), _NOT_DECODE, or None
     for a call it rejects (invalid arguments or values): nothing is cached, and the uncached path
-    raises its own error. Anything else that goes wrong while preparing leaves the geometry to the
-    uncached path for good (_NOT_DECODE), which then fails or succeeds on its own."""
+    raises its own error. Anything else that goes wrong while preparing (NotImplementedError
+    included) leaves the geometry to the uncached path for good (_NOT_DECODE), which then fails or
+    succeeds on its own."""
     causal, scale, layout, return_lse, validate, window = options
     try:
         prepared = PreparedAttention(q, k, v, dict(causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-                                                   window=window, validate=validate), kv_lens, block_table)
+                                                   window=window, validate=validate), kv_lens, block_table,
+                                     descales=descales)
     except (TypeError, ValueError):
         return None
     except Exception:  # noqa: BLE001 - never fail a call the uncached path might run

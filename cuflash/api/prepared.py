@@ -8,15 +8,19 @@ decode call on the H200 machine, more than the kernel itself on a 4k cache
 FlashInfer's plan/run: a call then checks that its arrays have the prepared geometry, allocates
 the outputs and launches the decode kernel through a packed parameter block (cuflash.kernels.packed_launch).
 
-What a call may change: the arrays' data (their addresses), kv_lens' and block_table's values.
-What it may not: kinds (CuPy, torch, ...), device, shapes, strides, dtypes, which of kv_lens /
-block_table are given - a call that differs raises ValueError naming the argument.
+What a call may change: the arrays' data (their addresses), the values of kv_lens, block_table
+and an FP8 KV cache's k_descale / v_descale. What it may not: kinds (CuPy, torch, ...), device,
+shapes, strides, dtypes, which of kv_lens / block_table / k_descale / v_descale are given - a
+call that differs raises ValueError naming the argument.
 
-The fast path covers what runs the split-KV decode kernel (float16/bfloat16 CuPy arrays or
-CUDA torch tensors, few query rows per K/V head, see plan.dispatch.decode_applies); every other prepared
-problem (NumPy, prefill shapes, other array kinds) calls ``cuflash.attention`` with the prepared
-options after the same geometry check, so results never depend on which path ran. Results are
-bitwise those of ``cuflash.attention`` on the same inputs (tests/test_gpu_prepared.py).
+The fast path covers what runs the split-KV decode kernel from CuPy arrays or CUDA torch tensors
+with few query rows per K/V head: float16/bfloat16 caches (plan.dispatch.decode_applies) and
+e4m3 caches with a float16/bfloat16 q (attn_decode_kv8, plan.dispatch.decode_applies_e4m3; its
+descales per tensor, or per (sequence, K/V head) stored in C order, both read in place). Every
+other prepared problem (NumPy, prefill shapes, other array kinds, descales attention copies
+first) calls ``cuflash.attention`` with the prepared options after the same geometry check, so
+results never depend on which path ran. Results are bitwise those of ``cuflash.attention`` on the
+same inputs (tests/test_gpu_prepared.py, tests/test_gpu_prepared_fp8_cache.py).
 """
 
 from __future__ import annotations
@@ -25,20 +29,22 @@ import contextlib
 
 import numpy as np
 
+from ..core import fp8_inputs
 from ..core import problem as _problem
-from . import interop
+from . import fp8_checks, interop
 from ..backends import cuda
 from ..kernels import counters as stream_counters
 from ..kernels import decode as decode_kernels
 from ..plan import decode as decode_plan
 from ..kernels import pdl
 from ..kernels.build import get_function
-from ..kernels.operands import elem_strides
 from ..kernels.packed_launch import POINTER, PackedLaunch
-from ..core.arrays import byte_range, dtype_name
+from ..core.arrays import FLOAT32, byte_range, dtype_name
 from ..core.layout import is_view_of, to_bhsd
 
 _ARRAYS = ("q", "k", "v", "kv_lens", "block_table")
+_DESCALES = ("k_descale", "v_descale")  # an FP8 KV cache's (its q takes none)
+_GIVEN = _ARRAYS + _DESCALES  # the arguments whose geometry a call must repeat
 
 
 def _geometry(kind, a):
@@ -72,19 +78,22 @@ def _describe(g) -> str:
 class PreparedAttention:
     """See :func:`prepare_attention`."""
 
-    def __init__(self, q, k, v, options, kv_lens, block_table, fallback=None):
-        """``fallback(q, k, v, *, kv_lens, block_table, out, **options)``: what a call off the decode
-        fast path runs (cuflash.attention; None: such a call raises)."""
+    def __init__(self, q, k, v, options, kv_lens, block_table, fallback=None, descales=(None, None)):
+        """``fallback(q, k, v, *, kv_lens, block_table, out, k_descale, v_descale, **options)``: what
+        a call off the decode fast path runs (cuflash.attention; None: such a call raises).
+        ``descales``: (k_descale, v_descale) of an FP8 KV cache."""
         _problem.check_flag("return_lse", options["return_lse"])
         _problem.check_flag("validate", options["validate"])
-        given = {"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}
+        given = dict(q=q, k=k, v=v, kv_lens=kv_lens, block_table=block_table, k_descale=descales[0],
+                     v_descale=descales[1])
         where = interop.common_placement([(n, a) for n, a in given.items() if a is not None])
         self._kind = where.kind
         self._geometry = {n: _geometry(self._kind, a) for n, a in given.items()}
         self._options = options
         self._fallback = fallback
+        fp8 = fp8_inputs.requested((q, k, v), (None, *descales))  # (as cuflash.attention tells FP8 calls)
         with interop.ForeignCall(where) as call:
-            checked = _Checked(call, given, options)
+            checked = _Checked(call, given, options, fp8)
             self._decode = None
             if self._kind in (interop.CUPY, interop.TORCH) and where.device is not None:
                 self._decode = _DecodeCall.prepare(where, checked, options, q)
@@ -92,15 +101,16 @@ class PreparedAttention:
         self.kernel = None if self._decode is None else self._decode.kernel_names
 
     def _check_call(self, arrays):
-        for name in _ARRAYS:
+        for name in _GIVEN:
             got = _geometry(self._kind, arrays[name])
             want = self._geometry[name]
             if got != want:
                 raise ValueError(f"{name}: prepared for {_describe(want)}, got {_describe(got)}; "
                                  "prepare_attention again for another geometry")
 
-    def __call__(self, q, k, v, *, kv_lens=None, block_table=None, out=None):
-        arrays = {"q": q, "k": k, "v": v, "kv_lens": kv_lens, "block_table": block_table}
+    def __call__(self, q, k, v, *, kv_lens=None, block_table=None, out=None, k_descale=None, v_descale=None):
+        arrays = dict(q=q, k=k, v=v, kv_lens=kv_lens, block_table=block_table, k_descale=k_descale,
+                      v_descale=v_descale)
         self._check_call(arrays)
         if self._decode is not None:
             result = self._decode(arrays, out)
@@ -108,7 +118,8 @@ class PreparedAttention:
                 return result
         if self._fallback is None:
             raise ValueError("this prepared call runs the decode kernel only; these arrays do not")
-        return self._fallback(q, k, v, kv_lens=kv_lens, block_table=block_table, out=out, **self._options)
+        return self._fallback(q, k, v, kv_lens=kv_lens, block_table=block_table, out=out, k_descale=k_descale,
+                              v_descale=v_descale, **self._options)
 
     def __repr__(self):
         return f"PreparedAttention(path={self.path!r}, kernel={self.kernel!r})"
@@ -116,19 +127,61 @@ class PreparedAttention:
 
 class _Checked:
     """The arguments as NumPy/CuPy arrays, checked as cuflash.attention checks them: the problem,
-    the paged cache's block size, kv_lens on the device and (validate=True) on the host."""
+    the paged cache's block size, kv_lens on the device and (validate=True) on the host; with
+    ``fp8`` (FP8 inputs or descales, as attention tells them) as an FP8 KV cache, the descales
+    checked (``kv8``: the cache on the GPU, for the decode kernel's e4m3 form)."""
 
-    def __init__(self, call, given, options):
-        self.native = {n: (None if a is None else call.to_native(n, a)) for n, a in given.items()}
+    def __init__(self, call, given, options, fp8=False):
+        # (torch float8_e4m3fn tensors travel as their uint8 bits, as attention passes them)
+        self.native = {n: (None if a is None else call.to_native(n, fp8_inputs.as_bits(a))) for n, a in given.items()}
         q, k, v, lens, table = (self.native[n] for n in _ARRAYS)
         masking = {n: options[n] for n in ("causal", "scale", "layout", "window")}
-        if table is not None:
+        mods = [None if options.get(n) is None else call.to_native(n, options[n]) for n in ("alibi_slopes", "sinks")]
+        self.kv8, self.descales = False, None
+        if fp8:
+            self.p, self.block_size = self._fp8_cache(call, options)
+        elif table is not None:
             self.p, self.block_size = _problem.validate_paged(q, k, v, table, **masking)
         else:
             self.p, self.block_size = _problem.validate_forward(q, k, v, **masking), None
-        mods = [None if options.get(n) is None else call.to_native(n, options[n]) for n in ("alibi_slopes", "sinks")]
-        self.p = _problem.check_score_mods(self.p, q, options.get("softcap"), *mods)
+        if not self.kv8:  # (an e4m3 cache on the GPU refused score modifiers)
+            self.p = _problem.check_score_mods(self.p, q, options.get("softcap"), *mods)
         self.lens_dev = _check_lens_and_table(self.p, lens, table, self.block_size, k.shape[0], options["validate"])
+
+    def _fp8_cache(self, call, options):
+        """(problem, block size) of an FP8 call, checked as attention checks it (core.fp8_inputs,
+        api.fp8_checks), up to out= and the values of kv_lens / block_table. Prepared calls take FP8
+        inputs as an FP8 KV cache only (a 16-bit q, e4m3 k and v): another valid FP8 call raises
+        NotImplementedError."""
+        q, k, v, table = (self.native[n] for n in ("q", "k", "v", "block_table"))
+        descales = (None, self.native["k_descale"], self.native["v_descale"])
+        layout = options["layout"]
+        if all(isinstance(a, np.ndarray) for a in (q, k, v)):  # the NumPy backend
+            if call.placement.kind != interop.NUMPY:  # (torch CPU tensors: their bits as NumPy e4m3)
+                q, k, v = (a.view(fp8_inputs.E4M3) if a.dtype == np.uint8 else a for a in (q, k, v))
+                self.native.update(q=q, k=k, v=v)
+            fp8_checks.check_host((q, k, v), descales, None, layout, table is None)
+            _cache_only((q, k, v))
+            # attention computes from float32 copies (dequantized k and v): checked as such
+            wide = [np.lib.stride_tricks.as_strided(np.zeros((), FLOAT32), a.shape, (0,) * a.ndim) for a in (q, k, v)]
+            masking = {n: options[n] for n in ("causal", "scale", "layout", "window")}
+            if table is not None:
+                return _problem.validate_paged(*wide, table, **masking)
+            return _problem.validate_forward(*wide, **masking), None
+        if not fp8_inputs.kv_cache_only((q, k, v)):
+            fp8_inputs.check_gpu_call((q, k, v), None)  # (TypeError naming an input that holds no e4m3 bits)
+            _cache_only((q, k, v))
+        p, bs, kd, vd = fp8_checks.check_gpu_cache(q, k, v, descales, None, dict(options, block_table=table))
+        self.kv8 = True
+        self.descales = (kd, vd)
+        return p, bs
+
+
+def _cache_only(arrays):
+    """NotImplementedError for FP8 inputs other than an FP8 KV cache (prepared calls take no e4m3 q)."""
+    if not fp8_inputs.kv_cache_only(arrays):
+        raise NotImplementedError("q: prepare_attention takes FP8 inputs as an FP8 KV cache only (a float16/bfloat16 "
+                                  "q with e4m3 k and v); call cuflash.attention for an e4m3 q")
 
 
 def _check_lens_and_table(p, lens, table, block_size, num_blocks, validate):
@@ -253,6 +306,23 @@ class _TorchArrays:
         raise ValueError(f"out: expected a contiguous tensor on cuda:{self.device} (a prepared call's result layout)")
 
 
+def _descale_slots(checked, p, dev):
+    """(k address, v address, batch stride, head stride) of an e4m3 cache's descales in a prepared
+    launch: an address is None where the call's own descale is read in place, or the constant
+    address of the unit descale that a missing one stands for. None where attention reads a copy
+    (fp8_checks.descale_operands: a per-tensor factor beside a per-head one, per-head factors not in
+    C order): such calls take attention's path. (The geometry, fixed by prepare, decides which.)"""
+    one = fp8_checks.unit_descale(dev)
+    slots = []
+    *operands, batch_stride, head_stride = fp8_checks.descale_operands(*checked.descales, p.batch, p.hkv, dev)
+    for given, operand in zip(checked.descales, operands):
+        base = one if given is None else given
+        if operand.data.ptr != base.data.ptr:
+            return None  # a copy
+        slots.append(None if given is not None else one.data.ptr)
+    return (*slots, batch_stride, head_stride)
+
+
 class _DecodeCall:
     """The decode fast path of one prepared geometry: per call the outputs are allocated and the
     packed launches made; everything else was decided at prepare time."""
@@ -262,7 +332,6 @@ class _DecodeCall:
         """A _DecodeCall, or None when the prepared problem does not run the decode kernel on plain
         views of the caller's arrays (calls then go through cuflash.attention)."""
         import cupy
-
 
         p, bs = checked.p, checked.block_size
         q, k, v, lens, table = (checked.native[n] for n in _ARRAYS)
@@ -277,22 +346,27 @@ class _DecodeCall:
             return None  # a strided kv_lens: attention copies it
         if table is not None and not table.flags.c_contiguous:
             return None  # attention copies it
-        if not cuda.decode_applies(p, k4, v4):
-            return None
+        if not (cuda.decode_applies_e4m3(p, k4, v4) if checked.kv8 else cuda.decode_applies(p, k4, v4)):
+            return None  # (an e4m3 cache: attention raises NotImplementedError)
+        dev = cupy.cuda.Device().id
+        descales = None
+        if checked.kv8:
+            descales = _descale_slots(checked, p, dev)
+            if descales is None:
+                return None
         # A fresh result's layout, laid over q's memory (never read or written): preparing, which
         # cuflash.attention's plan cache does inside a call, allocates nothing.
         o_template = cupy.ndarray(p.q_shape(), dtype=p.dtype, memptr=q.data)
         o4 = to_bhsd(o_template, p, p.hq, p.nq)
-        strides = (elem_strides(q4), elem_strides(k4), elem_strides(v4), elem_strides(o4),
-                   table.strides[0] // table.itemsize if table is not None else 0)
-        dl = decode_kernels.decode_launch(p, cupy.cuda.Device().id, strides, bs.bit_length() - 1 if bs is not None else None)
+        dl = decode_kernels.call_launch(p, dev, q4, k4, v4, o4, (table, bs) if table is not None else None,
+                                        checked.kv8)
         offsets = tuple(a4.data.ptr - a.data.ptr for a4, a in views) + (o4.data.ptr - o_template.data.ptr,)
         extents = [tuple(x - a.data.ptr for x in byte_range(a)) for a in (q, k, v)]
         return cls(where, p, dl, bs, offsets, options, lens is not None, k.shape[0] if table is not None else None,
-                   extents, q_given)
+                   extents, q_given, descales)
 
-    def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks, extents, q_given):
-
+    def __init__(self, where, p, dl, block_size, offsets, options, has_lens, num_blocks, extents, q_given,
+                 descales=None):
         self.arrays = _TorchArrays(where.device) if where.kind == interop.TORCH else _CupyArrays(where.device)
         self.p = p
         self.block_size = block_size
@@ -303,12 +377,18 @@ class _DecodeCall:
         self.pairs = dl.problem.batch * dl.problem.hkv  # (sequence, K/V head, row block) blocks per split
         part = POINTER if self.workspace is not None else np.uint64(0)
         spec = dl.spec
-        # Array slots in order: q, k, v, o, lse, [part_o, part_lse, split counters], [kv_lens], [block_table].
+        # Array slots in order: q, k, v, o, lse, [part_o, part_lse, split counters], [kv_lens], [block_table],
+        # [k_descale, v_descale].
         self.num_blocks = num_blocks
         lens = POINTER if has_lens else np.uint64(0)
         table = POINTER if block_size is not None else np.uint64(0)
+        # An e4m3 cache's descales: per slot the constant address of a unit descale, or None (the
+        # call's own array, read in place); then the batch and head strides.
+        self.descales = None if descales is None else descales[:2]
+        kv_descales = None if descales is None else (POINTER, POINTER, *descales[2:])
         self.main = PackedLaunch(get_function(spec), dl.grid, (spec.threads,),
-                                 dl.main_args(*(POINTER,) * 5, part, part, part, lens, table), spec.smem_bytes)
+                                 dl.main_args(*(POINTER,) * 5, part, part, part, lens, table, kv_descales),
+                                 spec.smem_bytes)
         self.combine = None
         # The partials merge in the last split of each pair, or in attn_decode_combine (decode_plan.MERGE).
         self.merge_last = decode_plan.last_split_merges(dl.plan, dl.rows, p.d)
@@ -366,6 +446,9 @@ class _DecodeCall:
             ptrs.append(lib.ptr(lens))
         if table is not None:
             ptrs.append(lib.ptr(table))
+        if self.descales is not None:
+            ptrs += [lib.ptr(arrays[name]) if address is None else address
+                     for name, address in zip(_DESCALES, self.descales)]
         self.main.launch(stream, *ptrs)
         if self.combine is not None:
             self.combine.launch(stream, ptrs[5], ptrs[6], o_ptr, lse_ptr)

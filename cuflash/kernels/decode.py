@@ -80,12 +80,18 @@ class DecodeLaunch(NamedTuple):
         head = (p.batch, p.hkv, self.plan.splits, self.rows)
         return head + (p.d,), head
 
-    def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table):
+    def main_args(self, q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table, kv_descales=None):
         """split_done: the pairs' split counters (counters.zeroed) for the merge by the last split,
-        or a null pointer (one split, or attn_decode_combine merges)."""
+        or a null pointer (one split, or attn_decode_combine merges). kv_descales: an e4m3 cache's
+        (k descales, v descales, batch stride, head stride) (forward's), None for a 16-bit cache."""
         if self.plan.cluster:  # the cluster merges in shared memory: no workspace parameters
-            return (q4, k4, v4, o4, lse3, lens, table, *self.middle)
-        return (q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table, *self.middle)
+            args = (q4, k4, v4, o4, lse3, lens, table, *self.middle)
+        else:
+            args = (q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens, table, *self.middle)
+        if kv_descales is not None:  # (attn_decode_kv8's last parameters)
+            kd, vd, sb, sh = kv_descales
+            args += (kd, vd, np.int64(sb), np.int64(sh))
+        return args
 
     def combine_args(self, part_o, part_lse, o4, lse3):
         return _combine_args(part_o, part_lse, o4, lse3, self.combine_tail, self.plan.splits)
@@ -118,6 +124,24 @@ def _word_strides(a4):
     return tuple(s // 2 for s in a4.strides)
 
 
+def call_launch(p, dev, q4, k4, v4, o4, paged=None, kv8=False, splits=None, tile=None, waves=None, cluster=None):
+    """The DecodeLaunch of one call's views (forward's arguments; the arrays' strides, not their
+    addresses, enter it): element strides of q4, k4, v4, o4 and the page table's rows (`paged` =
+    (block_table, block_size), None: contiguous K/V), an e4m3 cache's (`kv8`) in 16-bit words with
+    plan.decode.e4m3_launch's tile and waves unless `tile` (one of kv_bytes 1) is given. forward
+    and the prepared calls of cuflash.api.prepared plan their launches here."""
+    if kv8:
+        tile, waves = e4m3_launch(p, device.sm_count(dev), tile, waves)
+        if tile.kv_bytes != 1 or tile.ring > 2:
+            raise ValueError(f"tile={tile}: an e4m3 cache takes a tile of kv_bytes 1 and ring 0-2")
+    kv_strides = _word_strides if kv8 else elem_strides
+    table = paged[0] if paged is not None else None
+    strides = (elem_strides(q4), kv_strides(k4), kv_strides(v4), elem_strides(o4),
+               table.strides[0] // table.itemsize if table is not None else 0)
+    shift = paged[1].bit_length() - 1 if paged is not None else None
+    return decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
+
+
 def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves=None, tma_tile=None, paged=None,
             cluster=None, merge=None, kv_descales=None):
     """Split-KV decode of a validated problem. `tile` forces a cp.async tile, `tma_tile` the TMA
@@ -143,21 +167,13 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     if modified and (kv8 or tma_tile is not None):
         raise NotImplementedError("softcap=, alibi_slopes=, sinks=: the split-KV decode kernel takes them with "
                                   "16-bit caches on the cp.async kernel only (no kv_descales, no tma_tile)")
-    if kv8:
-        if tma_tile is not None:
-            raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
-        tile, waves = e4m3_launch(p, device.sm_count(dev), tile, waves)
-        if tile.kv_bytes != 1 or tile.ring > 2:
-            raise ValueError(f"tile={tile}: an e4m3 cache takes a tile of kv_bytes 1 and ring 0-2")
+    if kv8 and tma_tile is not None:
+        raise ValueError("tma_tile: the TMA decode kernel reads 16-bit caches only")
     if tma_tile is not None:
         _forward_tma(p, dev, q4, k4, v4, o4, lse3, lens_ptr, splits, waves, tma_tile, paged, cluster)
         return
     table = paged[0] if paged is not None else np.uint64(0)
-    kv_strides = _word_strides if kv8 else elem_strides
-    strides = (elem_strides(q4), kv_strides(k4), kv_strides(v4), elem_strides(o4),
-               table.strides[0] // table.itemsize if paged is not None else 0)
-    shift = paged[1].bit_length() - 1 if paged is not None else None
-    dl = decode_launch(p, dev, strides, shift, splits, tile, waves, cluster)
+    dl = call_launch(p, dev, q4, k4, v4, o4, paged, kv8, splits, tile, waves, cluster)
     p = dl.problem  # (K/V heads x row blocks from here on)
     ws = dl.workspace_shapes()
     split_done = np.uint64(0)  # (null: one split, a cluster merge, or the combine kernel's)
@@ -169,10 +185,7 @@ def forward(p, q4, k4, v4, o4, lse3, kv_lens=None, splits=None, tile=None, waves
     else:  # one split writes o and lse itself: null workspace pointers
         part_o = part_lse = np.uint64(0)
     spec = dl.spec
-    args = dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table)
-    if kv8:
-        kd, vd, sb, sh = kv_descales
-        args += (kd, vd, np.int64(sb), np.int64(sh))
+    args = dl.main_args(q4, k4, v4, o4, lse3, part_o, part_lse, split_done, lens_ptr, table, kv_descales)
     if modified:  # (the whole batch in one launch: slopes from sequence 0)
         args += (*score_mod_args(p), sink_pointer(p))
     get_function(spec)(dl.grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
