@@ -66,8 +66,10 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     static_assert(!WG_EPILOGUE || (TMA && (PERSISTENT || !PINGPONG)),
                   "the per-warpgroup epilogue: TMA kernels, ping-pong only in the persistent one (turns)");
     using Tr = HopperFwdTraits<HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, PRODUCER, TMA, FwdElem<T>, HEAD_DIM_V>;
-    // e4m3 inputs: one query tile per block, the block-wide epilogue (O outgrows Q's rows).
-    static_assert(!Tr::kFp8 || (TMA && !PERSISTENT && !SPLIT && !MOD && !WG_EPILOGUE), "e4m3: the per-tile TMA kernel");
+    // e4m3 inputs: the TMA kernel, per tile or persistent; per tile the block-wide epilogue (O
+    // outgrows Q's rows), persistent either (O's own tile).
+    static_assert(!Tr::kFp8 || (TMA && !SPLIT && !MOD && (PERSISTENT || !WG_EPILOGUE)),
+                  "e4m3: the TMA kernel, per tile or persistent");
     // A V head dim of its own: the per-tile TMA kernel (no mask or a causal one). A per-warpgroup
     // epilogue stages O in the warpgroup's own rows of Q, which must hold them (dv <= d).
     constexpr bool kOwnDimV = HEAD_DIM_V != HEAD_DIM;
@@ -185,11 +187,13 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
     };
     int kv0 = 0;
     u32 q_phase = 0;
-    // (e4m3) the scores' descales join their scale (FlashAttention-3's folding).
-    if constexpr (Tr::kFp8) scale_log2 *= fp8.qk(b, h, hk);
+    // (e4m3) the scores' descales join their scale (FlashAttention-3's folding): here once per
+    // block, or (persistent, whose tiles change batch entry and head) per tile in math().
+    if constexpr (Tr::kFp8 && !PERSISTENT) scale_log2 *= fp8.qk(b, h, hk);
     // The math warpgroups' part: everything after the tiles start arriving (hopper/fwd_consumer.cuh).
     using Consumer = FwdConsumer<T, Tr, CAUSAL, PRODUCER, BAND, TMA, PINGPONG, PERSISTENT, SPLIT, MOD>;
     auto math = [&]() {
+        const float tile_scale = Tr::kFp8 && PERSISTENT ? scale_log2 * fp8.qk(b, h, hk) : scale_log2;
         // The warpgroup's registers: O (zero), S, P and the online softmax's state.
         float acc_o[1][kNO][4];
     #pragma unroll
@@ -209,7 +213,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
         const FwdKvSource src{gK, gV, k_sn, v_sn, d, tid};
         Consumer c(acc_o, acc_s, p_frag, softmax, alpha, moved, sm, src, kv0, q_phase, m0, rows_valid, wg, warp, lane,
-                   nk_b, hi, lo, n_tiles, scale_log2, mod, k_first);
+                   nk_b, hi, lo, n_tiles, tile_scale, mod, k_first);
         c.prologue();  // S_0 and its probabilities
         // K/V tile j: P_j V_j with S_{j+1} = Q K_{j+1}^T in flight, then the softmax of tile j+1.
         for (int j = 0; j + 1 < c.n_mine; ++j) c.step(j, true);
@@ -218,7 +222,7 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         c.template before_epilogue<WG_EPILOGUE>();
 
         float row_lse[2];
-        softmax.template finalize<1, kNO>(acc_o, scale_log2, row_lse);
+        softmax.template finalize<1, kNO>(acc_o, tile_scale, row_lse);
         if constexpr (Tr::kFp8) {  // v's descale on O (P V took vt's raw e4m3 values)
             const float vs = fp8.out(b, hk);
     #pragma unroll
@@ -358,25 +362,42 @@ attn_fwd_wgmma_tma_dv(FWD_TMA_PARAMS, int dv) {
 #undef FWD_TMA_PARAMS
 #undef FWD_TMA_ARGS
 
-// e4m3 q, k, v (T = E4m3<Bf16 or Fp16>: the output's type; hopper/fwd_fp8.cuh): the per-tile TMA
-// kernel on byte tensor maps - Q and K (d, rows, heads, batch) in 128-column boxes, vt (keys, d,
-// heads, batch) in 128-key boxes of HEAD_DIM rows - with the descales' pointers and element
-// strides (FwdFp8Scales), no mask or a causal one. o and lse as the 16-bit kernels'.
+// e4m3 q, k, v (T = E4m3<Bf16 or Fp16>: the output's type; hopper/fwd_fp8.cuh): the TMA kernel on
+// byte tensor maps - Q and K (d, rows, heads, batch) in 128-column boxes, vt (keys, d, heads,
+// batch) in 128-key boxes of HEAD_DIM rows - with the descales' pointers and element strides
+// (FwdFp8Scales), no mask or a causal one. o and lse as the 16-bit kernels'.
+#define FWD_FP8_PARAMS                                                                                          \
+    const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,                             \
+        const __grid_constant__ TmaDesc tmap_vt, u16 *__restrict__ o, float *__restrict__ lse, i64 o_sb,         \
+        i64 o_sh, i64 o_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2,                 \
+        const float *__restrict__ q_descale, const float *__restrict__ k_descale,                               \
+        const float *__restrict__ v_descale, int qd_sb, int qd_sh, int qd_shk, int kd_sb, int kd_sh, int vd_sb,  \
+        int vd_sh
+#define FWD_FP8_ARGS(N_HEADS, N_BATCH)                                                                          \
+    nullptr, nullptr, nullptr, o, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0, o_sb, o_sh, o_sn, nq, nk, d, group, causal_off, \
+        scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_vt}, N_HEADS, N_BATCH,     \
+        FwdSplit{1, nullptr, nullptr, nullptr}, ScoreModArgs{},                                                 \
+        FwdFp8Scales{q_descale, k_descale, v_descale, qd_sb, qd_sh, qd_shk, kd_sb, kd_sh, vd_sb, vd_sh}
+// One query tile per block (grid: query tiles, heads, batch).
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
-attn_fwd_wgmma_tma_fp8(const __grid_constant__ TmaDesc tmap_q, const __grid_constant__ TmaDesc tmap_k,
-                       const __grid_constant__ TmaDesc tmap_vt, u16* __restrict__ o, float* __restrict__ lse,
-                       i64 o_sb, i64 o_sh, i64 o_sn, int nq, int nk, int d, int group, int causal_off, float scale_log2,
-                       const float* __restrict__ q_descale, const float* __restrict__ k_descale,
-                       const float* __restrict__ v_descale, int qd_sb, int qd_sh, int qd_shk, int kd_sb, int kd_sh,
-                       int vd_sb, int vd_sh) {
+attn_fwd_wgmma_tma_fp8(FWD_FP8_PARAMS) {
     static_assert(FwdElem<T>::kFp8, "T: E4m3<Bf16> or E4m3<Fp16>");
     attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG>(
-        nullptr, nullptr, nullptr, o, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0, o_sb, o_sh, o_sn, nq, nk, d, group, causal_off,
-        scale_log2, FwdBand{0, 0, nullptr, nullptr}, FwdMaps{&tmap_q, &tmap_k, &tmap_vt}, 0, 0,
-        FwdSplit{1, nullptr, nullptr, nullptr}, ScoreModArgs{},
-        FwdFp8Scales{q_descale, k_descale, v_descale, qd_sb, qd_sh, qd_shk, kd_sb, kd_sh, vd_sb, vd_sh});
+        FWD_FP8_ARGS(0, 0));
 }
+// Persistent (as attn_fwd_wgmma_tma_persistent): one block per SM walks the work units of n_batch x
+// n_heads, the next tile's first K and Q loading while this one ends; O staged in its own tile.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
+          bool WG_EPILOGUE = false>
+__global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)
+attn_fwd_wgmma_tma_fp8_persistent(FWD_FP8_PARAMS, int n_heads, int n_batch) {
+    static_assert(FwdElem<T>::kFp8, "T: E4m3<Bf16> or E4m3<Fp16>");
+    attn_fwd_wgmma_body<T, HEAD_DIM, BLOCK_N, WARPGROUPS, STAGES, CAUSAL, true, false, true, PINGPONG, true,
+                        WG_EPILOGUE>(FWD_FP8_ARGS(n_heads, n_batch));
+}
+#undef FWD_FP8_PARAMS
+#undef FWD_FP8_ARGS
 
 // e4m3 with a sliding window and/or packed sequences: attn_fwd_wgmma_tma_fp8's maps and descales
 // with attn_fwd_wgmma_band's bounds (hi_off, lo_off, align) and offsets (cu_q, cu_k: null for an

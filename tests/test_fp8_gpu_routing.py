@@ -311,10 +311,14 @@ def test_descale_pointers_and_strides():
 
 
 def _kernel_parameters(kernel="attn_fwd_wgmma_tma_fp8"):
-    """The parameter names of a kernel in cuda_src/attn_fwd_wgmma.cu."""
+    """The parameter names of a kernel in cuda_src/attn_fwd_wgmma.cu (its parameter macro expanded)."""
     text = (ROOT / "cuda_src" / "attn_fwd_wgmma.cu").read_text()
-    m = re.search(kernel + r"\(([^)]*)\)", text)
-    return [re.split(r"[\s*]+", part.strip())[-1] for part in m.group(1).split(",")]
+    m = re.search("\n" + kernel + r"\(([^)]*)\)", text)
+    params = m.group(1)
+    if "FWD_FP8_PARAMS" in params:
+        body = re.search(r"#define FWD_FP8_PARAMS\s*((?:[^\n]*\\\n)*[^\n]*)", text).group(1)
+        params = params.replace("FWD_FP8_PARAMS", body.replace("\\\n", " ").replace("\\", " "))
+    return [re.split(r"[\s*]+", part.strip())[-1] for part in params.split(",")]
 
 
 def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
@@ -350,6 +354,38 @@ def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
     assert a["scale_log2"] == np.float32(0.1 * LOG2E)
     assert a["v_descale"] == 0  # null: 1
     assert (a["qd_sb"], a["qd_sh"], a["qd_shk"], a["kd_sb"], a["kd_sh"], a["vd_sb"], a["vd_sh"]) == (2, 0, 1, 2, 1, 0, 0)
+
+
+def test_persistent_launch_arguments(monkeypatch):
+    # A persistent tile: one launch of a 1-D grid of at most one block per SM (or
+    # persistent_blocks) over every work unit - query tiles, causal: pairs of them - of all batch
+    # entries and heads, the head and batch counts after the descales' strides.
+    launches = _stub_launches(monkeypatch)
+    monkeypatch.setattr(fp8_forward.device, "current_id", lambda: 0)
+    monkeypatch.setattr(fp8_forward.device, "sm_count", lambda device_id: 132)
+    tile = schedule.HopperTile(192, 2, 3, "", tma=True, persistent=True, wg_epilogue=True)
+    q4, k4 = np.zeros((2, 4, 300, 128), np.uint8), np.zeros((2, 2, 333, 128), np.uint8)
+    o4, lse3 = np.zeros((2, 4, 300, 128), np.uint16), np.zeros((2, 4, 300), np.float32)
+    names = _kernel_parameters("attn_fwd_wgmma_tma_fp8_persistent")
+    assert names[-2:] == ["n_heads", "n_batch"] and names[:-2] == _kernel_parameters()
+    for causal, units in ((None, 3 * 4 * 2), ("bottom_right", 2 * 4 * 2)):  # 300 rows: 3 tiles, 2 pairs
+        p = types.SimpleNamespace(batch=2, hq=4, hkv=2, nq=300, nk=333, d=128, group=2, scale=0.1, causal=causal,
+                                  causal_offset=33)
+        plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16, tile=tile)
+        assert plan.spec.expression.startswith("attn_fwd_wgmma_tma_fp8_persistent<E4m3<Bf16>, 128, 192, 2, 3, ")
+        assert plan.spec.expression.endswith(", false, true>")
+        for blocks, grid in ((None, units), (5, 5)):
+            launches.clear()
+            fp8_forward.launch(plan, p, q4, k4, k4, o4, lse3, (None, None, None), persistent_blocks=blocks)
+            (spec, g, _, args, smem), = launches
+            assert g == (grid,) and smem == spec.smem_bytes == tile.smem_bytes(128, 1)
+            a = dict(zip(names, args))
+            assert len(args) == len(names) and (a["n_heads"], a["n_batch"]) == (4, 2)
+    with pytest.raises(ValueError, match="^tile:"):  # windows and packed sequences: per tile
+        plan_hopper.fp8_forward_band_spec(BFLOAT16, 128, tile)
+    # O's 16-bit staging tile of its own: 128 rows x 128 columns x 2 bytes past the per-tile layout.
+    per_tile = schedule.HopperTile(192, 2, 3, "", tma=True)
+    assert tile.smem_bytes(128, 1) - per_tile.smem_bytes(128, 1) == 128 * 128 * 2 + 8
 
 
 def _stub_launches(monkeypatch):

@@ -108,6 +108,25 @@ def test_every_key_tile(rng, monkeypatch, block_n):
         _check(o, lse, case, causal=causal, d=128)
 
 
+@pytest.mark.parametrize("block_n, stages, wg_epilogue", [(192, 3, True), (128, 3, False), (224, 2, True)])
+def test_persistent_tiles(rng, monkeypatch, block_n, stages, wg_epilogue):
+    # The persistent kernel (attn_fwd_wgmma_tma_fp8_persistent) with 3 blocks, so that each walks
+    # tiles of several (batch entry, head) pairs - and their own descales (per head: a block that
+    # kept its first tile's scale would be wrong on every later one) - and carries its K/V ring
+    # and barrier phases across them; GQA, lengths no multiple of the tiles.
+    from cuflash.kernels import device
+
+    tile = schedule.HopperTile(block_n, 2, stages, "test", tma=True, persistent=True, wg_epilogue=wg_epilogue)
+    monkeypatch.setitem(schedule.HOPPER_FP8_FORWARD_TILES, 128, tile)
+    monkeypatch.setattr(device, "sm_count", lambda device_id: 3)
+    case = make_case(rng, 2, 4, 2, 300, 2 * block_n + 77, 128, granularity="head")
+    assert plan_hopper.fp8_forward_spec(BFLOAT16, 128, False)[0].expression.startswith(
+        "attn_fwd_wgmma_tma_fp8_persistent<")
+    for causal in (False, "bottom_right", "top_left"):
+        o, lse = _run(case, causal=causal)
+        _check(o, lse, case, causal=causal, d=128)
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("d", [64, 96, 200])
 def test_layouts_head_dims_and_q_descale_per_kv_head(rng, layout, d):

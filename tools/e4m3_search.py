@@ -4,18 +4,22 @@ each candidate timed next to the table's own in the same process on the same inp
 
     PYTHONPATH=. python3 tools/e4m3_search.py --out DIR             # on an sm_90 GPU, ~3 minutes
     PYTHONPATH=. python3 tools/e4m3_search.py --ops decode --out DIR
+    PYTHONPATH=. python3 tools/e4m3_search.py --ops fwd --persistent --fwd-dims 128 --rounds 3 --out DIR
     PYTHONPATH=. python3 tools/e4m3_search.py --dry-run             # anywhere: the candidates
 
 forward: d = 128 and 256 at N = 8k and 16k (B x H = 2 x 16 and 1 x 16 at d = 128, 2 x 8 and 1 x 8
 at d = 256), causal and not, bf16 out, per-(batch, head) descales; TFLOP/s by the 4 N^2 d
-convention (halved when causal), the pass that builds vt included. decode: one bf16 query token
+convention (halved when causal), the pass that builds vt included; --persistent: the table's tile
+against the persistent kernel's (attn_fwd_wgmma_tma_fp8_persistent) own-pace tiles, with and
+without the per-warpgroup epilogue. decode: one bf16 query token
 per sequence, Hq = 32, d = 128, e4m3 caches of SHAPES; each tile with the planner's split count
 (plan.decode.e4m3_launch's waves where the tile is the table's) and the SPLITS of its shape;
 "x_copy" is the cache read rate over the copy rate measured in the same run.
 
 Every candidate's output is compared with the table tile's (max_abs_diff); timings are CUDA events
 with L2 flushed between repeats (benchmarks/peers.py's Timer). Writes e4m3_search.json and
-e4m3_search.log to --out and prints the three fastest candidates per cell.
+e4m3_search.log to --out and prints the three fastest candidates per cell (--rounds R: each cell's
+candidates timed R times, the order rotated each round; the median per candidate).
 Importable without a GPU: CuPy and torch are imported inside the device path only.
 """
 
@@ -47,14 +51,16 @@ SPLITS = {(8, 8): ((4, False), (8, True), (8, False), (16, False)), (64, 8): ((2
 SMEM_LIMIT = 232448 - 1024  # an sm_90 block's opt-in shared memory, less the swizzle alignment
 
 
-def fwd_candidates(hd: int) -> list[HopperTile]:
-    """128-256-key tiles (whole k32 steps; vt's slot whole 128-key boxes), 2-4 stages, ping-pong or
-    not, that fit shared memory."""
+def fwd_candidates(hd: int, persistent: bool = False) -> list[HopperTile]:
+    """128-256-key tiles (whole k32 steps; vt's slot whole 128-key boxes), 2-4 stages, that fit
+    shared memory: per tile, ping-pong or not; or (persistent) own pace, each warpgroup storing its
+    own rows or not."""
     out = []
-    for block_n in (128, 160, 192, 224, 256):
+    for block_n in plan_hopper.FP8_KEY_TILES:
         for stages in (2, 3, 4):
-            for pingpong in (False, True):
-                t = HopperTile(block_n, 2, stages, "search", tma=True, pingpong=pingpong)
+            for flag in (False, True):
+                t = (HopperTile(block_n, 2, stages, "search", tma=True, persistent=True, wg_epilogue=flag)
+                     if persistent else HopperTile(block_n, 2, stages, "search", tma=True, pingpong=flag))
                 if t.smem_bytes(hd, 1) <= SMEM_LIMIT:
                     out.append(t)
     return out
@@ -70,12 +76,13 @@ def decode_candidates() -> list[DecodeTile]:
             for ring, tiles in shapes.items() for bn, warps, stages in tiles]
 
 
-def candidate_specs(ops=OPS):
+def candidate_specs(ops=OPS, persistent=False, dims=tuple(FWD_SHAPES)):
     """Every instantiation the search launches (bf16) for `ops`, for the parallel compile."""
     specs = [plan_decode._kernel_spec(BFLOAT16, 128, 1, t, False, True, cluster)
              for t in decode_candidates() for cluster in (0, *plan_decode.CLUSTER_SIZES)] if "decode" in ops else []
     specs += [plan_hopper.fp8_forward_spec(BFLOAT16, hd, causal, t)[0]
-              for hd in FWD_SHAPES for t in fwd_candidates(hd) for causal in (False, True)] if "fwd" in ops else []
+              for hd in dims for t in [schedule.HOPPER_FP8_FORWARD_TILES[hd], *fwd_candidates(hd, persistent)]
+              for causal in (False, True)] if "fwd" in ops else []
     return list(dict.fromkeys(specs))
 
 
@@ -86,26 +93,27 @@ def same_tile(a, b) -> bool:
 
 def label(t) -> str:
     if isinstance(t, HopperTile):
-        return f"{t.block_m}x{t.block_n} s{t.stages}{' pp' if t.pingpong else ''}"
+        kind = (" persistent" + (" wg-epilogue" if t.wg_epilogue else "")) if t.persistent else ""
+        return f"{t.block_m}x{t.block_n} s{t.stages}{' pp' if t.pingpong else ''}{kind}"
     return f"{t.block_n}x{t.warps}w s{t.stages} r{t.ring}"
 
 
-def dry_run() -> int:
-    for hd in FWD_SHAPES:
+def dry_run(persistent=False, dims=tuple(FWD_SHAPES)) -> int:
+    for hd in dims:
         table = schedule.HOPPER_FP8_FORWARD_TILES[hd]
-        others = [label(t) for t in fwd_candidates(hd) if not same_tile(t, table)]
+        others = [label(t) for t in fwd_candidates(hd, persistent) if not same_tile(t, table)]
         print(f"fwd d={hd}: table {label(table)}; others", ", ".join(others))
     table = schedule.DECODE_TILES_KV8[128]
     others = [label(t) for t in decode_candidates() if not same_tile(t, table)]
     print(f"decode d=128: table {label(table)}; others", ", ".join(others))
     for (b, hkv), splits in SPLITS.items():
         print(f"  B={b} Hkv={hkv}: splits " + ", ".join(f"{n} ({'cluster' if c else 'memory'})" for n, c in splits))
-    print(f"{len(candidate_specs())} instantiations")
+    print(f"{len(candidate_specs(persistent=persistent, dims=dims))} instantiations")
     return 0
 
 
 class Search:
-    def __init__(self, out: Path, budget_s: float):
+    def __init__(self, out: Path, budget_s: float, persistent=False, rounds=1, dims=tuple(FWD_SHAPES)):
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import cupy
         import torch
@@ -118,6 +126,7 @@ class Search:
         self.stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
         self.timer = Timer(2, 20, 0.15)
         self.start, self.budget = time.monotonic(), budget_s
+        self.persistent, self.rounds, self.dims = persistent, rounds, dims
         self.log_file = open(out / "e4m3_search.log", "w")
         self.ceilings = measure_ceilings(self.timer)
         self.log(f"ceilings {self.ceilings}")
@@ -145,8 +154,8 @@ class Search:
         return ms, diff, out
 
     def forward(self, rows):
-        for hd, shapes in FWD_SHAPES.items():
-            for b, h, n in shapes:
+        for hd in self.dims:
+            for b, h, n in FWD_SHAPES[hd]:
                 self.forward_shape(rows, hd, b, h, n)
                 self.free()
 
@@ -157,10 +166,11 @@ class Search:
         quantized = [self.quantize(torch.randn(b, h, n, hd, device="cuda", dtype=torch.bfloat16)) for _ in "qkv"]
         args = [self.as_cupy(x8.view(torch.uint8)) for x8, _ in quantized]
         descales = {name: self.as_cupy(ds) for name, (_, ds) in zip(("q_descale", "k_descale", "v_descale"), quantized)}
-        for causal in (False, True):
+        candidates = [table] + [c for c in fwd_candidates(hd, self.persistent) if not same_tile(c, table)]
+        for causal, r in ((c, r) for c in (False, True) for r in range(self.rounds)):
             ref = None
-            for t in [table] + [c for c in fwd_candidates(hd) if not same_tile(c, table)]:
-                if self.spent(0.45):
+            for t in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
+                if self.spent(0.45 if "decode" in self.ops else 0.95):
                     return
                 schedule.HOPPER_FP8_FORWARD_TILES[hd] = t
                 try:
@@ -174,7 +184,7 @@ class Search:
                 ref = out if ref is None else ref
                 flops = 4 * b * h * n * n * hd / (2 if causal else 1)
                 rows.append(dict(op="fwd", d=hd, b=b, h=h, n=n, causal=causal, tile=label(t), table=t is table,
-                                 ms=ms, tflops=flops / ms / 1e9, max_abs_diff=diff))
+                                 round=r, ms=ms, tflops=flops / ms / 1e9, max_abs_diff=diff))
 
     def decode(self, rows, shapes=SHAPES):
         for b, hkv, n in shapes:
@@ -227,13 +237,18 @@ def split_label(row) -> str:
 
 
 def best_lines(rows):
-    """The three fastest candidates per cell, as ratios to the table tile's time."""
+    """The three fastest candidates per cell (each candidate's median over rounds), as ratios to the
+    table tile's time."""
     cells = {}
     for r in rows:
         key = (r["op"], r.get("d", r.get("b")), r.get("hkv"), r["n"], r.get("causal"))
-        cells.setdefault(key, []).append(r)
+        cand = cells.setdefault(key, {}).setdefault((r["tile"], r.get("splits"), r.get("cluster")), [])
+        cand.append(r)
     lines = []
-    for key, rs in cells.items():
+    for key, by_candidate in cells.items():
+        rs = []
+        for runs in by_candidate.values():  # the median run of each candidate
+            rs.append(sorted(runs, key=lambda r: r["ms"])[len(runs) // 2])
         base = next((r for r in rs if r["table"] and r.get("splits") is None), rs[0])
         top = sorted(rs, key=lambda r: r["ms"])[:3]
         lines.append(f"{key}: table {base['ms']:.4f} ms; " + "; ".join(
@@ -249,10 +264,15 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     ap.add_argument("--decode-shapes", default=None,
                     help="decode shapes B,Hkv,L separated by ';' (default: all of SHAPES)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="forward: the table's tile against the persistent kernel's tiles")
+    ap.add_argument("--rounds", type=int, default=1, help="forward: times each cell's candidates are timed")
+    ap.add_argument("--fwd-dims", default=",".join(map(str, FWD_SHAPES)), help="forward head dims")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
+    dims = tuple(int(x) for x in args.fwd_dims.split(","))
     if args.dry_run:
-        return dry_run()
+        return dry_run(args.persistent, dims)
     if not args.out:
         ap.error("--out is required for a device run")
     out = Path(args.out)
@@ -260,11 +280,12 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     from schedule_search import _precompile
 
-    search = Search(out, args.budget_s)
     ops = args.ops.split(",")
+    search = Search(out, args.budget_s, args.persistent, args.rounds, dims)
+    search.ops = ops
     shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.decode_shapes.split(";"))
               if args.decode_shapes else SHAPES)
-    _precompile(candidate_specs(ops), args.workers, search.log)
+    _precompile(candidate_specs(ops, args.persistent, dims), args.workers, search.log)
     rows = []
     try:
         if "fwd" in ops:

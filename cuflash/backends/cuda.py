@@ -209,13 +209,15 @@ def forward_band(p, q4, k4, v4, o4, lse3, *, cu_seqlens=None, max_seqlen_q=None,
     forward_kernels.launch_band(plan, p, q4, k4, v4, o4, lse3, cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
 
 
-def forward_fp8(p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqlen_q=None, tile=None):
+def forward_fp8(p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqlen_q=None, tile=None,
+                persistent_blocks=None):
     """float8_e4m3fn q4, k4, v4 (uint8 bits; p.dtype e4m3) into o4 (bfloat16 or float16) and lse3 on
     the e4m3 kernel (plan.dispatch.fp8_forward_plan): no mask or a causal one, a window (p.window)
     or packed sequences (``cu_seqlens=(cu_q, cu_k)`` and ``max_seqlen_q`` as kernels.fp8_forward.launch
     takes them: (1, H, total, d) views, per-tensor descales). vt built per call, q and k copied only
     where TMA cannot address them, o through a scratch array where its rows are not whole 16-byte
-    chunks. ``descales``: (q, k, v), each None or checked (core.fp8_inputs)."""
+    chunks. ``descales``: (q, k, v), each None or checked (core.fp8_inputs). ``tile`` forces a
+    tile, ``persistent_blocks`` a persistent one's block count (tests)."""
     if p.nq == 0 or p.batch == 0 or p.hq == 0:
         return
     plan = dispatch.fp8_forward_plan(p, device.current(), o4.dtype, packed=cu_seqlens is not None, tile=tile)
@@ -229,7 +231,7 @@ def forward_fp8(p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqle
     q4, k4, v4 = (a if a.dtype == np.uint8 else a.view(np.uint8) for a in (q4, k4, v4))  # (the bits TMA copies)
     qu, ku = (fp8_kernels.tma_input(unit_d(a)) for a in (q4, k4))
     _check_out(o4, p)
-    packed = dict(cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
+    packed = dict(cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q, persistent_blocks=persistent_blocks)
     if vector_ok((o4,), p.d):
         fp8_kernels.launch(plan, p, qu, ku, unit_d(v4), o4, lse3, descales, **packed)
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..plan.dispatch import ForwardPlan
+from ..plan.hopper import persistent_units
 from .build import get_function
 from .operands import LOG2E as _LOG2E
 from ..plan.device_limits import MAX_GRID_YZ as _MAX_GRID_Z
@@ -43,7 +44,7 @@ def launch_forward(spec, block_m, p, q4, k4, v4, o4, lse3, maps=None, persistent
         if blocks is not None:
             fn((blocks,), (spec.threads,), args + tuple(extra_args), shared_mem=spec.smem_bytes)
         elif persistent_blocks:  # work units: query tiles, or under a causal mask pairs of them
-            work = (-(-m_blocks // 2) if p.causal is not None else m_blocks) * p.hq * (b1 - b0)
+            work = persistent_units(p.nq, block_m, p.causal is not None, p.hq, b1 - b0)
             fn((max(1, min(work, persistent_blocks)),), (spec.threads,),
                args + (np.int32(p.hq), np.int32(b1 - b0)) + tail, shared_mem=spec.smem_bytes)
         else:

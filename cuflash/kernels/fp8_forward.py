@@ -17,9 +17,9 @@ import numpy as np
 from ..plan import hopper as plan_hopper
 from ..plan.device_limits import MAX_GRID_YZ
 from ..plan.dispatch import ForwardPlan
-from ..plan.hopper import vt_keys
+from ..plan.hopper import persistent_units, vt_keys
 from ..plan.schedule import fp8_head_dim
-from . import tma
+from . import device, tma
 from .build import get_function
 from .operands import LOG2E, band_offsets, elem_strides, tma_ok
 
@@ -87,8 +87,11 @@ def scale_args(descale, batch: int, heads: int, q_heads: int | None = None):
     return d2, sb, sh, 0
 
 
-def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqlen_q=None):
-    """One launch per chunk of at most MAX_GRID_YZ batch entries; grid (query tiles, heads, batch).
+def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=None, max_seqlen_q=None,
+           persistent_blocks=None):
+    """One launch per chunk of at most MAX_GRID_YZ batch entries; grid (query tiles, heads, batch),
+    or (a persistent tile) one launch of a 1-D grid of at most one block per SM (or
+    ``persistent_blocks``) walking every work unit, the head and batch counts after the descales.
     q4, k4: uint8 (B, H, N, d) views TMA can address (tma_input); v4: any uint8 view with unit-
     stride rows; o4: 16-bit, rows 16-byte aligned with d % 8 == 0; descales: (q, k, v), each
     None or a checked float32 array. A "wgmma_fp8_band" plan takes the window's bounds (p.window,
@@ -113,13 +116,19 @@ def launch(plan: ForwardPlan, p, q4, k4, v4, o4, lse3, descales, *, cu_seqlens=N
     else:
         bounds = (np.int32(p.causal_offset if p.causal is not None else 0), scale_log2)
 
-    def run(grid, qs, ks, vts, os_, ls, b0, offsets):
+    def run(grid, qs, ks, vts, os_, ls, b0, offsets, tail=()):
         maps = (tma.bhsd_map(qs, t.block_m), tma.bhsd_map(ks, t.block_n), vt_map(vts, hd))
         ptrs = [a[0] if a[1] == 0 or isinstance(a[0], np.uint64) else a[0][b0:] for a in (qa, ka, va)]
         o_sb, o_sh, o_sn, _ = elem_strides(os_)
         args = (*maps, os_, ls, np.int64(o_sb), np.int64(o_sh), np.int64(o_sn), np.int32(p.nq), np.int32(p.nk),
-                np.int32(p.d), np.int32(p.group), *bounds, *offsets, *ptrs, *strides)
+                np.int32(p.d), np.int32(p.group), *bounds, *offsets, *ptrs, *strides, *tail)
         fn(grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
+
+    if t.persistent:  # (the plain kernel only: _fp8_tile keeps the band kernel per tile)
+        units = persistent_units(p.nq, t.block_m, p.causal is not None, p.hq, p.batch)
+        blocks = persistent_blocks or device.sm_count(device.current_id())
+        run((max(1, min(units, blocks)),), q4, k4, vt, o4, lse3, 0, (), (np.int32(p.hq), np.int32(p.batch)))
+        return
 
     if cu_seqlens is not None:  # every sequence in the packed arrays: grid z counts sequences
         cu_q, cu_k = cu_seqlens

@@ -264,6 +264,13 @@ def all_hopper_forward_specs():
     return plain + band + split + list(dict.fromkeys(mods)) + all_hopper_dv_forward_specs()
 
 
+def persistent_units(nq: int, block_m: int, causal: bool, heads: int, batch: int) -> int:
+    """Work units of a persistent forward (cuda_src/hopper/tile_scheduler.cuh): query tiles, or
+    under a causal mask pairs of them, of every (batch entry, head)."""
+    m_blocks = -(-nq // block_m)
+    return (-(-m_blocks // 2) if causal else m_blocks) * heads * batch
+
+
 VT_GROUP = 32  # vt's keys (the e4m3 forward's transposed V) are padded to a whole group
 # The e4m3 forward's key tiles: whole k32 steps with a WgmmaE4m3<N> wrapper (tools/gen_wgmma.py's
 # E4M3_SHAPES); below 128 keys vt's whole 128-key boxes would read more keys than the tile uses.
@@ -282,10 +289,9 @@ def _fp8_tile(d: int, tile: schedule.HopperTile | None):
     """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's."""
     hd = schedule.fp8_head_dim(d)
     t = tile or schedule.HOPPER_FP8_FORWARD_TILES[hd]
-    if not t.tma or t.persistent or t.wg_epilogue or t.block_n not in FP8_KEY_TILES or t.warpgroups > 2:
-        raise ValueError("tile: the e4m3 kernel runs a per-tile TMA tile of 1 or 2 math warpgroups and key tiles "
-                         f"of {', '.join(map(str, FP8_KEY_TILES))} keys (tma=True, persistent=False, "
-                         "wg_epilogue=False)")
+    if not t.tma or (t.wg_epilogue and not t.persistent) or t.block_n not in FP8_KEY_TILES or t.warpgroups > 2:
+        raise ValueError("tile: the e4m3 kernel runs a TMA tile of 1 or 2 math warpgroups and key tiles of "
+                         f"{', '.join(map(str, FP8_KEY_TILES))} keys (tma=True; wg_epilogue only when persistent)")
     return hd, t
 
 
@@ -297,7 +303,10 @@ def fp8_forward_spec(out_dtype, d: int, causal: bool, tile: schedule.HopperTile 
     b = lambda x: "true" if x else "false"  # noqa: E731
     params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
               f"{b(causal)}, {b(t.pingpong)}")
-    return KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8<{params}>", t.threads, t.smem_bytes(hd, 1)), t
+    kernel = "attn_fwd_wgmma_tma_fp8"
+    if t.persistent:
+        kernel, params = kernel + "_persistent", params + (", true" if t.wg_epilogue else "")
+    return KernelSpec("attn_fwd_wgmma.cu", f"{kernel}<{params}>", t.threads, t.smem_bytes(hd, 1)), t
 
 
 def fp8_forward_band_spec(out_dtype, d: int, tile: schedule.HopperTile | None = None):
@@ -305,6 +314,8 @@ def fp8_forward_band_spec(out_dtype, d: int, tile: schedule.HopperTile | None = 
     window and/or packed sequences (bounds and cu_seqlens at run time, as attn_fwd_wgmma_band's),
     on the plain kernel's tiles."""
     hd, t = _fp8_tile(d, tile)
+    if t.persistent:
+        raise ValueError("tile: the e4m3 band kernel runs one query tile per block (persistent=False)")
     params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
               f"{'true' if t.pingpong else 'false'}")
     return (KernelSpec("attn_fwd_wgmma.cu", f"attn_fwd_wgmma_tma_fp8_band<{params}>", t.threads, t.smem_bytes(hd, 1)),

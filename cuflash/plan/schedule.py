@@ -94,18 +94,19 @@ class HopperTile:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, head_dim_v: int | None = None) -> int:
         """Q tile + `stages` K and V tiles of `itemsize`-byte elements (+ the producer's mbarriers;
-        persistent: + an O tile and one more mbarrier), + 1 KiB to align the base to the 128-byte
-        swizzle. ``head_dim_v``: V's (and O's) head dim where it is not Q's and K's
-        (attn_fwd_wgmma_tma_dv). (e4m3, itemsize 1: O's 16-bit staging tile fits in Q's and the K
-        ring's bytes.)"""
+        persistent: + O's 16-bit staging tile and one more mbarrier), + 1 KiB to align the base to
+        the 128-byte swizzle. ``head_dim_v``: V's (and O's) head dim where it is not Q's and K's
+        (attn_fwd_wgmma_tma_dv). (e4m3, itemsize 1, per tile: O's staging tile fits in Q's and the
+        K ring's bytes.)"""
         hv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
-        ring = self.stages * self.block_n * (head_dim + hv)  # K's and V's slots
+        ring = self.stages * self.block_n * (head_dim + hv) * itemsize  # K's and V's slots
         if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes
             ring = self.stages * (self.block_n + vt_slot_keys(self.block_n)) * head_dim
-        if self.persistent:  # + O's own staging tile and the "Q empty" barrier
-            return (self.block_m * (head_dim + hv) + ring) * itemsize + barriers + 8 + 1024
-        return (self.block_m * head_dim + ring) * itemsize + barriers + 1024
+        q_tile = self.block_m * head_dim * itemsize
+        if self.persistent:  # + O's own staging tile (16-bit) and the "Q empty" barrier
+            return q_tile + ring + self.block_m * hv * 2 + barriers + 8 + 1024
+        return q_tile + ring + barriers + 1024
 
 
 # Forward on Hopper (sm_90a), 16-bit inputs with 16-byte loads: the TMA-fed wgmma kernel
