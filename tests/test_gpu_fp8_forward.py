@@ -88,6 +88,7 @@ def test_both_schedules_of_each_tile(rng, monkeypatch, d, pingpong):
     # The table's tile and its twin with the other schedule (ping-pong turns or own pace): both are
     # compiled in CI and selectable.
     t = schedule.HOPPER_FP8_FORWARD_TILES[d]
+    monkeypatch.setattr(schedule, "HOPPER_FP8_FORWARD_PERSISTENT", {})  # (the per-tile kernel runs the table's tile)
     monkeypatch.setitem(schedule.HOPPER_FP8_FORWARD_TILES, d, schedule.HopperTile(
         t.block_n, t.warpgroups, t.stages, "test", tma=True, pingpong=pingpong))
     case = make_case(rng, 2, 4, 1, 257, 515, d, granularity="head")
@@ -101,11 +102,35 @@ def test_every_key_tile(rng, monkeypatch, block_n):
     # Each key tile the kernel takes (160-224 keys: vt's slot two whole 128-key boxes, the keys past
     # the tile loaded and unused), with lengths that end inside a tile, inside its last vt box and
     # past vt's last group.
+    monkeypatch.setattr(schedule, "HOPPER_FP8_FORWARD_PERSISTENT", {})
     monkeypatch.setitem(schedule.HOPPER_FP8_FORWARD_TILES, 128, schedule.HopperTile(block_n, 2, 2, "test", tma=True))
     case = make_case(rng, 1, 4, 2, 291, 2 * block_n + 101, 128, granularity="head")
     for causal in (False, "bottom_right", "top_left"):
         o, lse = _run(case, causal=causal)
         _check(o, lse, case, causal=causal, d=128)
+
+
+@pytest.mark.parametrize("nk, d, strided", [(1, 128, False), (200, 128, False), (333, 256, False), (4099, 64, False),
+                                             (130, 200, False), (77, 100, True), (300, 128, True)])
+def test_vt_against_its_definition(rng, nk, d, strided):
+    # fp8_pack_vt against vt[bh, c, p] = v[bh, 32 (p // 32) + KEY_OF_POS[p % 32], c], zeros past nk:
+    # 16-byte loads (d a multiple of 16) and byte loads (d = 100, a strided v), several blocks of
+    # keys and columns, columns past d unwritten, into a poisoned allocation.
+    from cuflash.kernels import fp8_forward
+
+    b, h = 2, 3
+    bits = rng.integers(0, 256, size=(b, h, 2 * nk if strided else nk, d + (5 if strided else 0)), dtype=np.uint8)
+    v_host = bits[:, :, ::2, :d] if strided else bits
+    v = cupy.asarray(bits)[:, :, ::2, :d] if strided else cupy.asarray(bits)
+    vt = to_numpy(poisoned_allocations(lambda: fp8_forward.pack_vt(v)))
+    nk_pad = plan_hopper.vt_keys(nk)
+    want = np.zeros((b, h, d, nk_pad), np.uint8)
+    p = np.arange(nk_pad)
+    key = 32 * (p // 32) + np.asarray(fp8_forward.KEY_OF_POS)[p % 32]
+    inside = key < nk
+    want[..., inside] = np.swapaxes(v_host, 2, 3)[..., key[inside]]
+    assert vt.shape == want.shape
+    np.testing.assert_array_equal(vt, want)
 
 
 @pytest.mark.parametrize("block_n, stages, wg_epilogue", [(192, 3, True), (128, 3, False), (224, 2, True)])
@@ -117,7 +142,7 @@ def test_persistent_tiles(rng, monkeypatch, block_n, stages, wg_epilogue):
     from cuflash.kernels import device
 
     tile = schedule.HopperTile(block_n, 2, stages, "test", tma=True, persistent=True, wg_epilogue=wg_epilogue)
-    monkeypatch.setitem(schedule.HOPPER_FP8_FORWARD_TILES, 128, tile)
+    monkeypatch.setattr(schedule, "HOPPER_FP8_FORWARD_PERSISTENT", {(128, False): tile, (128, True): tile})
     monkeypatch.setattr(device, "sm_count", lambda device_id: 3)
     case = make_case(rng, 2, 4, 2, 300, 2 * block_n + 77, 128, granularity="head")
     assert plan_hopper.fp8_forward_spec(BFLOAT16, 128, False)[0].expression.startswith(

@@ -81,8 +81,8 @@ def candidate_specs(ops=OPS, persistent=False, dims=tuple(FWD_SHAPES)):
     specs = [plan_decode._kernel_spec(BFLOAT16, 128, 1, t, False, True, cluster)
              for t in decode_candidates() for cluster in (0, *plan_decode.CLUSTER_SIZES)] if "decode" in ops else []
     specs += [plan_hopper.fp8_forward_spec(BFLOAT16, hd, causal, t)[0]
-              for hd in dims for t in [schedule.HOPPER_FP8_FORWARD_TILES[hd], *fwd_candidates(hd, persistent)]
-              for causal in (False, True)] if "fwd" in ops else []
+              for hd in dims for causal in (False, True)
+              for t in [schedule.fp8_forward_tile(hd, causal), *fwd_candidates(hd, persistent)]] if "fwd" in ops else []
     return list(dict.fromkeys(specs))
 
 
@@ -100,7 +100,7 @@ def label(t) -> str:
 
 def dry_run(persistent=False, dims=tuple(FWD_SHAPES)) -> int:
     for hd in dims:
-        table = schedule.HOPPER_FP8_FORWARD_TILES[hd]
+        table = schedule.fp8_forward_tile(hd, False)
         others = [label(t) for t in fwd_candidates(hd, persistent) if not same_tile(t, table)]
         print(f"fwd d={hd}: table {label(table)}; others", ", ".join(others))
     table = schedule.DECODE_TILES_KV8[128]
@@ -161,18 +161,20 @@ class Search:
 
     def forward_shape(self, rows, hd, b, h, n):
         torch = self.torch
-        table = schedule.HOPPER_FP8_FORWARD_TILES[hd]
         torch.manual_seed(0)
         quantized = [self.quantize(torch.randn(b, h, n, hd, device="cuda", dtype=torch.bfloat16)) for _ in "qkv"]
         args = [self.as_cupy(x8.view(torch.uint8)) for x8, _ in quantized]
         descales = {name: self.as_cupy(ds) for name, (_, ds) in zip(("q_descale", "k_descale", "v_descale"), quantized)}
-        candidates = [table] + [c for c in fwd_candidates(hd, self.persistent) if not same_tile(c, table)]
+        per_tile, persistent = schedule.HOPPER_FP8_FORWARD_TILES[hd], dict(schedule.HOPPER_FP8_FORWARD_PERSISTENT)
         for causal, r in ((c, r) for c in (False, True) for r in range(self.rounds)):
+            table = schedule.fp8_forward_tile(hd, causal)  # (the tile the dispatch runs)
+            candidates = [table] + [c for c in fwd_candidates(hd, self.persistent) if not same_tile(c, table)]
             ref = None
             for t in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
                 if self.spent(0.45 if "decode" in self.ops else 0.95):
                     return
-                schedule.HOPPER_FP8_FORWARD_TILES[hd] = t
+                schedule.HOPPER_FP8_FORWARD_TILES[hd] = t  # (run as the plain kernel's tile)
+                schedule.HOPPER_FP8_FORWARD_PERSISTENT.clear()
                 try:
                     ms, diff, out = self.time_candidate(
                         lambda: self.cuflash.attention(*args, causal=causal, **descales), ref)
@@ -180,7 +182,8 @@ class Search:
                     self.log(f"fwd d={hd} N={n} {label(t)}: {exc!r}"[:300])
                     continue
                 finally:
-                    schedule.HOPPER_FP8_FORWARD_TILES[hd] = table
+                    schedule.HOPPER_FP8_FORWARD_TILES[hd] = per_tile
+                    schedule.HOPPER_FP8_FORWARD_PERSISTENT.update(persistent)
                 ref = out if ref is None else ref
                 flops = 4 * b * h * n * n * hd / (2 if causal else 1)
                 rows.append(dict(op="fwd", d=hd, b=b, h=h, n=n, causal=causal, tile=label(t), table=t is table,

@@ -12,7 +12,7 @@ from ..core import masks
 from ..core.arrays import BFLOAT16, FLOAT16, FLOAT32, dtype_name
 from ..core.fp8_inputs import E4M3
 from ..plan import dispatch, schedule
-from ..plan.hopper import VT_GROUP, vt_keys
+from ..plan.hopper import FP8_VT_COLS, FP8_VT_KEYS, FP8_VT_SMEM_BYTES, VT_GROUP, vt_keys
 from ..plan.schedule import vt_slot_keys
 from .arguments import as_shape_and_dtype, check_dtype, check_int, check_shape, int_list, problem_dims
 from .launches import H200_SMEM_PER_SM_BYTES, MODEL
@@ -22,9 +22,6 @@ from .reports import (INPUT, INTERMEDIATE, LSE_ITEMSIZE, ON_CHIP, OUTPUT, SAVED,
 from .tile_walk import paper_bound, visible_key_tiles
 
 
-# fp8_pack_vt's static shared memory per block (cuda_src/fp8_vt.cu: 128 keys x (64 + 4) bytes; its
-# KernelSpec lists no dynamic shared memory).
-FP8_VT_SMEM_BYTES = 128 * (64 + 4)
 E4M3_OUT_DTYPES = (BFLOAT16, FLOAT16)  # what the e4m3 kernel stores (core.fp8_inputs.check_gpu_call)
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
@@ -184,7 +181,7 @@ def memory_report_e4m3(q, k, v, *, method, pass_, causal, window, layout, out_dt
     E.append(MemoryEntry("shared memory / block (fwd)", ON_CHIP, spec.smem_bytes,
                          f"{t.block_m} query rows x {t.block_n}-key tiles, head dim padded to {hd}; {spec.short_name}"))
     E.append(MemoryEntry("shared memory / block (vt)", ON_CHIP, FP8_VT_SMEM_BYTES,
-                         "fp8_pack_vt: 128 keys x 64 columns (+4 bytes a row), static"))
+                         f"fp8_pack_vt: {FP8_VT_KEYS} keys x {FP8_VT_COLS} columns, static"))
     if registers is not None:
         registers = check_int("registers", registers, minimum=1)
         E.append(MemoryEntry("registers / block (fwd)", ON_CHIP, registers * 4 * spec.threads,

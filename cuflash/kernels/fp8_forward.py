@@ -26,7 +26,6 @@ from .operands import LOG2E, band_offsets, elem_strides, tma_ok
 # vt's key order within each group of 32 (cuda_src/fp8_keys.cuh's kFp8KeyOfPos): position p holds
 # key KEY_OF_POS[p]. The e4m3 P fragment takes keys in this order (hopper/fwd_fp8.cuh).
 KEY_OF_POS = tuple((p & 16) | (((p >> 2) & 3) << 1) | (p & 1) | (((p >> 1) & 1) << 3) for p in range(32))
-_VT_KEYS, _VT_COLS = 128, 64  # fp8_pack_vt's block: keys x columns
 
 
 def _aligned16(a4) -> bool:
@@ -45,7 +44,7 @@ def pack_vt(v4):
         return vt
     fn = get_function(plan_hopper.fp8_vt_spec(d % 16 == 0 and _aligned16(v4)))
     sb, sh, sn = (np.int64(s) for s in v4.strides[:3])  # (bytes = elements)
-    grid_xy = (-(-nk_pad // _VT_KEYS), -(-d // _VT_COLS))
+    grid_xy = (-(-nk_pad // plan_hopper.FP8_VT_KEYS), -(-d // plan_hopper.FP8_VT_COLS))
     for bh0 in range(0, b * h, MAX_GRID_YZ):
         n = min(MAX_GRID_YZ, b * h - bh0)
         fn(grid_xy + (n,), (plan_hopper.FP8_VT_THREADS,),

@@ -283,12 +283,15 @@ def vt_keys(nk: int) -> int:
 
 
 FP8_VT_THREADS = 256  # fp8_pack_vt's block (cuda_src/fp8_vt.cu)
+FP8_VT_KEYS, FP8_VT_COLS = 128, 128  # its block's keys x columns of V (kVtKeys, kVtCols)
+FP8_VT_SMEM_BYTES = FP8_VT_KEYS * FP8_VT_COLS  # its static shared memory (the tile; no dynamic)
 
 
-def _fp8_tile(d: int, tile: schedule.HopperTile | None):
-    """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's."""
+def _fp8_tile(d: int, tile: schedule.HopperTile | None, causal: bool | None = None):
+    """(head-dim bucket, tile) of the e4m3 kernels: ``tile`` checked, or the table's (``causal``
+    given: the plain kernel's, schedule.fp8_forward_tile; None: the band kernel's per-tile one)."""
     hd = schedule.fp8_head_dim(d)
-    t = tile or schedule.HOPPER_FP8_FORWARD_TILES[hd]
+    t = tile or (schedule.HOPPER_FP8_FORWARD_TILES[hd] if causal is None else schedule.fp8_forward_tile(hd, causal))
     if not t.tma or (t.wg_epilogue and not t.persistent) or t.block_n not in FP8_KEY_TILES or t.warpgroups > 2:
         raise ValueError("tile: the e4m3 kernel runs a TMA tile of 1 or 2 math warpgroups and key tiles of "
                          f"{', '.join(map(str, FP8_KEY_TILES))} keys (tma=True; wg_epilogue only when persistent)")
@@ -298,8 +301,9 @@ def _fp8_tile(d: int, tile: schedule.HopperTile | None):
 def fp8_forward_spec(out_dtype, d: int, causal: bool, tile: schedule.HopperTile | None = None):
     """(KernelSpec, HopperTile) of attn_fwd_wgmma_tma_fp8: float8_e4m3fn q, k, v (bytes), o in
     ``out_dtype`` (bfloat16 or float16), no mask or a causal one; the table's tile by default
-    (schedule.HOPPER_FP8_FORWARD_TILES), ping-pong or not."""
-    hd, t = _fp8_tile(d, tile)
+    (schedule.fp8_forward_tile), ping-pong or not; a persistent tile runs
+    attn_fwd_wgmma_tma_fp8_persistent."""
+    hd, t = _fp8_tile(d, tile, bool(causal))
     b = lambda x: "true" if x else "false"  # noqa: E731
     params = (f"E4m3<{KERNEL_TYPE[np.dtype(out_dtype)]}>, {hd}, {t.block_n}, {t.warpgroups}, {t.stages}, "
               f"{b(causal)}, {b(t.pingpong)}")
@@ -328,14 +332,17 @@ def fp8_vt_spec(vec: bool) -> KernelSpec:
 
 
 def all_hopper_fp8_forward_specs():
-    """Every e4m3 forward instantiation (both output dtypes, both masks, the table's tiles and their
-    ping-pong / own-pace twins; the band kernel on the table's tiles) and the vt kernels: what CI
-    compiles for sm_90a."""
-    specs = [fp8_forward_spec(out, hd, causal, tile)[0]
-             for out in (BFLOAT16, FLOAT16)
-             for hd, t in schedule.HOPPER_FP8_FORWARD_TILES.items()
-             for causal in (False, True)
-             for tile in (t, dataclasses.replace(t, pingpong=not t.pingpong, reason=""))]
+    """Every e4m3 forward instantiation (both output dtypes, both masks, the per-tile table's tiles
+    and their ping-pong / own-pace twins, the persistent table's tiles; the band kernel on the
+    per-tile tiles) and the vt kernels: what CI compiles for sm_90a."""
+    specs = []
+    for out in (BFLOAT16, FLOAT16):
+        for hd, t in schedule.HOPPER_FP8_FORWARD_TILES.items():
+            for causal in (False, True):
+                tiles = (t, dataclasses.replace(t, pingpong=not t.pingpong, reason=""),
+                         schedule.fp8_forward_tile(hd, causal))
+                specs += [fp8_forward_spec(out, hd, causal, tile)[0] for tile in tiles]
+    specs = list(dict.fromkeys(specs))
     band = [fp8_forward_band_spec(out, hd)[0] for out in (BFLOAT16, FLOAT16) for hd in schedule.FP8_HEAD_DIMS]
     return specs + band + [fp8_vt_spec(True), fp8_vt_spec(False)]
 

@@ -166,6 +166,18 @@ HOPPER_FP8_FORWARD_TILES: dict[int, HopperTile] = {
 }
 FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
 
+# The e4m3 forward without a window or packed sequences on the persistent kernel
+# (attn_fwd_wgmma_tma_fp8_persistent: one block per SM walks the query tiles, the next tile's Q and
+# first K loading while this one ends), keyed by (head-dim bucket, causal); other keys, windows and
+# packed sequences run HOPPER_FP8_FORWARD_TILES' per-tile kernel. Its O staging tile (32 KiB at
+# d=128) must fit beside the rings: 224 keys in 3 stages would need 228 KiB.
+HOPPER_FP8_FORWARD_PERSISTENT: dict[tuple[int, bool], HopperTile] = {}
+
+
+def fp8_forward_tile(hd: int, causal: bool) -> HopperTile:
+    """The e4m3 forward's tile for a head-dim bucket without a window or packed sequences."""
+    return HOPPER_FP8_FORWARD_PERSISTENT.get((hd, bool(causal)), HOPPER_FP8_FORWARD_TILES[hd])
+
 
 def fp8_head_dim(d: int) -> int:
     """The e4m3 kernel's head-dim bucket: the smallest of FP8_HEAD_DIMS >= d (d <= 64 runs the
