@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cuflash.core.arrays import BFLOAT16
 from cuflash.plan import decode as plan_decode
+from cuflash.plan import hopper as plan_hopper
 from cuflash.plan import schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +41,20 @@ def test_candidates_hold_the_tables_tiles_and_fit():
     # every explicit split count runs where the planner would launch it (cluster sizes are instantiated)
     for splits in e4m3_search.SPLITS.values():
         assert all(not cluster or n in plan_decode.CLUSTER_SIZES for n, cluster in splits)
+
+
+def test_persistent_candidates_and_their_specs():
+    # --persistent: own-pace persistent tiles, with and without the per-warpgroup epilogue, each
+    # fitting with O's own staging tile; the specs hold the dispatch's tile per mask (the baseline)
+    # and the persistent kernel's instantiations, once each.
+    cands = e4m3_search.fwd_candidates(128, persistent=True)
+    assert cands and all(t.persistent and not t.pingpong and t.tma for t in cands)
+    assert {t.wg_epilogue for t in cands} == {False, True}
+    assert all(t.smem_bytes(128, 1) <= e4m3_search.SMEM_LIMIT for t in cands)
+    assert not any(t.block_n == 224 and t.stages == 3 for t in cands)  # (228 KiB with O's tile)
+    names = [s.expression for s in e4m3_search.candidate_specs(("fwd",), persistent=True, dims=(128,))]
+    assert len(names) == len(set(names)) == 2 * (len(cands) + 1)
+    for causal in (False, True):
+        assert plan_hopper.fp8_forward_spec(BFLOAT16, 128, causal)[0].expression in names
+    assert sum(n.startswith("attn_fwd_wgmma_tma_fp8_persistent<") for n in names) == 2 * len(cands)
+    assert e4m3_search.label(cands[-1]).endswith(" persistent wg-epilogue")
