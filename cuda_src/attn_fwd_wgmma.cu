@@ -235,8 +235,12 @@ attn_fwd_wgmma_body(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
 
         const FwdOut out{o, lse, o_sb, o_sh, o_sn, nq, PERSISTENT || SPLIT ? (u32)n_heads : gridDim.y, kOwnDimV ? dv : d};
-        fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
-                                                           rows_valid, c.row0, wg, tid, lane);
+        if constexpr (Tr::kFp8 && PERSISTENT) {
+            fwd_store_tile_direct<T>(acc_o, row_lse, out, b, h, m0, rows_valid, c.row0, lane);
+        } else {
+            fwd_store_tile<T, Tr, PRODUCER, WG_EPILOGUE, BAND>(acc_o, row_lse, sm.sO, out, band.cu_q, b, h, q_row0, m0,
+                                                               rows_valid, c.row0, wg, tid, lane);
+        }
     };
     if constexpr (PRODUCER) {
         if (tid == 0) fwd_init_barriers<Tr, TMA, PERSISTENT>(sm);
@@ -387,7 +391,8 @@ attn_fwd_wgmma_tma_fp8(FWD_FP8_PARAMS) {
         FWD_FP8_ARGS(0, 0));
 }
 // Persistent (as attn_fwd_wgmma_tma_persistent): one block per SM walks the work units of n_batch x
-// n_heads, the next tile's first K and Q loading while this one ends; O staged in its own tile.
+// n_heads, the next tile's first K and Q loading while this one ends; O stored from the
+// accumulators (fwd_store_tile_direct: the rings of a 224-key tile leave no room for O's).
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int STAGES, bool CAUSAL, bool PINGPONG = false,
           bool WG_EPILOGUE = false>
 __global__ void __launch_bounds__(WARPGROUPS * 128 + 128, 1)

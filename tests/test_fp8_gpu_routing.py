@@ -383,9 +383,13 @@ def test_persistent_launch_arguments(monkeypatch):
             assert len(args) == len(names) and (a["n_heads"], a["n_batch"]) == (4, 2)
     with pytest.raises(ValueError, match="^tile:"):  # windows and packed sequences: per tile
         plan_hopper.fp8_forward_band_spec(BFLOAT16, 128, tile)
-    # O's 16-bit staging tile of its own: 128 rows x 128 columns x 2 bytes past the per-tile layout.
+    # O stored from the accumulators: the per-tile layout and the "Q empty" barrier, so 224-key
+    # tiles fit in 3 stages (a 16-bit persistent tile adds O's own staging tile).
     per_tile = schedule.HopperTile(192, 2, 3, "", tma=True)
-    assert tile.smem_bytes(128, 1) - per_tile.smem_bytes(128, 1) == 128 * 128 * 2 + 8
+    assert tile.smem_bytes(128, 1) - per_tile.smem_bytes(128, 1) == 8
+    wide = schedule.HopperTile(224, 2, 3, "", tma=True, persistent=True, wg_epilogue=True)
+    assert wide.smem_bytes(128, 1) <= 232448
+    assert tile.smem_bytes(128, 2) - per_tile.smem_bytes(128, 2) == 128 * 128 * 2 + 8
 
 
 def _stub_launches(monkeypatch):

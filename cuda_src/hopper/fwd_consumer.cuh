@@ -62,8 +62,10 @@ struct FwdConsumer {
     // d=128 causal persistent (N 2k-4k) +1-1.5%; but d=128 otherwise -2.5-5% and d=64
     // (ping-pong) -1-9%: where the other warpgroup already fills the tensor cores during the
     // softmax, overlapping it with its own P V only slows the wgmma. (The cp.async kernels keep
-    // the early wait: the late one spills in the d=256 band kernel.)
-    static constexpr bool kWaitAtStart = PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT));
+    // the early wait: the late one spills in the d=256 band kernel; e4m3 at d=128 keeps it too:
+    // the late one read 0.91-0.97x there, docs/decisions.md.)
+    static constexpr bool kWaitAtStart =
+        PRODUCER && (HEAD_DIM == 256 || (HEAD_DIM == 128 && CAUSAL && PERSISTENT && !Tr::kFp8));
     // (the TMA band kernel) Keys count from vt's 32-key group of the sequence's first key, k_first.
     static constexpr bool kKeyFloor = TMA && BAND;
 

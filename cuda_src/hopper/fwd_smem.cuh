@@ -1,4 +1,4 @@
-// The Hopper forward's shared memory: Q's tile, the K and V rings, (persistent) O's staging tile,
+// The Hopper forward's shared memory: Q's tile, the K and V rings, (persistent, 16-bit) O's staging tile,
 // and the mbarriers of the warp-specialized kernels.
 #pragma once
 #include "hopper/fwd_traits.cuh"
@@ -6,14 +6,16 @@
 template <typename Tr, bool PERSISTENT>
 struct FwdSmem {
     static constexpr int kStages = Tr::kStages;
+    static constexpr bool kOwnO = PERSISTENT && !Tr::kFp8;  // O's staging tile of its own
     u32 sQ, sK, sV, sO, sBar;
     __device__ __forceinline__ explicit FwdSmem(const unsigned char* smem_raw) {
         sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
         sK = sQ + Tr::TileQ::kBytes;
         sV = sK + kStages * Tr::TileK::kBytes;
-        // PERSISTENT: O is staged in its own tile, so that the next tile's Q can land during the epilogue.
-        sO = PERSISTENT ? sV + kStages * Tr::TileV::kBytes : sQ;
-        sBar = sV + kStages * Tr::TileV::kBytes + (PERSISTENT ? Tr::TileO::kBytes : 0);
+        // PERSISTENT: O is staged in its own tile, so that the next tile's Q can land during the
+        // epilogue; (e4m3) none: O is stored from the accumulators (fwd_store_tile_direct).
+        sO = kOwnO ? sV + kStages * Tr::TileV::kBytes : sQ;
+        sBar = sV + kStages * Tr::TileV::kBytes + (kOwnO ? Tr::TileO::kBytes : 0);
     }
     // Ring slot s of K and V (V's slots are narrower where its head dim is: Tr::kHeadDimV).
     __device__ __forceinline__ u32 k_slot(int s) const { return sK + s * Tr::TileK::kBytes; }

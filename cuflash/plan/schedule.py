@@ -94,18 +94,18 @@ class HopperTile:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, head_dim_v: int | None = None) -> int:
         """Q tile + `stages` K and V tiles of `itemsize`-byte elements (+ the producer's mbarriers;
-        persistent: + O's 16-bit staging tile and one more mbarrier), + 1 KiB to align the base to
+        persistent: + one more mbarrier and, 16-bit, O's staging tile), + 1 KiB to align the base to
         the 128-byte swizzle. ``head_dim_v``: V's (and O's) head dim where it is not Q's and K's
-        (attn_fwd_wgmma_tma_dv). (e4m3, itemsize 1, per tile: O's staging tile fits in Q's and the
-        K ring's bytes.)"""
+        (attn_fwd_wgmma_tma_dv). (e4m3, itemsize 1: per tile O's staging tile fits in Q's and the K
+        ring's bytes; persistent O is stored from the accumulators.)"""
         hv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * (1 + 4 * self.stages) if self.specialized else 0
         ring = self.stages * self.block_n * (head_dim + hv) * itemsize  # K's and V's slots
         if itemsize == 1:  # (e4m3) vt's slots hold whole 128-key boxes
             ring = self.stages * (self.block_n + vt_slot_keys(self.block_n)) * head_dim
         q_tile = self.block_m * head_dim * itemsize
-        if self.persistent:  # + O's own staging tile (16-bit) and the "Q empty" barrier
-            return q_tile + ring + self.block_m * hv * 2 + barriers + 8 + 1024
+        if self.persistent:  # + the "Q empty" barrier and (16-bit) O's own staging tile
+            return q_tile + ring + (self.block_m * hv * 2 if itemsize == 2 else 0) + barriers + 8 + 1024
         return q_tile + ring + barriers + 1024
 
 
@@ -169,8 +169,8 @@ FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
 # The e4m3 forward without a window or packed sequences on the persistent kernel
 # (attn_fwd_wgmma_tma_fp8_persistent: one block per SM walks the query tiles, the next tile's Q and
 # first K loading while this one ends), keyed by (head-dim bucket, causal); other keys, windows and
-# packed sequences run HOPPER_FP8_FORWARD_TILES' per-tile kernel. Its O staging tile (32 KiB at
-# d=128) must fit beside the rings: 224 keys in 3 stages would need 228 KiB.
+# packed sequences run HOPPER_FP8_FORWARD_TILES' per-tile kernel. It stores O from the
+# accumulators (no staging tile: 224 keys in 3 stages and one would need 228 KiB).
 HOPPER_FP8_FORWARD_PERSISTENT: dict[tuple[int, bool], HopperTile] = {}
 
 
