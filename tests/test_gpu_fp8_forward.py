@@ -138,8 +138,8 @@ def test_persistent_tiles(rng, monkeypatch, block_n, stages, wg_epilogue):
     # The persistent kernel (attn_fwd_wgmma_tma_fp8_persistent) with 3 blocks, so that each walks
     # tiles of several (batch entry, head) pairs - and their own descales (per head: a block that
     # kept its first tile's scale would be wrong on every later one) - and carries its K/V ring
-    # and barrier phases across them; O stored from the accumulators (rows past nq unwritten: the
-    # poisoned out= has no room for them); GQA, lengths no multiple of the tiles.
+    # and barrier phases across them; O stored from the accumulators into the poisoned out= (a
+    # row or column left unwritten stays NaN); GQA, lengths no multiple of the tiles.
     from cuflash.kernels import device
 
     tile = schedule.HopperTile(block_n, 2, stages, "test", tma=True, persistent=True, wg_epilogue=wg_epilogue)
