@@ -164,6 +164,16 @@ def test_prepared_decode_bad_values_and_geometry():
         run(*args, out=cupy.empty(args[0].shape[::-1], dtype=BFLOAT16).transpose(3, 2, 1, 0), **kw)
 
 
+def on_side_stream(torch, calls):
+    """calls() on a torch side stream that first waits for the current one, synchronized after."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = calls()
+    side.synchronize()
+    return result
+
+
 @pytest.mark.parametrize("case", ["lens", "paged"])
 def test_prepared_decode_torch(case):
     # torch tensors: torch's allocator and current stream (a side stream here); results are
@@ -175,12 +185,8 @@ def test_prepared_decode_torch(case):
     tkw = {n: torch.from_dlpack(a) for n, a in kw.items()}
     run = cuflash.prepare_attention(*targs, causal=True, return_lse=True, **tkw)
     assert run.path == "decode"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        o, lse = run(*targs, **tkw)
-        want_o, want_lse = cuflash.attention(*targs, causal=True, return_lse=True, **tkw)
-    side.synchronize()
+    (o, lse), (want_o, want_lse) = on_side_stream(
+        torch, lambda: (run(*targs, **tkw), cuflash.attention(*targs, causal=True, return_lse=True, **tkw)))
     assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape == targs[0].shape
     assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
     assert torch.equal(lse, want_lse)

@@ -19,7 +19,8 @@ from cuflash.plan import decode as plan_decode
 
 from _kvlens_check import check_per_sequence
 from test_gpu_fp8_kv_cache import _codes, _dequantized16
-from test_gpu_prepared import _bits
+from test_gpu_plan_cache import assert_cached_calls_equal_uncached
+from test_gpu_prepared import _bits, on_side_stream
 from test_paged import paged_cache
 
 cupy = pytest.importorskip("cupy")
@@ -267,14 +268,12 @@ def test_prepared_fp8_cache_torch():
         tkw = {n: torch.from_dlpack(a) for n, a in kw.items()}
         run = cuflash.prepare_attention(*targs, causal=True, return_lse=True, **tkw)
         assert run.path == "decode"
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        def calls():
             out = torch.full_like(targs[0], float("nan"))
-            o, lse = run(*targs, out=out, **tkw)
+            got = run(*targs, out=out, **tkw)
             with plan_cache.disabled():
-                want_o, want_lse = cuflash.attention(*targs, causal=True, return_lse=True, **tkw)
-        side.synchronize()
+                return out, got, cuflash.attention(*targs, causal=True, return_lse=True, **tkw)
+        out, (o, lse), (want_o, want_lse) = on_side_stream(torch, calls)
         assert o is out and o.dtype == torch.bfloat16
         assert torch.equal(o.view(torch.int16), want_o.view(torch.int16)) and torch.equal(lse, want_lse)
         if granularity != "none":  # (unscaled codes up to 448: the reference runs on scaled ones)
@@ -289,27 +288,13 @@ def test_prepared_fp8_cache_torch():
 
 @pytest.mark.parametrize("shape", ["cluster-split", "gqa-5-tokens", "many-pairs"])
 @pytest.mark.parametrize("case,granularity", CASES, ids=CASE_IDS)
-def test_cached_fp8_cache_calls_equal_uncached(uncached, fresh_cache, shape, case, granularity):
+def test_cached_fp8_cache_calls_equal_uncached(fresh_cache, shape, case, granularity):
     # Four calls of one geometry with fresh arrays (cache, descales, kv_lens): the second prepares
     # the plan and the last three run from it (hits). Each equals the uncached call bit for bit (o
     # into a NaN-poisoned out= on odd calls, fresh on even ones); the first also the reference.
     rng = np.random.default_rng([len(shape), len(case), len(granularity), 97])
-    opts = _opts(case)
-    hits = plan_cache.stats()["hits"]
-    for call in range(4):
-        args, kw, host = _case(rng, SHAPES[shape], BFLOAT16, case, granularity)
-        before = [_bits(a).copy() for a in (*args, *kw.values())]
-        out = cupy.full(args[0].shape, np.nan, dtype=BFLOAT16) if call % 2 else None
-        o, lse = cuflash.attention(*args, out=out, **opts, **kw)
-        assert out is None or o is out
-        want_o, want_lse = uncached(*args, **opts, **kw)
-        np.testing.assert_array_equal(_bits(o), _bits(want_o))
-        np.testing.assert_array_equal(_bits(lse), _bits(want_lse))
-        for a, a0 in zip((*args, *kw.values()), before):
-            np.testing.assert_array_equal(_bits(a), a0)
-        if call == 0:
-            _check_reference(o, lse, host, case, BFLOAT16)
-    assert plan_cache.stats()["hits"] - hits == 3
+    assert_cached_calls_equal_uncached(lambda: _case(rng, SHAPES[shape], BFLOAT16, case, granularity), _opts(case),
+                                       lambda o, lse, host: _check_reference(o, lse, host, case, BFLOAT16))
     assert plan_cache.stats()["plans"] == 1
 
 
