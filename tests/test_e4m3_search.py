@@ -37,7 +37,8 @@ def test_candidates_hold_the_tables_tiles_and_fit():
     assert all(t.kv_bytes == 1 and t.ring <= 2 for t in decode)
     names = [s.expression for s in e4m3_search.candidate_specs()]
     assert len(names) == len(set(names))
-    assert all(n.startswith(("attn_decode_kv8<", "attn_decode_cluster_kv8<", "attn_fwd_wgmma_tma_fp8<")) for n in names)
+    assert all(n.startswith(("attn_decode_kv8<", "attn_decode_cluster_kv8<", "attn_fwd_wgmma_tma_fp8<",
+                             "attn_fwd_wgmma_tma_fp8_persistent<")) for n in names)
     # every explicit split count runs where the planner would launch it (cluster sizes are instantiated)
     for splits in e4m3_search.SPLITS.values():
         assert all(not cluster or n in plan_decode.CLUSTER_SIZES for n, cluster in splits)
@@ -53,8 +54,11 @@ def test_persistent_candidates_and_their_specs():
     assert all(t.smem_bytes(128, 1) <= e4m3_search.SMEM_LIMIT for t in cands)
     assert any(t.block_n == 224 and t.stages == 3 for t in cands)
     names = [s.expression for s in e4m3_search.candidate_specs(("fwd",), persistent=True, dims=(128,))]
-    assert len(names) == len(set(names)) == 2 * (len(cands) + 1)
+    per_tile = schedule.HOPPER_FP8_FORWARD_TILES[128]
     for causal in (False, True):
         assert plan_hopper.fp8_forward_spec(BFLOAT16, 128, causal)[0].expression in names
+        # the per-tile table's tile is timed beside the persistent ones, whichever the dispatch runs
+        assert plan_hopper.fp8_forward_spec(BFLOAT16, 128, causal, per_tile)[0].expression in names
+    assert len(names) == len(set(names)) == 2 * (len(cands) + 1)
     assert sum(n.startswith("attn_fwd_wgmma_tma_fp8_persistent<") for n in names) == 2 * len(cands)
     assert e4m3_search.label(cands[-1]).endswith(" persistent wg-epilogue")

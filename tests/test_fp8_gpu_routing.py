@@ -247,11 +247,17 @@ def test_the_plan_needs_sm90_and_names_the_instantiation():
     p = types.SimpleNamespace(d=96, causal="bottom_right")
     with pytest.raises(NotImplementedError, match="sm_90"):
         dispatch.fp8_forward_plan(p, SM80, BFLOAT16)
-    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)
+    plan = dispatch.fp8_forward_plan(types.SimpleNamespace(d=96, causal=None), SM90, BFLOAT16)
     t = schedule.HOPPER_FP8_FORWARD_TILES[128]
     assert plan.kernel == "wgmma_fp8" and plan.tile == t
     assert plan.spec.expression == (f"attn_fwd_wgmma_tma_fp8<E4m3<Bf16>, 128, {t.block_n}, {t.warpgroups}, {t.stages}, "
-                                    f"true, {'true' if t.pingpong else 'false'}>")
+                                    f"false, {'true' if t.pingpong else 'false'}>")
+    # causal: the persistent table's tile where it has one
+    plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)
+    t = schedule.fp8_forward_tile(128, True)
+    assert plan.tile == t
+    kernel = "attn_fwd_wgmma_tma_fp8_persistent" if t.persistent else "attn_fwd_wgmma_tma_fp8"
+    assert plan.spec.expression.startswith(f"{kernel}<E4m3<Bf16>, 128, {t.block_n}, {t.warpgroups}, {t.stages}, ")
     # (d=200 runs the 256 kernel; its shared memory is the traits' byte count)
     spec, t = plan_hopper.fp8_forward_spec(FLOAT16, 200, False)
     assert spec.expression.startswith("attn_fwd_wgmma_tma_fp8<E4m3<Fp16>, 256, ")
@@ -330,6 +336,7 @@ def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
     monkeypatch.setattr(fp8_forward, "pack_vt", lambda v4: ("vt", v4))
     monkeypatch.setattr(fp8_forward.tma, "bhsd_map", lambda a, rows: ("map", a, rows))
     monkeypatch.setattr(fp8_forward, "vt_map", lambda vt, hd: ("vtmap", hd))
+    monkeypatch.setattr(schedule, "HOPPER_FP8_FORWARD_PERSISTENT", {})  # (the per-tile kernel; the persistent one below)
     p = types.SimpleNamespace(batch=2, hq=4, hkv=2, nq=300, nk=333, d=96, group=2, scale=0.1, causal="bottom_right",
                               causal_offset=33)
     plan = dispatch.fp8_forward_plan(p, SM90, BFLOAT16)

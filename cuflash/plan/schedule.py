@@ -170,8 +170,18 @@ FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
 # (attn_fwd_wgmma_tma_fp8_persistent: one block per SM walks the query tiles, the next tile's Q and
 # first K loading while this one ends), keyed by (head-dim bucket, causal); other keys, windows and
 # packed sequences run HOPPER_FP8_FORWARD_TILES' per-tile kernel. It stores O from the
-# accumulators (no staging tile: 224 keys in 3 stages and one would need 228 KiB).
-HOPPER_FP8_FORWARD_PERSISTENT: dict[tuple[int, bool], HopperTile] = {}
+# accumulators (no staging tile: 224 keys in 3 stages and one would need 228 KiB). Search on H100
+# (24 persistent tiles of 128-256 keys, 2-4 stages, each against the per-tile table's 128x224 s3,
+# median of 3 rounds, B x H = 2 x 16 / 1 x 16 at N = 8k / 16k): causal, where the diagonal's short
+# tiles leave SMs idle between blocks, 128x224 s3 with each warpgroup storing its own rows reads
+# x1.052 / x1.017 (872 / 944 TFLOP/s); without a mask the best reads x1.010 / x0.973 (one block
+# per SM runs ~1.0 waves of equal tiles either way: nothing to fill, and the ring's restart per
+# tile costs), so non-causal stays per tile. d = 256 persistent serializes its wgmmas (C7517).
+HOPPER_FP8_FORWARD_PERSISTENT: dict[tuple[int, bool], HopperTile] = {
+    (128, True): HopperTile(224, 2, 3, "128x224, 3 stages, persistent, per-warpgroup O stores: causal "
+                            "x1.052 / x1.017 the per-tile kernel at N = 8k / 16k (H100)",
+                            tma=True, persistent=True, wg_epilogue=True),
+}
 
 
 def fp8_forward_tile(hd: int, causal: bool) -> HopperTile:
