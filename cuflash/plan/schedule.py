@@ -176,7 +176,7 @@ FP8_HEAD_DIMS = tuple(HOPPER_FP8_FORWARD_TILES)
 # tiles leave SMs idle between blocks, 128x224 s3 with each warpgroup storing its own rows reads
 # x1.052 / x1.017 (872 / 944 TFLOP/s); without a mask the best reads x1.010 / x0.973 (one block
 # per SM runs ~1.0 waves of equal tiles either way: nothing to fill, and the ring's restart per
-# tile costs), so non-causal stays per tile. d = 256 persistent serializes its wgmmas (C7517).
+# tile costs), so non-causal stays per tile. d = 256 persistent is not searched yet.
 HOPPER_FP8_FORWARD_PERSISTENT: dict[tuple[int, bool], HopperTile] = {
     (128, True): HopperTile(224, 2, 3, "128x224, 3 stages, persistent, per-warpgroup O stores: causal "
                             "x1.052 / x1.017 the per-tile kernel at N = 8k / 16k (H100)",
