@@ -23,7 +23,9 @@ def test_dry_run_lists_the_candidates_without_torch_or_cupy():
     assert proc.returncode == 0, proc.stderr
     fwd_table = e4m3_search.label(schedule.HOPPER_FP8_FORWARD_TILES[128])
     decode_table = e4m3_search.label(schedule.DECODE_TILES_KV8[128])
-    assert f"fwd d=128: table {fwd_table};" in proc.stdout and f"decode d=128: table {decode_table};" in proc.stdout
+    causal = schedule.fp8_forward_tile(128, True)
+    also = "" if e4m3_search.same_tile(causal, schedule.HOPPER_FP8_FORWARD_TILES[128]) else f" (causal: {e4m3_search.label(causal)})"
+    assert f"fwd d=128: table {fwd_table}{also};" in proc.stdout and f"decode d=128: table {decode_table};" in proc.stdout
     assert f"{len(e4m3_search.candidate_specs())} instantiations" in proc.stdout
 
 
@@ -46,8 +48,9 @@ def test_candidates_hold_the_tables_tiles_and_fit():
 
 def test_persistent_candidates_and_their_specs():
     # --persistent: own-pace persistent tiles, with and without the per-warpgroup epilogue, each
-    # fitting (O is stored from the accumulators: the table's 224 x 3 too); the specs hold the dispatch's tile per mask (the baseline)
-    # and the persistent kernel's instantiations, once each.
+    # fitting (O is stored from the accumulators: the table's 224 x 3 too); the specs hold the
+    # dispatch's tile per mask (the baseline), the per-tile table's tile and the persistent
+    # kernel's instantiations, once each.
     cands = e4m3_search.fwd_candidates(128, persistent=True)
     assert cands and all(t.persistent and not t.pingpong and t.tma for t in cands)
     assert {t.wg_epilogue for t in cands} == {False, True}

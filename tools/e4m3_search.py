@@ -109,9 +109,10 @@ def label(t) -> str:
 
 def dry_run(persistent=False, dims=tuple(FWD_SHAPES)) -> int:
     for hd in dims:
-        table = schedule.fp8_forward_tile(hd, False)
+        table, causal = schedule.fp8_forward_tile(hd, False), schedule.fp8_forward_tile(hd, True)
         others = [label(t) for t in fwd_candidates(hd, persistent) if not same_tile(t, table)]
-        print(f"fwd d={hd}: table {label(table)}; others", ", ".join(others))
+        also = "" if same_tile(causal, table) else f" (causal: {label(causal)})"
+        print(f"fwd d={hd}: table {label(table)}{also}; others", ", ".join(others))
     table = schedule.DECODE_TILES_KV8[128]
     others = [label(t) for t in decode_candidates() if not same_tile(t, table)]
     print(f"decode d=128: table {label(table)}; others", ", ".join(others))
@@ -122,7 +123,7 @@ def dry_run(persistent=False, dims=tuple(FWD_SHAPES)) -> int:
 
 
 class Search:
-    def __init__(self, out: Path, budget_s: float, persistent=False, rounds=1, dims=tuple(FWD_SHAPES)):
+    def __init__(self, out: Path, budget_s: float, ops=OPS, persistent=False, rounds=1, dims=tuple(FWD_SHAPES)):
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import cupy
         import torch
@@ -135,7 +136,7 @@ class Search:
         self.stream = lambda: external_stream(torch_stream_ptr(), cupy.cuda.Device().id)
         self.timer = Timer(2, 20, 0.15)
         self.start, self.budget = time.monotonic(), budget_s
-        self.persistent, self.rounds, self.dims = persistent, rounds, dims
+        self.ops, self.persistent, self.rounds, self.dims = ops, persistent, rounds, dims
         self.log_file = open(out / "e4m3_search.log", "w")
         self.ceilings = measure_ceilings(self.timer)
         self.log(f"ceilings {self.ceilings}")
@@ -293,8 +294,7 @@ def main(argv=None) -> int:
     from schedule_search import _precompile
 
     ops = args.ops.split(",")
-    search = Search(out, args.budget_s, args.persistent, args.rounds, dims)
-    search.ops = ops
+    search = Search(out, args.budget_s, ops, args.persistent, args.rounds, dims)
     shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.decode_shapes.split(";"))
               if args.decode_shapes else SHAPES)
     _precompile(candidate_specs(ops, args.persistent, dims), args.workers, search.log)
