@@ -179,6 +179,20 @@ def summary(rows) -> str:
     return "\n".join(lines)
 
 
+def _warm_cell(base: str, sets, index: int) -> str:
+    """(a worker process of --warm) one cell's call through both trees, untimed: NVRTC fills
+    CuPy's kernel cache, so the timed run that follows compiles nothing."""
+    import cuflash
+
+    cell = cells(sets)[index]
+    trees = (cuflash, load_tree(Path(base), "cuflash_base"))
+    runner = Runner(2, 1)
+    for fn in runner.calls(cell, trees):
+        fn()
+    runner.torch.cuda.synchronize()
+    return cell.label
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="the baseline tree: a directory holding cuflash/ and cuda_src/")
@@ -187,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=12, help="most timed repeats per round (peers.Timer)")
     ap.add_argument("--out", help="JSON file of every cell's times (rewritten after each cell)")
     ap.add_argument("--dry-run", action="store_true", help="list the cells; no GPU")
+    ap.add_argument("--warm", type=int, default=0, metavar="JOBS",
+                    help="first run every cell once through both trees in JOBS processes (compiles in parallel)")
     args = ap.parse_args(argv)
     sets = SETS if args.cells == "all" else tuple(s for s in args.cells.split(",") if s)
     todo = cells(sets)
@@ -199,6 +215,14 @@ def main(argv=None) -> int:
         ap.error("--base and --out are required (or --dry-run)")
     if args.rounds < 2:
         ap.error("--rounds: at least 2, so that each tree is timed both first and second")
+    if args.warm:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        t0 = time.monotonic()
+        with ProcessPoolExecutor(args.warm, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_warm_cell, [args.base] * len(todo), [sets] * len(todo), range(len(todo))))
+        print(f"warm: {len(todo)} cells in {time.monotonic() - t0:.0f} s", flush=True)
     import cuflash
 
     trees = (cuflash, load_tree(Path(args.base), "cuflash_base"))
