@@ -6,6 +6,7 @@ changes do (docs/performance.md#history); tools/compare_trees.sh is the grid-wid
 
     git archive <base> cuflash cuda_src | tar -x -C .abbase                         # build machine
     PYTHONPATH=. python3 tools/ab_trees.py --base .abbase --cells fwd,mods --out ab.json   # on a GPU
+    PYTHONPATH=. python3 tools/ab_trees.py --base .abbase --cells mods --warm 14 --out ab.json  # compiles first, 14 processes
     python3 tools/ab_trees.py --dry-run --cells all                                  # anywhere
 
 Cell sets (--cells, a comma list): fwd (bf16, d = 64/128/256, N = 4k/16k, causal and not), bwd (bf16,
