@@ -40,7 +40,9 @@
 #   ASV_TIMEOUT    seconds for that run (default 220)
 #   AB=dir         before anything else, time this checkout against the baseline tree in dir (cuflash/ and
 #                  cuda_src/ of the commit a change replaces) in one process: tools/ab_trees.py, cell sets
-#                  AB_CELLS (default fwd), $OUT/ab.json and ab.log (AB_TIMEOUT, default 200)
+#                  AB_CELLS (default fwd), AB_ROUNDS rounds (default 5), the kernels compiled first by
+#                  AB_WARM processes (default 14; 0: inside the timed process), $OUT/ab.json and ab.log
+#                  (AB_TIMEOUT, default 200)
 #   AB_MIN=x       with AB and ASV=1: record the asv point only if the cells' median ratio (baseline time
 #                  over this checkout's) is at least x and none is below AB_FLOOR (default 0), so that a
 #                  call spends no asv time on a change that lost
@@ -64,7 +66,7 @@ ab_ok=1
 if [ -n "${AB:-}" ]; then
     echo "== A/B against $AB (tools/ab_trees.py --cells ${AB_CELLS:-fwd})"
     timeout "${AB_TIMEOUT:-200}" python3 tools/ab_trees.py --base "$AB" --cells "${AB_CELLS:-fwd}" \
-        --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+        --rounds "${AB_ROUNDS:-5}" --warm "${AB_WARM:-14}" --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
     r=$?; echo "ab rc=$r"; grep -E "^[a-z0-9]+: [0-9]+ cells" "$OUT/ab.log"
     if [ "$r" -ne 0 ]; then rc=1; ab_ok=0; tail -5 "$OUT/ab.log"; fi
     if [ "$r" -eq 0 ] && [ -n "${AB_MIN:-}" ]; then
